@@ -1,0 +1,43 @@
+"""tokcap: durable capture of the training tokens of RL rollouts.
+
+Model servers record one ``TokenEntry`` per model call through a ``TokenSink``.
+Trainers freeze a finished rollout through a ``TokenSource``, build one trajectory,
+mask any rollout that lost a call, and retire the exact snapshot after a durable hand-off.
+``TokenCaptureStore`` is the local file store, both sink and source.
+Transports (``transports.kafka``) provide sinks and sources across nodes.
+This package imports no Kafka, FastAPI, Ray, Torch or aiohttp module.
+The rollout-record finalizer lives in ``tokcap.delivery`` and is not re-exported here.
+"""
+
+from tokcap.protocols import (
+    RolloutRemovalPayload,
+    TokenCaptureSnapshot,
+    TokenSink,
+    TokenSource,
+    install_token_sink,
+    install_token_source,
+    installed_token_sink,
+    installed_token_source,
+)
+from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TOKEN_FIELDS, TokenEntry, extract_token_fields
+from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
+from tokcap.store import TokenCaptureStore, make_token_store
+
+__all__ = [
+    "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
+    "TOKEN_FIELDS",
+    "RolloutRemovalPayload",
+    "TokenCaptureSnapshot",
+    "TokenCaptureStore",
+    "TokenEntry",
+    "TokenSink",
+    "TokenSource",
+    "extract_token_fields",
+    "install_token_sink",
+    "install_token_source",
+    "installed_token_sink",
+    "installed_token_source",
+    "make_token_store",
+    "validate_rollout_id",
+    "validate_rollout_ids",
+]

@@ -1,0 +1,142 @@
+"""Every error tokcap raises, under one root.
+
+Each class also subclasses the builtin that code written against the
+``nemo_gym.token_id_capture`` contract already catches, so a caller that
+catches ``ValueError`` or ``RuntimeError`` keeps working.
+
+Error tree::
+
+    TokcapError
+    ├── InvalidInputError (ValueError)
+    │   ├── InvalidRolloutIdError
+    │   ├── RecordValidationError
+    │   │   └── NewerSchemaError
+    │   ├── TokenExtractionError
+    │   ├── ConflictingEntryError
+    │   ├── EventDecodeError
+    │   └── UnknownBuilderError
+    ├── ConfigError (ValueError)
+    │   └── SinkConfigError
+    ├── RolloutClosedError (RuntimeError)
+    │   ├── RolloutFrozenError
+    │   └── RolloutRetiredError
+    ├── StoreCorruptionError (RuntimeError)
+    ├── MaskFractionExceededError (RuntimeError)
+    └── TransportError (RuntimeError)
+        ├── DeliveryError
+        ├── DeliveryTimeoutError
+        └── TopicMismatchError
+
+Errors carry the rollout id and the model call id where one applies, so a
+log line names the exact turn that was lost.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "ConflictingEntryError",
+    "DeliveryError",
+    "DeliveryTimeoutError",
+    "EventDecodeError",
+    "InvalidInputError",
+    "InvalidRolloutIdError",
+    "MaskFractionExceededError",
+    "NewerSchemaError",
+    "RecordValidationError",
+    "RolloutClosedError",
+    "RolloutFrozenError",
+    "RolloutRetiredError",
+    "SinkConfigError",
+    "StoreCorruptionError",
+    "TokcapError",
+    "TokenExtractionError",
+    "TopicMismatchError",
+    "TransportError",
+    "UnknownBuilderError",
+]
+
+
+class TokcapError(Exception):
+    """Root of every error tokcap raises on purpose."""
+
+    def __init__(self, message: str, *, rollout_id: str | None = None, model_call_id: str | None = None):
+        super().__init__(message)
+        self.rollout_id = rollout_id
+        self.model_call_id = model_call_id
+
+
+class InvalidInputError(TokcapError, ValueError):
+    """The caller passed something tokcap cannot accept."""
+
+
+class InvalidRolloutIdError(InvalidInputError):
+    """A rollout id could escape the store directory or name a bad file."""
+
+
+class RecordValidationError(InvalidInputError):
+    """A record does not satisfy the TokenEntry shape or its invariants."""
+
+
+class NewerSchemaError(RecordValidationError):
+    """A record or event was written by a newer tokcap than this reader."""
+
+
+class TokenExtractionError(InvalidInputError):
+    """A model response carries token metadata that is ambiguous or partial."""
+
+
+class ConflictingEntryError(InvalidInputError):
+    """A call id was written twice with different payloads; the rollout is now incomplete."""
+
+
+class EventDecodeError(InvalidInputError):
+    """Bytes on the log are not a valid tokcap event."""
+
+
+class UnknownBuilderError(InvalidInputError):
+    """A trajectory builder name is not one tokcap provides."""
+
+
+class ConfigError(TokcapError, ValueError):
+    """The token capture configuration is invalid."""
+
+
+class SinkConfigError(ConfigError):
+    """The configured sink cannot be built; refused at startup rather than losing turns later."""
+
+
+class RolloutClosedError(TokcapError, RuntimeError):
+    """A write reached a rollout that no longer accepts writes."""
+
+
+class RolloutFrozenError(RolloutClosedError):
+    """A write reached a rollout after its freeze; it is not part of the snapshot."""
+
+
+class RolloutRetiredError(RolloutClosedError):
+    """A write reached a retired rollout; its fence refuses late writers."""
+
+
+class StoreCorruptionError(TokcapError, RuntimeError):
+    """Durable store files are damaged in a way recovery must not guess about."""
+
+
+class MaskFractionExceededError(TokcapError, RuntimeError):
+    """Too many rollouts were masked; training on the rest would be biased."""
+
+
+class TransportError(TokcapError, RuntimeError):
+    """A transport could not deliver or read events."""
+
+
+class DeliveryError(TransportError):
+    """The broker refused or failed an event."""
+
+
+class DeliveryTimeoutError(TransportError):
+    """An event was not acknowledged, or not applied, within the configured time."""
+
+
+class TopicMismatchError(TransportError):
+    """An existing topic has settings other than the ones requested."""

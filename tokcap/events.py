@@ -1,0 +1,188 @@
+"""The events that change a rollout, and their one canonical byte encoding.
+
+Every change to a rollout is one of these events.
+The file store builds an event and applies it at once.
+The Kafka transport publishes the same events and a materializer applies them.
+This module is pure: no clock, no random numbers, no I/O.
+
+Encoding: JSON with sorted keys (orjson), one object per event, carrying
+``schema_version`` and ``type``. A reader refuses a newer ``schema_version``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError, model_validator
+
+from tokcap.errors import EventDecodeError, NewerSchemaError
+from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry
+
+__all__ = [
+    "EVENT_SCHEMA_VERSION",
+    "CancelEvent",
+    "DeleteEvent",
+    "DropEvent",
+    "Event",
+    "EventType",
+    "FreezeEvent",
+    "IncompleteEvent",
+    "IntentEvent",
+    "LogPosition",
+    "PutEvent",
+    "RetireEvent",
+    "decode_event",
+    "encode_event",
+]
+
+EVENT_SCHEMA_VERSION = 1
+"""The newest event schema this reader understands."""
+
+
+class EventType(enum.StrEnum):
+    """The kinds of change a rollout can undergo."""
+
+    INTENT = "intent"
+    CANCEL = "cancel"
+    PUT = "put"
+    INCOMPLETE = "incomplete"
+    FREEZE = "freeze"
+    DROP = "drop"
+    RETIRE = "retire"
+    DELETE = "delete"
+
+
+class _EventBase(BaseModel):
+    """Fields every event carries."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: StrictInt = EVENT_SCHEMA_VERSION
+    rollout_id: str
+    writer: str = ""
+
+
+class IntentEvent(_EventBase):
+    """A call is about to be dispatched; if its entry never arrives the rollout is masked."""
+
+    type: Literal[EventType.INTENT] = EventType.INTENT
+    model_call_id: str
+
+
+class CancelEvent(_EventBase):
+    """A call ended without generation; its intent is closed and masks nothing."""
+
+    type: Literal[EventType.CANCEL] = EventType.CANCEL
+    model_call_id: str
+
+
+class PutEvent(_EventBase):
+    """The record of one call."""
+
+    type: Literal[EventType.PUT] = EventType.PUT
+    entry: TokenEntry
+
+    @model_validator(mode="after")
+    def _same_rollout(self) -> PutEvent:
+        """An event keyed by one rollout must not smuggle another rollout's record."""
+        if self.entry.rollout_id != self.rollout_id:
+            raise ValueError(
+                f"put event for rollout {self.rollout_id!r} carries an entry of rollout {self.entry.rollout_id!r}"
+            )
+        return self
+
+
+class IncompleteEvent(_EventBase):
+    """A call failed to capture; the rollout must be masked."""
+
+    type: Literal[EventType.INCOMPLETE] = EventType.INCOMPLETE
+    model_call_id: str = ""
+    reason: str = ""
+
+
+class FreezeEvent(_EventBase):
+    """The cut: nothing after this is part of the rollout."""
+
+    type: Literal[EventType.FREEZE] = EventType.FREEZE
+
+
+class DropEvent(_EventBase):
+    """Retire exactly this snapshot if the rollout is still in that frozen state."""
+
+    type: Literal[EventType.DROP] = EventType.DROP
+    snapshot_id: str
+    version: StrictInt
+
+
+class RetireEvent(_EventBase):
+    """Remove the records and keep the fence, whatever the state."""
+
+    type: Literal[EventType.RETIRE] = EventType.RETIRE
+
+
+class DeleteEvent(_EventBase):
+    """Remove the records and the fence so the rollout id can be reused."""
+
+    type: Literal[EventType.DELETE] = EventType.DELETE
+
+
+Event = Annotated[
+    IntentEvent | CancelEvent | PutEvent | IncompleteEvent | FreezeEvent | DropEvent | RetireEvent | DeleteEvent,
+    Field(discriminator="type"),
+]
+
+_EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+@dataclass(frozen=True, order=True)
+class LogPosition:
+    """Where an event sits in the log: the arbiter of order in the Kafka path."""
+
+    topic: str
+    partition: int
+    offset: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form stored beside what the event changed."""
+        return {"topic": self.topic, "partition": self.partition, "offset": self.offset}
+
+
+def encode_event(event: Event) -> bytes:
+    """The canonical bytes of an event: sorted-key JSON."""
+    return orjson.dumps(event.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+
+
+def decode_event(data: bytes) -> Event:
+    """Parse canonical bytes; refuse newer schemas and anything that is not an event."""
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise EventDecodeError(f"event is not valid JSON: {exc}") from exc
+    return event_from_mapping(raw)
+
+
+def event_from_mapping(raw: Any) -> Event:
+    """Validate decoded JSON into an event with tokcap's error classes."""
+    if not isinstance(raw, dict):
+        raise EventDecodeError(f"event must be a JSON object, got {type(raw).__name__}")
+    version = raw.get("schema_version")
+    if isinstance(version, int) and version > EVENT_SCHEMA_VERSION:
+        raise NewerSchemaError(
+            f"event schema_version {version} is newer than {EVENT_SCHEMA_VERSION}; upgrade tokcap on the reader"
+        )
+    entry = raw.get("entry")
+    if isinstance(entry, dict):
+        entry_version = entry.get("schema_version")
+        if isinstance(entry_version, int) and entry_version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
+            raise NewerSchemaError(
+                f"record schema_version {entry_version} is newer than this reader; upgrade tokcap on the reader"
+            )
+    if raw.get("type") not in {member.value for member in EventType}:
+        raise EventDecodeError(f"unknown event type {raw.get('type')!r}")
+    try:
+        return _EVENT_ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        raise EventDecodeError(f"invalid {raw.get('type')} event: {exc}") from exc

@@ -1,0 +1,130 @@
+"""The interfaces between capture, storage and trajectory building.
+
+A ``TokenSink`` receives records where model calls happen.
+A ``TokenSource`` freezes, reads and retires them where trainers build.
+The file store implements both; a transport may implement either.
+This module imports nothing from a server or transport stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from tokcap.records import TokenEntry
+
+__all__ = [
+    "RolloutRemovalPayload",
+    "TokenCaptureSnapshot",
+    "TokenSink",
+    "TokenSource",
+    "install_token_sink",
+    "install_token_source",
+    "installed_token_sink",
+    "installed_token_source",
+]
+
+
+@dataclass(frozen=True)
+class TokenCaptureSnapshot:
+    """An immutable view of one rollout's frozen capture records.
+
+    ``snapshot_id`` and ``version`` together name the exact frozen state.
+    ``incomplete`` is true when any call was lost; the consumer must mask the rollout.
+    Entry order carries no meaning.
+    """
+
+    rollout_id: str
+    entries: tuple[TokenEntry, ...]
+    incomplete: bool
+    snapshot_id: str
+    version: int
+
+
+@dataclass(frozen=True)
+class RolloutRemovalPayload:
+    """What a batch ``retire`` or ``delete`` did, rollout by rollout.
+
+    ``removed`` lists rollout ids that had records (or a fence) removed.
+    ``not_found`` lists rollout ids that had nothing to remove.
+    """
+
+    removed: tuple[str, ...] = field(default_factory=tuple)
+    not_found: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, list[str]]:
+        """A JSON-friendly form for logs and command output."""
+        return {"removed": list(self.removed), "not_found": list(self.not_found)}
+
+
+@runtime_checkable
+class TokenSink(Protocol):
+    """Receives captured records through the file store or a transport."""
+
+    async def put(self, entry: TokenEntry) -> None:
+        """Durably store one record.
+
+        Repeating a call id with the same payload is a no-op.
+        Reusing a call id with a different payload must fail.
+        Writing after the rollout is frozen must fail.
+        The caller marks the rollout incomplete when this raises.
+        """
+        ...
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        """Durably record that a call of this rollout failed to capture.
+
+        The model call still succeeds; this marker is the only durable signal of the hole.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Flush pending work and release resources; calling it again is a no-op."""
+        ...
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    """Where a trajectory builder freezes, reads and retires records."""
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Freeze a rollout and return one atomic snapshot.
+
+        Freezing is idempotent.
+        No write succeeds after it returns.
+        """
+        ...
+
+    async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        """Retire exactly the consumed snapshot; return ``False`` if the state changed since."""
+        ...
+
+    async def close(self) -> None:
+        """Release resources; calling it again is a no-op."""
+        ...
+
+
+_INSTALLED_SINK: TokenSink | None = None
+_INSTALLED_SOURCE: TokenSource | None = None
+
+
+def install_token_sink(sink: TokenSink | None) -> None:
+    """Set (or clear, with ``None``) the process-wide default sink."""
+    global _INSTALLED_SINK
+    _INSTALLED_SINK = sink
+
+
+def installed_token_sink() -> TokenSink | None:
+    """The process-wide default sink, if one was installed in this process."""
+    return _INSTALLED_SINK
+
+
+def install_token_source(source: TokenSource | None) -> None:
+    """Set (or clear) the caller-owned source; tokcap never closes an installed source."""
+    global _INSTALLED_SOURCE
+    _INSTALLED_SOURCE = source
+
+
+def installed_token_source() -> TokenSource | None:
+    """The caller-owned source installed in this process, if any."""
+    return _INSTALLED_SOURCE

@@ -1,0 +1,115 @@
+"""The typed state of one rollout, as the store keeps it in ``<rollout_id>.tokens.state.json``.
+
+A rollout moves open → frozen → retired and never back; ``delete`` forgets it.
+``version`` is 0 while open, becomes 1 at freeze, and moves on every later change
+(a rejected late write, a late incomplete marker), so a stale snapshot cannot be dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from tokcap.errors import NewerSchemaError, StoreCorruptionError
+from tokcap.events import LogPosition
+
+__all__ = ["STATE_SCHEMA_VERSION", "Lifecycle", "Rejection", "RolloutState"]
+
+STATE_SCHEMA_VERSION = 1
+"""The newest state-file schema this reader understands."""
+
+
+class Lifecycle(enum.StrEnum):
+    """Where a rollout is in its life; transitions only go forward."""
+
+    OPEN = "open"
+    FROZEN = "frozen"
+    RETIRED = "retired"
+
+
+class Rejection(BaseModel):
+    """A write that arrived after the cut: kept as evidence that an attempt was still running."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    event_type: str
+    model_call_id: str = ""
+    position: dict[str, Any] | None = None
+
+
+class RolloutState(BaseModel):
+    """Everything the store knows about a rollout besides its entry lines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: StrictInt = STATE_SCHEMA_VERSION
+    rollout_id: str
+    lifecycle: Lifecycle = Lifecycle.OPEN
+    frozen: bool = False
+    retired: bool = False
+    incomplete: bool = False
+    snapshot_id: str | None = None
+    version: StrictInt = 0
+    entry_digests: dict[str, str] = Field(default_factory=dict)
+    indexed_size: StrictInt = 0
+    dangling_intents: list[str] = Field(default_factory=list)
+    rejections: list[Rejection] = Field(default_factory=list)
+    last_position: dict[str, Any] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        """Writes are accepted only while open."""
+        return self.lifecycle is Lifecycle.OPEN
+
+    def advance(self, lifecycle: Lifecycle) -> None:
+        """Move forward in the lifecycle, keeping the plain flags readers of the layout rely on."""
+        order = [Lifecycle.OPEN, Lifecycle.FROZEN, Lifecycle.RETIRED]
+        if order.index(lifecycle) < order.index(self.lifecycle):
+            raise StoreCorruptionError(
+                f"rollout {self.rollout_id!r} cannot go from {self.lifecycle} back to {lifecycle}",
+                rollout_id=self.rollout_id,
+            )
+        self.lifecycle = lifecycle
+        self.frozen = lifecycle is not Lifecycle.OPEN
+        self.retired = lifecycle is Lifecycle.RETIRED
+
+    def already_applied(self, position: LogPosition | None) -> bool:
+        """True when an event at this log position was applied before (a resumed materializer)."""
+        if position is None or self.last_position is None:
+            return False
+        return (
+            self.last_position.get("topic") == position.topic
+            and self.last_position.get("partition") == position.partition
+            and int(self.last_position.get("offset", -1)) >= position.offset
+        )
+
+    def record_position(self, position: LogPosition | None) -> None:
+        """Remember the last applied log position together with what it changed."""
+        if position is not None:
+            self.last_position = position.to_dict()
+
+    def encode(self) -> bytes:
+        """Sorted-key JSON, so replays produce identical bytes."""
+        return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+
+    @classmethod
+    def decode(cls, data: bytes, origin: str) -> RolloutState:
+        """Parse a state or fence file; newer schemas are refused, damage is reported."""
+        try:
+            raw = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise StoreCorruptionError(f"{origin} is not valid JSON ({exc}); restore it or delete it") from exc
+        if isinstance(raw, dict):
+            version = raw.get("schema_version")
+            if isinstance(version, int) and version > STATE_SCHEMA_VERSION:
+                raise NewerSchemaError(
+                    f"{origin} has schema_version {version}, newer than {STATE_SCHEMA_VERSION}; upgrade tokcap"
+                )
+        try:
+            state = cls.model_validate(raw)
+        except ValidationError as exc:
+            raise StoreCorruptionError(f"{origin} is not a valid rollout state: {exc}") from exc
+        return state

@@ -1,0 +1,779 @@
+"""The file store: a durable, rollout-keyed projection of capture events.
+
+Per rollout the store keeps, in one directory:
+
+- ``<id>.tokens.jsonl``: one canonical JSON line per accepted entry (keys sorted).
+- ``<id>.tokens.state.json``: the typed ``RolloutState`` (lifecycle, snapshot id, version,
+  entry digests, how many bytes of the JSONL are indexed, rejections, last applied log position).
+- ``<id>.tokens.intents``: JSON lines ``{"op": "intent"|"cancel", "model_call_id": ...}``.
+- ``<id>.tokens.incomplete``: JSON lines naming each lost call; its presence masks the rollout.
+- ``<id>.tokens.fence``: written on retire or drop, kept until ``delete``; late writers fail on it.
+- ``<id>.tokens.lock``: the per-rollout file lock; never removed, so two lockers never hold different inodes.
+
+Every change goes through one deterministic step, ``apply``.
+The file store's own methods build an event and apply it at once.
+The Kafka materializer applies events read from the log, with their log position.
+
+Durability:
+
+- Every entry line is fsynced before ``put`` returns.
+- Every intent and incomplete line is fsynced before its call returns.
+- The state file is replaced atomically; it is fsynced on lifecycle transitions and late changes.
+  After a crash it is rebuilt from the durable JSONL tail, parsing only the tail.
+- Retire makes its fences durable before removing records, and syncs the directory before it returns.
+- Delete syncs the directory before it returns, even when it found nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from filelock import FileLock
+
+from tokcap.durable_io import append_durably, fsync_directory, remove_if_exists, replace_atomically
+from tokcap.errors import (
+    ConflictingEntryError,
+    InvalidInputError,
+    RecordValidationError,
+    RolloutFrozenError,
+    RolloutRetiredError,
+    StoreCorruptionError,
+)
+from tokcap.events import (
+    CancelEvent,
+    DeleteEvent,
+    DropEvent,
+    Event,
+    EventType,
+    FreezeEvent,
+    IncompleteEvent,
+    IntentEvent,
+    LogPosition,
+    PutEvent,
+    RetireEvent,
+)
+from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
+from tokcap.records import TokenEntry, entry_digest
+from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
+from tokcap.state import Lifecycle, Rejection, RolloutState
+
+__all__ = [
+    "ApplyOutcome",
+    "ApplyResult",
+    "TokenCaptureStore",
+    "logger",
+    "make_token_store",
+    "validate_rollout_id",
+    "validate_rollout_ids",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRIES_SUFFIX = ".tokens.jsonl"
+STATE_SUFFIX = ".tokens.state.json"
+INTENTS_SUFFIX = ".tokens.intents"
+INCOMPLETE_SUFFIX = ".tokens.incomplete"
+LOCK_SUFFIX = ".tokens.lock"
+FENCE_SUFFIX = ".tokens.fence"
+
+
+class ApplyOutcome(enum.StrEnum):
+    """What the apply step decided for one event."""
+
+    ACCEPTED = "accepted"
+    NOOP = "no-op"
+    ALREADY_APPLIED = "already-applied"
+    REJECTED_AFTER_FREEZE = "rejected-after-freeze"
+    REJECTED_RETIRED = "rejected-retired"
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """The verdict of applying one event, for callers and for the event timeline."""
+
+    outcome: ApplyOutcome
+    event_type: EventType
+    rollout_id: str
+    model_call_id: str = ""
+    snapshot_id: str | None = None
+    version: int | None = None
+    dropped: bool | None = None
+    removed: bool | None = None
+    detail: str = ""
+
+
+def _snapshot_id_for(position: LogPosition | None) -> str:
+    """Derive a snapshot id from the freeze's log position, or draw one when there is no log.
+
+    A log position never repeats for a topic, so the id never repeats for a rollout id,
+    even after delete and reuse, and every replay derives the same id.
+    """
+    if position is None:
+        return uuid.uuid4().hex
+    return f"{position.topic}:{position.partition}:{position.offset}"
+
+
+class TokenCaptureStore:
+    """Durable, rollout-keyed JSONL sink and source for ``TokenEntry`` records.
+
+    Writers to the same rollout are serialized by a file lock; different rollouts write concurrently.
+    Async methods run their blocking work in a thread, never on the event loop.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self._root = Path(root)
+        self._root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def root(self) -> Path:
+        """The directory holding every rollout's files."""
+        return self._root
+
+    # ----------------------------------------------------------------- paths
+
+    def _path(self, rollout_id: str, suffix: str) -> Path:
+        return self._root / f"{validate_rollout_id(rollout_id)}{suffix}"
+
+    def path_for(self, rollout_id: str) -> Path:
+        """The rollout's JSONL file of entries."""
+        return self._path(rollout_id, ENTRIES_SUFFIX)
+
+    def state_path_for(self, rollout_id: str) -> Path:
+        """The rollout's state index."""
+        return self._path(rollout_id, STATE_SUFFIX)
+
+    def intents_path_for(self, rollout_id: str) -> Path:
+        """The rollout's durable per-call intents."""
+        return self._path(rollout_id, INTENTS_SUFFIX)
+
+    def incomplete_path_for(self, rollout_id: str) -> Path:
+        """Marker that at least one call of this rollout failed to capture."""
+        return self._path(rollout_id, INCOMPLETE_SUFFIX)
+
+    def lock_path_for(self, rollout_id: str) -> Path:
+        """The rollout's file lock."""
+        return self._path(rollout_id, LOCK_SUFFIX)
+
+    def fence_path_for(self, rollout_id: str) -> Path:
+        """The fence that outlives retire and drop and refuses late writes."""
+        return self._path(rollout_id, FENCE_SUFFIX)
+
+    # --------------------------------------------------------------- locking
+
+    @contextmanager
+    def _locked(self, rollout_id: str) -> Iterator[None]:
+        """Hold the rollout's exclusive file lock; it serializes threads and processes alike."""
+        with FileLock(self.lock_path_for(rollout_id)):
+            yield
+
+    # ----------------------------------------------------------------- state
+
+    def _read_state(self, rollout_id: str) -> RolloutState:
+        """Load the rollout's state; a fence always wins, so a crashed retire still refuses writes."""
+        state_path = self.state_path_for(rollout_id)
+        fence_path = self.fence_path_for(rollout_id)
+        state: RolloutState | None = None
+        try:
+            state = RolloutState.decode(state_path.read_bytes(), str(state_path))
+        except FileNotFoundError:
+            state = None
+        if state is not None and state.retired:
+            return state
+        try:
+            fence_bytes = fence_path.read_bytes()
+        except FileNotFoundError:
+            return state if state is not None else RolloutState(rollout_id=rollout_id)
+        return RolloutState.decode(fence_bytes, str(fence_path))
+
+    def _write_state(self, state: RolloutState, *, durable: bool, sync_root: bool = False) -> None:
+        """Replace the state file atomically; fsync it (and the directory) when the change must survive power loss."""
+        replace_atomically(self.state_path_for(state.rollout_id), state.encode(), durable=durable)
+        if sync_root:
+            fsync_directory(self._root)
+
+    def _sync_entry_index(self, state: RolloutState) -> bool:
+        """Reconcile the entry index with any durable JSONL tail; return whether the state changed.
+
+        The JSONL write is durable before its state update, so a stopped process can leave unindexed entries.
+        Only the tail past ``indexed_size`` is parsed.
+        A torn final line (no newline) was never acknowledged and is cut off.
+        A malformed line followed by more content is corruption and raises.
+        """
+        path = self.path_for(state.rollout_id)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        if size == state.indexed_size:
+            return False
+        if size < state.indexed_size:
+            raise StoreCorruptionError(
+                f"{path} is {size} bytes but {state.indexed_size} bytes were indexed; the file was truncated "
+                "outside tokcap; restore it from a backup or delete the rollout",
+                rollout_id=state.rollout_id,
+            )
+        with path.open("rb") as handle:
+            handle.seek(state.indexed_size)
+            tail = handle.read()
+        pieces = tail.split(b"\n")
+        complete, remainder = pieces[:-1], pieces[-1]
+        consumed = 0
+        for index, line in enumerate(complete):
+            try:
+                entry = TokenEntry.from_json(line)
+            except RecordValidationError as exc:
+                if type(exc) is not RecordValidationError:
+                    raise
+                is_last = index == len(complete) - 1 and not remainder
+                if is_last:
+                    break
+                raise StoreCorruptionError(
+                    f"{path} has a malformed line at byte {state.indexed_size + consumed} followed by more "
+                    f"content: {exc}; the file is corrupt",
+                    rollout_id=state.rollout_id,
+                ) from exc
+            state.entry_digests[entry.model_call_id] = entry_digest(line)
+            consumed += len(line) + 1
+        indexed = state.indexed_size + consumed
+        if indexed != size:
+            logger.warning(
+                "rollout %s: cutting %d unacknowledged bytes of a torn final line from %s",
+                state.rollout_id,
+                size - indexed,
+                path,
+            )
+            with path.open("r+b") as handle:
+                handle.truncate(indexed)
+                os.fsync(handle.fileno())
+        state.indexed_size = indexed
+        return True
+
+    def _intent_status(self, rollout_id: str) -> dict[str, str]:
+        """Last intent/cancel operation per call id."""
+        status: dict[str, str] = {}
+        for record in self._read_json_lines(self.intents_path_for(rollout_id)):
+            status[str(record["model_call_id"])] = str(record["op"])
+        return status
+
+    def _incomplete_marks(self, rollout_id: str) -> list[dict[str, Any]]:
+        return self._read_json_lines(self.incomplete_path_for(rollout_id))
+
+    @staticmethod
+    def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+        """Parse a small append-only side file; a torn last line was never acknowledged."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return []
+        lines = data.split(b"\n")
+        records: list[dict[str, Any]] = []
+        for index, line in enumerate(lines):
+            if not line:
+                continue
+            try:
+                records.append(orjson.loads(line))
+            except orjson.JSONDecodeError as exc:
+                if index == len(lines) - 1:
+                    break
+                raise StoreCorruptionError(f"{path} has a malformed line {index + 1}: {exc}") from exc
+        return records
+
+    # ------------------------------------------------------------- the apply step
+
+    def apply(self, event: Event, position: LogPosition | None = None) -> ApplyResult:
+        """Apply one event under the rollout's lock; the only way the store changes.
+
+        With a log position, an event at or before the rollout's last applied position is skipped,
+        so a resumed materializer never applies anything twice.
+        Rejections are returned, never raised; the file store's methods raise them to their callers.
+        """
+        rollout_id = validate_rollout_id(event.rollout_id)
+        with self._locked(rollout_id):
+            state = self._read_state(rollout_id)
+            if state.already_applied(position):
+                return ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, rollout_id)
+            if isinstance(event, PutEvent):
+                return self._apply_put(state, event.entry, position)
+            if isinstance(event, IntentEvent | CancelEvent):
+                return self._apply_intent_op(state, event, position)
+            if isinstance(event, IncompleteEvent):
+                return self._apply_incomplete(state, event, position)
+            if isinstance(event, FreezeEvent):
+                return self._apply_freeze(state, position)
+            if isinstance(event, DropEvent):
+                return self._apply_drop(state, event, position)
+            if isinstance(event, RetireEvent):
+                return self._apply_retire(state, position)
+            if isinstance(event, DeleteEvent):
+                return self._apply_delete(rollout_id)
+        raise InvalidInputError(f"cannot apply an event of type {type(event).__name__}")
+
+    def _reject_late(self, state: RolloutState, event_type: EventType, call_id: str, position: LogPosition | None) -> ApplyResult:
+        """Record a write that raced the freeze and move the version, so the stale snapshot is kept."""
+        position_dict = position.to_dict() if position is not None else None
+        state.rejections.append(Rejection(event_type=event_type.value, model_call_id=call_id, position=position_dict))
+        state.version += 1
+        state.record_position(position)
+        self._write_state(state, durable=True)
+        return ApplyResult(
+            ApplyOutcome.REJECTED_AFTER_FREEZE,
+            event_type,
+            state.rollout_id,
+            call_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            detail=f"{event_type.value} arrived after the freeze of snapshot {state.snapshot_id}",
+        )
+
+    def _retired_result(self, state: RolloutState, event_type: EventType, call_id: str = "") -> ApplyResult:
+        return ApplyResult(
+            ApplyOutcome.REJECTED_RETIRED,
+            event_type,
+            state.rollout_id,
+            call_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            detail="the rollout is retired; its fence refuses late writes",
+        )
+
+    def _apply_put(self, state: RolloutState, entry: TokenEntry, position: LogPosition | None) -> ApplyResult:
+        call_id = entry.model_call_id
+        if state.retired:
+            return self._retired_result(state, EventType.PUT, call_id)
+        index_changed = self._sync_entry_index(state)
+        canonical = entry.canonical_json()
+        digest = entry_digest(canonical)
+        known = state.entry_digests.get(call_id)
+        if known == digest:
+            if index_changed or position is not None:
+                state.record_position(position)
+                self._write_state(state, durable=False)
+            return ApplyResult(ApplyOutcome.NOOP, EventType.PUT, state.rollout_id, call_id, detail="same payload")
+        if not state.is_open:
+            return self._reject_late(state, EventType.PUT, call_id, position)
+        if known is not None:
+            self._add_incomplete_mark(state, call_id, "conflicting payload for a call id already stored")
+            state.record_position(position)
+            self._write_state(state, durable=True)
+            return ApplyResult(
+                ApplyOutcome.CONFLICT,
+                EventType.PUT,
+                state.rollout_id,
+                call_id,
+                detail="a different payload was already stored for this call id; the rollout is incomplete",
+            )
+        start = append_durably(self.path_for(state.rollout_id), canonical + b"\n")
+        if start != state.indexed_size:
+            raise StoreCorruptionError(
+                f"{self.path_for(state.rollout_id)} grew outside the rollout lock (expected {state.indexed_size} "
+                f"bytes, found {start}); another program is writing to the store",
+                rollout_id=state.rollout_id,
+                model_call_id=call_id,
+            )
+        state.entry_digests[call_id] = digest
+        state.indexed_size = start + len(canonical) + 1
+        state.record_position(position)
+        self._write_state(state, durable=False)
+        return ApplyResult(ApplyOutcome.ACCEPTED, EventType.PUT, state.rollout_id, call_id)
+
+    def _apply_intent_op(
+        self, state: RolloutState, event: IntentEvent | CancelEvent, position: LogPosition | None
+    ) -> ApplyResult:
+        op = event.type.value
+        call_id = event.model_call_id
+        if state.retired:
+            return self._retired_result(state, event.type, call_id)
+        if self._intent_status(state.rollout_id).get(call_id) == op:
+            return ApplyResult(ApplyOutcome.NOOP, event.type, state.rollout_id, call_id, detail=f"{op} already recorded")
+        if not state.is_open:
+            return self._reject_late(state, event.type, call_id, position)
+        line = orjson.dumps({"model_call_id": call_id, "op": op}, option=orjson.OPT_SORT_KEYS) + b"\n"
+        append_durably(self.intents_path_for(state.rollout_id), line)
+        if position is not None:
+            state.record_position(position)
+            self._write_state(state, durable=False)
+        return ApplyResult(ApplyOutcome.ACCEPTED, event.type, state.rollout_id, call_id)
+
+    def _add_incomplete_mark(self, state: RolloutState, call_id: str, reason: str) -> None:
+        """Durably mark the rollout incomplete; a repeated identical mark adds no line."""
+        mark = {"model_call_id": call_id, "reason": reason}
+        if mark not in self._incomplete_marks(state.rollout_id):
+            line = orjson.dumps(mark, option=orjson.OPT_SORT_KEYS) + b"\n"
+            append_durably(self.incomplete_path_for(state.rollout_id), line)
+        state.incomplete = True
+
+    def _apply_incomplete(self, state: RolloutState, event: IncompleteEvent, position: LogPosition | None) -> ApplyResult:
+        call_id = event.model_call_id
+        if state.retired:
+            return self._retired_result(state, EventType.INCOMPLETE, call_id)
+        self._add_incomplete_mark(state, call_id, event.reason)
+        late = not state.is_open
+        if late:
+            state.version += 1
+        state.record_position(position)
+        self._write_state(state, durable=late)
+        return ApplyResult(
+            ApplyOutcome.ACCEPTED,
+            EventType.INCOMPLETE,
+            state.rollout_id,
+            call_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            detail="late incomplete after freeze; version moved" if late else "",
+        )
+
+    def _apply_freeze(self, state: RolloutState, position: LogPosition | None) -> ApplyResult:
+        if state.retired:
+            return self._retired_result(state, EventType.FREEZE)
+        index_changed = self._sync_entry_index(state)
+        if not state.is_open:
+            if index_changed:
+                self._write_state(state, durable=False)
+            return ApplyResult(
+                ApplyOutcome.NOOP,
+                EventType.FREEZE,
+                state.rollout_id,
+                snapshot_id=state.snapshot_id,
+                version=state.version,
+                detail="already frozen",
+            )
+        status = self._intent_status(state.rollout_id)
+        dangling = sorted(
+            call_id for call_id, op in status.items() if op == "intent" and call_id not in state.entry_digests
+        )
+        state.dangling_intents = dangling
+        state.incomplete = state.incomplete or bool(dangling) or bool(self._incomplete_marks(state.rollout_id))
+        state.snapshot_id = _snapshot_id_for(position)
+        state.advance(Lifecycle.FROZEN)
+        state.version += 1
+        state.record_position(position)
+        self._write_state(state, durable=True, sync_root=True)
+        return ApplyResult(
+            ApplyOutcome.ACCEPTED,
+            EventType.FREEZE,
+            state.rollout_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+        )
+
+    def _apply_drop(self, state: RolloutState, event: DropEvent, position: LogPosition | None) -> ApplyResult:
+        matches = state.snapshot_id == event.snapshot_id and state.version == event.version
+        if state.retired or state.is_open or not matches:
+            dropped = state.retired and matches
+            return ApplyResult(
+                ApplyOutcome.NOOP,
+                EventType.DROP,
+                state.rollout_id,
+                snapshot_id=state.snapshot_id,
+                version=state.version,
+                dropped=dropped,
+                detail="already dropped" if dropped else "the rollout is not in that exact frozen state",
+            )
+        removed = self._retire_locked(state, position)
+        return ApplyResult(
+            ApplyOutcome.ACCEPTED,
+            EventType.DROP,
+            state.rollout_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            dropped=True,
+            removed=removed,
+        )
+
+    def _apply_retire(self, state: RolloutState, position: LogPosition | None) -> ApplyResult:
+        if state.retired:
+            return ApplyResult(ApplyOutcome.NOOP, EventType.RETIRE, state.rollout_id, removed=False)
+        removed = self._retire_locked(state, position)
+        return ApplyResult(ApplyOutcome.ACCEPTED, EventType.RETIRE, state.rollout_id, removed=removed)
+
+    def _retire_locked(self, state: RolloutState, position: LogPosition | None) -> bool:
+        """Fence, make the fence durable, then remove the records; return whether anything was removed."""
+        had_records = self._has_records(state.rollout_id)
+        self._write_fence_unlocked(state, position)
+        fsync_directory(self._root)
+        self._finish_retire_unlocked(state)
+        fsync_directory(self._root)
+        return had_records
+
+    def _write_fence_unlocked(self, state: RolloutState, position: LogPosition | None) -> None:
+        """Turn the state into its retired form and write it as the fence, fsynced."""
+        state.advance(Lifecycle.RETIRED)
+        state.record_position(position)
+        replace_atomically(self.fence_path_for(state.rollout_id), state.encode(), durable=True)
+
+    def _finish_retire_unlocked(self, state: RolloutState) -> None:
+        """Remove payloads and record the retired state; safe to repeat after a crash."""
+        self._remove_record_files(state.rollout_id)
+        state.entry_digests = {}
+        state.indexed_size = 0
+        self._write_state(state, durable=True)
+
+    def _has_records(self, rollout_id: str) -> bool:
+        return any(
+            path.exists()
+            for path in (
+                self.path_for(rollout_id),
+                self.intents_path_for(rollout_id),
+                self.incomplete_path_for(rollout_id),
+                self.state_path_for(rollout_id),
+            )
+        )
+
+    def _remove_record_files(self, rollout_id: str) -> bool:
+        """Remove a rollout's entries, intents and incomplete marker, whichever exist."""
+        removed = False
+        for path in (self.path_for(rollout_id), self.intents_path_for(rollout_id), self.incomplete_path_for(rollout_id)):
+            removed = remove_if_exists(path) or removed
+        return removed
+
+    def _apply_delete(self, rollout_id: str) -> ApplyResult:
+        removed = self._delete_unlocked(rollout_id)
+        fsync_directory(self._root)
+        return ApplyResult(ApplyOutcome.ACCEPTED if removed else ApplyOutcome.NOOP, EventType.DELETE, rollout_id, removed=removed)
+
+    def _delete_unlocked(self, rollout_id: str) -> bool:
+        removed = self._remove_record_files(rollout_id)
+        for path in (self.state_path_for(rollout_id), self.fence_path_for(rollout_id)):
+            removed = remove_if_exists(path) or removed
+        return removed
+
+    # ------------------------------------------------------------------ reads
+
+    def _read_entries_unlocked(self, rollout_id: str, state: RolloutState) -> list[TokenEntry]:
+        if state.retired or state.indexed_size == 0:
+            return []
+        with self.path_for(rollout_id).open("rb") as handle:
+            data = handle.read(state.indexed_size)
+        return [TokenEntry.from_json(line) for line in data.split(b"\n") if line]
+
+    def read_entries(self, rollout_id: str) -> list[TokenEntry]:
+        """Every accepted entry of a rollout, in file order (which carries no meaning)."""
+        with self._locked(rollout_id):
+            state = self._read_state(rollout_id)
+            if self._sync_entry_index(state):
+                self._write_state(state, durable=False)
+            return self._read_entries_unlocked(rollout_id, state)
+
+    def read_state(self, rollout_id: str) -> RolloutState:
+        """The rollout's current state, reconciled with its JSONL tail."""
+        with self._locked(rollout_id):
+            state = self._read_state(rollout_id)
+            if not state.retired and self._sync_entry_index(state):
+                self._write_state(state, durable=False)
+            return state
+
+    def snapshot(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """The frozen snapshot of a rollout that is already frozen; used after a freeze applied elsewhere."""
+        with self._locked(rollout_id):
+            return self._snapshot_locked(rollout_id)
+
+    def _snapshot_locked(self, rollout_id: str) -> TokenCaptureSnapshot:
+        state = self._read_state(rollout_id)
+        if state.retired:
+            raise RolloutRetiredError(
+                f"rollout {rollout_id!r} is retired (snapshot {state.snapshot_id}); its records are gone. "
+                "Delete it before reusing the id",
+                rollout_id=rollout_id,
+            )
+        if state.is_open:
+            raise InvalidInputError(f"rollout {rollout_id!r} is not frozen; freeze it first", rollout_id=rollout_id)
+        if self._sync_entry_index(state):
+            self._write_state(state, durable=False)
+        entries = tuple(self._read_entries_unlocked(rollout_id, state))
+        assert state.snapshot_id is not None
+        return TokenCaptureSnapshot(
+            rollout_id=rollout_id,
+            entries=entries,
+            incomplete=state.incomplete or self.incomplete_path_for(rollout_id).exists(),
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+        )
+
+    def is_incomplete(self, rollout_id: str) -> bool:
+        """Whether any call of the rollout failed to capture (or, once frozen, was left dangling)."""
+        if self.incomplete_path_for(rollout_id).exists():
+            return True
+        with self._locked(rollout_id):
+            return self._read_state(rollout_id).incomplete
+
+    def rollout_ids(self) -> list[str]:
+        """Every rollout id that has a state, entries, intents, marker or fence here, sorted."""
+        ids: set[str] = set()
+        for path in self._root.iterdir():
+            for suffix in (ENTRIES_SUFFIX, STATE_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX, FENCE_SUFFIX):
+                if path.name.endswith(suffix):
+                    ids.add(path.name[: -len(suffix)])
+        return sorted(ids)
+
+    # ------------------------------------------------------ sink, synchronous
+
+    def _raise_for(self, result: ApplyResult) -> None:
+        """Turn a rejection into the error the spec's callers catch."""
+        rollout_id, call_id = result.rollout_id, result.model_call_id
+        if result.outcome is ApplyOutcome.REJECTED_AFTER_FREEZE:
+            raise RolloutFrozenError(
+                f"rollout {rollout_id!r} is frozen (snapshot {result.snapshot_id}); {result.event_type.value} "
+                f"for call {call_id!r} was rejected and is not part of the snapshot. A write racing the freeze "
+                "means an attempt was still running; the version moved so the stale snapshot is kept",
+                rollout_id=rollout_id,
+                model_call_id=call_id,
+            )
+        if result.outcome is ApplyOutcome.REJECTED_RETIRED:
+            raise RolloutRetiredError(
+                f"rollout {rollout_id!r} is retired; {result.event_type.value} for call {call_id!r} was refused by "
+                "its fence. Delete the rollout before reusing its id",
+                rollout_id=rollout_id,
+                model_call_id=call_id,
+            )
+        if result.outcome is ApplyOutcome.CONFLICT:
+            raise ConflictingEntryError(
+                f"call {call_id!r} of rollout {rollout_id!r} was already stored with a different payload; "
+                "the rollout is marked incomplete and will be masked",
+                rollout_id=rollout_id,
+                model_call_id=call_id,
+            )
+
+    def append(self, entry: TokenEntry) -> None:
+        """Idempotently append one entry and fsync it before returning."""
+        self._raise_for(self.apply(PutEvent(rollout_id=entry.rollout_id, entry=entry)))
+
+    def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
+        """Durably record that a call is about to be dispatched; a lost entry then masks the rollout."""
+        self._raise_for(self.apply(IntentEvent(rollout_id=rollout_id, model_call_id=model_call_id)))
+
+    def cancel_call_now(self, rollout_id: str, model_call_id: str) -> None:
+        """Durably close an intent whose call ended without generation."""
+        self._raise_for(self.apply(CancelEvent(rollout_id=rollout_id, model_call_id=model_call_id)))
+
+    def mark_incomplete_now(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
+        """Durably record that a call was lost."""
+        self._raise_for(
+            self.apply(IncompleteEvent(rollout_id=rollout_id, model_call_id=model_call_id, reason=reason))
+        )
+
+    # ---------------------------------------------------- source, synchronous
+
+    def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Freeze one rollout and return its stable snapshot; freezing again returns the same snapshot."""
+        rollout_id = validate_rollout_id(rollout_id)
+        with self._locked(rollout_id):
+            state = self._read_state(rollout_id)
+            result = self._apply_freeze(state, None)
+            self._raise_for(result)
+            return self._snapshot_locked(rollout_id)
+
+    def drop_now(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        """Retire the exact frozen snapshot if nothing changed since; keep the fence either way."""
+        result = self.apply(DropEvent(rollout_id=rollout_id, snapshot_id=snapshot_id, version=version))
+        return bool(result.dropped)
+
+    def retire_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove records and keep fences, whatever the state, in two phases.
+
+        Phase one writes every missing fence, then syncs the directory, even when it wrote none:
+        a fence found here may come from an overlapping retire that has not synced yet.
+        Phase two removes the records and syncs again, so nothing is removed before its fence is durable.
+        """
+        ids = validate_rollout_ids(rollout_ids)
+        if not ids:
+            return RolloutRemovalPayload()
+        had_records: dict[str, bool] = {}
+        for rollout_id in ids:
+            with self._locked(rollout_id):
+                state = self._read_state(rollout_id)
+                had_records[rollout_id] = not state.retired and self._has_records(rollout_id)
+                if not self.fence_path_for(rollout_id).exists():
+                    self._write_fence_unlocked(state, None)
+        fsync_directory(self._root)
+        for rollout_id in ids:
+            with self._locked(rollout_id):
+                state = self._read_state(rollout_id)
+                self._finish_retire_unlocked(state)
+        fsync_directory(self._root)
+        return RolloutRemovalPayload(
+            removed=tuple(rid for rid in ids if had_records[rid]),
+            not_found=tuple(rid for rid in ids if not had_records[rid]),
+        )
+
+    def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove records and fences so the ids can be reused; repeat deletes are no-ops.
+
+        The directory is synced before returning even when nothing was found: an overlapping delete may
+        have removed the files without syncing yet, and a reused id must not see old files return after a crash.
+        """
+        ids = validate_rollout_ids(rollout_ids)
+        if not ids:
+            return RolloutRemovalPayload()
+        removed: dict[str, bool] = {}
+        for rollout_id in ids:
+            with self._locked(rollout_id):
+                removed[rollout_id] = self._delete_unlocked(rollout_id)
+        fsync_directory(self._root)
+        return RolloutRemovalPayload(
+            removed=tuple(rid for rid in ids if removed[rid]),
+            not_found=tuple(rid for rid in ids if not removed[rid]),
+        )
+
+    # --------------------------------------------------------- async surface
+
+    async def put(self, entry: TokenEntry) -> None:
+        """Store an entry durably without blocking the event loop."""
+        await asyncio.to_thread(self.append, entry)
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Durably record a call's intent before dispatch; a failure here happens before generation."""
+        await asyncio.to_thread(self.begin_call_now, rollout_id, model_call_id)
+
+    async def cancel_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Close a call's intent when it ended without generation."""
+        await asyncio.to_thread(self.cancel_call_now, rollout_id, model_call_id)
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
+        """Durably record that a call was lost."""
+        await asyncio.to_thread(self.mark_incomplete_now, rollout_id, model_call_id, reason)
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Freeze a rollout and return its snapshot without blocking the event loop."""
+        return await asyncio.to_thread(self.freeze_now, rollout_id)
+
+    async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        """Retire the exact consumed snapshot, keeping its fence."""
+        return await asyncio.to_thread(self.drop_now, rollout_id, snapshot_id, version)
+
+    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' records and keep fences, whatever their state; retiring again is a no-op."""
+        return await asyncio.to_thread(self.retire_now, rollout_ids)
+
+    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' records and fences so ids can be reused; deleting again is a no-op."""
+        return await asyncio.to_thread(self.delete_now, rollout_ids)
+
+    async def close(self) -> None:
+        """The file store holds no open handles between calls; closing is a no-op."""
+
+
+def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
+    """Build the training-token file store from a global config.
+
+    Return ``None`` when capture is disabled, when a custom sink owns the records, or when no directory resolves.
+    """
+    from tokcap.config import token_id_capture_config
+
+    config = token_id_capture_config(global_config_dict)
+    if not config.enabled or config.token_id_capture.sink:
+        return None
+    directory = config.resolved_dir()
+    if directory is None:
+        return None
+    return TokenCaptureStore(directory)
