@@ -1,0 +1,656 @@
+"""Local single-node Apache Kafka broker (KRaft, broker+controller) built from Maven Central jars.
+
+Tests and local runs need a real broker on machines without Docker. This module fetches the
+broker jars once into a cache, formats a KRaft data dir, starts the JVM on 127.0.0.1 with free
+ports and can stop and restart it on the same ports and data dir. It uses the standard library
+only, so it runs before the project's virtualenv exists. It is both a CLI (``scripts/kafka-broker``)
+and a module imported by the pytest fixture (``tests/kafka_broker_fixture.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+KAFKA_VERSION = "4.1.1"
+LOG4J_VERSION = "2.24.3"
+DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
+HEAP_OPTS = ("-Xms128m", "-Xmx512m")
+
+ENV_STATE_DIR = "TOKCAP_KAFKA_STATE_DIR"
+ENV_CACHE_DIR = "TOKCAP_KAFKA_CACHE_DIR"
+ENV_JAVA = "TOKCAP_KAFKA_JAVA"
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+
+PID_FILE = "broker.pid"
+BOOTSTRAP_FILE = "bootstrap"
+PROPERTIES_FILE = "server.properties"
+LOG4J_FILE = "log4j2.properties"
+DATA_DIR = "data"
+LOGS_DIR = "logs"
+SERVER_LOG = "server.log"
+STDOUT_LOG = "stdout.log"
+LOCK_FILE = ".lock"
+
+
+class BrokerError(RuntimeError):
+    """Raised when the broker cannot be fetched, started or stopped; the message says why."""
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    """What a state dir says about its broker, checked against the live process and port."""
+
+    state_dir: Path
+    pid: int | None
+    running: bool
+    answering: bool
+    bootstrap: str | None
+
+    def describe(self) -> str:
+        """One line for humans, used by the ``status`` subcommand."""
+        if self.running:
+            health = "answering" if self.answering else "NOT answering"
+            return f"running pid={self.pid} bootstrap={self.bootstrap} ({health}) state={self.state_dir}"
+        return f"stopped state={self.state_dir}"
+
+
+# ---------------------------------------------------------------------------- locations
+
+
+def default_cache_dir() -> Path:
+    """Jar cache shared by every checkout, so the ~45 MB download happens once per machine."""
+    env = os.environ.get(ENV_CACHE_DIR)
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path.home() / ".cache" / "tokcap" / f"kafka-{KAFKA_VERSION}"
+
+
+def default_state_dir() -> Path:
+    """Per-checkout state (pid, ports, data, logs) so two checkouts never share a broker by accident."""
+    env = os.environ.get(ENV_STATE_DIR)
+    if env:
+        return Path(env).expanduser().resolve()
+    return REPO_ROOT / ".kafka-broker"
+
+
+def libs_dir(cache_dir: Path | None = None) -> Path:
+    """Where the runtime jars live inside the cache."""
+    return (cache_dir or default_cache_dir()) / "libs"
+
+
+def log_file(state_dir: Path | None = None) -> Path:
+    """The broker's main log file, shown by ``logs`` and by the pytest failure hook."""
+    return (state_dir or default_state_dir()) / LOGS_DIR / SERVER_LOG
+
+
+def _java() -> str:
+    """Pick the java binary: explicit override, then JAVA_HOME, then PATH."""
+    override = os.environ.get(ENV_JAVA)
+    if override:
+        return override
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home and (Path(java_home) / "bin" / "java").is_file():
+        return str(Path(java_home) / "bin" / "java")
+    found = shutil.which("java")
+    if not found:
+        raise BrokerError("java not found: install a Java 17+ runtime (e.g. apt-get install openjdk-17-jre)")
+    return found
+
+
+# ---------------------------------------------------------------------------- fetch
+
+_POM = """<?xml version="1.0" encoding="UTF-8"?>
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>tokcap.local</groupId>
+  <artifactId>kafka-broker-libs</artifactId>
+  <version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+    <dependency>
+      <groupId>org.apache.kafka</groupId>
+      <artifactId>kafka_2.13</artifactId>
+      <version>{kafka}</version>
+    </dependency>
+    <dependency>
+      <groupId>org.apache.logging.log4j</groupId>
+      <artifactId>log4j-slf4j-impl</artifactId>
+      <version>{log4j}</version>
+    </dependency>
+    <dependency>
+      <groupId>org.apache.logging.log4j</groupId>
+      <artifactId>log4j-core</artifactId>
+      <version>{log4j}</version>
+    </dependency>
+  </dependencies>
+</project>
+"""
+
+_COMPLETE_MARKER = ".complete"
+
+
+def fetch(cache_dir: Path | None = None, quiet: bool = False) -> Path:
+    """Copy the broker's runtime jars into the cache once; later calls return the cached dir at once.
+
+    A marker file is written only after Maven succeeded, so an interrupted download is redone.
+    """
+    cache = cache_dir or default_cache_dir()
+    libs = libs_dir(cache)
+    if (libs / _COMPLETE_MARKER).is_file():
+        return libs
+    mvn = shutil.which("mvn")
+    if not mvn:
+        raise BrokerError("mvn not found: install Maven 3.8+ (e.g. apt-get install maven) to fetch Kafka jars")
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="libs.", dir=cache))
+    try:
+        with tempfile.TemporaryDirectory(prefix="kafka-pom.") as project:
+            (Path(project) / "pom.xml").write_text(_POM.format(kafka=KAFKA_VERSION, log4j=LOG4J_VERSION))
+            cmd = [
+                mvn,
+                "-B",
+                "-q",
+                f"{DEPENDENCY_PLUGIN}:copy-dependencies",
+                "-DincludeScope=runtime",
+                f"-DoutputDirectory={staging}",
+            ]
+            if not quiet:
+                print(f"fetching Kafka {KAFKA_VERSION} jars into {libs} ...", file=sys.stderr)
+            proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise BrokerError(f"maven failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
+        if not any(staging.glob(f"kafka_2.13-{KAFKA_VERSION}.jar")):
+            raise BrokerError(f"maven finished but kafka_2.13-{KAFKA_VERSION}.jar is missing in {staging}")
+        (staging / _COMPLETE_MARKER).write_text(f"kafka {KAFKA_VERSION} log4j {LOG4J_VERSION}\n")
+        if libs.exists():
+            shutil.rmtree(libs)
+        staging.rename(libs)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return libs
+
+
+def jar_bytes(libs: Path) -> int:
+    """Total size of the cached jars, reported in docs/broker.md."""
+    return sum(p.stat().st_size for p in libs.glob("*.jar"))
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def free_port() -> int:
+    """Ask the kernel for a free loopback port; the broker gets a fixed port so readiness is a connect."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def new_cluster_id() -> str:
+    """KRaft cluster id: 16 random bytes, base64url without padding; avoids a JVM launch for random-uuid."""
+    while True:
+        cid = base64.urlsafe_b64encode(os.urandom(16)).decode("ascii").rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
+def server_properties(state_dir: Path, broker_port: int, controller_port: int) -> str:
+    """Single-node combined broker+controller settings; internal topics sized for one node."""
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+        "listeners": f"PLAINTEXT://127.0.0.1:{broker_port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{broker_port}",
+        "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "log.dirs": str(state_dir / DATA_DIR),
+        "num.partitions": "1",
+        "default.replication.factor": "1",
+        "min.insync.replicas": "1",
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": "3",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.num.partitions": "3",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "share.coordinator.state.topic.num.partitions": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
+        "num.network.threads": "2",
+        "num.io.threads": "4",
+        "num.recovery.threads.per.data.dir": "1",
+    }
+    lines = ["# Written by scripts/kafka-broker; regenerated on a fresh start, kept on --reuse."]
+    lines += [f"{k}={v}" for k, v in props.items()]
+    return "\n".join(lines) + "\n"
+
+
+def log4j2_properties(state_dir: Path) -> str:
+    """Log4j 2 config: the published jars ship none, and without it the broker logs nothing at all."""
+    log_path = state_dir / LOGS_DIR / SERVER_LOG
+    return "\n".join(
+        [
+            "status = warn",
+            "name = tokcap-kafka-broker",
+            "# Kafka's own shutdown hook logs the clean shutdown; Log4j's hook would close the file first.",
+            "shutdownHook = disable",
+            "appender.file.type = File",
+            "appender.file.name = FILE",
+            f"appender.file.fileName = {log_path}",
+            "appender.file.append = true",
+            "appender.file.layout.type = PatternLayout",
+            "appender.file.layout.pattern = [%d] %p %m (%c)%n",
+            "rootLogger.level = INFO",
+            "rootLogger.appenderRef.file.ref = FILE",
+            "logger.request.name = kafka.request.logger",
+            "logger.request.level = WARN",
+            "logger.statechange.name = state.change.logger",
+            "logger.statechange.level = WARN",
+            "logger.authorizer.name = kafka.authorizer.logger",
+            "logger.authorizer.level = WARN",
+            "",
+        ]
+    )
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    """Parse the simple key=value file this module writes (no escapes or continuations needed)."""
+    result: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, value = line.split("=", 1)
+        result[key.strip()] = value.strip()
+    return result
+
+
+def _ports_from_properties(path: Path) -> tuple[int, int]:
+    """Recover (broker_port, controller_port) so a restart reuses the same addresses."""
+    props = read_properties(path)
+    broker = int(props["advertised.listeners"].rsplit(":", 1)[1])
+    controller = int(props["controller.quorum.voters"].rsplit(":", 1)[1])
+    return broker, controller
+
+
+# ---------------------------------------------------------------------------- process helpers
+
+
+@contextlib.contextmanager
+def _locked(state_dir: Path) -> Iterator[None]:
+    """Serialize start/stop on one state dir across processes (e.g. two pytest sessions)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / LOCK_FILE, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# Brokers started by this process: reaping them through Popen avoids zombies that look alive.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _read_pid(state_dir: Path) -> int | None:
+    """Pid from the pid file, or None if absent or garbled."""
+    try:
+        return int((state_dir / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_our_broker(pid: int, state_dir: Path) -> bool:
+    """True if pid is alive and is the broker JVM of this state dir (guards against pid reuse)."""
+    child = _CHILDREN.get(pid)
+    if child is not None and child.poll() is not None:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    if state in ("Z", "X"):
+        return False
+    return "kafka.Kafka" in cmdline and str(state_dir / PROPERTIES_FILE) in cmdline
+
+
+def _wait_gone(pid: int, state_dir: Path, timeout: float) -> bool:
+    """Poll until the broker process has exited (reaping it if it is our child)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _is_our_broker(pid, state_dir):
+            return True
+        time.sleep(0.1)
+    return not _is_our_broker(pid, state_dir)
+
+
+def _api_versions_ok(host: str, port: int, timeout: float = 2.0) -> bool:
+    """Send a Kafka ApiVersions v0 request and check the broker answers without error.
+
+    A TCP connect already implies readiness for a fixed port, but a real protocol round trip also
+    catches a foreign process that happens to hold the port.
+    """
+    client_id = b"tokcap-probe"
+    body = struct.pack(">hhih", 18, 0, 7, len(client_id)) + client_id
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(struct.pack(">i", len(body)) + body)
+            header = _recv_exact(s, 4)
+            (size,) = struct.unpack(">i", header)
+            payload = _recv_exact(s, min(size, 65536))
+    except OSError:
+        return False
+    if len(payload) < 6:
+        return False
+    correlation_id, error_code = struct.unpack(">ih", payload[:6])
+    return correlation_id == 7 and error_code == 0
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    """Read exactly n bytes or raise, since recv may return short reads."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf.extend(chunk)
+    return bytes(buf)
+
+
+def answers(bootstrap: str, timeout: float = 2.0) -> bool:
+    """True if a Kafka broker at host:port answers an ApiVersions request."""
+    host, _, port = bootstrap.rpartition(":")
+    try:
+        return _api_versions_ok(host or "127.0.0.1", int(port), timeout)
+    except ValueError:
+        return False
+
+
+def _port_open(port: int) -> bool:
+    """A successful TCP connect to the fixed broker port means the broker is unfenced and serving."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------- lifecycle
+
+
+def status(state_dir: Path | None = None) -> BrokerStatus:
+    """Inspect the state dir and the live process; never changes anything."""
+    sd = state_dir or default_state_dir()
+    pid = _read_pid(sd)
+    running = pid is not None and _is_our_broker(pid, sd)
+    bootstrap: str | None = None
+    with contextlib.suppress(OSError):
+        bootstrap = (sd / BOOTSTRAP_FILE).read_text().strip() or None
+    ok = running and bootstrap is not None and answers(bootstrap)
+    return BrokerStatus(sd, pid if running else None, running, ok, bootstrap if running else None)
+
+
+def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
+    """Format the KRaft data dir once; a formatted dir is kept across restarts."""
+    cmd = [
+        java,
+        "-Xmx256m",
+        f"-Dlog4j2.configurationFile={state_dir / LOG4J_FILE}",
+        "-cp",
+        f"{libs}/*",
+        "kafka.tools.StorageTool",
+        "format",
+        "--ignore-formatted",
+        "-t",
+        new_cluster_id(),
+        "-c",
+        str(state_dir / PROPERTIES_FILE),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise BrokerError(f"kafka StorageTool format failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+
+
+def start(
+    state_dir: Path | None = None,
+    *,
+    reuse: bool = False,
+    cache_dir: Path | None = None,
+    timeout: float = START_TIMEOUT_S,
+) -> str:
+    """Start the broker and return its bootstrap ``127.0.0.1:PORT`` once it accepts connections.
+
+    If a broker of this state dir is already running, its bootstrap is returned unchanged.
+    ``reuse=True`` keeps the ports and data of the previous run (a restart); otherwise the data
+    dir is wiped and new free ports are chosen.
+    """
+    sd = (state_dir or default_state_dir()).resolve()
+    with _locked(sd):
+        current = status(sd)
+        if current.running and current.bootstrap:
+            if not _wait_port(current.bootstrap, current.pid, sd, timeout):
+                raise BrokerError(f"broker pid {current.pid} runs but does not answer at {current.bootstrap}")
+            return current.bootstrap
+        libs = fetch(cache_dir, quiet=True)
+        java = _java()
+        props_path = sd / PROPERTIES_FILE
+        if reuse and props_path.is_file() and (sd / DATA_DIR / "meta.properties").is_file():
+            broker_port, controller_port = _ports_from_properties(props_path)
+        else:
+            for name in (DATA_DIR, LOGS_DIR):
+                shutil.rmtree(sd / name, ignore_errors=True)
+            broker_port = free_port()
+            controller_port = free_port()
+            while controller_port == broker_port:
+                controller_port = free_port()
+            props_path.write_text(server_properties(sd, broker_port, controller_port))
+        (sd / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+        (sd / LOG4J_FILE).write_text(log4j2_properties(sd))
+        (sd / BOOTSTRAP_FILE).unlink(missing_ok=True)
+        if not (sd / DATA_DIR / "meta.properties").is_file():
+            _storage_format(java, libs, sd)
+        bootstrap = f"127.0.0.1:{broker_port}"
+        cmd = [
+            java,
+            *HEAP_OPTS,
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={sd / LOG4J_FILE}",
+            f"-Dkafka.logs.dir={sd / LOGS_DIR}",
+            "-cp",
+            f"{libs}/*",
+            "kafka.Kafka",
+            str(props_path),
+        ]
+        with open(sd / LOGS_DIR / STDOUT_LOG, "ab") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=sd,
+                start_new_session=True,
+            )
+        _CHILDREN[proc.pid] = proc
+        (sd / PID_FILE).write_text(f"{proc.pid}\n")
+        if not _wait_port(bootstrap, proc.pid, sd, timeout):
+            tail = tail_log(sd, 40)
+            _terminate(proc.pid, sd, STOP_TIMEOUT_S)
+            raise BrokerError(f"broker did not become ready at {bootstrap} within {timeout:.0f}s\n{tail}")
+        (sd / BOOTSTRAP_FILE).write_text(bootstrap + "\n")
+        return bootstrap
+
+
+def _wait_port(bootstrap: str, pid: int | None, state_dir: Path, timeout: float) -> bool:
+    """Wait for the listening socket, then confirm with a protocol round trip; fail fast if the JVM died."""
+    port = int(bootstrap.rsplit(":", 1)[1])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pid is not None and not _is_our_broker(pid, state_dir):
+            return False
+        if _port_open(port) and answers(bootstrap):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _terminate(pid: int, state_dir: Path, timeout: float) -> None:
+    """SIGTERM (runs Kafka's clean shutdown hook), then SIGKILL if it hangs."""
+    if not _is_our_broker(pid, state_dir):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    if not _wait_gone(pid, state_dir, timeout):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid, state_dir, 10.0)
+    child = _CHILDREN.pop(pid, None)
+    if child is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
+
+
+def stop(state_dir: Path | None = None, timeout: float = STOP_TIMEOUT_S) -> bool:
+    """Stop the broker of this state dir; returns True if one was running. Data and ports are kept."""
+    sd = (state_dir or default_state_dir()).resolve()
+    with _locked(sd):
+        pid = _read_pid(sd)
+        was_running = pid is not None and _is_our_broker(pid, sd)
+        if pid is not None:
+            _terminate(pid, sd, timeout)
+        (sd / PID_FILE).unlink(missing_ok=True)
+        (sd / BOOTSTRAP_FILE).unlink(missing_ok=True)
+        return was_running
+
+
+def restart(state_dir: Path | None = None, timeout: float = START_TIMEOUT_S) -> str:
+    """Stop and start again on the same ports and data dir (used to test surviving a broker restart)."""
+    sd = state_dir or default_state_dir()
+    stop(sd)
+    return start(sd, reuse=True, timeout=timeout)
+
+
+def tail_log(state_dir: Path | None = None, lines: int = 50) -> str:
+    """Last lines of the broker log (and the JVM's stdout if the log is empty, e.g. early crashes)."""
+    sd = state_dir or default_state_dir()
+    chunks: list[str] = []
+    for path in (sd / LOGS_DIR / SERVER_LOG, sd / LOGS_DIR / STDOUT_LOG):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        if text.strip():
+            chunks.append(f"==> {path} <==\n" + "\n".join(text.splitlines()[-lines:]))
+    return "\n".join(chunks) if chunks else f"(no broker logs in {sd / LOGS_DIR})"
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    """CLI: fetch jars and print the libs dir."""
+    libs = fetch(args.cache_dir)
+    print(libs)
+    print(f"{jar_bytes(libs) / 1e6:.1f} MB in {len(list(libs.glob('*.jar')))} jars", file=sys.stderr)
+    return 0
+
+
+def _cmd_start(args: argparse.Namespace) -> int:
+    """CLI: start (or reuse a running) broker and print its bootstrap."""
+    t0 = time.monotonic()
+    bootstrap = start(args.state_dir, reuse=args.reuse, cache_dir=args.cache_dir, timeout=args.timeout)
+    print(bootstrap)
+    print(f"kafka broker ready at {bootstrap} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return 0
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    """CLI: stop the broker; succeeds also when none was running."""
+    was = stop(args.state_dir)
+    print("stopped" if was else "not running", file=sys.stderr)
+    return 0
+
+
+def _cmd_restart(args: argparse.Namespace) -> int:
+    """CLI: restart on the same ports and data dir."""
+    print(restart(args.state_dir, timeout=args.timeout))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """CLI: print status; exit 0 only if the broker runs and answers."""
+    st = status(args.state_dir)
+    print(st.describe())
+    return 0 if st.answering else 1
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    """CLI: print the tail of the broker log."""
+    print(tail_log(args.state_dir, args.lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``scripts/kafka-broker``."""
+    parser = argparse.ArgumentParser(prog="kafka-broker", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--state-dir",
+        type=lambda s: Path(s).expanduser().resolve(),
+        default=None,
+        help=f"pid/ports/data/logs dir (env {ENV_STATE_DIR}; default .kafka-broker/ in the repo)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=lambda s: Path(s).expanduser().resolve(),
+        default=None,
+        help=f"jar cache (env {ENV_CACHE_DIR}; default ~/.cache/tokcap/kafka-{KAFKA_VERSION})",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("fetch", help="download broker jars into the cache (once)").set_defaults(func=_cmd_fetch)
+    p_start = sub.add_parser("start", help="start the broker and print its bootstrap address")
+    p_start.add_argument("--reuse", action="store_true", help="keep ports and data of the previous run")
+    p_start.add_argument("--timeout", type=float, default=START_TIMEOUT_S)
+    p_start.set_defaults(func=_cmd_start)
+    sub.add_parser("stop", help="stop the broker (SIGTERM, SIGKILL fallback)").set_defaults(func=_cmd_stop)
+    p_restart = sub.add_parser("restart", help="stop, then start on the same ports and data dir")
+    p_restart.add_argument("--timeout", type=float, default=START_TIMEOUT_S)
+    p_restart.set_defaults(func=_cmd_restart)
+    sub.add_parser("status", help="exit 0 if running and answering").set_defaults(func=_cmd_status)
+    p_logs = sub.add_parser("logs", help="print the tail of the broker log")
+    p_logs.add_argument("-n", "--lines", type=int, default=50)
+    p_logs.set_defaults(func=_cmd_logs)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except BrokerError as exc:
+        print(f"kafka-broker: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
