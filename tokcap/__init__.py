@@ -9,6 +9,12 @@ This package imports no Kafka, FastAPI, Ray, Torch or aiohttp module.
 The rollout-record finalizer lives in ``tokcap.delivery`` and is not re-exported here.
 """
 
+from tokcap.config import (
+    TokenIdCaptureConfig,
+    TokenIdCaptureSettings,
+    token_id_capture_config,
+    token_id_capture_enabled_for_agent,
+)
 from tokcap.protocols import (
     RolloutRemovalPayload,
     TokenCaptureSnapshot,
@@ -30,6 +36,8 @@ __all__ = [
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
     "TokenEntry",
+    "TokenIdCaptureConfig",
+    "TokenIdCaptureSettings",
     "TokenSink",
     "TokenSource",
     "extract_token_fields",
@@ -38,6 +46,8 @@ __all__ = [
     "installed_token_sink",
     "installed_token_source",
     "make_token_store",
+    "token_id_capture_config",
+    "token_id_capture_enabled_for_agent",
     "validate_rollout_id",
     "validate_rollout_ids",
 ]
