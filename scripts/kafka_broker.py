@@ -158,7 +158,9 @@ def fetch(cache_dir: Path | None = None, quiet: bool = False) -> Path:
         return libs
     mvn = shutil.which("mvn")
     if not mvn:
-        raise BrokerError("mvn not found: install Maven 3.8+ (e.g. apt-get install maven) to fetch Kafka jars")
+        raise BrokerError(
+            "mvn not found: install Maven 3.8+ (e.g. apt-get install maven) to fetch Kafka jars"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="libs.", dir=cache))
     try:
@@ -176,7 +178,9 @@ def fetch(cache_dir: Path | None = None, quiet: bool = False) -> Path:
                 print(f"fetching Kafka {KAFKA_VERSION} jars into {libs} ...", file=sys.stderr)
             proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
-                raise BrokerError(f"maven failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
+                raise BrokerError(
+                    f"maven failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+                )
         if not any(staging.glob(f"kafka_2.13-{KAFKA_VERSION}.jar")):
             raise BrokerError(f"maven finished but kafka_2.13-{KAFKA_VERSION}.jar is missing in {staging}")
         (staging / _COMPLETE_MARKER).write_text(f"kafka {KAFKA_VERSION} log4j {LOG4J_VERSION}\n")
@@ -275,9 +279,14 @@ def log4j2_properties(state_dir: Path) -> str:
 
 
 def read_properties(path: Path) -> dict[str, str]:
-    """Parse the simple key=value file this module writes (no escapes or continuations needed)."""
+    """Parse a server.properties file written by this module."""
+    return read_properties_text(path.read_text())
+
+
+def read_properties_text(text: str) -> dict[str, str]:
+    """Parse the simple key=value format this module writes (no escapes or continuations needed)."""
     result: dict[str, str] = {}
-    for raw in path.read_text().splitlines():
+    for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith("#") or "=" not in line:
             continue
@@ -367,7 +376,7 @@ def _api_versions_ok(host: str, port: int, timeout: float = 2.0) -> bool:
     if len(payload) < 6:
         return False
     correlation_id, error_code = struct.unpack(">ih", payload[:6])
-    return correlation_id == 7 and error_code == 0
+    return bool(correlation_id == 7 and error_code == 0)
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:
@@ -432,7 +441,9 @@ def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise BrokerError(f"kafka StorageTool format failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        raise BrokerError(
+            f"kafka StorageTool format failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
+        )
 
 
 def start(
@@ -617,7 +628,9 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``scripts/kafka-broker``."""
-    parser = argparse.ArgumentParser(prog="kafka-broker", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="kafka-broker", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument(
         "--state-dir",
         type=lambda s: Path(s).expanduser().resolve(),

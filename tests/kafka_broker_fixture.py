@@ -197,8 +197,7 @@ def _docker_answers() -> bool:
         # is ignored, instead of in some later test where filterwarnings=error would fail it.
         warnings.simplefilter("ignore")
         try:
-            import docker
-
+            docker: Any = importlib.import_module("docker")
             client = docker.from_env(timeout=3)
             try:
                 return bool(client.ping())
@@ -330,13 +329,12 @@ class TopicFactory:
 
     def _admin(self) -> Any:
         """A short-lived AdminClient; confluent_kafka is imported lazily so unit tests need no broker libs."""
-        from confluent_kafka.admin import AdminClient
-
-        return AdminClient({"bootstrap.servers": self._broker.bootstrap})
+        admin_mod: Any = importlib.import_module("confluent_kafka.admin")
+        return admin_mod.AdminClient({"bootstrap.servers": self._broker.bootstrap})
 
     def __call__(self, suffix: str = "", *, partitions: int = 1, config: dict[str, str] | None = None) -> str:
         """Create a topic with replication 1 and wait until every partition has a leader; return its name."""
-        from confluent_kafka.admin import NewTopic
+        new_topic: Any = importlib.import_module("confluent_kafka.admin").NewTopic
 
         parts = ["tokcap-test", self._stem]
         if suffix:
@@ -345,7 +343,7 @@ class TopicFactory:
         name = "-".join(parts)[:249]
         admin = self._admin()
         futures = admin.create_topics(
-            [NewTopic(name, num_partitions=partitions, replication_factor=1, config=config or {})],
+            [new_topic(name, num_partitions=partitions, replication_factor=1, config=config or {})],
             operation_timeout=30,
             request_timeout=30,
         )
@@ -369,7 +367,9 @@ class TopicFactory:
             ):
                 return
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"topic {name} has no leader for all {partitions} partitions after {timeout}s")
+                raise TimeoutError(
+                    f"topic {name} has no leader for all {partitions} partitions after {timeout}s"
+                )
             time.sleep(0.1)
 
     def cleanup(self) -> None:

@@ -33,7 +33,9 @@ def _producer(bootstrap: str) -> Any:
     )
 
 
-def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, list[tuple[str, bytes]]]]) -> list[Any]:
+def _produce(
+    bootstrap: str, topic: str, records: list[tuple[bytes, bytes, list[tuple[str, bytes]]]]
+) -> list[Any]:
     """Produce records and return their delivery reports after a flush, failing on any delivery error."""
     producer = _producer(bootstrap)
     delivered: list[Any] = []
@@ -82,7 +84,11 @@ def test_topic_produce_consume_delete(kafka_bootstrap: str) -> None:
     admin.create_topics([admin_mod.NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(60)
     try:
         records = [
-            (f"k{i}".encode(), f"payload-{i}-\u00e9".encode(), [("trace", f"t{i}".encode()), ("kind", b"smoke")])
+            (
+                f"k{i}".encode(),
+                f"payload-{i}-\u00e9".encode(),
+                [("trace", f"t{i}".encode()), ("kind", b"smoke")],
+            )
             for i in range(20)
         ]
         reports = _produce(kafka_bootstrap, topic, records)
@@ -114,7 +120,9 @@ def test_topic_fixtures_give_unique_topics(kafka_topic: str, kafka_topic_factory
     assert [m.value() for m in _consume_all(kafka_topic_factory.bootstrap, kafka_topic, 1)] == [b"v"]
 
 
-def test_broker_restart_keeps_address_and_data(kafka_broker_control: KafkaBrokerControl, kafka_topic: str) -> None:
+def test_broker_restart_keeps_address_and_data(
+    kafka_broker_control: KafkaBrokerControl, kafka_topic: str
+) -> None:
     """stop()/start() bring the broker back on the same address with the topic's data intact."""
     bootstrap = kafka_broker_control.bootstrap
     _produce(bootstrap, kafka_topic, [(b"before", b"1", [])])
