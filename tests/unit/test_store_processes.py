@@ -1,0 +1,73 @@
+"""Several OS processes writing one store, and processes killed mid-write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tokcap.store import TokenCaptureStore
+
+WORKER = Path(__file__).resolve().parent.parent / "store_worker.py"
+
+
+def _spawn(root: Path, worker: str, rollouts: list[str], count: int, prompt_len: int = 50) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(root), worker, ",".join(rollouts), str(count), str(prompt_len)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _assert_store_holds(root: Path, acknowledged: list[tuple[str, str]]) -> None:
+    store = TokenCaptureStore(root)
+    by_rollout: dict[str, list[str]] = {}
+    for rollout_id in store.rollout_ids():
+        entries = store.read_entries(rollout_id)
+        calls = [e.model_call_id for e in entries]
+        assert len(calls) == len(set(calls)), f"duplicate entry lines in {rollout_id}"
+        by_rollout[rollout_id] = calls
+        raw = store.path_for(rollout_id).read_bytes()
+        assert raw.endswith(b"\n") and raw.count(b"\n") == len(calls)
+    for rollout_id, call_id in acknowledged:
+        assert call_id in by_rollout.get(rollout_id, []), f"acknowledged {call_id} lost from {rollout_id}"
+
+
+def test_processes_writing_the_same_and_different_rollouts_lose_and_tear_nothing(tmp_path: Path) -> None:
+    workers = [
+        _spawn(tmp_path, "a", ["shared", "only-a"], 60),
+        _spawn(tmp_path, "b", ["shared", "only-b"], 60),
+        _spawn(tmp_path, "c", ["shared"], 60),
+    ]
+    acknowledged: list[tuple[str, str]] = []
+    for worker in workers:
+        out, _ = worker.communicate(timeout=300)
+        assert worker.returncode == 0
+        acknowledged += [tuple(line.split()) for line in out.splitlines()]  # type: ignore[misc]
+    assert len(acknowledged) == 180
+    _assert_store_holds(tmp_path, acknowledged)
+    assert len(TokenCaptureStore(tmp_path).read_entries("shared")) == 30 + 30 + 60
+
+
+@pytest.mark.parametrize("kill_after_s", [0.3, 0.7, 1.1])
+def test_a_writer_killed_mid_put_leaves_every_acknowledged_entry_readable(tmp_path: Path, kill_after_s: float) -> None:
+    workers = [_spawn(tmp_path, f"w{n}", ["r1", "r2"], 100_000, prompt_len=3000) for n in range(2)]
+    time.sleep(kill_after_s)
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGKILL)
+    acknowledged: list[tuple[str, str]] = []
+    for worker in workers:
+        out, _ = worker.communicate(timeout=60)
+        assert worker.returncode == -signal.SIGKILL
+        acknowledged += [tuple(line.split()) for line in out.splitlines()]  # type: ignore[misc]
+    _assert_store_holds(tmp_path, acknowledged)
+    store = TokenCaptureStore(tmp_path)
+    for rollout_id in ("r1", "r2"):
+        snapshot = store.freeze_now(rollout_id)
+        assert {e.model_call_id for e in snapshot.entries} >= {c for r, c in acknowledged if r == rollout_id}
+        assert store.drop_now(rollout_id, snapshot.snapshot_id, snapshot.version)
