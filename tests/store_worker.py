@@ -11,18 +11,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.factories import make_entry  # noqa: E402
-from tokcap.store import TokenCaptureStore  # noqa: E402
+from tests.factories import make_entry
+from tokcap.store import TokenCaptureStore
 
 
 def main() -> None:
-    root, worker, rollouts, count, prompt_len = sys.argv[1], sys.argv[2], sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5])
+    root, worker, rollouts, count, prompt_len = (
+        sys.argv[1],
+        sys.argv[2],
+        sys.argv[3].split(","),
+        int(sys.argv[4]),
+        int(sys.argv[5]),
+    )
     store = TokenCaptureStore(root)
     for n in range(count):
         rollout_id = rollouts[n % len(rollouts)]
         call_id = f"{worker}-{n}"
         store.begin_call_now(rollout_id, call_id)
-        store.append(make_entry(rollout_id, call_id, prompt=range(n % 7, n % 7 + prompt_len), generation=(n, n + 1)))
+        store.append(
+            make_entry(rollout_id, call_id, prompt=range(n % 7, n % 7 + prompt_len), generation=(n, n + 1))
+        )
         print(f"{rollout_id} {call_id}", flush=True)
 
 

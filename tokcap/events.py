@@ -130,7 +130,14 @@ class DeleteEvent(_EventBase):
 
 
 Event = Annotated[
-    IntentEvent | CancelEvent | PutEvent | IncompleteEvent | FreezeEvent | DropEvent | RetireEvent | DeleteEvent,
+    IntentEvent
+    | CancelEvent
+    | PutEvent
+    | IncompleteEvent
+    | FreezeEvent
+    | DropEvent
+    | RetireEvent
+    | DeleteEvent,
     Field(discriminator="type"),
 ]
 

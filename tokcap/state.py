@@ -101,7 +101,9 @@ class RolloutState(BaseModel):
         try:
             raw = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
-            raise StoreCorruptionError(f"{origin} is not valid JSON ({exc}); restore it or delete it") from exc
+            raise StoreCorruptionError(
+                f"{origin} is not valid JSON ({exc}); restore it or delete it"
+            ) from exc
         if isinstance(raw, dict):
             version = raw.get("schema_version")
             if isinstance(version, int) and version > STATE_SCHEMA_VERSION:

@@ -319,10 +319,14 @@ class TokenCaptureStore:
                 return self._apply_delete(rollout_id)
         raise InvalidInputError(f"cannot apply an event of type {type(event).__name__}")
 
-    def _reject_late(self, state: RolloutState, event_type: EventType, call_id: str, position: LogPosition | None) -> ApplyResult:
+    def _reject_late(
+        self, state: RolloutState, event_type: EventType, call_id: str, position: LogPosition | None
+    ) -> ApplyResult:
         """Record a write that raced the freeze and move the version, so the stale snapshot is kept."""
         position_dict = position.to_dict() if position is not None else None
-        state.rejections.append(Rejection(event_type=event_type.value, model_call_id=call_id, position=position_dict))
+        state.rejections.append(
+            Rejection(event_type=event_type.value, model_call_id=call_id, position=position_dict)
+        )
         state.version += 1
         state.record_position(position)
         self._write_state(state, durable=True)
@@ -359,7 +363,9 @@ class TokenCaptureStore:
             if index_changed or position is not None:
                 state.record_position(position)
                 self._write_state(state, durable=False)
-            return ApplyResult(ApplyOutcome.NOOP, EventType.PUT, state.rollout_id, call_id, detail="same payload")
+            return ApplyResult(
+                ApplyOutcome.NOOP, EventType.PUT, state.rollout_id, call_id, detail="same payload"
+            )
         if not state.is_open:
             return self._reject_late(state, EventType.PUT, call_id, position)
         if known is not None:
@@ -395,7 +401,9 @@ class TokenCaptureStore:
         if state.retired:
             return self._retired_result(state, event.type, call_id)
         if self._intent_status(state.rollout_id).get(call_id) == op:
-            return ApplyResult(ApplyOutcome.NOOP, event.type, state.rollout_id, call_id, detail=f"{op} already recorded")
+            return ApplyResult(
+                ApplyOutcome.NOOP, event.type, state.rollout_id, call_id, detail=f"{op} already recorded"
+            )
         if not state.is_open:
             return self._reject_late(state, event.type, call_id, position)
         line = orjson.dumps({"model_call_id": call_id, "op": op}, option=orjson.OPT_SORT_KEYS) + b"\n"
@@ -413,7 +421,9 @@ class TokenCaptureStore:
             append_durably(self.incomplete_path_for(state.rollout_id), line)
         state.incomplete = True
 
-    def _apply_incomplete(self, state: RolloutState, event: IncompleteEvent, position: LogPosition | None) -> ApplyResult:
+    def _apply_incomplete(
+        self, state: RolloutState, event: IncompleteEvent, position: LogPosition | None
+    ) -> ApplyResult:
         call_id = event.model_call_id
         if state.retired:
             return self._retired_result(state, EventType.INCOMPLETE, call_id)
@@ -453,7 +463,9 @@ class TokenCaptureStore:
             call_id for call_id, op in status.items() if op == "intent" and call_id not in state.entry_digests
         )
         state.dangling_intents = dangling
-        state.incomplete = state.incomplete or bool(dangling) or bool(self._incomplete_marks(state.rollout_id))
+        state.incomplete = (
+            state.incomplete or bool(dangling) or bool(self._incomplete_marks(state.rollout_id))
+        )
         state.snapshot_id = _snapshot_id_for(position)
         state.advance(Lifecycle.FROZEN)
         state.version += 1
@@ -533,14 +545,23 @@ class TokenCaptureStore:
     def _remove_record_files(self, rollout_id: str) -> bool:
         """Remove a rollout's entries, intents and incomplete marker, whichever exist."""
         removed = False
-        for path in (self.path_for(rollout_id), self.intents_path_for(rollout_id), self.incomplete_path_for(rollout_id)):
+        for path in (
+            self.path_for(rollout_id),
+            self.intents_path_for(rollout_id),
+            self.incomplete_path_for(rollout_id),
+        ):
             removed = remove_if_exists(path) or removed
         return removed
 
     def _apply_delete(self, rollout_id: str) -> ApplyResult:
         removed = self._delete_unlocked(rollout_id)
         fsync_directory(self._root)
-        return ApplyResult(ApplyOutcome.ACCEPTED if removed else ApplyOutcome.NOOP, EventType.DELETE, rollout_id, removed=removed)
+        return ApplyResult(
+            ApplyOutcome.ACCEPTED if removed else ApplyOutcome.NOOP,
+            EventType.DELETE,
+            rollout_id,
+            removed=removed,
+        )
 
     def _delete_unlocked(self, rollout_id: str) -> bool:
         removed = self._remove_record_files(rollout_id)
@@ -587,7 +608,9 @@ class TokenCaptureStore:
                 rollout_id=rollout_id,
             )
         if state.is_open:
-            raise InvalidInputError(f"rollout {rollout_id!r} is not frozen; freeze it first", rollout_id=rollout_id)
+            raise InvalidInputError(
+                f"rollout {rollout_id!r} is not frozen; freeze it first", rollout_id=rollout_id
+            )
         if self._sync_entry_index(state):
             self._write_state(state, durable=False)
         entries = tuple(self._read_entries_unlocked(rollout_id, state))

@@ -16,7 +16,9 @@ from tokcap.store import TokenCaptureStore
 WORKER = Path(__file__).resolve().parent.parent / "store_worker.py"
 
 
-def _spawn(root: Path, worker: str, rollouts: list[str], count: int, prompt_len: int = 50) -> subprocess.Popen[str]:
+def _spawn(
+    root: Path, worker: str, rollouts: list[str], count: int, prompt_len: int = 50
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(root), worker, ",".join(rollouts), str(count), str(prompt_len)],
         stdout=subprocess.PIPE,
@@ -55,7 +57,9 @@ def test_processes_writing_the_same_and_different_rollouts_lose_and_tear_nothing
 
 
 @pytest.mark.parametrize("kill_after_s", [0.3, 0.7, 1.1])
-def test_a_writer_killed_mid_put_leaves_every_acknowledged_entry_readable(tmp_path: Path, kill_after_s: float) -> None:
+def test_a_writer_killed_mid_put_leaves_every_acknowledged_entry_readable(
+    tmp_path: Path, kill_after_s: float
+) -> None:
     workers = [_spawn(tmp_path, f"w{n}", ["r1", "r2"], 100_000, prompt_len=3000) for n in range(2)]
     time.sleep(kill_after_s)
     for worker in workers:

@@ -167,7 +167,9 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(rollout_ids=st.lists(st.sampled_from(ROLLOUTS), min_size=1, max_size=3))
     def retire(self, rollout_ids: list[str]) -> None:
         unique = list(dict.fromkeys(rollout_ids))
-        expected_removed = tuple(r for r in unique if self.model[r].known and self.model[r].lifecycle != "retired")
+        expected_removed = tuple(
+            r for r in unique if self.model[r].known and self.model[r].lifecycle != "retired"
+        )
         payload = self.store.retire_now(rollout_ids)
         assert payload.removed == expected_removed
         assert set(payload.removed) | set(payload.not_found) == set(unique)

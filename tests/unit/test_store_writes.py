@@ -67,7 +67,9 @@ def test_different_rollouts_write_concurrently_from_one_event_loop(tmp_path: Pat
     assert sum(len(store.read_entries(f"r{n}")) for n in range(5)) == 60
 
 
-@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", "a\\b", "tab\there", "é", "x" * 201, "-lead", " sp"])
+@pytest.mark.parametrize(
+    "bad", ["", ".", "..", "../x", "a/b", "a\\b", "tab\there", "é", "x" * 201, "-lead", " sp"]
+)
 def test_a_bad_rollout_id_is_refused_before_any_file_is_touched(tmp_path: Path, bad: str) -> None:
     store = TokenCaptureStore(tmp_path / "store")
     with pytest.raises(InvalidRolloutIdError):
