@@ -1,0 +1,276 @@
+"""The request-scoped capture path: who is calling, and where its tokens go.
+
+Middleware opens a ``CaptureContext`` for one model call with ``set_token_sink``.
+Before dispatch, ``register_call_intent`` records the call's intent, so a call whose entry never
+arrives masks the rollout at freeze.
+After generation, ``capture_tokens`` (response side) or ``commit_entry`` (engine side) stores the
+call's ``TokenEntry``.
+
+Failure chain:
+
+- ``begin_call`` fails: the error propagates and the model call fails before generation; nothing is lost.
+- ``put`` fails: the model call still succeeds and the rollout is marked incomplete.
+- Marking fails too: an error naming the rollout is logged; the dangling intent masks the rollout at freeze.
+
+Capture never raises into a model call after generation.
+Untagged traffic has no context, and capture is then a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from typing import Any, cast
+
+from pydantic import BaseModel
+
+from tokcap.errors import TokenExtractionError
+from tokcap.protocols import TokenSink, installed_token_sink
+from tokcap.records import TokenEntry, extract_token_fields, strip_token_fields
+
+__all__ = [
+    "CaptureContext",
+    "cancel_call_intent",
+    "capture_tokens",
+    "commit_entry",
+    "current_capture_context",
+    "logger",
+    "register_call_intent",
+    "reset_token_sink",
+    "set_token_sink",
+    "token_entry_from_response",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CaptureContext:
+    """The identity of one model call and the sink its tokens go to.
+
+    ``token_sink=None`` means another process stages the records and only the identity travels;
+    the process-installed sink, if any, is used instead.
+    ``committed`` turns true after the call's entry was stored, so a second capture is a no-op.
+    """
+
+    rollout_id: str
+    model_call_id: str
+    token_sink: TokenSink | None
+    model: str = ""
+    committed: bool = False
+
+
+_CURRENT_CONTEXT: ContextVar[CaptureContext | None] = ContextVar("tokcap_capture_context", default=None)
+
+
+def set_token_sink(context: CaptureContext) -> Token[CaptureContext | None]:
+    """Open a capture context for the current task; pass the token to ``reset_token_sink`` afterwards."""
+    return _CURRENT_CONTEXT.set(context)
+
+
+def reset_token_sink(token: Token[CaptureContext | None]) -> None:
+    """Restore the context that was current before the matching ``set_token_sink``."""
+    _CURRENT_CONTEXT.reset(token)
+
+
+def current_capture_context() -> CaptureContext | None:
+    """The capture context of the current task, or ``None`` for untagged traffic."""
+    return _CURRENT_CONTEXT.get()
+
+
+def _sink_for(context: CaptureContext) -> TokenSink | None:
+    """A context's own sink wins over the process-installed sink."""
+    return context.token_sink if context.token_sink is not None else installed_token_sink()
+
+
+def _optional_call_method(sink: TokenSink, name: str) -> Callable[[str, str], Awaitable[None]] | None:
+    """A sink's optional ``begin_call``/``cancel_call``; the protocol does not require them."""
+    method = getattr(sink, name, None)
+    return cast("Callable[[str, str], Awaitable[None]]", method) if callable(method) else None
+
+
+async def register_call_intent() -> None:
+    """Record, before dispatch, that the current call is about to generate.
+
+    A sink without ``begin_call``, or no context, makes this a no-op.
+    A failure propagates on purpose: the model call fails before generation and nothing is lost.
+    """
+    context = current_capture_context()
+    if context is None:
+        return
+    sink = _sink_for(context)
+    if sink is None:
+        return
+    begin_call = _optional_call_method(sink, "begin_call")
+    if begin_call is None:
+        return
+    await begin_call(context.rollout_id, context.model_call_id)
+
+
+async def cancel_call_intent() -> None:
+    """Close the current call's intent when it ended without generation (for example, the request failed).
+
+    A failure is logged, not raised: the dangling intent then masks the rollout at freeze, which is safe.
+    """
+    context = current_capture_context()
+    if context is None or context.committed:
+        return
+    sink = _sink_for(context)
+    if sink is None:
+        return
+    cancel_call = _optional_call_method(sink, "cancel_call")
+    if cancel_call is None:
+        return
+    try:
+        await cancel_call(context.rollout_id, context.model_call_id)
+    except Exception:
+        logger.exception(
+            "could not cancel the intent of call %r of rollout %r; the dangling intent will mask the rollout",
+            context.model_call_id,
+            context.rollout_id,
+        )
+
+
+def _response_as_mapping(response: Any) -> Mapping[str, Any]:
+    """Accept a pydantic model or a mapping; anything else is unsupported."""
+    if isinstance(response, BaseModel):
+        return cast("Mapping[str, Any]", response.model_dump(mode="json"))
+    if isinstance(response, Mapping):
+        return response
+    raise TokenExtractionError(
+        f"cannot capture tokens from a {type(response).__name__}; pass the pydantic model or dict response"
+    )
+
+
+def _content_items(payload: Mapping[str, Any]) -> Sequence[Any]:
+    """The items that may carry token arrays: Responses ``output`` or Chat Completions choice messages."""
+    output = payload.get("output")
+    if isinstance(output, list):
+        return output
+    choices = payload.get("choices")
+    if isinstance(choices, list):
+        return [choice.get("message") if isinstance(choice, Mapping) else None for choice in choices]
+    return []
+
+
+def token_entry_from_response(context: CaptureContext, response: Any) -> TokenEntry | None:
+    """Build the call's ``TokenEntry`` from a model response; ``None`` when it carries no token ids.
+
+    The content items are kept without their token arrays, and ``token_item_index`` records which kept item
+    carried them.
+    Raise ``TokenExtractionError`` for an unsupported response type or for partial or ambiguous
+    token metadata, and a pydantic ``ValidationError`` (a ``ValueError``) when the arrays disagree.
+    """
+    payload = _response_as_mapping(response)
+    fields = extract_token_fields(payload)
+    if fields is None:
+        return None
+    kept_items: list[dict[str, Any]] = []
+    token_item_index: int | None = None
+    for index, item in enumerate(_content_items(payload)):
+        if not isinstance(item, Mapping):
+            continue
+        if index == fields.item_index:
+            token_item_index = len(kept_items)
+        kept_items.append(strip_token_fields(item))
+    payload_model = payload.get("model")
+    return TokenEntry(
+        rollout_id=context.rollout_id,
+        model_call_id=context.model_call_id,
+        model=context.model or (payload_model if isinstance(payload_model, str) else ""),
+        prompt_token_ids=fields.prompt_token_ids,
+        generation_token_ids=fields.generation_token_ids,
+        generation_log_probs=fields.generation_log_probs,
+        routed_experts=fields.routed_experts,
+        output_items=kept_items,
+        token_item_index=token_item_index,
+    )
+
+
+async def _mark_call_lost(context: CaptureContext, sink: TokenSink, reason: str) -> None:
+    """Durably mark the rollout incomplete; if that fails too, say loudly which rollout is at risk."""
+    logger.error(
+        "token capture lost call %r of rollout %r: %s; marking the rollout incomplete",
+        context.model_call_id,
+        context.rollout_id,
+        reason,
+    )
+    mark_incomplete = getattr(sink, "mark_incomplete", None)
+    if not callable(mark_incomplete):
+        logger.error(
+            "sink %s has no mark_incomplete: rollout %r lost call %r and nothing durable records it; "
+            "only a dangling intent (if begin_call ran) will mask it",
+            type(sink).__name__,
+            context.rollout_id,
+            context.model_call_id,
+        )
+        return
+    try:
+        await mark_incomplete(context.rollout_id, context.model_call_id)
+    except Exception:
+        logger.exception(
+            "could not mark rollout %r incomplete after losing call %r; the dangling intent of that call "
+            "must mask the rollout at freeze",
+            context.rollout_id,
+            context.model_call_id,
+        )
+
+
+async def _put_entry(context: CaptureContext, sink: TokenSink, entry: TokenEntry) -> bool:
+    """Store the entry; on failure mark the rollout incomplete. Return whether the entry was stored."""
+    try:
+        await sink.put(entry)
+    except Exception as exc:
+        await _mark_call_lost(context, sink, f"put failed: {type(exc).__name__}: {exc}")
+        return False
+    context.committed = True
+    return True
+
+
+async def capture_tokens(response: Any) -> TokenEntry | None:
+    """Store the current call's tokens from its model response; return the stored entry, else ``None``.
+
+    A response with no token ids, an unsupported type or a build error marks the rollout incomplete.
+    Nothing happens without a context, without a sink, or when the call was already committed.
+    This never raises into the model call.
+    """
+    context = current_capture_context()
+    if context is None or context.committed:
+        return None
+    sink = _sink_for(context)
+    if sink is None:
+        return None
+    try:
+        entry = token_entry_from_response(context, response)
+    except Exception as exc:
+        await _mark_call_lost(context, sink, f"could not build the entry: {type(exc).__name__}: {exc}")
+        return None
+    if entry is None:
+        await _mark_call_lost(context, sink, "the response carries no token ids")
+        return None
+    return entry if await _put_entry(context, sink, entry) else None
+
+
+async def commit_entry(entry: TokenEntry) -> bool:
+    """Store an entry built engine-side, which already has the arrays; return whether it was stored.
+
+    An entry whose rollout id or call id differs from the context's marks the context's rollout incomplete.
+    Nothing happens without a context, without a sink, or when the call was already committed.
+    This never raises into the model call.
+    """
+    context = current_capture_context()
+    if context is None or context.committed:
+        return False
+    sink = _sink_for(context)
+    if sink is None:
+        return False
+    if (entry.rollout_id, entry.model_call_id) != (context.rollout_id, context.model_call_id):
+        await _mark_call_lost(
+            context,
+            sink,
+            f"the entry names rollout {entry.rollout_id!r} call {entry.model_call_id!r}, not the context's",
+        )
+        return False
+    return await _put_entry(context, sink, entry)
