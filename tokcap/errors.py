@@ -14,7 +14,8 @@ Error tree::
     │   ├── TokenExtractionError
     │   ├── ConflictingEntryError
     │   ├── EventDecodeError
-    │   └── UnknownBuilderError
+    │   ├── UnknownBuilderError
+    │   └── UndeliverableBuilderError
     ├── ConfigError (ValueError)
     │   └── SinkConfigError
     ├── RolloutClosedError (RuntimeError)
@@ -22,6 +23,9 @@ Error tree::
     │   └── RolloutRetiredError
     ├── StoreCorruptionError (RuntimeError)
     ├── MaskFractionExceededError (RuntimeError)
+    ├── TrajectoryBuildError (RuntimeError)
+    │   ├── ChainValidationError
+    │   └── PrefixContiguityError
     └── TransportError (RuntimeError)
         ├── DeliveryError
         ├── DeliveryTimeoutError
@@ -51,6 +55,10 @@ __all__ = [
     "StoreCorruptionError",
     "TokcapError",
     "TokenExtractionError",
+    "ChainValidationError",
+    "PrefixContiguityError",
+    "TrajectoryBuildError",
+    "UndeliverableBuilderError",
     "TopicMismatchError",
     "TransportError",
     "UnknownBuilderError",
@@ -140,3 +148,19 @@ class DeliveryTimeoutError(TransportError):
 
 class TopicMismatchError(TransportError):
     """An existing topic has settings other than the ones requested."""
+
+
+class UndeliverableBuilderError(InvalidInputError):
+    """A builder that yields several chains per rollout was asked for single-response delivery."""
+
+
+class TrajectoryBuildError(TokcapError, RuntimeError):
+    """A frozen snapshot could not be turned into trajectories; the consumer masks the rollout."""
+
+
+class ChainValidationError(TrajectoryBuildError):
+    """A built chain breaks its own invariant: a link's prompt does not extend the previous link."""
+
+
+class PrefixContiguityError(TrajectoryBuildError):
+    """A projected response's token arrays do not concatenate to the chain's full sequence."""
