@@ -36,6 +36,7 @@ __all__ = [
     "RetireEvent",
     "decode_event",
     "encode_event",
+    "event_from_mapping",
 ]
 
 EVENT_SCHEMA_VERSION = 1

@@ -68,6 +68,12 @@ from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.state import Lifecycle, Rejection, RolloutState
 
 __all__ = [
+    "ENTRIES_SUFFIX",
+    "FENCE_SUFFIX",
+    "INCOMPLETE_SUFFIX",
+    "INTENTS_SUFFIX",
+    "LOCK_SUFFIX",
+    "STATE_SUFFIX",
     "ApplyOutcome",
     "ApplyResult",
     "TokenCaptureStore",
