@@ -1,6 +1,7 @@
 """Every tokcap module declares its public surface completely in ``__all__``.
 
 A public name is one a module binds at top level (def, class or assignment) without a leading underscore.
+Type variables are exempt: they are typing plumbing, not API a caller imports.
 Names a module imports from elsewhere are not its own; listing them in ``__all__`` is a re-export and allowed.
 """
 
@@ -29,13 +30,25 @@ _MODULE_PATHS = sorted(_PACKAGE_DIR.rglob("*.py"))
 _MODULES = {_module_name(path): path for path in _MODULE_PATHS}
 
 
+_TYPE_VARIABLE_FACTORIES = frozenset({"TypeVar", "ParamSpec", "TypeVarTuple"})
+
+
+def _is_type_variable(value: ast.expr) -> bool:
+    """Type variables are typing plumbing, not API a caller imports."""
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return name in _TYPE_VARIABLE_FACTORIES
+
+
 def defined_public_names(source: str) -> set[str]:
     """Names bound at a module's top level by def, class or assignment, without a leading underscore."""
     names: set[str] = set()
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
-        elif isinstance(node, ast.Assign):
+        elif isinstance(node, ast.Assign) and not _is_type_variable(node.value):
             for target in node.targets:
                 names.update(element.id for element in ast.walk(target) if isinstance(element, ast.Name))
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -51,6 +64,7 @@ def test_the_public_name_scan_finds_defs_classes_and_assignments_but_not_imports
     source = (
         "import os\nfrom json import loads\nCONSTANT = 1\n_PRIVATE = 2\nlogger: object = None\n"
         "def function(): ...\nasync def coroutine(): ...\nclass Thing: ...\ndef _helper(): ...\n"
+        "T = TypeVar('T')\nP = typing.ParamSpec('P')\n"
     )
     assert defined_public_names(source) == {"CONSTANT", "logger", "function", "coroutine", "Thing"}
 
