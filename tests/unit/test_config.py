@@ -553,3 +553,16 @@ def test_no_store_is_made_when_no_directory_resolves_and_gym_does_not_rebuild() 
 def test_make_token_store_refuses_an_invalid_config() -> None:
     with pytest.raises(ConfigError, match="absolute"):
         make_token_store({TOKEN_ID_CAPTURE_BLOCK: {"enabled": True, "dir": "relative"}})
+
+
+def test_a_top_level_capture_dir_beside_a_sink_logs_no_warning(
+    sink_module: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="tokcap.config"):
+        token_id_capture_config(
+            {
+                TOKEN_ID_CAPTURE_BLOCK: {"enabled": True, "sink": f"{sink_module}:GoodSink"},
+                "model_call_capture_dir": str(tmp_path),
+            }
+        )
+    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
