@@ -30,6 +30,7 @@ import asyncio
 import enum
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ from typing import Any
 import orjson
 from filelock import FileLock
 
-from tokcap.durable_io import append_durably, fsync_directory, remove_if_exists, replace_atomically
+from tokcap.durable_io import append_durably, remove_if_exists, replace_atomically
 from tokcap.errors import (
     ConflictingEntryError,
     InvalidInputError,
@@ -62,6 +63,7 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
+from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.records import TokenEntry, entry_digest
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
@@ -140,6 +142,52 @@ class TokenCaptureStore:
     def __init__(self, root: str | Path) -> None:
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)
+        self._commit = GroupCommitter(filesystem_sync_for(self._root))
+        self._deferral = threading.local()
+
+    @property
+    def commit_stats(self) -> dict[str, int]:
+        """How many filesystem syncs this store instance has run; benchmarks report it."""
+        return {"syncs": self._commit.syncs}
+
+    # ------------------------------------------------------------ durability
+
+    def _append(self, path: Path, data: bytes) -> int:
+        """Append one line; it becomes durable at the operation's barrier, before the caller returns."""
+        start = append_durably(path, data, durable=False)
+        self._commit.note_write()
+        return start
+
+    def _barrier(self) -> None:
+        """Wait until every write noted so far is durable, sharing one sync with concurrent writers."""
+        self._commit.wait_durable()
+
+    def _forced_barrier(self) -> None:
+        """Sync even if this instance wrote nothing: another process may have removed files without syncing yet."""
+        self._commit.note_write()
+        self._commit.wait_durable()
+
+    def _end_of_operation(self) -> None:
+        """Make the operation durable now, unless the caller batches durability (a materializer)."""
+        if not getattr(self._deferral, "active", False):
+            self._barrier()
+
+    @contextmanager
+    def deferred_durability(self) -> Iterator[None]:
+        """Apply many events and make them durable together at the end of the block.
+
+        Inside the block, operations return before their writes are durable.
+        Ordering barriers (a fence before the removals it guards) still sync at once.
+        Only a single-writer projection that records its own checkpoint after the block should use this.
+        """
+        previous = getattr(self._deferral, "active", False)
+        self._deferral.active = True
+        try:
+            yield
+        finally:
+            self._deferral.active = previous
+        if not previous:
+            self._barrier()
 
     @property
     def root(self) -> Path:
@@ -202,11 +250,14 @@ class TokenCaptureStore:
             return state if state is not None else RolloutState(rollout_id=rollout_id)
         return RolloutState.decode(fence_bytes, str(fence_path))
 
-    def _write_state(self, state: RolloutState, *, durable: bool, sync_root: bool = False) -> None:
-        """Replace the state file atomically; fsync it (and the directory) when the change must survive power loss."""
-        replace_atomically(self.state_path_for(state.rollout_id), state.encode(), durable=durable)
-        if sync_root:
-            fsync_directory(self._root)
+    def _write_state(self, state: RolloutState, *, durable: bool) -> None:
+        """Replace the state file atomically; a durable change is synced before the operation returns.
+
+        A non-durable change (a new entry's index) can be rebuilt from the JSONL tail after a crash.
+        """
+        replace_atomically(self.state_path_for(state.rollout_id), state.encode(), durable=False)
+        if durable:
+            self._commit.note_write()
 
     def _sync_entry_index(self, state: RolloutState) -> bool:
         """Reconcile the entry index with any durable JSONL tail; return whether the state changed.
@@ -309,20 +360,27 @@ class TokenCaptureStore:
             state = self._read_state(rollout_id)
             if state.already_applied(position):
                 return ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, rollout_id)
-            if isinstance(event, PutEvent):
-                return self._apply_put(state, event.entry, position)
-            if isinstance(event, IntentEvent | CancelEvent):
-                return self._apply_intent_op(state, event, position)
-            if isinstance(event, IncompleteEvent):
-                return self._apply_incomplete(state, event, position)
-            if isinstance(event, FreezeEvent):
-                return self._apply_freeze(state, position)
-            if isinstance(event, DropEvent):
-                return self._apply_drop(state, event, position)
-            if isinstance(event, RetireEvent):
-                return self._apply_retire(state, position)
-            if isinstance(event, DeleteEvent):
-                return self._apply_delete(rollout_id)
+            result = self._dispatch(state, event, position)
+            self._end_of_operation()
+            return result
+
+    def _dispatch(self, state: RolloutState, event: Event, position: LogPosition | None) -> ApplyResult:
+        """Route an event to the rule that applies it; the caller holds the lock."""
+        rollout_id = state.rollout_id
+        if isinstance(event, PutEvent):
+            return self._apply_put(state, event.entry, position)
+        if isinstance(event, IntentEvent | CancelEvent):
+            return self._apply_intent_op(state, event, position)
+        if isinstance(event, IncompleteEvent):
+            return self._apply_incomplete(state, event, position)
+        if isinstance(event, FreezeEvent):
+            return self._apply_freeze(state, position)
+        if isinstance(event, DropEvent):
+            return self._apply_drop(state, event, position)
+        if isinstance(event, RetireEvent):
+            return self._apply_retire(state, position)
+        if isinstance(event, DeleteEvent):
+            return self._apply_delete(rollout_id)
         raise InvalidInputError(f"cannot apply an event of type {type(event).__name__}")
 
     def _reject_late(
@@ -385,7 +443,7 @@ class TokenCaptureStore:
                 call_id,
                 detail="a different payload was already stored for this call id; the rollout is incomplete",
             )
-        start = append_durably(self.path_for(state.rollout_id), canonical + b"\n")
+        start = self._append(self.path_for(state.rollout_id), canonical + b"\n")
         if start != state.indexed_size:
             raise StoreCorruptionError(
                 f"{self.path_for(state.rollout_id)} grew outside the rollout lock (expected {state.indexed_size} "
@@ -413,7 +471,7 @@ class TokenCaptureStore:
         if not state.is_open:
             return self._reject_late(state, event.type, call_id, position)
         line = orjson.dumps({"model_call_id": call_id, "op": op}, option=orjson.OPT_SORT_KEYS) + b"\n"
-        append_durably(self.intents_path_for(state.rollout_id), line)
+        self._append(self.intents_path_for(state.rollout_id), line)
         if position is not None:
             state.record_position(position)
             self._write_state(state, durable=False)
@@ -424,7 +482,7 @@ class TokenCaptureStore:
         mark = {"model_call_id": call_id, "reason": reason}
         if mark not in self._incomplete_marks(state.rollout_id):
             line = orjson.dumps(mark, option=orjson.OPT_SORT_KEYS) + b"\n"
-            append_durably(self.incomplete_path_for(state.rollout_id), line)
+            self._append(self.incomplete_path_for(state.rollout_id), line)
         state.incomplete = True
 
     def _apply_incomplete(
@@ -476,7 +534,7 @@ class TokenCaptureStore:
         state.advance(Lifecycle.FROZEN)
         state.version += 1
         state.record_position(position)
-        self._write_state(state, durable=True, sync_root=True)
+        self._write_state(state, durable=True)
         return ApplyResult(
             ApplyOutcome.ACCEPTED,
             EventType.FREEZE,
@@ -519,16 +577,16 @@ class TokenCaptureStore:
         """Fence, make the fence durable, then remove the records; return whether anything was removed."""
         had_records = self._has_records(state.rollout_id)
         self._write_fence_unlocked(state, position)
-        fsync_directory(self._root)
+        self._barrier()
         self._finish_retire_unlocked(state)
-        fsync_directory(self._root)
         return had_records
 
     def _write_fence_unlocked(self, state: RolloutState, position: LogPosition | None) -> None:
         """Turn the state into its retired form and write it as the fence, fsynced."""
         state.advance(Lifecycle.RETIRED)
         state.record_position(position)
-        replace_atomically(self.fence_path_for(state.rollout_id), state.encode(), durable=True)
+        replace_atomically(self.fence_path_for(state.rollout_id), state.encode(), durable=False)
+        self._commit.note_write()
 
     def _finish_retire_unlocked(self, state: RolloutState) -> None:
         """Remove payloads and record the retired state; safe to repeat after a crash."""
@@ -557,11 +615,13 @@ class TokenCaptureStore:
             self.incomplete_path_for(rollout_id),
         ):
             removed = remove_if_exists(path) or removed
+        if removed:
+            self._commit.note_write()
         return removed
 
     def _apply_delete(self, rollout_id: str) -> ApplyResult:
         removed = self._delete_unlocked(rollout_id)
-        fsync_directory(self._root)
+        self._forced_barrier()
         return ApplyResult(
             ApplyOutcome.ACCEPTED if removed else ApplyOutcome.NOOP,
             EventType.DELETE,
@@ -573,6 +633,8 @@ class TokenCaptureStore:
         removed = self._remove_record_files(rollout_id)
         for path in (self.state_path_for(rollout_id), self.fence_path_for(rollout_id)):
             removed = remove_if_exists(path) or removed
+        if removed:
+            self._commit.note_write()
         return removed
 
     # ------------------------------------------------------------------ reads
@@ -700,6 +762,7 @@ class TokenCaptureStore:
             state = self._read_state(rollout_id)
             result = self._apply_freeze(state, None)
             self._raise_for(result)
+            self._barrier()
             return self._snapshot_locked(rollout_id)
 
     def drop_now(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
@@ -724,12 +787,12 @@ class TokenCaptureStore:
                 had_records[rollout_id] = not state.retired and self._has_records(rollout_id)
                 if not self.fence_path_for(rollout_id).exists():
                     self._write_fence_unlocked(state, None)
-        fsync_directory(self._root)
+        self._forced_barrier()
         for rollout_id in ids:
             with self._locked(rollout_id):
                 state = self._read_state(rollout_id)
                 self._finish_retire_unlocked(state)
-        fsync_directory(self._root)
+        self._barrier()
         return RolloutRemovalPayload(
             removed=tuple(rid for rid in ids if had_records[rid]),
             not_found=tuple(rid for rid in ids if not had_records[rid]),
@@ -748,7 +811,7 @@ class TokenCaptureStore:
         for rollout_id in ids:
             with self._locked(rollout_id):
                 removed[rollout_id] = self._delete_unlocked(rollout_id)
-        fsync_directory(self._root)
+        self._forced_barrier()
         return RolloutRemovalPayload(
             removed=tuple(rid for rid in ids if removed[rid]),
             not_found=tuple(rid for rid in ids if not removed[rid]),
