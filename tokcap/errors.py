@@ -29,7 +29,8 @@ Error tree::
     └── TransportError (RuntimeError)
         ├── DeliveryError
         ├── DeliveryTimeoutError
-        └── TopicMismatchError
+        ├── TopicMismatchError
+        └── MaterializerFailedError
 
 Errors carry the rollout id and the model call id where one applies, so a
 log line names the exact turn that was lost.
@@ -46,6 +47,7 @@ __all__ = [
     "InvalidInputError",
     "InvalidRolloutIdError",
     "MaskFractionExceededError",
+    "MaterializerFailedError",
     "NewerSchemaError",
     "RecordValidationError",
     "RolloutClosedError",
@@ -164,3 +166,7 @@ class ChainValidationError(TrajectoryBuildError):
 
 class PrefixContiguityError(TrajectoryBuildError):
     """A projected response's token arrays do not concatenate to the chain's full sequence."""
+
+
+class MaterializerFailedError(TransportError):
+    """The materializer stopped on an error it must not skip (a damaged store, a truncated topic)."""

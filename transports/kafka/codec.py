@@ -1,0 +1,289 @@
+"""Events as Kafka messages, and back.
+
+A message is keyed by the rollout id, so a rollout's events stay in order in one partition.
+Headers carry the event type, the event schema version, the writer id and the value encoding.
+
+Values:
+
+- ``json``: the canonical ``tokcap.events`` encoding (every event but ``put``).
+- ``packed``: a ``put`` event with its token arrays packed as binary, so a long prompt stays small.
+  Layout: magic ``TKP1``, a little-endian u32 length, the event's JSON without the three arrays
+  (which instead lists each array's dtype and count), then the arrays' bytes in that order.
+  Ids are ``<i4`` when they fit, else ``<i8``; log probs are ``<f8``, so every value round-trips exactly.
+  A put whose ids do not fit in 64 bits falls back to ``json``.
+
+A value larger than the chunk size is split into chunk messages that carry
+``(group id, index, count, sha256 of the whole value)`` headers; the materializer reassembles them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from tokcap.errors import EventDecodeError, NewerSchemaError
+from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event, event_from_mapping
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ChunkHeader",
+    "OutgoingMessage",
+    "decode_event_value",
+    "encode_event_messages",
+    "encode_event_value",
+    "headers_to_dict",
+    "read_chunk_header",
+]
+
+DEFAULT_CHUNK_BYTES = 900_000
+"""Largest value sent in one message; below the producer's and broker's default 1 MB limits."""
+
+HEADER_TYPE = "tokcap.type"
+HEADER_SCHEMA = "tokcap.schema_version"
+HEADER_WRITER = "tokcap.writer"
+HEADER_ENCODING = "tokcap.encoding"
+HEADER_CHUNK_GROUP = "tokcap.chunk.group"
+HEADER_CHUNK_INDEX = "tokcap.chunk.index"
+HEADER_CHUNK_COUNT = "tokcap.chunk.count"
+HEADER_CHUNK_DIGEST = "tokcap.chunk.sha256"
+
+ENCODING_JSON = "json"
+ENCODING_PACKED = "packed"
+
+_PACKED_MAGIC = b"TKP1"
+_ARRAY_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+_TYPECODES = {"<i4": "i", "<i8": "q", "<f8": "d"}
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    """One message ready for ``Producer.produce``."""
+
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Where a chunk belongs: its group, its place in it, and the digest of the reassembled value."""
+
+    group: str
+    index: int
+    count: int
+    digest: str
+
+    @property
+    def session(self) -> str:
+        """The producing sink instance; its chunks of one group are contiguous in its own output."""
+        return self.group.rsplit(":", 1)[0]
+
+
+def _int_dtype(values: list[int]) -> str | None:
+    """The narrowest dtype that holds every id, or ``None`` when some id needs more than 64 bits."""
+    if not values:
+        return "<i4"
+    low, high = min(values), max(values)
+    if _INT32[0] <= low and high <= _INT32[1]:
+        return "<i4"
+    if _INT64[0] <= low and high <= _INT64[1]:
+        return "<i8"
+    return None
+
+
+def _pack_array(values: list[Any], dtype: str) -> bytes:
+    packed = array(_TYPECODES[dtype], values)
+    if not _LITTLE_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack_array(data: bytes, dtype: str) -> list[Any]:
+    if dtype not in _TYPECODES:
+        raise EventDecodeError(f"packed put uses unknown dtype {dtype!r}")
+    unpacked = array(_TYPECODES[dtype])
+    unpacked.frombytes(data)
+    if not _LITTLE_ENDIAN:
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
+def _pack_put(event: PutEvent) -> bytes | None:
+    """The packed value of a put event, or ``None`` when an id does not fit in 64 bits."""
+    mapping = event.model_dump(mode="json")
+    entry = mapping["entry"]
+    descriptors: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for name in _ARRAY_FIELDS:
+        values = entry.pop(name)
+        dtype = "<f8" if name == "generation_log_probs" else _int_dtype(values)
+        if dtype is None:
+            return None
+        blob = _pack_array(values, dtype)
+        descriptors.append({"field": name, "dtype": dtype, "count": len(values)})
+        blobs.append(blob)
+    mapping["arrays"] = descriptors
+    head = orjson.dumps(mapping, option=orjson.OPT_SORT_KEYS)
+    return b"".join([_PACKED_MAGIC, struct.pack("<I", len(head)), head, *blobs])
+
+
+def _unpack_put(value: bytes) -> dict[str, Any]:
+    """Rebuild the JSON mapping of a packed put event."""
+    if len(value) < 8 or value[:4] != _PACKED_MAGIC:
+        raise EventDecodeError("packed put value does not start with the TKP1 magic")
+    (head_length,) = struct.unpack_from("<I", value, 4)
+    head_end = 8 + head_length
+    if head_end > len(value):
+        raise EventDecodeError("packed put value is shorter than its header claims")
+    try:
+        mapping = orjson.loads(value[8:head_end])
+    except orjson.JSONDecodeError as exc:
+        raise EventDecodeError(f"packed put header is not valid JSON: {exc}") from exc
+    if not isinstance(mapping, dict) or not isinstance(mapping.get("entry"), dict):
+        raise EventDecodeError("packed put header must be an object with an entry object")
+    if isinstance(mapping.get("schema_version"), int) and mapping["schema_version"] > EVENT_SCHEMA_VERSION:
+        raise NewerSchemaError(
+            f"event schema_version {mapping['schema_version']} is newer than {EVENT_SCHEMA_VERSION}; "
+            "upgrade tokcap on the reader"
+        )
+    descriptors = mapping.pop("arrays", None)
+    if not isinstance(descriptors, list) or [
+        d.get("field") for d in descriptors if isinstance(d, dict)
+    ] != list(_ARRAY_FIELDS):
+        raise EventDecodeError(f"packed put header must describe the arrays {list(_ARRAY_FIELDS)} in order")
+    cursor = head_end
+    for descriptor in descriptors:
+        dtype, count = descriptor.get("dtype"), descriptor.get("count")
+        if dtype not in _TYPECODES or not isinstance(count, int) or count < 0:
+            raise EventDecodeError(f"packed put array descriptor {descriptor!r} is invalid")
+        size = count * (4 if dtype == "<i4" else 8)
+        if cursor + size > len(value):
+            raise EventDecodeError(f"packed put value is truncated inside array {descriptor['field']}")
+        mapping["entry"][descriptor["field"]] = _unpack_array(value[cursor : cursor + size], dtype)
+        cursor += size
+    if cursor != len(value):
+        raise EventDecodeError(f"packed put value has {len(value) - cursor} trailing bytes")
+    return dict(mapping)
+
+
+def encode_event_value(event: Event) -> tuple[str, bytes]:
+    """The value bytes of an event and the name of their encoding."""
+    if isinstance(event, PutEvent):
+        packed = _pack_put(event)
+        if packed is not None:
+            return ENCODING_PACKED, packed
+    return ENCODING_JSON, encode_event(event)
+
+
+def encode_event_messages(
+    event: Event,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    next_chunk_group: Callable[[], str],
+) -> list[OutgoingMessage]:
+    """The message, or chunk messages, that carry one event.
+
+    ``next_chunk_group`` names a chunk group ``<session>:<sequence>``; it is called only when chunking.
+    """
+    encoding, value = encode_event_value(event)
+    key = event.rollout_id.encode()
+    base_headers = [
+        (HEADER_TYPE, event.type.value.encode()),
+        (HEADER_SCHEMA, str(event.schema_version).encode()),
+        (HEADER_WRITER, event.writer.encode()),
+        (HEADER_ENCODING, encoding.encode()),
+    ]
+    if len(value) <= chunk_bytes:
+        return [OutgoingMessage(key, value, base_headers)]
+    group = next_chunk_group()
+    digest = hashlib.sha256(value).hexdigest()
+    count = -(-len(value) // chunk_bytes)
+    return [
+        OutgoingMessage(
+            key,
+            value[index * chunk_bytes : (index + 1) * chunk_bytes],
+            [
+                *base_headers,
+                (HEADER_CHUNK_GROUP, group.encode()),
+                (HEADER_CHUNK_INDEX, str(index).encode()),
+                (HEADER_CHUNK_COUNT, str(count).encode()),
+                (HEADER_CHUNK_DIGEST, digest.encode()),
+            ],
+        )
+        for index in range(count)
+    ]
+
+
+def headers_to_dict(
+    headers: Iterable[tuple[str, str | bytes | None]] | Mapping[str, str | bytes | None] | None,
+) -> dict[str, str]:
+    """Message headers as text; undecodable header bytes make the event undecodable."""
+    result: dict[str, str] = {}
+    pairs = headers.items() if isinstance(headers, Mapping) else (headers or ())
+    for name, raw in pairs:
+        if isinstance(raw, str):
+            result[name] = raw
+            continue
+        try:
+            result[name] = (raw or b"").decode()
+        except UnicodeDecodeError as exc:
+            raise EventDecodeError(f"header {name!r} is not UTF-8") from exc
+    return result
+
+
+def _header_int(headers: Mapping[str, str], name: str) -> int:
+    try:
+        return int(headers[name])
+    except (KeyError, ValueError) as exc:
+        raise EventDecodeError(f"header {name!r} is missing or not an integer") from exc
+
+
+def read_chunk_header(headers: Mapping[str, str]) -> ChunkHeader | None:
+    """The chunk header of a message, ``None`` for a whole event; a partial chunk header is an error."""
+    names = (HEADER_CHUNK_GROUP, HEADER_CHUNK_INDEX, HEADER_CHUNK_COUNT, HEADER_CHUNK_DIGEST)
+    present = [name for name in names if name in headers]
+    if not present:
+        return None
+    if len(present) != len(names):
+        raise EventDecodeError(f"chunk headers are incomplete: only {present}")
+    header = ChunkHeader(
+        group=headers[HEADER_CHUNK_GROUP],
+        index=_header_int(headers, HEADER_CHUNK_INDEX),
+        count=_header_int(headers, HEADER_CHUNK_COUNT),
+        digest=headers[HEADER_CHUNK_DIGEST],
+    )
+    if header.count < 2 or not 0 <= header.index < header.count or not header.group:
+        raise EventDecodeError(f"chunk header {header} is inconsistent")
+    return header
+
+
+def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
+    """Decode a whole (or reassembled) value; newer schemas raise ``NewerSchemaError``."""
+    schema = headers.get(HEADER_SCHEMA)
+    if schema is not None and schema.isdigit() and int(schema) > EVENT_SCHEMA_VERSION:
+        raise NewerSchemaError(
+            f"event schema_version {schema} is newer than {EVENT_SCHEMA_VERSION}; upgrade tokcap on the reader"
+        )
+    encoding = headers.get(HEADER_ENCODING, ENCODING_JSON)
+    if encoding == ENCODING_PACKED:
+        event = event_from_mapping(_unpack_put(value))
+        if not isinstance(event, PutEvent):
+            raise EventDecodeError(f"a packed value must be a put event, got {event.type.value}")
+        return event
+    if encoding != ENCODING_JSON:
+        raise EventDecodeError(f"unknown value encoding {encoding!r}")
+    try:
+        raw = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise EventDecodeError(f"event is not valid JSON: {exc}") from exc
+    return event_from_mapping(raw)

@@ -1,0 +1,688 @@
+"""The materializer: applies the run topic's events, in log order, to a local file store.
+
+It reads each assigned partition from its own checkpoint (``kafka-checkpoint-p<N>.json`` in the
+store directory), not from consumer-group offsets, and applies every event through
+``TokenCaptureStore.apply`` with the event's log position.
+
+Exactly-once argument, per partition:
+
+- The checkpoint holds ``next_offset`` (every offset below it was processed) and the offsets of the
+  chunks of still-open chunk groups. It is replaced atomically after each applied batch.
+- On start, reading resumes at the smallest of those; below ``next_offset`` only the listed chunk
+  offsets are taken (to rebuild the open groups) and everything else is skipped, so nothing is applied twice.
+- Events at or after ``next_offset`` may have been applied just before a crash; the store skips an
+  event at or before its rollout's last applied position, and a rollout deleted in that window is
+  rebuilt and deleted again by the same events, so the end state is the same.
+- Dead-letter lines are deduplicated by offset and written in processing order, so a resumed run
+  writes exactly the lines a clean run writes.
+
+An event that cannot be decoded, has an unknown type or a newer schema, or a chunk group that can
+never complete, goes to ``kafka-dead-letter-p<N>.jsonl`` with its partition, offset and reason;
+where the key is a valid rollout id that rollout is marked incomplete. Consumption never stalls on one.
+
+Run it in a thread (``start``/``stop``) or as a process::
+
+    python -m transports.kafka.materializer --bootstrap HOST:PORT --topic TOPIC --dir STORE_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from tokcap.durable_io import append_durably, fsync_directory, replace_atomically
+from tokcap.errors import (
+    EventDecodeError,
+    InvalidRolloutIdError,
+    MaterializerFailedError,
+    NewerSchemaError,
+    StoreCorruptionError,
+)
+from tokcap.events import Event, IncompleteEvent, LogPosition
+from tokcap.rollout_ids import validate_rollout_id
+from tokcap.store import ApplyResult, TokenCaptureStore
+from transports.kafka.codec import ChunkHeader, decode_event_value, headers_to_dict, read_chunk_header
+from transports.kafka.topics import validate_topic_name
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "DEAD_LETTER_PREFIX",
+    "MATERIALIZER_WRITER",
+    "ORPHAN_AFTER_OFFSETS",
+    "Materializer",
+    "PartitionCheckpoint",
+    "main",
+]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "kafka-checkpoint-p"
+"""Checkpoint of partition N: ``kafka-checkpoint-p<N>.json``."""
+
+DEAD_LETTER_PREFIX = "kafka-dead-letter-p"
+"""Dead-letter record of partition N: ``kafka-dead-letter-p<N>.jsonl``."""
+
+MATERIALIZER_WRITER = "tokcap-materializer"
+"""Writer id of the incomplete markers the materializer itself applies."""
+
+ORPHAN_AFTER_OFFSETS = 100_000
+"""A chunk group still open this many offsets after its first chunk will never complete."""
+
+_BATCH_SIZE = 500
+_POLL_TIMEOUT_S = 0.2
+_RESULTS_KEPT = 10_000
+_REASON_LIMIT = 600
+_STALE_TEMP = re.compile(r"\.tmp-(\d+)-\d+$")
+
+
+@dataclass
+class PartitionCheckpoint:
+    """How far one partition was applied, and which chunk offsets below that still matter."""
+
+    topic: str
+    partition: int
+    next_offset: int = 0
+    pending_chunk_offsets: list[int] = field(default_factory=list)
+
+    def resume_offset(self) -> int:
+        """Where reading must start: the first open chunk, or the next unprocessed offset."""
+        return min([self.next_offset, *self.pending_chunk_offsets])
+
+    def encode(self) -> bytes:
+        """Sorted-key JSON with a trailing newline, identical in every replay."""
+        return (
+            orjson.dumps(
+                {
+                    "next_offset": self.next_offset,
+                    "partition": self.partition,
+                    "pending_chunk_offsets": sorted(self.pending_chunk_offsets),
+                    "topic": self.topic,
+                },
+                option=orjson.OPT_SORT_KEYS,
+            )
+            + b"\n"
+        )
+
+    @classmethod
+    def load(cls, path: Path, topic: str, partition: int) -> PartitionCheckpoint:
+        """Read a checkpoint; a missing one starts at offset 0, one of another topic is refused."""
+        try:
+            raw = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            return cls(topic, partition)
+        except orjson.JSONDecodeError as exc:
+            raise StoreCorruptionError(
+                f"checkpoint {path} is not valid JSON ({exc}); replay into a new directory"
+            ) from exc
+        if raw.get("topic") != topic or raw.get("partition") != partition:
+            raise MaterializerFailedError(
+                f"{path} belongs to topic {raw.get('topic')!r} partition {raw.get('partition')!r}, not {topic!r} "
+                f"partition {partition}; give each topic its own store directory"
+            )
+        return cls(
+            topic, partition, int(raw["next_offset"]), [int(o) for o in raw.get("pending_chunk_offsets", [])]
+        )
+
+
+class DeadLetterLog:
+    """One partition's dead-letter lines; each offset is written at most once."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._offsets: set[int] = set()
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return
+        complete = data[: data.rfind(b"\n") + 1]
+        if len(complete) != len(data):
+            with path.open("r+b") as handle:
+                handle.truncate(len(complete))
+                os.fsync(handle.fileno())
+        for line in complete.splitlines():
+            self._offsets.add(int(orjson.loads(line)["offset"]))
+
+    def record(self, partition: int, offset: int, reason: str, rollout_id: str | None) -> bool:
+        """Append one durable line unless this offset already has one; return whether it was written."""
+        if offset in self._offsets:
+            return False
+        line = orjson.dumps(
+            {
+                "offset": offset,
+                "partition": partition,
+                "reason": reason[:_REASON_LIMIT],
+                "rollout_id": rollout_id,
+            },
+            option=orjson.OPT_SORT_KEYS,
+        )
+        append_durably(self._path, line + b"\n")
+        self._offsets.add(offset)
+        return True
+
+
+@dataclass
+class _OpenChunkGroup:
+    """The chunks of one large event received so far."""
+
+    header: ChunkHeader
+    key: bytes
+    headers: dict[str, str]
+    offsets: list[int]
+    pieces: list[bytes]
+
+
+@dataclass
+class _PartitionProgress:
+    """Runtime state of one partition: its checkpoint, open chunk groups and replay window."""
+
+    checkpoint: PartitionCheckpoint
+    dead_letters: DeadLetterLog
+    groups: dict[str, _OpenChunkGroup] = field(default_factory=dict)
+    replay_below: int = 0
+    replay_chunks: set[int] = field(default_factory=set)
+    written: bytes = b""
+
+
+def _rollout_of_key(key: bytes | None) -> str | None:
+    """The rollout id a message key names, or ``None`` when the key is not a valid id."""
+    if key is None:
+        return None
+    try:
+        return validate_rollout_id(key.decode())
+    except (UnicodeDecodeError, InvalidRolloutIdError):
+        return None
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Remove temporary files left by killed processes; a live process's temporary file is kept."""
+    removed: list[Path] = []
+    for path in directory.iterdir():
+        match = _STALE_TEMP.search(path.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        except PermissionError:
+            continue
+    return removed
+
+
+class Materializer:
+    """Consumes a run topic and projects it into a ``TokenCaptureStore`` directory."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        store_dir: str | Path,
+        partitions: Sequence[int] | None = None,
+        *,
+        consumer_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._bootstrap = bootstrap_servers
+        self._topic = validate_topic_name(topic)
+        self._store = TokenCaptureStore(store_dir)
+        self._requested_partitions = None if partitions is None else sorted(set(partitions))
+        self._consumer_config = dict(consumer_config or {})
+        self._progress: dict[int, _PartitionProgress] = {}
+        self._applied_next: dict[int, int] = {}
+        self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
+        self._condition = threading.Condition()
+        self._failure: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    # ---------------------------------------------------------------- public
+
+    @property
+    def store(self) -> TokenCaptureStore:
+        """The store this materializer writes."""
+        return self._store
+
+    @property
+    def topic(self) -> str:
+        """The topic this materializer reads."""
+        return self._topic
+
+    def start(self) -> None:
+        """Run in a background thread until ``stop``; returns once partitions are assigned."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run_guarded, name=f"tokcap-materializer-{self._topic}", daemon=True
+        )
+        self._thread.start()
+        self._ready.wait()
+        self._raise_if_failed()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the current batch, write its checkpoint and stop; idempotent."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def run_until_stopped(self) -> None:
+        """Run in the calling thread until ``request_stop`` (or a signal handler calling it)."""
+        self._run_guarded()
+        self._raise_if_failed()
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop after its current batch; safe from a signal handler."""
+        self._stop.set()
+
+    def applied_offsets(self) -> dict[int, int]:
+        """Per partition, the next offset to apply: every offset below it is applied and checkpointed."""
+        with self._condition:
+            return dict(self._applied_next)
+
+    def result_at(self, partition: int, offset: int) -> ApplyResult | None:
+        """The apply result of a recent event at this position, if still remembered."""
+        with self._condition:
+            return self._results.get((partition, offset))
+
+    def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
+        """Block until the event at this offset is applied; return ``False`` on timeout."""
+        with self._condition:
+            applied = self._condition.wait_for(
+                lambda: self._failure is not None or self._applied_next.get(partition, 0) > offset, timeout_s
+            )
+        self._raise_if_failed()
+        return bool(applied)
+
+    def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
+        """Per assigned partition, the offset after the last message currently in the log."""
+        consumer = Consumer(self._consumer_settings())
+        try:
+            partitions = self._partitions(consumer, timeout_s)
+            return {
+                p: int(consumer.get_watermark_offsets(TopicPartition(self._topic, p), timeout=timeout_s)[1])
+                for p in partitions
+            }
+        finally:
+            consumer.close()
+
+    def wait_until_caught_up(self, timeout_s: float = 60.0) -> bool:
+        """Block until everything in the log at call time is applied; return ``False`` on timeout."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for partition, high in self.high_watermarks().items():
+            if high == 0:
+                continue
+            if not self.wait_for(partition, high - 1, max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    # --------------------------------------------------------------- the loop
+
+    def _consumer_settings(self) -> dict[str, Any]:
+        return {
+            "fetch.wait.max.ms": 100,
+            **self._consumer_config,
+            "bootstrap.servers": self._bootstrap,
+            "group.id": f"tokcap-materializer-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "error",
+        }
+
+    def _partitions(self, consumer: Consumer, timeout_s: float = 30.0) -> list[int]:
+        if self._requested_partitions is not None:
+            return list(self._requested_partitions)
+        metadata = consumer.list_topics(topic=self._topic, timeout=timeout_s).topics.get(self._topic)
+        if metadata is None or metadata.error is not None or not metadata.partitions:
+            raise MaterializerFailedError(
+                f"topic {self._topic!r} has no readable partitions ({metadata and metadata.error}); create it first"
+            )
+        return sorted(metadata.partitions)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise MaterializerFailedError(
+                f"the materializer of topic {self._topic!r} stopped: {self._failure}"
+            ) from self._failure
+
+    def _run_guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            logger.exception("materializer of topic %s failed", self._topic)
+            with self._condition:
+                self._failure = exc
+                self._condition.notify_all()
+        finally:
+            self._ready.set()
+
+    def _run(self) -> None:
+        remove_stale_temp_files(self._store.root)
+        consumer = Consumer(self._consumer_settings())
+        try:
+            assignment = []
+            for partition in self._partitions(consumer):
+                checkpoint = PartitionCheckpoint.load(
+                    self._checkpoint_path(partition), self._topic, partition
+                )
+                progress = _PartitionProgress(
+                    checkpoint=checkpoint,
+                    dead_letters=DeadLetterLog(self._store.root / f"{DEAD_LETTER_PREFIX}{partition}.jsonl"),
+                    replay_below=checkpoint.next_offset,
+                    replay_chunks=set(checkpoint.pending_chunk_offsets),
+                    written=checkpoint.encode(),
+                )
+                self._progress[partition] = progress
+                with self._condition:
+                    self._applied_next[partition] = checkpoint.next_offset
+                assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
+            consumer.assign(assignment)
+            self._ready.set()
+            while not self._stop.is_set():
+                messages = consumer.consume(_BATCH_SIZE, _POLL_TIMEOUT_S)
+                for message in messages:
+                    self._take(message)
+                self._checkpoint()
+        finally:
+            consumer.close()
+
+    def _checkpoint_path(self, partition: int) -> Path:
+        return self._store.root / f"{CHECKPOINT_PREFIX}{partition}.json"
+
+    def _checkpoint(self) -> None:
+        """Write every changed checkpoint atomically, then tell waiters what is applied."""
+        changed = False
+        for partition, progress in self._progress.items():
+            checkpoint = progress.checkpoint
+            checkpoint.pending_chunk_offsets = sorted(o for g in progress.groups.values() for o in g.offsets)
+            encoded = checkpoint.encode()
+            if encoded != progress.written:
+                replace_atomically(self._checkpoint_path(partition), encoded, durable=True)
+                progress.written = encoded
+                changed = True
+        if changed:
+            fsync_directory(self._store.root)
+        with self._condition:
+            for partition, progress in self._progress.items():
+                self._applied_next[partition] = progress.checkpoint.next_offset
+            self._condition.notify_all()
+
+    def _take(self, message: Message) -> None:
+        """Route one consumed message: an error, a replayed chunk, a skipped offset or a new event."""
+        error = message.error()
+        if error is not None:
+            self._on_consumer_error(error)
+            return
+        partition, offset = int(message.partition() or 0), int(message.offset() or 0)
+        progress = self._progress.get(partition)
+        if progress is None:
+            return
+        if offset < progress.replay_below:
+            if offset in progress.replay_chunks:
+                self._rebuffer_chunk(progress, message, offset)
+            return
+        self._process(progress, partition, offset, message)
+        progress.checkpoint.next_offset = offset + 1
+        self._orphan_stale_groups(progress, partition, offset)
+
+    def _on_consumer_error(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._PARTITION_EOF:
+            return
+        if error.fatal() or error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+            raise MaterializerFailedError(
+                f"cannot keep reading topic {self._topic!r}: {error.str()}. If the log was truncated by retention, "
+                "the projection cannot be rebuilt; replay into a new directory from a complete topic"
+            ) from KafkaException(error)
+        logger.warning("materializer of topic %s: %s", self._topic, error.str())
+
+    def _rebuffer_chunk(self, progress: _PartitionProgress, message: Message, offset: int) -> None:
+        """Rebuild an open chunk group after a restart; these chunks were already checked once."""
+        headers = headers_to_dict(message.headers())
+        header = read_chunk_header(headers)
+        assert header is not None, f"checkpointed chunk offset {offset} is not a chunk"
+        group = progress.groups.get(header.group)
+        if group is None:
+            progress.groups[header.group] = _OpenChunkGroup(
+                header, message.key() or b"", headers, [offset], [message.value() or b""]
+            )
+        else:
+            group.offsets.append(offset)
+            group.pieces.append(message.value() or b"")
+
+    def _process(self, progress: _PartitionProgress, partition: int, offset: int, message: Message) -> None:
+        """Decode and apply one new message, or dead-letter it."""
+        key = message.key()
+        try:
+            headers = headers_to_dict(message.headers())
+            chunk = read_chunk_header(headers)
+        except EventDecodeError as exc:
+            self._dead_letter(progress, partition, offset, f"undecodable headers: {exc}", key)
+            return
+        if chunk is not None:
+            self._take_chunk(progress, partition, offset, message, headers, chunk)
+            return
+        self._decode_and_apply(progress, partition, offset, key, message.value(), headers)
+
+    def _decode_and_apply(
+        self,
+        progress: _PartitionProgress,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Mapping[str, str],
+    ) -> None:
+        if value is None:
+            self._dead_letter(progress, partition, offset, "message has no value", key)
+            return
+        try:
+            event = decode_event_value(value, headers)
+        except NewerSchemaError as exc:
+            self._dead_letter(progress, partition, offset, f"newer schema: {exc}", key)
+            return
+        except EventDecodeError as exc:
+            self._dead_letter(progress, partition, offset, f"undecodable event: {exc}", key)
+            return
+        if key is None or key != event.rollout_id.encode():
+            self._dead_letter(
+                progress,
+                partition,
+                offset,
+                f"key {key!r} does not match the event's rollout {event.rollout_id!r}",
+                key,
+            )
+            return
+        if _rollout_of_key(key) is None:
+            self._dead_letter(progress, partition, offset, f"invalid rollout id {event.rollout_id!r}", None)
+            return
+        self._apply(event, partition, offset)
+
+    def _apply(self, event: Event, partition: int, offset: int) -> None:
+        result = self._store.apply(event, LogPosition(self._topic, partition, offset))
+        with self._condition:
+            self._results[(partition, offset)] = result
+            while len(self._results) > _RESULTS_KEPT:
+                self._results.popitem(last=False)
+
+    def _take_chunk(
+        self,
+        progress: _PartitionProgress,
+        partition: int,
+        offset: int,
+        message: Message,
+        headers: dict[str, str],
+        chunk: ChunkHeader,
+    ) -> None:
+        """Add a chunk to its group; orphan groups that can no longer complete; apply a completed group."""
+        key = message.key() or b""
+        value = message.value() or b""
+        if chunk.index == 0:
+            for other in list(progress.groups.values()):
+                if other.header.session == chunk.session:
+                    self._orphan(
+                        progress,
+                        partition,
+                        other,
+                        f"a new chunk group {chunk.group} of the same writer began",
+                    )
+            if chunk.group in progress.groups:
+                self._dead_letter(
+                    progress, partition, offset, f"duplicate first chunk of group {chunk.group}", key
+                )
+                return
+            progress.groups[chunk.group] = _OpenChunkGroup(chunk, key, headers, [offset], [value])
+            return
+        group = progress.groups.get(chunk.group)
+        if group is None:
+            self._dead_letter(
+                progress,
+                partition,
+                offset,
+                f"orphaned chunk {chunk.index}/{chunk.count} of group {chunk.group}",
+                key,
+            )
+            return
+        expected = (len(group.pieces), group.header.count, group.header.digest, group.key)
+        if (chunk.index, chunk.count, chunk.digest, key) != expected:
+            self._orphan(
+                progress, partition, group, f"chunk {chunk.index} at offset {offset} does not continue it"
+            )
+            self._dead_letter(
+                progress,
+                partition,
+                offset,
+                f"chunk {chunk.index}/{chunk.count} does not continue group {chunk.group}",
+                key,
+            )
+            return
+        group.offsets.append(offset)
+        group.pieces.append(value)
+        if len(group.pieces) < group.header.count:
+            return
+        del progress.groups[chunk.group]
+        whole = b"".join(group.pieces)
+        if hashlib.sha256(whole).hexdigest() != group.header.digest:
+            self._dead_letter(
+                progress,
+                partition,
+                offset,
+                f"chunk group {chunk.group} reassembles to a different digest",
+                key,
+            )
+            return
+        self._decode_and_apply(progress, partition, offset, group.key, whole, group.headers)
+
+    def _orphan_stale_groups(self, progress: _PartitionProgress, partition: int, offset: int) -> None:
+        for group in list(progress.groups.values()):
+            if offset - group.offsets[0] >= ORPHAN_AFTER_OFFSETS:
+                self._orphan(progress, partition, group, f"still open {ORPHAN_AFTER_OFFSETS} offsets later")
+
+    def _orphan(self, progress: _PartitionProgress, partition: int, group: _OpenChunkGroup, why: str) -> None:
+        """Dead-letter a chunk group that can never complete, and mask its rollout.
+
+        The mark is applied without a log position (the group has no single one), so it is
+        guarded by its reason instead: the same group is never marked twice.
+        """
+        progress.groups.pop(group.header.group, None)
+        reason = (
+            f"orphaned chunk group {group.header.group}: {len(group.pieces)} of {group.header.count} chunks "
+            f"at offsets {group.offsets}; {why}"
+        )
+        rollout_id = _rollout_of_key(group.key)
+        if rollout_id is not None and not self._has_incomplete_mark(rollout_id, reason):
+            self._store.apply(
+                IncompleteEvent(rollout_id=rollout_id, writer=MATERIALIZER_WRITER, reason=reason)
+            )
+        progress.dead_letters.record(partition, group.offsets[0], reason, rollout_id)
+
+    def _has_incomplete_mark(self, rollout_id: str, reason: str) -> bool:
+        path = self._store.incomplete_path_for(rollout_id)
+        try:
+            lines = path.read_bytes().splitlines()
+        except FileNotFoundError:
+            return False
+        wanted = {"model_call_id": "", "reason": reason}
+        for line in lines:
+            try:
+                if orjson.loads(line) == wanted:
+                    return True
+            except orjson.JSONDecodeError:
+                continue
+        return False
+
+    def _dead_letter(
+        self, progress: _PartitionProgress, partition: int, offset: int, reason: str, key: bytes | None
+    ) -> None:
+        """Record a message that cannot be applied and mask its rollout where the key names one."""
+        rollout_id = _rollout_of_key(key)
+        logger.warning(
+            "dead-lettering partition %d offset %d of %s: %s", partition, offset, self._topic, reason
+        )
+        if rollout_id is not None:
+            mark = IncompleteEvent(
+                rollout_id=rollout_id,
+                writer=MATERIALIZER_WRITER,
+                reason=f"dead-lettered event at partition {partition} offset {offset}: {reason}"[
+                    :_REASON_LIMIT
+                ],
+            )
+            self._apply(mark, partition, offset)
+        progress.dead_letters.record(partition, offset, reason, rollout_id)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m transports.kafka.materializer",
+        description="Apply a tokcap run topic to a local store directory until SIGINT or SIGTERM.",
+    )
+    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers, host:port[,host:port]")
+    parser.add_argument("--topic", required=True, help="the run topic to read")
+    parser.add_argument("--dir", required=True, type=Path, help="the store directory to write")
+    parser.add_argument(
+        "--partitions", default=None, help="comma-separated subset of partitions (default: all)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a materializer process; it stops cleanly, checkpoint written, on SIGINT or SIGTERM."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    partitions = None if args.partitions is None else [int(p) for p in args.partitions.split(",") if p]
+    materializer = Materializer(args.bootstrap, args.topic, args.dir, partitions)
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        materializer.request_stop()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        materializer.run_until_stopped()
+    except MaterializerFailedError as exc:
+        print(f"materializer failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""One idempotent Kafka producer whose delivery reports resolve asyncio futures.
+
+librdkafka reports deliveries from ``poll()``; a background thread polls, and each report
+resolves its future on the owning event loop with ``call_soon_threadsafe``.
+Awaiting callers therefore never block the loop, and many concurrent sends share batches.
+Every librdkafka failure becomes a tokcap transport error in ``delivery_error`` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from tokcap.errors import ConfigError, DeliveryError, DeliveryTimeoutError, TransportError
+from transports.kafka.codec import OutgoingMessage
+
+__all__ = ["DEFAULT_DELIVERY_TIMEOUT_S", "Delivered", "ProducerBridge", "delivery_error"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DELIVERY_TIMEOUT_S = 10.0
+"""How long a send may wait for the broker's acknowledgement; librdkafka's own default is 300 s."""
+
+_ANSWER_GRACE_S = 5.0
+"""Extra time past librdkafka's own timeout before giving up on a delivery report that never came."""
+
+_ENFORCED = {"enable.idempotence": True, "acks": "all"}
+_DEFAULTS: dict[str, Any] = {"compression.type": "zstd", "linger.ms": 5}
+_TIMEOUT_KEYS = ("message.timeout.ms", "delivery.timeout.ms")
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """Where the broker stored an acknowledged message."""
+
+    partition: int
+    offset: int
+
+
+def delivery_error(error: KafkaError, *, what: str, topic: str) -> TransportError:
+    """The one translation of a librdkafka error into a tokcap error; the caller raises it ``from`` the original."""
+    code = error.code()
+    if code == KafkaError._MSG_TIMED_OUT:
+        return DeliveryTimeoutError(
+            f"{what} was not acknowledged by the broker for topic {topic!r} in time ({error.str()}); "
+            "check that the broker is reachable, or raise delivery_timeout_s"
+        )
+    if code == KafkaError.MSG_SIZE_TOO_LARGE:
+        return DeliveryError(f"{what} is larger than the broker accepts for topic {topic!r} ({error.str()})")
+    if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+        return DeliveryError(f"topic {topic!r} does not exist ({error.str()}); create it before writing")
+    fatal = " (fatal: the producer will be recreated)" if error.fatal() else ""
+    return DeliveryError(f"{what} failed for topic {topic!r}: {error.name()}: {error.str()}{fatal}")
+
+
+def _resolve(
+    future: asyncio.Future[Delivered], error: KafkaError | None, delivered: Delivered | None
+) -> None:
+    """Runs on the event loop: settle the future unless its caller already gave up."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(KafkaException(error))
+    else:
+        assert delivered is not None
+        future.set_result(delivered)
+
+
+def _on_delivery(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Delivered],
+    error: KafkaError | None,
+    message: Message,
+) -> None:
+    """Runs on the poll thread: hand the report to the future's loop."""
+    delivered = (
+        None if error is not None else Delivered(int(message.partition() or 0), int(message.offset() or 0))
+    )
+    try:
+        loop.call_soon_threadsafe(_resolve, future, error, delivered)
+    except RuntimeError:
+        logger.debug("delivery report arrived after its event loop closed")
+
+
+class ProducerBridge:
+    """A thread-safe idempotent producer whose ``send`` is awaitable."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
+        producer_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if delivery_timeout_s <= 0:
+            raise ConfigError(f"delivery_timeout_s must be positive, got {delivery_timeout_s}")
+        extra = dict(producer_config or {})
+        for key, value in _ENFORCED.items():
+            if key in extra and str(extra[key]).lower() != str(value).lower():
+                raise ConfigError(f"producer_config may not change {key}; tokcap needs {key}={value}")
+        if any(key in extra for key in _TIMEOUT_KEYS):
+            raise ConfigError("set the delivery bound with delivery_timeout_s, not producer_config")
+        self._delivery_timeout_s = delivery_timeout_s
+        self._config: dict[str, Any] = {
+            **_DEFAULTS,
+            **extra,
+            **_ENFORCED,
+            "bootstrap.servers": bootstrap_servers,
+            "message.timeout.ms": int(delivery_timeout_s * 1000),
+            "error_cb": self._on_error,
+        }
+        self._produce_lock = threading.Lock()
+        self._fatal: KafkaError | None = None
+        self._producer = Producer(self._config)
+        self._stopping = threading.Event()
+        self._closed = False
+        self._poller = threading.Thread(
+            target=self._poll_forever, name="tokcap-kafka-producer-poll", daemon=True
+        )
+        self._poller.start()
+
+    @property
+    def delivery_timeout_s(self) -> float:
+        """The bound on one acknowledgement."""
+        return self._delivery_timeout_s
+
+    def _on_error(self, error: KafkaError) -> None:
+        """Client-level errors: transient ones are logged, a fatal one retires the producer."""
+        if error.fatal():
+            self._fatal = error
+            logger.error("kafka producer hit a fatal error and will be recreated: %s", error.str())
+        else:
+            logger.warning("kafka producer: %s", error.str())
+
+    def _poll_forever(self) -> None:
+        while not self._stopping.is_set():
+            producer = self._producer
+            try:
+                producer.poll(0.1)
+            except KafkaException as exc:
+                logger.error("kafka producer poll failed: %s", exc)
+
+    def _producer_for_send(self) -> Producer:
+        """The live producer; a producer that hit a fatal error is replaced first (its messages already failed)."""
+        if self._fatal is not None:
+            old, self._producer = self._producer, Producer(self._config)
+            self._fatal = None
+            old.flush(0)
+        return self._producer
+
+    async def send(self, topic: str, messages: Sequence[OutgoingMessage], *, what: str) -> list[Delivered]:
+        """Produce the messages in order and return once the broker acknowledged all of them.
+
+        Raises ``DeliveryTimeoutError`` when the bound passes, ``DeliveryError`` on any other failure.
+        """
+        if self._closed:
+            raise DeliveryError(f"{what} cannot be sent: the Kafka producer is closed")
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Delivered]] = []
+        with self._produce_lock:
+            producer = self._producer_for_send()
+            for message in messages:
+                future: asyncio.Future[Delivered] = loop.create_future()
+                try:
+                    producer.produce(
+                        topic,
+                        value=message.value,
+                        key=message.key,
+                        headers=list(message.headers),
+                        on_delivery=partial(_on_delivery, loop, future),
+                    )
+                except BufferError as exc:
+                    raise DeliveryError(
+                        f"{what} cannot be queued: the local producer queue is full; the broker is not keeping up"
+                    ) from exc
+                except KafkaException as exc:
+                    raise delivery_error(exc.args[0], what=what, topic=topic) from exc
+                futures.append(future)
+        try:
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*futures, return_exceptions=True),
+                timeout=self._delivery_timeout_s + _ANSWER_GRACE_S,
+            )
+        except TimeoutError as exc:
+            raise DeliveryTimeoutError(
+                f"{what} got no delivery report within {self._delivery_timeout_s + _ANSWER_GRACE_S:.0f} s "
+                f"for topic {topic!r}"
+            ) from exc
+        delivered: list[Delivered] = []
+        for outcome in outcomes:
+            if isinstance(outcome, KafkaException):
+                raise delivery_error(outcome.args[0], what=what, topic=topic) from outcome
+            if isinstance(outcome, BaseException):
+                raise outcome
+            delivered.append(outcome)
+        return delivered
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Flush, stop polling and return how many messages were still undelivered; idempotent."""
+        if self._closed:
+            return 0
+        self._closed = True
+        remaining = int(self._producer.flush(self._delivery_timeout_s if timeout_s is None else timeout_s))
+        self._stopping.set()
+        self._poller.join()
+        if remaining:
+            logger.error(
+                "kafka producer closed with %d undelivered messages; their senders saw a failure", remaining
+            )
+        return remaining

@@ -1,0 +1,170 @@
+"""``KafkaTokenSource``: freeze, drop, retire and delete through the log, answered from the store.
+
+Each command is published to the run topic keyed by its rollout, so it lands after every event
+of that rollout acknowledged before it. The source then waits until its materializer has applied
+the command's offset and answers with what the store decided there. Because the decision is taken
+at a log position, every replay of the topic reaches the same answer and the same snapshot id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokcap.errors import ConfigError, DeliveryTimeoutError, RolloutRetiredError
+from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, RetireEvent
+from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
+from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
+from tokcap.store import ApplyOutcome, ApplyResult
+from transports.kafka.codec import encode_event_messages
+from transports.kafka.materializer import Materializer
+from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
+from transports.kafka.sink import default_writer_id
+from transports.kafka.topics import resolve_topic
+
+__all__ = ["DEFAULT_APPLY_TIMEOUT_S", "KafkaTokenSource"]
+
+DEFAULT_APPLY_TIMEOUT_S = 30.0
+"""How long a command waits for the materializer to apply it."""
+
+
+class KafkaTokenSource:
+    """Publishes freeze/drop/retire/delete commands and answers from the materialized store."""
+
+    def __init__(
+        self,
+        *,
+        bootstrap_servers: str,
+        store_dir: str | Path,
+        run_id: str | None = None,
+        topic: str | None = None,
+        materializer: Materializer | None = None,
+        timeout_s: float = DEFAULT_APPLY_TIMEOUT_S,
+        writer_id: str | None = None,
+        delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
+        producer_config: Mapping[str, Any] | None = None,
+        consumer_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        self._topic = resolve_topic(run_id, topic)
+        if materializer is not None:
+            if materializer.topic != self._topic:
+                raise ConfigError(
+                    f"the materializer reads {materializer.topic!r}, not this source's {self._topic!r}"
+                )
+            if materializer.store.root.resolve() != Path(store_dir).resolve():
+                raise ConfigError(
+                    f"the materializer writes {materializer.store.root}, not this source's store_dir {store_dir}"
+                )
+        self._owns_materializer = materializer is None
+        self._materializer = materializer or Materializer(
+            bootstrap_servers, self._topic, store_dir, consumer_config=consumer_config
+        )
+        self._timeout_s = timeout_s
+        self._writer_id = writer_id or default_writer_id()
+        self._bridge = ProducerBridge(
+            bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
+        )
+        if self._owns_materializer:
+            self._materializer.start()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        """Names the topic only: client settings may hold credentials."""
+        return f"KafkaTokenSource(topic={self._topic!r})"
+
+    @property
+    def materializer(self) -> Materializer:
+        """The materializer whose store answers this source."""
+        return self._materializer
+
+    async def _command(self, event: Event, what: str) -> ApplyResult:
+        """Publish one command, wait until it is applied, and return the store's verdict on it."""
+        messages = encode_event_messages(event, next_chunk_group=_commands_are_never_chunked)
+        (delivered,) = await self._bridge.send(self._topic, messages, what=what)
+        await self._wait_applied(delivered, event.rollout_id, what)
+        result = self._materializer.result_at(delivered.partition, delivered.offset)
+        if result is None:
+            result = await asyncio.to_thread(self._rederive, event)
+        return result
+
+    async def _wait_applied(self, delivered: Delivered, rollout_id: str, what: str) -> None:
+        applied = await asyncio.to_thread(
+            self._materializer.wait_for, delivered.partition, delivered.offset, self._timeout_s
+        )
+        if not applied:
+            raise DeliveryTimeoutError(
+                f"{what} of rollout {rollout_id!r} was written at partition {delivered.partition} offset "
+                f"{delivered.offset} of {self._topic!r} but not applied within {self._timeout_s} s; "
+                "check that the materializer is running and keeping up",
+                rollout_id=rollout_id,
+            )
+
+    def _rederive(self, event: Event) -> ApplyResult:
+        """Rebuild a verdict from the state when the materializer no longer remembers the result."""
+        state = self._materializer.store.read_state(event.rollout_id)
+        if isinstance(event, DropEvent):
+            dropped = (
+                state.retired and state.snapshot_id == event.snapshot_id and state.version == event.version
+            )
+            return ApplyResult(
+                ApplyOutcome.NOOP, event.type, event.rollout_id, dropped=dropped, detail="re-derived"
+            )
+        return ApplyResult(ApplyOutcome.NOOP, event.type, event.rollout_id, detail="re-derived")
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Freeze a rollout at a log position and return its snapshot; freezing again returns the same one."""
+        rollout_id = validate_rollout_id(rollout_id)
+        event = FreezeEvent(rollout_id=rollout_id, writer=self._writer_id)
+        result = await self._command(event, "freeze")
+        if result.outcome is ApplyOutcome.REJECTED_RETIRED:
+            raise RolloutRetiredError(
+                f"rollout {rollout_id!r} is retired; it cannot be frozen. Delete it before reusing its id",
+                rollout_id=rollout_id,
+            )
+        return await asyncio.to_thread(self._materializer.store.snapshot, rollout_id)
+
+    async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        """Retire exactly this snapshot; ``False`` if the rollout changed since it was taken."""
+        rollout_id = validate_rollout_id(rollout_id)
+        event = DropEvent(
+            rollout_id=rollout_id, writer=self._writer_id, snapshot_id=snapshot_id, version=version
+        )
+        result = await self._command(event, "drop")
+        return bool(result.dropped)
+
+    async def _remove(self, events: Sequence[RetireEvent | DeleteEvent], what: str) -> RolloutRemovalPayload:
+        results = await asyncio.gather(*(self._command(event, what) for event in events))
+        removed = tuple(r.rollout_id for r in results if r.removed)
+        not_found = tuple(r.rollout_id for r in results if not r.removed)
+        return RolloutRemovalPayload(removed=removed, not_found=not_found)
+
+    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove the rollouts' records and keep their fences, whatever their state."""
+        ids = validate_rollout_ids(rollout_ids)
+        return await self._remove(
+            [RetireEvent(rollout_id=rid, writer=self._writer_id) for rid in ids], "retire"
+        )
+
+    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove the rollouts' records and fences so their ids can be reused."""
+        ids = validate_rollout_ids(rollout_ids)
+        return await self._remove(
+            [DeleteEvent(rollout_id=rid, writer=self._writer_id) for rid in ids], "delete"
+        )
+
+    async def close(self) -> None:
+        """Stop the producer and the materializer this source started; calling it again is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._bridge.close)
+        if self._owns_materializer:
+            await asyncio.to_thread(self._materializer.stop)
+
+
+def _commands_are_never_chunked() -> str:
+    raise AssertionError("a command event is far smaller than a chunk")

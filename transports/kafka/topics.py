@@ -1,0 +1,167 @@
+"""One Kafka topic per run: its name, and its idempotent creation.
+
+The topic of run ``R`` is ``tokcap.R``.
+Kafka accepts topic names of ASCII letters, digits, ``.``, ``_`` and ``-`` up to 249 characters,
+so a run id must use those characters and leave room for the prefix.
+Creating a topic that already exists succeeds only when the existing topic has the requested
+partition count, replication factor and configs; anything else raises ``TopicMismatchError``,
+because silently writing to a differently configured topic could lose durability guarantees.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
+
+from tokcap.errors import ConfigError, TopicMismatchError, TransportError
+
+__all__ = [
+    "MAX_TOPIC_NAME_LENGTH",
+    "TOPIC_PREFIX",
+    "TopicSettings",
+    "ensure_topic",
+    "resolve_topic",
+    "topic_for_run",
+    "validate_topic_name",
+]
+
+TOPIC_PREFIX = "tokcap."
+"""Every run topic starts with this, so operators can list and clean tokcap topics together."""
+
+MAX_TOPIC_NAME_LENGTH = 249
+"""Kafka's own limit on topic name length."""
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def validate_topic_name(name: str) -> str:
+    """Refuse a name Kafka would refuse, with a message saying what to change; return the name."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError("a Kafka topic name must be a non-empty string")
+    if name in {".", ".."}:
+        raise ConfigError(f"{name!r} is not a valid Kafka topic name")
+    if len(name) > MAX_TOPIC_NAME_LENGTH:
+        raise ConfigError(
+            f"topic name is {len(name)} characters long; Kafka allows at most {MAX_TOPIC_NAME_LENGTH}"
+        )
+    if _TOPIC_NAME.fullmatch(name) is None:
+        raise ConfigError(
+            f"topic name {name!r} has characters Kafka does not accept; use ASCII letters, digits, '.', '_' and '-'"
+        )
+    return name
+
+
+def topic_for_run(run_id: str) -> str:
+    """The documented topic name of a run: ``tokcap.<run_id>``."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ConfigError("run id must be a non-empty string")
+    limit = MAX_TOPIC_NAME_LENGTH - len(TOPIC_PREFIX)
+    if len(run_id) > limit:
+        raise ConfigError(f"run id is {len(run_id)} characters long; at most {limit} fit in a topic name")
+    if _TOPIC_NAME.fullmatch(run_id) is None:
+        raise ConfigError(
+            f"run id {run_id!r} cannot name a Kafka topic; use ASCII letters, digits, '.', '_' and '-'"
+        )
+    return validate_topic_name(TOPIC_PREFIX + run_id)
+
+
+def resolve_topic(run_id: str | None, topic: str | None) -> str:
+    """Pick the topic from exactly one of a run id or an explicit topic name."""
+    if (run_id is None) == (topic is None):
+        raise ConfigError("pass exactly one of run_id (topic tokcap.<run_id>) or topic")
+    if topic is not None:
+        return validate_topic_name(topic)
+    assert run_id is not None
+    return topic_for_run(run_id)
+
+
+@dataclass(frozen=True)
+class TopicSettings:
+    """What a run topic must look like: partitions, replication and topic-level configs."""
+
+    partitions: int = 1
+    replication_factor: int = 1
+    config: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Reject settings the broker would reject later with a less useful message."""
+        if self.partitions < 1:
+            raise ConfigError(f"partitions must be at least 1, got {self.partitions}")
+        if self.replication_factor < 1:
+            raise ConfigError(f"replication_factor must be at least 1, got {self.replication_factor}")
+
+
+def _admin(bootstrap_servers: str, admin_config: Mapping[str, Any] | None) -> AdminClient:
+    return AdminClient({**dict(admin_config or {}), "bootstrap.servers": bootstrap_servers})
+
+
+def _existing_mismatches(
+    admin: AdminClient, topic: str, settings: TopicSettings, timeout_s: float
+) -> list[str]:
+    """Compare an existing topic with the requested settings; return one line per difference."""
+    metadata = admin.list_topics(topic=topic, timeout=timeout_s).topics.get(topic)
+    if metadata is None or metadata.error is not None:
+        raise TransportError(
+            f"topic {topic!r} exists but its metadata could not be read: {metadata and metadata.error}"
+        )
+    problems: list[str] = []
+    partitions = len(metadata.partitions)
+    if partitions != settings.partitions:
+        problems.append(f"partitions {partitions} (requested {settings.partitions})")
+    replicas = {len(p.replicas) for p in metadata.partitions.values()}
+    if replicas != {settings.replication_factor}:
+        problems.append(f"replication factor {sorted(replicas)} (requested {settings.replication_factor})")
+    if settings.config:
+        resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+        described = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(
+            timeout=timeout_s
+        )
+        for key, wanted in sorted(settings.config.items()):
+            entry = described.get(key)
+            actual = None if entry is None else entry.value
+            if actual != str(wanted):
+                problems.append(f"{key}={actual!r} (requested {wanted!r})")
+    return problems
+
+
+def ensure_topic(
+    bootstrap_servers: str,
+    topic: str,
+    settings: TopicSettings | None = None,
+    *,
+    admin_config: Mapping[str, Any] | None = None,
+    timeout_s: float = 30.0,
+) -> bool:
+    """Create the topic if it is missing; return whether this call created it.
+
+    An existing topic with other settings raises ``TopicMismatchError`` naming each difference.
+    """
+    validate_topic_name(topic)
+    wanted = settings or TopicSettings()
+    admin = _admin(bootstrap_servers, admin_config)
+    new_topic = NewTopic(
+        topic,
+        num_partitions=wanted.partitions,
+        replication_factor=wanted.replication_factor,
+        config={key: str(value) for key, value in wanted.config.items()},
+    )
+    future = admin.create_topics([new_topic], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
+    try:
+        future.result(timeout=timeout_s)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args else None
+        if not (isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS):
+            raise TransportError(f"could not create topic {topic!r} on {bootstrap_servers}: {exc}") from exc
+        problems = _existing_mismatches(admin, topic, wanted, timeout_s)
+        if problems:
+            raise TopicMismatchError(
+                f"topic {topic!r} already exists with different settings: {'; '.join(problems)}. "
+                "Use a new run id, or delete the topic and create it again"
+            ) from exc
+        return False
+    return True
