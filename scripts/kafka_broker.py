@@ -14,6 +14,7 @@ import base64
 import contextlib
 import fcntl
 import os
+import random
 import shutil
 import signal
 import socket
@@ -105,6 +106,8 @@ def _java() -> str:
     """Pick the java binary: explicit override, then JAVA_HOME, then PATH."""
     override = os.environ.get(ENV_JAVA)
     if override:
+        if not os.access(override, os.X_OK):
+            raise BrokerError(f"{ENV_JAVA}={override} is not an executable java")
         return override
     java_home = os.environ.get("JAVA_HOME")
     if java_home and (Path(java_home) / "bin" / "java").is_file():
@@ -201,11 +204,45 @@ def jar_bytes(libs: Path) -> int:
 # ---------------------------------------------------------------------------- config
 
 
-def free_port() -> int:
-    """Ask the kernel for a free loopback port; the broker gets a fixed port so readiness is a connect."""
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    """True if nothing holds 127.0.0.1:port right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(exclude: frozenset[int] = frozenset()) -> int:
+    """A free loopback port for the broker, chosen in Python so the config holds a fixed port.
+
+    Ports are drawn below the kernel's ephemeral range when possible: a restart rebinds the same
+    port, and a port inside the range could meanwhile be taken by the local end of some client's
+    outgoing connection (e.g. a producer reconnecting to the stopped broker).
+    """
+    lo, _ = _ephemeral_range()
+    if lo > 12000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(10000, lo)
+            if port not in exclude and _bindable(port):
+                return port
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in exclude:
+            return port
 
 
 def new_cluster_id() -> str:
@@ -439,7 +476,10 @@ def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
         "-c",
         str(state_dir / PROPERTIES_FILE),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise BrokerError(f"cannot run {java}: {exc}") from exc
     if proc.returncode != 0:
         raise BrokerError(
             f"kafka StorageTool format failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
@@ -475,9 +515,7 @@ def start(
             for name in (DATA_DIR, LOGS_DIR):
                 shutil.rmtree(sd / name, ignore_errors=True)
             broker_port = free_port()
-            controller_port = free_port()
-            while controller_port == broker_port:
-                controller_port = free_port()
+            controller_port = free_port(frozenset({broker_port}))
             props_path.write_text(server_properties(sd, broker_port, controller_port))
         (sd / LOGS_DIR).mkdir(parents=True, exist_ok=True)
         (sd / LOG4J_FILE).write_text(log4j2_properties(sd))
@@ -499,14 +537,17 @@ def start(
             str(props_path),
         ]
         with open(sd / LOGS_DIR / STDOUT_LOG, "ab") as out:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=sd,
-                start_new_session=True,
-            )
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=sd,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise BrokerError(f"cannot run {java}: {exc}") from exc
         _CHILDREN[proc.pid] = proc
         (sd / PID_FILE).write_text(f"{proc.pid}\n")
         if not _wait_port(bootstrap, proc.pid, sd, timeout):

@@ -235,7 +235,10 @@ def _resolve_broker() -> tuple[KafkaBroker | None, str]:
             return KafkaBroker(kind="local", bootstrap=env_bootstrap, state_dir=state_dir), ""
         if _wait_answers(env_bootstrap, 30.0):
             return KafkaBroker(kind="external", bootstrap=env_bootstrap), ""
-        return None, f"{ENV_BOOTSTRAP}={env_bootstrap} is set but no Kafka broker answers there"
+        return None, (
+            f"{ENV_BOOTSTRAP}={env_bootstrap} is set but no Kafka broker answers there "
+            f"(start it, e.g. `docker compose up -d --wait kafka`, or unset {ENV_BOOTSTRAP})"
+        )
     if _docker_answers():
         try:
             return _start_testcontainer(), ""

@@ -123,14 +123,26 @@ def test_topic_fixtures_give_unique_topics(kafka_topic: str, kafka_topic_factory
 def test_broker_restart_keeps_address_and_data(
     kafka_broker_control: KafkaBrokerControl, kafka_topic: str
 ) -> None:
-    """stop()/start() bring the broker back on the same address with the topic's data intact."""
+    """stop()/start() bring the broker back on the same address with data intact; a live producer survives."""
     bootstrap = kafka_broker_control.bootstrap
-    _produce(bootstrap, kafka_topic, [(b"before", b"1", [])])
+    producer = _producer(bootstrap)
+    delivered: list[Any] = []
+
+    def on_delivery(err: Any, msg: Any) -> None:
+        """Record every delivery outcome, failed ones included."""
+        delivered.append((err, msg.key()))
+
+    producer.produce(kafka_topic, key=b"before", value=b"1", on_delivery=on_delivery)
+    assert producer.flush(30) == 0
 
     kafka_broker_control.stop()
     assert not kafka_broker_control.is_running()
+    producer.produce(kafka_topic, key=b"during", value=b"2", on_delivery=on_delivery)
+    producer.poll(1.0)
     assert kafka_broker_control.start() == bootstrap
     assert kafka_broker_control.is_running()
 
-    _produce(bootstrap, kafka_topic, [(b"after", b"2", [])])
-    assert [m.key() for m in _consume_all(bootstrap, kafka_topic, 2)] == [b"before", b"after"]
+    producer.produce(kafka_topic, key=b"after", value=b"3", on_delivery=on_delivery)
+    assert producer.flush(60) == 0
+    assert [(err, key) for err, key in delivered] == [(None, b"before"), (None, b"during"), (None, b"after")]
+    assert [m.key() for m in _consume_all(bootstrap, kafka_topic, 3)] == [b"before", b"during", b"after"]
