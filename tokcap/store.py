@@ -358,6 +358,8 @@ class TokenCaptureStore:
         rollout_id = validate_rollout_id(event.rollout_id)
         with self._locked(rollout_id):
             state = self._read_state(rollout_id)
+            if state.retired and self._retire_unfinished(rollout_id):
+                self._finish_retire_unlocked(state)
             if state.already_applied(position):
                 return ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, rollout_id)
             result = self._dispatch(state, event, position)
@@ -465,6 +467,10 @@ class TokenCaptureStore:
         if state.retired:
             return self._retired_result(state, event.type, call_id)
         if self._intent_status(state.rollout_id).get(call_id) == op:
+            if position is not None:
+                # A resumed materializer re-applies an intent whose state write a crash lost; record it now.
+                state.record_position(position)
+                self._write_state(state, durable=False)
             return ApplyResult(
                 ApplyOutcome.NOOP, event.type, state.rollout_id, call_id, detail=f"{op} already recorded"
             )
@@ -580,6 +586,14 @@ class TokenCaptureStore:
         self._barrier()
         self._finish_retire_unlocked(state)
         return had_records
+
+    def _retire_unfinished(self, rollout_id: str) -> bool:
+        """True when a fence exists but a crash stopped the retire before its records were removed."""
+        try:
+            data = self.state_path_for(rollout_id).read_bytes()
+        except FileNotFoundError:
+            return True
+        return not RolloutState.decode(data, str(self.state_path_for(rollout_id))).retired
 
     def _write_fence_unlocked(self, state: RolloutState, position: LogPosition | None) -> None:
         """Turn the state into its retired form and write it as the fence, fsynced."""
