@@ -1,0 +1,424 @@
+"""Trajectories from a frozen snapshot, independent of the order of its entries.
+
+A ``Chain`` is a path of model calls in which each call's prompt is the previous call's prompt and
+generation followed by interstitial tokens (tool output, the next user turn, a chat template's glue).
+Training on a chain gives loss mask 1 to generated tokens and 0 to prompt and interstitial tokens.
+
+Two builders:
+
+- ``prefix_merging``: one tree per independent conversation, one chain per leaf; one main chain is delivered.
+- ``per_request``: one single-link chain per call; not suitable for single-response delivery.
+
+Both sort their input first, so a shuffled snapshot builds the same chains.
+Nothing here recurses: a chain of any depth builds in loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokcap.errors import ChainValidationError, TrajectoryBuildError, UnknownBuilderError
+from tokcap.prefix_trie import PrefixTrie
+from tokcap.records import TokenEntry
+
+__all__ = [
+    "BUILDERS",
+    "PER_REQUEST",
+    "PREFIX_MERGING",
+    "BuildNotes",
+    "BuildOutput",
+    "Builder",
+    "Chain",
+    "ChainLink",
+    "ChainTokens",
+    "per_request",
+    "prefix_merging",
+    "run_builder",
+]
+
+PREFIX_MERGING = "prefix_merging"
+PER_REQUEST = "per_request"
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """One model call in a chain and the tokens that came between the previous call and this one.
+
+    For the first link ``interstitial_token_ids`` is empty: its whole prompt is the chain's root prompt.
+    """
+
+    entry: TokenEntry
+    interstitial_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChainTokens:
+    """A chain flattened for training: one value per token of the final sequence."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    log_probs: list[float]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A path of model calls whose prompts extend each other; ``chain_id`` is the last call's id."""
+
+    chain_id: str
+    root_prompt_token_ids: tuple[int, ...]
+    links: tuple[ChainLink, ...]
+
+    @property
+    def call_ids(self) -> tuple[str, ...]:
+        """The model call ids of the links, first to last."""
+        return tuple(link.entry.model_call_id for link in self.links)
+
+    @property
+    def generated_token_count(self) -> int:
+        """How many tokens the policy generated along the chain."""
+        return sum(len(link.entry.generation_token_ids) for link in self.links)
+
+    def validate(self) -> None:
+        """Raise ``ChainValidationError`` unless every link's prompt extends the previous link exactly.
+
+        The first link's prompt must equal the root prompt; each later prompt must be the previous prompt,
+        then the previous generation, then the link's interstitial tokens.
+        """
+        if not self.links:
+            raise ChainValidationError(f"chain {self.chain_id!r} has no links")
+        first = self.links[0]
+        if first.interstitial_token_ids:
+            raise ChainValidationError(
+                f"chain {self.chain_id!r}: its first call {first.entry.model_call_id!r} has interstitial tokens; "
+                "a root's whole prompt belongs in root_prompt_token_ids"
+            )
+        if first.entry.prompt_token_ids != list(self.root_prompt_token_ids):
+            raise ChainValidationError(
+                f"chain {self.chain_id!r}: the prompt of its first call {first.entry.model_call_id!r} differs "
+                "from the chain's root prompt"
+            )
+        rollout_id = first.entry.rollout_id
+        previous: TokenEntry | None = None
+        for link in self.links:
+            entry = link.entry
+            if entry.rollout_id != rollout_id:
+                raise ChainValidationError(
+                    f"chain {self.chain_id!r} mixes rollouts {rollout_id!r} and {entry.rollout_id!r}",
+                    rollout_id=rollout_id,
+                    model_call_id=entry.model_call_id,
+                )
+            if not entry.generation_token_ids:
+                raise ChainValidationError(
+                    f"chain {self.chain_id!r}: call {entry.model_call_id!r} generated no tokens",
+                    rollout_id=rollout_id,
+                    model_call_id=entry.model_call_id,
+                )
+            if previous is None:
+                previous = entry
+                continue
+            prompt = entry.prompt_token_ids
+            prompt_end = len(previous.prompt_token_ids)
+            generation_end = prompt_end + len(previous.generation_token_ids)
+            if (
+                prompt[:prompt_end] != previous.prompt_token_ids
+                or prompt[prompt_end:generation_end] != previous.generation_token_ids
+                or prompt[generation_end:] != list(link.interstitial_token_ids)
+            ):
+                raise ChainValidationError(
+                    f"chain {self.chain_id!r}: the prompt of call {entry.model_call_id!r} is not the prompt and "
+                    f"generation of call {previous.model_call_id!r} followed by its interstitial tokens",
+                    rollout_id=rollout_id,
+                    model_call_id=entry.model_call_id,
+                )
+            previous = entry
+
+    def training_tokens(self) -> ChainTokens:
+        """The final token sequence with its loss mask (1 on generated tokens) and log probs (0.0 elsewhere)."""
+        token_ids: list[int] = []
+        loss_mask: list[int] = []
+        log_probs: list[float] = []
+        for index, link in enumerate(self.links):
+            context = list(self.root_prompt_token_ids) if index == 0 else list(link.interstitial_token_ids)
+            generation = link.entry.generation_token_ids
+            token_ids.extend(context)
+            token_ids.extend(generation)
+            loss_mask.extend([0] * len(context))
+            loss_mask.extend([1] * len(generation))
+            log_probs.extend([0.0] * len(context))
+            log_probs.extend(link.entry.generation_log_probs)
+        return ChainTokens(token_ids=token_ids, loss_mask=loss_mask, log_probs=log_probs)
+
+
+@dataclass(frozen=True)
+class BuildNotes:
+    """What a build saw and kept, for metrics and for deciding whether to mask.
+
+    ``unresolved_retries`` lists each group of same-prompt siblings that no later call extends (all their ids).
+    ``discarded_retries`` lists siblings dropped because another sibling with the same prompt was extended.
+    ``empty_generation_calls`` lists calls excluded because they generated no tokens.
+    """
+
+    builder: str
+    roots: int
+    chains: int
+    generated_tokens_captured: int
+    generated_tokens_delivered: int
+    unresolved_retries: tuple[tuple[str, ...], ...] = ()
+    discarded_retries: tuple[str, ...] = ()
+    empty_generation_calls: tuple[str, ...] = ()
+
+    @property
+    def delivered_fraction(self) -> float:
+        """Share of captured generated tokens that the delivered chains carry; 0.0 when nothing was captured."""
+        if self.generated_tokens_captured == 0:
+            return 0.0
+        return self.generated_tokens_delivered / self.generated_tokens_captured
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly form for metrics."""
+        return {
+            "builder": self.builder,
+            "roots": self.roots,
+            "chains": self.chains,
+            "generated_tokens_captured": self.generated_tokens_captured,
+            "generated_tokens_delivered": self.generated_tokens_delivered,
+            "delivered_fraction": self.delivered_fraction,
+            "unresolved_retries": [list(group) for group in self.unresolved_retries],
+            "discarded_retries": list(self.discarded_retries),
+            "empty_generation_calls": list(self.empty_generation_calls),
+        }
+
+
+@dataclass(frozen=True)
+class BuildOutput:
+    """The chains of one rollout; the main chain first, then its branches.
+
+    ``main_chain_id`` is ``None`` for builders that deliver every chain (``per_request``).
+    ``quarantined_call_ids`` are calls whose parent was ambiguous, with everything that extends them.
+    """
+
+    chains: tuple[Chain, ...]
+    notes: BuildNotes
+    main_chain_id: str | None = None
+    branch_chain_ids: tuple[str, ...] = ()
+    quarantined_call_ids: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def main_chain(self) -> Chain | None:
+        """The chain delivered as the rollout's trajectory, if the builder names one."""
+        for chain in self.chains:
+            if chain.chain_id == self.main_chain_id:
+                return chain
+        return None
+
+
+Builder = Callable[[Iterable[TokenEntry]], BuildOutput]
+
+
+def _unique_entries(entries: Iterable[TokenEntry]) -> list[TokenEntry]:
+    """One entry per call id; an exact repeat is dropped, a conflicting one cannot be built."""
+    by_call: dict[str, TokenEntry] = {}
+    for entry in entries:
+        known = by_call.get(entry.model_call_id)
+        if known is None:
+            by_call[entry.model_call_id] = entry
+        elif known != entry:
+            raise TrajectoryBuildError(
+                f"call {entry.model_call_id!r} of rollout {entry.rollout_id!r} appears twice with different "
+                "payloads; the snapshot is inconsistent",
+                rollout_id=entry.rollout_id,
+                model_call_id=entry.model_call_id,
+            )
+    return list(by_call.values())
+
+
+def _creation_key(entry: TokenEntry) -> tuple[float, str]:
+    return (entry.created_at, entry.model_call_id)
+
+
+@dataclass(eq=False)
+class _CallNode:
+    """A call in the build tree; ``context_start`` is where its interstitial tokens begin in its prompt."""
+
+    entry: TokenEntry
+    parent: _CallNode | None
+    context_start: int
+    quarantined: bool = False
+    discarded: bool = False
+    children: list[_CallNode] = field(default_factory=list)
+
+    def link(self) -> ChainLink:
+        if self.parent is None:
+            return ChainLink(self.entry)
+        return ChainLink(self.entry, tuple(self.entry.prompt_token_ids[self.context_start :]))
+
+
+def _attach_to_parents(ordered: Sequence[TokenEntry]) -> list[_CallNode]:
+    """Give each call, shortest prompt first, the earlier call whose full sequence is its longest prefix.
+
+    Several identical candidate parents make the call and those candidates quarantined;
+    quarantine passes to every call that extends a quarantined one.
+    """
+    trie: PrefixTrie[_CallNode] = PrefixTrie()
+    nodes: list[_CallNode] = []
+    for entry in ordered:
+        match = trie.longest_prefix(entry.prompt_token_ids)
+        if match is None:
+            node = _CallNode(entry, None, 0)
+        else:
+            parent = match.values[0]
+            node = _CallNode(entry, parent, match.length)
+            if len(match.values) > 1:
+                node.quarantined = True
+                for candidate in match.values:
+                    candidate.quarantined = True
+            elif parent.quarantined:
+                node.quarantined = True
+        trie.insert(entry.prompt_token_ids + entry.generation_token_ids, node)
+        nodes.append(node)
+    for node in nodes:
+        if not node.quarantined and node.parent is not None:
+            node.parent.children.append(node)
+    return nodes
+
+
+def _resolve_retries(nodes: Sequence[_CallNode]) -> tuple[list[tuple[str, ...]], list[str]]:
+    """Among siblings with identical prompts keep the extended ones, or one when none is extended.
+
+    Return the unresolved groups (every id, sorted) and the discarded call ids (sorted).
+    """
+    groups: dict[tuple[str, tuple[int, ...]], list[_CallNode]] = {}
+    for node in nodes:
+        if node.quarantined:
+            continue
+        parent_id = node.parent.entry.model_call_id if node.parent is not None else ""
+        key = (parent_id, tuple(node.entry.prompt_token_ids[node.context_start :]))
+        groups.setdefault(key, []).append(node)
+    unresolved: list[tuple[str, ...]] = []
+    discarded: list[str] = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        extended = [node for node in group if node.children]
+        if extended:
+            dropped = [node for node in group if not node.children]
+        else:
+            kept = max(group, key=lambda node: _creation_key(node.entry))
+            dropped = [node for node in group if node is not kept]
+            unresolved.append(tuple(sorted(node.entry.model_call_id for node in group)))
+        for node in dropped:
+            node.discarded = True
+            discarded.append(node.entry.model_call_id)
+    return sorted(unresolved), sorted(discarded)
+
+
+def _chain_ending_at(leaf: _CallNode) -> Chain:
+    """Walk from a leaf up to its root, iteratively, and lay the path out root first."""
+    path: list[_CallNode] = []
+    node: _CallNode | None = leaf
+    while node is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    root = path[0]
+    return Chain(
+        chain_id=leaf.entry.model_call_id,
+        root_prompt_token_ids=tuple(root.entry.prompt_token_ids),
+        links=tuple(node.link() for node in path),
+    )
+
+
+def _chain_order_key(chain: Chain) -> tuple[tuple[float, str], ...]:
+    """Earliest-created root first; among chains sharing a root, the earliest-created branch at the fork."""
+    return tuple(_creation_key(link.entry) for link in chain.links)
+
+
+def _split_empty_generations(entries: Iterable[TokenEntry]) -> tuple[list[TokenEntry], tuple[str, ...]]:
+    unique = _unique_entries(entries)
+    producing = [entry for entry in unique if entry.generation_token_ids]
+    empty = tuple(sorted(entry.model_call_id for entry in unique if not entry.generation_token_ids))
+    return producing, empty
+
+
+def prefix_merging(entries: Iterable[TokenEntry]) -> BuildOutput:
+    """Merge calls whose prompts extend earlier calls into trees, and deliver one main chain.
+
+    Calls are processed by increasing prompt length (ties by call id).
+    A call's parent is the earlier call whose prompt plus generation is the longest prefix of its prompt;
+    a prompt that extends no earlier call starts a new root.
+    Identical candidate parents are ambiguous: that subtree is quarantined.
+    Siblings with identical prompts are retries: the extended one is kept; if none is, the latest-created
+    one is kept and the group is reported as unresolved.
+    Calls with no generated tokens are excluded and reported.
+    Every root-to-leaf path is a chain; the main chain is the one whose root was created first (ties by
+    call id, then the same rule at each fork), and the others are branches.
+    """
+    producing, empty = _split_empty_generations(entries)
+    captured = sum(len(entry.generation_token_ids) for entry in producing)
+    ordered = sorted(producing, key=lambda entry: (len(entry.prompt_token_ids), entry.model_call_id))
+    nodes = _attach_to_parents(ordered)
+    unresolved, discarded = _resolve_retries(nodes)
+    kept = [node for node in nodes if not node.quarantined and not node.discarded]
+    has_kept_child = {id(node.parent) for node in kept if node.parent is not None}
+    leaves = [node for node in kept if id(node) not in has_kept_child]
+    chains = sorted((_chain_ending_at(leaf) for leaf in leaves), key=_chain_order_key)
+    roots = sum(1 for node in kept if node.parent is None)
+    main = chains[0] if chains else None
+    notes = BuildNotes(
+        builder=PREFIX_MERGING,
+        roots=roots,
+        chains=len(chains),
+        generated_tokens_captured=captured,
+        generated_tokens_delivered=main.generated_token_count if main is not None else 0,
+        unresolved_retries=tuple(unresolved),
+        discarded_retries=tuple(discarded),
+        empty_generation_calls=empty,
+    )
+    return BuildOutput(
+        chains=tuple(chains),
+        notes=notes,
+        main_chain_id=main.chain_id if main is not None else None,
+        branch_chain_ids=tuple(chain.chain_id for chain in chains[1:]),
+        quarantined_call_ids=tuple(sorted(node.entry.model_call_id for node in nodes if node.quarantined)),
+    )
+
+
+def per_request(entries: Iterable[TokenEntry]) -> BuildOutput:
+    """One single-link chain per call that generated tokens, ordered by creation; no main chain."""
+    producing, empty = _split_empty_generations(entries)
+    ordered = sorted(producing, key=_creation_key)
+    chains = tuple(
+        Chain(
+            chain_id=entry.model_call_id,
+            root_prompt_token_ids=tuple(entry.prompt_token_ids),
+            links=(ChainLink(entry),),
+        )
+        for entry in ordered
+    )
+    generated = sum(len(entry.generation_token_ids) for entry in ordered)
+    notes = BuildNotes(
+        builder=PER_REQUEST,
+        roots=len(chains),
+        chains=len(chains),
+        generated_tokens_captured=generated,
+        generated_tokens_delivered=generated,
+        empty_generation_calls=empty,
+    )
+    return BuildOutput(chains=chains, notes=notes)
+
+
+BUILDERS: dict[str, Builder] = {PREFIX_MERGING: prefix_merging, PER_REQUEST: per_request}
+"""Every builder by name."""
+
+
+def run_builder(entries: Iterable[TokenEntry], builder: str = PREFIX_MERGING) -> BuildOutput:
+    """Build with the named builder; an unknown name raises ``UnknownBuilderError`` listing the known ones."""
+    try:
+        build = BUILDERS[builder]
+    except KeyError:
+        raise UnknownBuilderError(
+            f"unknown trajectory builder {builder!r}; choose one of {sorted(BUILDERS)}"
+        ) from None
+    return build(entries)

@@ -1,0 +1,172 @@
+"""A built chain as a Responses-style response whose output items carry contiguous token arrays.
+
+Shape of ``project_main_chain_response``::
+
+    {
+      "id": "tokcap-<rollout_id>",
+      "object": "response",
+      "model": "<model>",
+      "output": [item, ...],
+      "usage": {"input_tokens": I, "output_tokens": O, "total_tokens": I + O},
+      "metadata": {"tokcap_rollout_id": ..., "tokcap_chain_id": ..., "tokcap_sequence_sha256": ...},
+    }
+
+Each call of the chain contributes its captured output items in order (text, reasoning, tool calls),
+without token arrays, except the item at its ``token_item_index``, which carries:
+
+- ``prompt_token_ids``: the root prompt for the first call; only the interstitial tokens for later calls;
+- ``generation_token_ids`` and ``generation_log_probs``: the call's generated tokens and their log probs;
+- ``routed_experts``, when the call captured it.
+
+A call captured without content items contributes one synthetic assistant message carrying the arrays.
+Concatenating every token-bearing item's ``prompt_token_ids`` then ``generation_token_ids``, in order,
+reproduces the chain's final token sequence; generated tokens take loss mask 1, the rest 0.
+``usage`` counts that sequence: ``input_tokens`` are the masked ones, ``output_tokens`` the generated ones.
+``tokcap_sequence_sha256`` is the sha256 of the sequence as a JSON array, so the invariant can be re-checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from tokcap.builder import BuildOutput, Chain
+from tokcap.errors import PrefixContiguityError, TrajectoryBuildError
+from tokcap.records import TOKEN_FIELDS, strip_token_fields
+
+__all__ = [
+    "assert_prefix_contiguity",
+    "project_chain_to_output_items",
+    "project_main_chain_response",
+    "token_sequence_digest",
+]
+
+
+def token_sequence_digest(token_ids: Sequence[int]) -> str:
+    """sha256 hex of a token sequence written as a compact JSON array."""
+    return hashlib.sha256(orjson.dumps(list(token_ids))).hexdigest()
+
+
+def _synthetic_message() -> dict[str, Any]:
+    """Stands in for a call captured without content items, so its tokens still have an item to ride on."""
+    return {"type": "message", "role": "assistant", "status": "completed", "content": []}
+
+
+def project_chain_to_output_items(chain: Chain) -> list[dict[str, Any]]:
+    """The chain's output items with contiguous token arrays, as described in the module docstring."""
+    items: list[dict[str, Any]] = []
+    for index, link in enumerate(chain.links):
+        entry = link.entry
+        context = list(chain.root_prompt_token_ids) if index == 0 else list(link.interstitial_token_ids)
+        arrays: dict[str, Any] = {
+            "prompt_token_ids": context,
+            "generation_token_ids": list(entry.generation_token_ids),
+            "generation_log_probs": list(entry.generation_log_probs),
+        }
+        if entry.routed_experts is not None:
+            arrays["routed_experts"] = copy.deepcopy(entry.routed_experts)
+        call_items = [strip_token_fields(copy.deepcopy(item)) for item in entry.output_items]
+        if entry.token_item_index is None:
+            call_items.append(_synthetic_message())
+            token_index = len(call_items) - 1
+        else:
+            token_index = entry.token_item_index
+        call_items[token_index] = {**call_items[token_index], **arrays}
+        items.extend(call_items)
+    return items
+
+
+def project_main_chain_response(rollout_id: str, build: BuildOutput, model: str = "") -> dict[str, Any]:
+    """The rollout's main chain as one Responses-style dict; raise ``TrajectoryBuildError`` without one.
+
+    ``model`` defaults to the model that served the chain's last call.
+    """
+    chain = build.main_chain
+    if chain is None:
+        raise TrajectoryBuildError(
+            f"rollout {rollout_id!r} has no main chain to project (builder {build.notes.builder!r} built "
+            f"{len(build.chains)} chains); use prefix_merging and check that the calls generated tokens",
+            rollout_id=rollout_id,
+        )
+    tokens = chain.training_tokens()
+    generated = chain.generated_token_count
+    return {
+        "id": f"tokcap-{rollout_id}",
+        "object": "response",
+        "model": model or chain.links[-1].entry.model,
+        "output": project_chain_to_output_items(chain),
+        "usage": {
+            "input_tokens": len(tokens.token_ids) - generated,
+            "output_tokens": generated,
+            "total_tokens": len(tokens.token_ids),
+        },
+        "metadata": {
+            "tokcap_rollout_id": rollout_id,
+            "tokcap_chain_id": chain.chain_id,
+            "tokcap_sequence_sha256": token_sequence_digest(tokens.token_ids),
+        },
+    }
+
+
+def _int_list(value: Any, name: str, index: int) -> list[int]:
+    if not isinstance(value, list) or not all(type(token) is int for token in value):
+        raise PrefixContiguityError(f"output item {index}: {name} must be a list of integers")
+    return value
+
+
+def assert_prefix_contiguity(response: Mapping[str, Any]) -> list[int]:
+    """Check that the response's token arrays form one contiguous sequence; return that sequence.
+
+    Every token-bearing item must carry all three arrays, as many log probs as generated tokens,
+    and at least one generated token; at least one item must bear tokens.
+    When the response carries ``usage.total_tokens`` or ``metadata.tokcap_sequence_sha256``,
+    the concatenated sequence must match them.
+    Raise ``PrefixContiguityError`` naming the first violation.
+    """
+    output = response.get("output")
+    if not isinstance(output, list):
+        raise PrefixContiguityError("the response has no output list")
+    sequence: list[int] = []
+    bearing = 0
+    for index, item in enumerate(output):
+        if not isinstance(item, Mapping):
+            continue
+        present = [name for name in TOKEN_FIELDS if item.get(name) is not None]
+        if not present:
+            continue
+        if len(present) != len(TOKEN_FIELDS):
+            raise PrefixContiguityError(
+                f"output item {index} carries {present} but not all of {list(TOKEN_FIELDS)}"
+            )
+        context = _int_list(item["prompt_token_ids"], "prompt_token_ids", index)
+        generation = _int_list(item["generation_token_ids"], "generation_token_ids", index)
+        log_probs = item["generation_log_probs"]
+        if not isinstance(log_probs, list) or len(log_probs) != len(generation):
+            raise PrefixContiguityError(
+                f"output item {index} has {len(generation)} generated tokens but its log probs do not match"
+            )
+        if not generation:
+            raise PrefixContiguityError(f"output item {index} carries token arrays but no generated token")
+        sequence.extend(context)
+        sequence.extend(generation)
+        bearing += 1
+    if bearing == 0:
+        raise PrefixContiguityError("the response has no output item carrying token ids")
+    usage = response.get("usage")
+    total = usage.get("total_tokens") if isinstance(usage, Mapping) else None
+    if isinstance(total, int) and total != len(sequence):
+        raise PrefixContiguityError(
+            f"the output items concatenate to {len(sequence)} tokens but usage.total_tokens is {total}"
+        )
+    metadata = response.get("metadata")
+    digest = metadata.get("tokcap_sequence_sha256") if isinstance(metadata, Mapping) else None
+    if digest is not None and digest != token_sequence_digest(sequence):
+        raise PrefixContiguityError(
+            "the output items do not concatenate to the chain's token sequence (sha256 differs from "
+            "metadata.tokcap_sequence_sha256); an item was altered, dropped or reordered"
+        )
+    return sequence
