@@ -1,0 +1,217 @@
+"""Freeze a finished rollout, build its trajectory and decide whether it may be trained on.
+
+A rollout is masked (never raised for) when its snapshot is incomplete or empty, when the build leaves
+unresolved retries, quarantined calls, more than one root or more than one chain, or when any build step
+raises. The result carries the frozen ``snapshot_id`` and ``version``, so the caller retires exactly
+what it consumed.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokcap.builder import BUILDERS, PER_REQUEST, BuildOutput, run_builder
+from tokcap.errors import MaskFractionExceededError, UndeliverableBuilderError, UnknownBuilderError
+from tokcap.projection import assert_prefix_contiguity, project_main_chain_response
+from tokcap.protocols import TokenCaptureSnapshot, TokenSource
+
+__all__ = [
+    "MaskFractionGuard",
+    "MaskReason",
+    "TrajectoryResult",
+    "check_single_response_builder",
+    "logger",
+    "trajectories_from_source",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class MaskReason(enum.StrEnum):
+    """Why a rollout must not be trained on."""
+
+    FREEZE_FAILED = "freeze-failed"
+    INCOMPLETE = "incomplete"
+    EMPTY = "empty"
+    BUILD_FAILED = "build-failed"
+    NO_MAIN_CHAIN = "no-main-chain"
+    UNRESOLVED_RETRIES = "unresolved-retries"
+    QUARANTINED_CALLS = "quarantined-calls"
+    MULTIPLE_ROOTS = "multiple-roots"
+    MULTIPLE_CHAINS = "multiple-chains"
+    PROJECTION_FAILED = "projection-failed"
+    NO_ROLLOUT_ID = "no-rollout-id"
+    NO_RESPONSE = "no-response"
+
+
+@dataclass(frozen=True)
+class TrajectoryResult:
+    """The trajectory of one rollout, or the reasons it is masked.
+
+    ``response`` is the projected main chain, and ``None`` whenever the rollout is masked.
+    ``snapshot_id`` and ``version`` name the frozen state consumed; ``None`` when the freeze failed.
+    ``build`` is kept even for a masked rollout, as evidence.
+    """
+
+    rollout_id: str
+    response: dict[str, Any] | None
+    masked: bool
+    mask_reasons: tuple[str, ...]
+    snapshot_id: str | None
+    version: int | None
+    build: BuildOutput | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _reasons_from_build(build: BuildOutput) -> list[MaskReason]:
+    reasons: list[MaskReason] = []
+    if build.main_chain is None:
+        reasons.append(MaskReason.NO_MAIN_CHAIN)
+    if build.notes.unresolved_retries:
+        reasons.append(MaskReason.UNRESOLVED_RETRIES)
+    if build.quarantined_call_ids:
+        reasons.append(MaskReason.QUARANTINED_CALLS)
+    if build.notes.roots > 1:
+        reasons.append(MaskReason.MULTIPLE_ROOTS)
+    if build.notes.chains > 1:
+        reasons.append(MaskReason.MULTIPLE_CHAINS)
+    return reasons
+
+
+def _metrics(
+    snapshot: TokenCaptureSnapshot | None,
+    build: BuildOutput | None,
+    reasons: list[str],
+    errors: list[str],
+) -> dict[str, Any]:
+    metrics: dict[str, Any] = {
+        "masked": bool(reasons),
+        "mask_reasons": list(reasons),
+        "snapshot_id": snapshot.snapshot_id if snapshot is not None else None,
+        "version": snapshot.version if snapshot is not None else None,
+        "entries": len(snapshot.entries) if snapshot is not None else 0,
+        "incomplete": snapshot.incomplete if snapshot is not None else None,
+    }
+    if build is not None:
+        metrics.update(build.notes.to_dict())
+        metrics["quarantined_calls"] = list(build.quarantined_call_ids)
+        metrics["main_chain_id"] = build.main_chain_id
+        metrics["branch_chain_ids"] = list(build.branch_chain_ids)
+    if errors:
+        metrics["errors"] = list(errors)
+    return metrics
+
+
+def check_single_response_builder(builder: str) -> None:
+    """Refuse a builder that cannot feed one response per rollout, before anything is frozen."""
+    if builder not in BUILDERS:
+        raise UnknownBuilderError(f"unknown trajectory builder {builder!r}; choose one of {sorted(BUILDERS)}")
+    if builder == PER_REQUEST:
+        raise UndeliverableBuilderError(
+            f"builder {builder!r} yields one chain per call and cannot deliver one response per rollout; "
+            "use 'prefix_merging'"
+        )
+
+
+async def trajectories_from_source(
+    rollout_id: str,
+    source: TokenSource,
+    builder: str = "prefix_merging",
+    model: str = "",
+) -> TrajectoryResult:
+    """Freeze the rollout through ``source``, build, project and check the main chain.
+
+    A malformed rollout is masked with its reasons in the result and its metrics; it never raises.
+    An unknown builder or ``per_request`` raises before the freeze: that is a configuration error.
+    """
+    check_single_response_builder(builder)
+    reasons: list[str] = []
+    errors: list[str] = []
+    try:
+        snapshot: TokenCaptureSnapshot | None = await source.freeze(rollout_id)
+    except Exception as exc:
+        logger.exception("could not freeze rollout %r; masking it", rollout_id)
+        snapshot = None
+        reasons.append(MaskReason.FREEZE_FAILED)
+        errors.append(f"{type(exc).__name__}: {exc}")
+    build: BuildOutput | None = None
+    response: dict[str, Any] | None = None
+    if snapshot is not None:
+        if snapshot.incomplete:
+            reasons.append(MaskReason.INCOMPLETE)
+        if not snapshot.entries:
+            reasons.append(MaskReason.EMPTY)
+        else:
+            try:
+                build = run_builder(snapshot.entries, builder)
+                reasons.extend(_reasons_from_build(build))
+                main = build.main_chain
+                if main is not None:
+                    main.validate()
+            except Exception as exc:
+                logger.exception("building rollout %r failed; masking it", rollout_id)
+                reasons.append(MaskReason.BUILD_FAILED)
+                errors.append(f"{type(exc).__name__}: {exc}")
+            if build is not None and build.main_chain is not None and MaskReason.BUILD_FAILED not in reasons:
+                try:
+                    response = project_main_chain_response(rollout_id, build, model)
+                    assert_prefix_contiguity(response)
+                except Exception as exc:
+                    logger.exception("projecting rollout %r failed; masking it", rollout_id)
+                    reasons.append(MaskReason.PROJECTION_FAILED)
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    response = None
+    masked = bool(reasons)
+    if masked:
+        logger.warning("rollout %r is masked: %s", rollout_id, ", ".join(reasons))
+    return TrajectoryResult(
+        rollout_id=rollout_id,
+        response=None if masked else response,
+        masked=masked,
+        mask_reasons=tuple(str(reason) for reason in reasons),
+        snapshot_id=snapshot.snapshot_id if snapshot is not None else None,
+        version=snapshot.version if snapshot is not None else None,
+        build=build,
+        metrics=_metrics(snapshot, build, [str(reason) for reason in reasons], errors),
+    )
+
+
+class MaskFractionGuard:
+    """Stops training when too many rollouts are masked, since training on the rest would be biased.
+
+    Configured from ``token_id_capture.max_mask_fraction`` (``None`` disables it) and
+    ``token_id_capture.mask_fraction_min_samples`` (how many rollouts must be finalized before it judges).
+    """
+
+    def __init__(self, max_mask_fraction: float | None, min_samples: int = 50) -> None:
+        self.max_mask_fraction = max_mask_fraction
+        self.min_samples = min_samples
+        self.finalized = 0
+        self.masked = 0
+
+    @property
+    def masked_fraction(self) -> float:
+        """Masked rollouts over finalized rollouts; 0.0 before any was finalized."""
+        return self.masked / self.finalized if self.finalized else 0.0
+
+    def record(self, result: TrajectoryResult | bool) -> None:
+        """Count one finalized rollout (a result, or whether it was masked) and raise if the limit is passed.
+
+        Raise ``MaskFractionExceededError`` naming the fraction, the limit and the setting.
+        """
+        masked = result if isinstance(result, bool) else result.masked
+        self.finalized += 1
+        self.masked += int(masked)
+        limit = self.max_mask_fraction
+        if limit is None or self.finalized < self.min_samples:
+            return
+        if self.masked_fraction > limit:
+            raise MaskFractionExceededError(
+                f"{self.masked} of {self.finalized} finalized rollouts were masked (fraction "
+                f"{self.masked_fraction:.4f}), above token_id_capture.max_mask_fraction={limit} "
+                f"(judged after token_id_capture.mask_fraction_min_samples={self.min_samples}); "
+                "look at the mask reasons in the capture metrics, or raise the limit if this is expected"
+            )
