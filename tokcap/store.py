@@ -32,11 +32,12 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from filelock import FileLock
@@ -45,6 +46,7 @@ from tokcap.durable_io import append_durably, remove_if_exists, replace_atomical
 from tokcap.errors import (
     ConflictingEntryError,
     InvalidInputError,
+    NewerSchemaError,
     RecordValidationError,
     RolloutFrozenError,
     RolloutRetiredError,
@@ -65,12 +67,14 @@ from tokcap.events import (
 )
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
-from tokcap.records import TokenEntry, entry_digest
+from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry, entry_digest
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.state import Lifecycle, Rejection, RolloutState
 
 __all__ = [
     "ENTRIES_SUFFIX",
+    "INDEX_FLUSH_ENTRIES",
+    "WORKER_THREADS",
     "FENCE_SUFFIX",
     "INCOMPLETE_SUFFIX",
     "INTENTS_SUFFIX",
@@ -93,6 +97,18 @@ INTENTS_SUFFIX = ".tokens.intents"
 INCOMPLETE_SUFFIX = ".tokens.incomplete"
 LOCK_SUFFIX = ".tokens.lock"
 FENCE_SUFFIX = ".tokens.fence"
+
+INDEX_FLUSH_ENTRIES = 8
+"""Index-only state updates are written once this many entries lag behind the JSONL file.
+
+Renaming a state file costs about as much as an fsync on ext4; the JSONL line is the durable record and the
+index is rebuilt from the tail, so puts skip most index writes and never parse more than this many lines.
+"""
+
+WORKER_THREADS = 64
+"""Threads per store for async callers: enough concurrent writers to share each filesystem sync."""
+
+_Result = TypeVar("_Result")
 
 
 class ApplyOutcome(enum.StrEnum):
@@ -121,6 +137,26 @@ class ApplyResult:
     detail: str = ""
 
 
+def _call_id_of_line(line: bytes) -> str:
+    """Read just the call id of a stored line; full validation happens when entries are read."""
+    try:
+        raw = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise RecordValidationError(f"entry line is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise RecordValidationError("entry line is not a JSON object")
+    version = raw.get("schema_version")
+    if isinstance(version, int) and version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
+        raise NewerSchemaError(
+            f"entry line has schema_version {version}, newer than {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; "
+            "upgrade tokcap on the reading side"
+        )
+    call_id = raw.get("model_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise RecordValidationError("entry line has no model_call_id")
+    return call_id
+
+
 def _snapshot_id_for(position: LogPosition | None) -> str:
     """Derive a snapshot id from the freeze's log position, or draw one when there is no log.
 
@@ -144,11 +180,27 @@ class TokenCaptureStore:
         self._root.mkdir(parents=True, exist_ok=True)
         self._commit = GroupCommitter(filesystem_sync_for(self._root))
         self._deferral = threading.local()
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
 
     @property
     def commit_stats(self) -> dict[str, int]:
         """How many filesystem syncs this store instance has run; benchmarks report it."""
         return {"syncs": self._commit.syncs}
+
+    async def _in_thread(self, function: Callable[..., _Result], *args: Any) -> _Result:
+        """Run blocking file work off the event loop.
+
+        The store has its own pool, larger than asyncio's default, so many rollouts wait on one shared sync
+        instead of queueing behind a handful of threads.
+        """
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=WORKER_THREADS, thread_name_prefix="tokcap-store"
+                )
+            executor = self._executor
+        return await asyncio.get_running_loop().run_in_executor(executor, function, *args)
 
     # ------------------------------------------------------------ durability
 
@@ -178,16 +230,46 @@ class TokenCaptureStore:
 
         Inside the block, operations return before their writes are durable.
         Ordering barriers (a fence before the removals it guards) still sync at once.
+        Index-only state updates are written once per rollout at the end of the block.
         Only a single-writer projection that records its own checkpoint after the block should use this.
         """
         previous = getattr(self._deferral, "active", False)
         self._deferral.active = True
+        if not previous:
+            self._deferral.lagging_indexes = set()
         try:
             yield
         finally:
             self._deferral.active = previous
         if not previous:
+            lagging: set[str] = self._deferral.lagging_indexes
+            self._deferral.lagging_indexes = set()
+            for rollout_id in sorted(lagging):
+                self._write_index(rollout_id)
             self._barrier()
+
+    def _write_index(self, rollout_id: str) -> None:
+        """Write a rollout's state with its index caught up to the JSONL file."""
+        with self._locked(rollout_id):
+            state = self._read_state(rollout_id)
+            if not state.retired and (
+                self._sync_entry_index(state) or not self.state_path_for(rollout_id).exists()
+            ):
+                self._write_state(state, durable=False)
+
+    def _index_write_due(self, state: RolloutState, lagging_lines: int, position: LogPosition | None) -> bool:
+        """Decide whether an index-only change is written now.
+
+        Inside a deferred block it waits for the end of the block.
+        Applied from a log, it is written at once, so the state a projection leaves depends only on the log.
+        Otherwise it is written every ``INDEX_FLUSH_ENTRIES`` entries, or when the rollout has no state file yet.
+        """
+        if getattr(self._deferral, "active", False):
+            self._deferral.lagging_indexes.add(state.rollout_id)
+            return False
+        if position is not None:
+            return True
+        return lagging_lines >= INDEX_FLUSH_ENTRIES or not self.state_path_for(state.rollout_id).exists()
 
     @property
     def root(self) -> Path:
@@ -259,11 +341,12 @@ class TokenCaptureStore:
         if durable:
             self._commit.note_write()
 
-    def _sync_entry_index(self, state: RolloutState) -> bool:
-        """Reconcile the entry index with any durable JSONL tail; return whether the state changed.
+    def _sync_entry_index(self, state: RolloutState) -> int:
+        """Reconcile the entry index with the JSONL tail; return how many lines were indexed.
 
-        The JSONL write is durable before its state update, so a stopped process can leave unindexed entries.
-        Only the tail past ``indexed_size`` is parsed.
+        The entry line is the durable record; the index in the state file may lag behind it,
+        after a crash or because index-only updates are written every few entries (``INDEX_FLUSH_ENTRIES``).
+        Only the tail past ``indexed_size`` is parsed, and only for its call id and digest.
         A torn final line (no newline) was never acknowledged and is cut off.
         A malformed line followed by more content is corruption and raises.
         """
@@ -273,7 +356,7 @@ class TokenCaptureStore:
         except FileNotFoundError:
             size = 0
         if size == state.indexed_size:
-            return False
+            return 0
         if size < state.indexed_size:
             raise StoreCorruptionError(
                 f"{path} is {size} bytes but {state.indexed_size} bytes were indexed; the file was truncated "
@@ -286,9 +369,10 @@ class TokenCaptureStore:
         pieces = tail.split(b"\n")
         complete, remainder = pieces[:-1], pieces[-1]
         consumed = 0
+        indexed_lines = 0
         for index, line in enumerate(complete):
             try:
-                entry = TokenEntry.from_json(line)
+                call_id = _call_id_of_line(line)
             except RecordValidationError as exc:
                 if type(exc) is not RecordValidationError:
                     raise
@@ -300,8 +384,9 @@ class TokenCaptureStore:
                     f"content: {exc}; the file is corrupt",
                     rollout_id=state.rollout_id,
                 ) from exc
-            state.entry_digests[entry.model_call_id] = entry_digest(line)
+            state.entry_digests[call_id] = entry_digest(line)
             consumed += len(line) + 1
+            indexed_lines += 1
         indexed = state.indexed_size + consumed
         if indexed != size:
             logger.warning(
@@ -314,7 +399,7 @@ class TokenCaptureStore:
                 handle.truncate(indexed)
                 os.fsync(handle.fileno())
         state.indexed_size = indexed
-        return True
+        return indexed_lines
 
     def _intent_status(self, rollout_id: str) -> dict[str, str]:
         """Last intent/cancel operation per call id."""
@@ -421,13 +506,12 @@ class TokenCaptureStore:
         call_id = entry.model_call_id
         if state.retired:
             return self._retired_result(state, EventType.PUT, call_id)
-        index_changed = self._sync_entry_index(state)
+        lagging_lines = self._sync_entry_index(state)
         canonical = entry.canonical_json()
         digest = entry_digest(canonical)
         known = state.entry_digests.get(call_id)
         if known == digest:
-            if index_changed or position is not None:
-                state.record_position(position)
+            if lagging_lines and self._index_write_due(state, lagging_lines, position):
                 self._write_state(state, durable=False)
             return ApplyResult(
                 ApplyOutcome.NOOP, EventType.PUT, state.rollout_id, call_id, detail="same payload"
@@ -455,8 +539,8 @@ class TokenCaptureStore:
             )
         state.entry_digests[call_id] = digest
         state.indexed_size = start + len(canonical) + 1
-        state.record_position(position)
-        self._write_state(state, durable=False)
+        if self._index_write_due(state, lagging_lines + 1, position):
+            self._write_state(state, durable=False)
         return ApplyResult(ApplyOutcome.ACCEPTED, EventType.PUT, state.rollout_id, call_id)
 
     def _apply_intent_op(
@@ -664,7 +748,7 @@ class TokenCaptureStore:
         """Every accepted entry of a rollout, in file order (which carries no meaning)."""
         with self._locked(rollout_id):
             state = self._read_state(rollout_id)
-            if self._sync_entry_index(state):
+            if self._sync_entry_index(state) >= INDEX_FLUSH_ENTRIES:
                 self._write_state(state, durable=False)
             return self._read_entries_unlocked(rollout_id, state)
 
@@ -672,9 +756,28 @@ class TokenCaptureStore:
         """The rollout's current state, reconciled with its JSONL tail."""
         with self._locked(rollout_id):
             state = self._read_state(rollout_id)
-            if not state.retired and self._sync_entry_index(state):
+            if not state.retired and self._sync_entry_index(state) >= INDEX_FLUSH_ENTRIES:
                 self._write_state(state, durable=False)
             return state
+
+    def reconcile_indexes(self) -> int:
+        """Bring every rollout's state index up to date with its JSONL file; return how many were rewritten.
+
+        A projection calls this when it stops, so the state files it leaves depend only on the events applied,
+        not on where index-only writes happened to fall.
+        """
+        rewritten = 0
+        for rollout_id in self.rollout_ids():
+            with self._locked(rollout_id):
+                state = self._read_state(rollout_id)
+                if state.retired:
+                    continue
+                lagging = self._sync_entry_index(state)
+                if lagging or (state.indexed_size and not self.state_path_for(rollout_id).exists()):
+                    self._write_state(state, durable=True)
+                    rewritten += 1
+        self._barrier()
+        return rewritten
 
     def snapshot(self, rollout_id: str) -> TokenCaptureSnapshot:
         """The frozen snapshot of a rollout that is already frozen; used after a freeze applied elsewhere."""
@@ -693,7 +796,7 @@ class TokenCaptureStore:
             raise InvalidInputError(
                 f"rollout {rollout_id!r} is not frozen; freeze it first", rollout_id=rollout_id
             )
-        if self._sync_entry_index(state):
+        if self._sync_entry_index(state) >= INDEX_FLUSH_ENTRIES:
             self._write_state(state, durable=False)
         entries = tuple(self._read_entries_unlocked(rollout_id, state))
         assert state.snapshot_id is not None
@@ -835,38 +938,42 @@ class TokenCaptureStore:
 
     async def put(self, entry: TokenEntry) -> None:
         """Store an entry durably without blocking the event loop."""
-        await asyncio.to_thread(self.append, entry)
+        await self._in_thread(self.append, entry)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record a call's intent before dispatch; a failure here happens before generation."""
-        await asyncio.to_thread(self.begin_call_now, rollout_id, model_call_id)
+        await self._in_thread(self.begin_call_now, rollout_id, model_call_id)
 
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> None:
         """Close a call's intent when it ended without generation."""
-        await asyncio.to_thread(self.cancel_call_now, rollout_id, model_call_id)
+        await self._in_thread(self.cancel_call_now, rollout_id, model_call_id)
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
         """Durably record that a call was lost."""
-        await asyncio.to_thread(self.mark_incomplete_now, rollout_id, model_call_id, reason)
+        await self._in_thread(self.mark_incomplete_now, rollout_id, model_call_id, reason)
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze a rollout and return its snapshot without blocking the event loop."""
-        return await asyncio.to_thread(self.freeze_now, rollout_id)
+        return await self._in_thread(self.freeze_now, rollout_id)
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the exact consumed snapshot, keeping its fence."""
-        return await asyncio.to_thread(self.drop_now, rollout_id, snapshot_id, version)
+        return await self._in_thread(self.drop_now, rollout_id, snapshot_id, version)
 
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove rollouts' records and keep fences, whatever their state; retiring again is a no-op."""
-        return await asyncio.to_thread(self.retire_now, rollout_ids)
+        return await self._in_thread(self.retire_now, rollout_ids)
 
     async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove rollouts' records and fences so ids can be reused; deleting again is a no-op."""
-        return await asyncio.to_thread(self.delete_now, rollout_ids)
+        return await self._in_thread(self.delete_now, rollout_ids)
 
     async def close(self) -> None:
-        """The file store holds no open handles between calls; closing is a no-op."""
+        """Release the worker threads; the store holds no open files between calls, and closing again is a no-op."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False)
 
 
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
