@@ -84,7 +84,7 @@ MATERIALIZER_WRITER = "tokcap-materializer"
 ORPHAN_AFTER_OFFSETS = 100_000
 """A chunk group still open this many offsets after its first chunk will never complete."""
 
-_BATCH_SIZE = 500
+_BATCH_SIZE = 200
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
 _REASON_LIMIT = 600
@@ -397,6 +397,11 @@ class Materializer:
                     self._applied_next[partition] = checkpoint.next_offset
                 assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
             consumer.assign(assignment)
+            logger.info(
+                "materializer ready: topic %s, resuming at %s",
+                self._topic,
+                {tp.partition: tp.offset for tp in assignment},
+            )
             self._ready.set()
             while not self._stop.is_set():
                 messages = consumer.consume(_BATCH_SIZE, _POLL_TIMEOUT_S)

@@ -1,0 +1,137 @@
+"""A materializer process killed at random points resumes exactly: the end state equals a clean replay."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from store_contract import directory_contents, make_entry
+
+from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, RetireEvent
+from transports.kafka import KafkaTokenSink, Materializer
+from transports.kafka.codec import encode_event_messages
+from transports.kafka.producer_bridge import Delivered, ProducerBridge
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+PARTITIONS = 3
+
+
+async def write_long_topic(bootstrap: str, topic: str, rollouts: int) -> None:
+    """Publish a long mixed log directly, commands included, without waiting for any materializer."""
+    sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, chunk_bytes=2048)
+    commands = ProducerBridge(bootstrap)
+
+    async def command(event: Event) -> Delivered:
+        messages = encode_event_messages(event, next_chunk_group=lambda: "unused:0")
+        (delivered,) = await commands.send(topic, messages, what=event.type.value)
+        return delivered
+
+    async def one_rollout(index: int) -> None:
+        rid = f"crash-{index}"
+        await sink.begin_call(rid, "c0")
+        for call in range(4):
+            await sink.put(make_entry(rid, f"c{call}", tokens=20 + call))
+        await sink.put(make_entry(rid, "big", tokens=1200 + index))
+        if index % 3 == 0:
+            await sink.begin_call(rid, "dangling")
+        if index % 4 == 0:
+            await sink.mark_incomplete(rid, "c9", "lost")
+        frozen = await command(FreezeEvent(rollout_id=rid))
+        if index % 2 == 0:
+            await sink.put(make_entry(rid, "late"))
+        snapshot_id = f"{topic}:{frozen.partition}:{frozen.offset}"
+        await command(DropEvent(rollout_id=rid, snapshot_id=snapshot_id, version=1))
+        if index % 5 == 1:
+            await command(RetireEvent(rollout_id=rid))
+        if index % 5 == 2:
+            await command(DeleteEvent(rollout_id=rid))
+            await sink.put(make_entry(rid, "reused"))
+            await command(FreezeEvent(rollout_id=rid))
+
+    try:
+        await asyncio.gather(*(one_rollout(index) for index in range(rollouts)))
+    finally:
+        await sink.close()
+        commands.close()
+
+
+def high_watermarks(bootstrap: str, topic: str) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "watermarks"})
+    try:
+        return {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(PARTITIONS)
+        }
+    finally:
+        consumer.close()
+
+
+def checkpointed(store_dir: Path) -> dict[int, int]:
+    """The next offset each partition's checkpoint file names (0 when there is none yet)."""
+    result = {}
+    for partition in range(PARTITIONS):
+        path = store_dir / f"kafka-checkpoint-p{partition}.json"
+        result[partition] = orjson.loads(path.read_bytes())["next_offset"] if path.exists() else 0
+    return result
+
+
+def start_process(bootstrap: str, topic: str, store_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    """Start a materializer process logging to ``log``; return once it has assigned its partitions."""
+    command = [sys.executable, "-m", "transports.kafka.materializer", "--bootstrap", bootstrap]
+    command += ["--topic", topic, "--dir", str(store_dir)]
+    with log.open("ab") as handle:
+        start = handle.tell()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=handle)
+    deadline = time.monotonic() + 60
+    while b"materializer ready" not in log.read_bytes()[start:]:
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return process
+
+
+def test_a_materializer_killed_at_random_points_ends_byte_identical_to_a_clean_replay(
+    kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
+) -> None:
+    topic = kafka_topic_factory("crash", partitions=PARTITIONS)
+    asyncio.run(write_long_topic(kafka_bootstrap, topic, rollouts=200))
+    end = high_watermarks(kafka_bootstrap, topic)
+    crashed = tmp_path / "crashed"
+    log = tmp_path / "materializer.log"
+    rng = random.Random(11)
+    progress_seen: list[dict[int, int]] = []
+    for _ in range(10):
+        process = start_process(kafka_bootstrap, topic, crashed, log)
+        time.sleep(rng.uniform(0.2, 1.2))
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        progress_seen.append(checkpointed(crashed))
+        if progress_seen[-1] == end:
+            break
+    assert progress_seen[0] != end, "the first kill must land before the end of the topic"
+    process = start_process(kafka_bootstrap, topic, crashed, log)
+    deadline = time.monotonic() + 180
+    while checkpointed(crashed) != end and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert process.returncode == 0, log.read_text()[-3000:]
+    assert checkpointed(crashed) == end
+
+    clean = tmp_path / "clean"
+    materializer = Materializer(kafka_bootstrap, topic, clean)
+    materializer.start()
+    try:
+        assert materializer.wait_until_caught_up(180)
+    finally:
+        materializer.stop()
+    assert directory_contents(crashed) == directory_contents(clean)
