@@ -9,6 +9,7 @@ This package imports no Kafka, FastAPI, Ray, Torch or aiohttp module.
 The rollout-record finalizer lives in ``tokcap.delivery`` and is not re-exported here.
 """
 
+from tokcap.builder import BuildOutput, Chain, ChainLink, run_builder
 from tokcap.config import (
     TokenIdCaptureConfig,
     TokenIdCaptureSettings,
@@ -27,9 +28,29 @@ from tokcap.protocols import (
 )
 from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TOKEN_FIELDS, TokenEntry, extract_token_fields
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
+from tokcap.sink import (
+    CaptureContext,
+    capture_tokens,
+    commit_entry,
+    current_capture_context,
+    register_call_intent,
+    reset_token_sink,
+    set_token_sink,
+)
 from tokcap.store import TokenCaptureStore, make_token_store
 
 __all__ = [
+    "BuildOutput",
+    "CaptureContext",
+    "Chain",
+    "ChainLink",
+    "capture_tokens",
+    "commit_entry",
+    "current_capture_context",
+    "register_call_intent",
+    "reset_token_sink",
+    "run_builder",
+    "set_token_sink",
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
     "RolloutRemovalPayload",
