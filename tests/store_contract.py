@@ -48,7 +48,9 @@ def call_ids(snapshot: TokenCaptureSnapshot) -> list[str]:
 
 def directory_contents(root: Path) -> dict[str, bytes]:
     """Every file under a directory by relative name, for byte-for-byte comparison."""
-    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
+    return {
+        str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()
+    }
 
 
 @contextlib.asynccontextmanager
@@ -103,7 +105,9 @@ class StoreContract:
 
         self.run(scenario)
 
-    def test_a_write_after_freeze_is_never_in_the_snapshot_and_keeps_the_stale_one_from_being_dropped(self) -> None:
+    def test_a_write_after_freeze_is_never_in_the_snapshot_and_keeps_the_stale_one_from_being_dropped(
+        self,
+    ) -> None:
         async def scenario(sink: Any, source: Any) -> None:
             await sink.put(make_entry("r-late", "c1"))
             frozen = await source.freeze("r-late")
@@ -144,7 +148,11 @@ class StoreContract:
             await sink.mark_incomplete("r-race", "c2", "lost after generation")
             assert await source.drop("r-race", frozen.snapshot_id, frozen.version) is False
             refrozen = await source.freeze("r-race")
-            assert (refrozen.snapshot_id, refrozen.version, refrozen.incomplete) == (frozen.snapshot_id, 2, True)
+            assert (refrozen.snapshot_id, refrozen.version, refrozen.incomplete) == (
+                frozen.snapshot_id,
+                2,
+                True,
+            )
             assert await source.drop("r-race", refrozen.snapshot_id, refrozen.version) is True
             assert await source.drop("r-race", refrozen.snapshot_id, refrozen.version) is True
 

@@ -85,7 +85,9 @@ def test_every_acknowledged_entry_is_in_its_snapshot_exactly_once_across_a_broke
             acknowledged.setdefault(record["rollout_id"], set()).add(record["model_call_id"])
 
     async def check() -> None:
-        source = KafkaTokenSource(bootstrap_servers=kafka_bootstrap, topic=topic, store_dir=tmp_path / "store")
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap, topic=topic, store_dir=tmp_path / "store"
+        )
         try:
             for rollout_id, calls in sorted(acknowledged.items()):
                 snapshot = await source.freeze(rollout_id)

@@ -25,7 +25,9 @@ class TestKafkaContract(StoreContract):
     @contextlib.asynccontextmanager
     async def make_sink_and_source(self) -> AsyncIterator[SinkAndSource]:
         sink = KafkaTokenSink(bootstrap_servers=self.bootstrap, topic=self.topic)
-        source = KafkaTokenSource(bootstrap_servers=self.bootstrap, topic=self.topic, store_dir=self.store_dir)
+        source = KafkaTokenSource(
+            bootstrap_servers=self.bootstrap, topic=self.topic, store_dir=self.store_dir
+        )
         try:
             yield sink, source
         finally:

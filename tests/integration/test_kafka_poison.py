@@ -16,7 +16,9 @@ from transports.kafka import KafkaTokenSink, KafkaTokenSource
 pytestmark = pytest.mark.kafka
 
 
-def produce_raw(bootstrap: str, topic: str, records: list[tuple[bytes | None, bytes, list[tuple[str, bytes]]]]) -> None:
+def produce_raw(
+    bootstrap: str, topic: str, records: list[tuple[bytes | None, bytes, list[tuple[str, bytes]]]]
+) -> None:
     """Write messages straight to the topic, bypassing the sink."""
     producer = Producer({"bootstrap.servers": bootstrap})
     for key, value, headers in records:
@@ -27,7 +29,9 @@ def produce_raw(bootstrap: str, topic: str, records: list[tuple[bytes | None, by
 def test_poison_messages_are_dead_lettered_with_reasons_and_consumption_goes_on(
     kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
 ) -> None:
-    newer = orjson.dumps({"schema_version": EVENT_SCHEMA_VERSION + 1, "type": "freeze", "rollout_id": "r-newer"})
+    newer = orjson.dumps(
+        {"schema_version": EVENT_SCHEMA_VERSION + 1, "type": "freeze", "rollout_id": "r-newer"}
+    )
     chunk_headers = [
         ("tokcap.type", b"put"),
         ("tokcap.encoding", b"packed"),
@@ -41,7 +45,11 @@ def test_poison_messages_are_dead_lettered_with_reasons_and_consumption_goes_on(
         kafka_topic,
         [
             (b"r-garbage", b"\x00not json", []),
-            (b"r-unknown", orjson.dumps({"schema_version": 1, "type": "teleport", "rollout_id": "r-unknown"}), []),
+            (
+                b"r-unknown",
+                orjson.dumps({"schema_version": 1, "type": "teleport", "rollout_id": "r-unknown"}),
+                [],
+            ),
             (b"r-newer", newer, [("tokcap.schema_version", str(EVENT_SCHEMA_VERSION + 1).encode())]),
             (b"r-orphan", b"half of something", chunk_headers),
             (b"../escape", b"{}", []),
@@ -65,7 +73,9 @@ def test_poison_messages_are_dead_lettered_with_reasons_and_consumption_goes_on(
             await source.close()
 
     asyncio.run(scenario())
-    lines = [orjson.loads(line) for line in (tmp_path / "kafka-dead-letter-p0.jsonl").read_bytes().splitlines()]
+    lines = [
+        orjson.loads(line) for line in (tmp_path / "kafka-dead-letter-p0.jsonl").read_bytes().splitlines()
+    ]
     assert [(line["partition"], line["offset"]) for line in lines] == [(0, offset) for offset in range(6)]
     assert [line["rollout_id"] for line in lines] == [
         "r-garbage",

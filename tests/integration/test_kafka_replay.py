@@ -24,7 +24,9 @@ async def mixed_run(bootstrap: str, topic: str, store_dir: Path, rollouts: int =
             rid = f"rollout-{index}"
             sink = sinks[index % 2]
             await sink.begin_call(rid, "c0")
-            await asyncio.gather(*(sink.put(make_entry(rid, f"c{call}", tokens=40 + call)) for call in range(4)))
+            await asyncio.gather(
+                *(sink.put(make_entry(rid, f"c{call}", tokens=40 + call)) for call in range(4))
+            )
             await sinks[1 - index % 2].put(make_entry(rid, "c1", salt=9))
             await sink.put(make_entry(rid, "big", tokens=1500))
             if index % 3 == 0:
