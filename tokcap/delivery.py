@@ -21,7 +21,12 @@ import logging
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-from tokcap.consumer import MaskReason, TrajectoryResult, trajectories_from_source
+from tokcap.consumer import (
+    MaskReason,
+    TrajectoryResult,
+    check_single_response_builder,
+    trajectories_from_source,
+)
 from tokcap.errors import InvalidInputError
 from tokcap.protocols import TokenSource
 
@@ -137,7 +142,10 @@ async def finalize_rollout_token_capture(
     can be retired.
     The snapshot is never retired here; pass the returned result to ``retire_rollout_token_capture``
     after the record's durable hand-off.
+    An unknown builder or ``per_request`` is a configuration error, not a record failure: it raises
+    before the record is touched.
     """
+    check_single_response_builder(builder)
     try:
         rollout_id = rollout_id_of(result)
     except Exception as exc:
@@ -153,7 +161,13 @@ async def finalize_rollout_token_capture(
         outcome = await _freeze_only(rollout_id, source)
         _write_metrics(result, outcome)
         return outcome
-    outcome = await trajectories_from_source(rollout_id, source, builder, model)
+    try:
+        outcome = await trajectories_from_source(rollout_id, source, builder, model)
+    except Exception as exc:
+        logger.exception("finalizing rollout %r failed unexpectedly; masking it", rollout_id)
+        outcome = _masked_result(rollout_id, MaskReason.BUILD_FAILED, f"{type(exc).__name__}: {exc}")
+        _write_metrics(result, outcome)
+        return outcome
     response = result.get("response")
     if outcome.response is not None:
         if isinstance(response, MutableMapping):

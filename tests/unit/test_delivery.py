@@ -19,7 +19,7 @@ from tokcap.delivery import (
     finalize_rollout_token_capture,
     retire_rollout_token_capture,
 )
-from tokcap.errors import InvalidInputError, RolloutFrozenError
+from tokcap.errors import InvalidInputError, RolloutFrozenError, UndeliverableBuilderError
 from tokcap.store import TokenCaptureStore
 
 T = TypeVar("T")
@@ -169,3 +169,35 @@ def test_retiring_with_another_rollouts_build_is_refused(tmp_path: Path) -> None
     with pytest.raises(InvalidInputError, match="with the build of rollout"):
         run(retire_rollout_token_capture("other", store, result))
     assert not store.read_state("r").retired
+
+
+def test_a_builder_that_cannot_deliver_one_response_raises_before_the_record_is_touched(
+    tmp_path: Path,
+) -> None:
+    store = captured_store(tmp_path)
+    rec = record()
+    with pytest.raises(UndeliverableBuilderError):
+        run(finalize_rollout_token_capture(rec, store, builder="per_request"))
+    assert rec == record()
+    assert store.read_state("r").is_open
+
+
+class ExplodingSource:
+    """A source whose freeze returns something that is not a snapshot, so the consumer itself breaks."""
+
+    async def freeze(self, rollout_id: str) -> Any:
+        return object()
+
+    async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        raise AssertionError("a broken build must never drop")
+
+    async def close(self) -> None:
+        return None
+
+
+def test_an_unexpected_failure_while_finalizing_masks_the_record(tmp_path: Path) -> None:
+    rec = record()
+    result = run(finalize_rollout_token_capture(rec, ExplodingSource()))
+    assert result.masked
+    assert rec[MASK_SAMPLE_KEY] is True
+    assert not run(retire_rollout_token_capture("r", ExplodingSource(), result))
