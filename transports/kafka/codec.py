@@ -10,7 +10,7 @@ Values:
   Layout: magic ``TKP1``, a little-endian u32 length, the event's JSON without the three arrays
   (which instead lists each array's dtype and count), then the arrays' bytes in that order.
   Ids are ``<i4`` when they fit, else ``<i8``; log probs are ``<f8``, so every value round-trips exactly.
-  A put whose ids do not fit in 64 bits falls back to ``json``.
+  Ids beyond 64 bits are refused (the canonical JSON encoder cannot write them either).
 
 A value larger than the chunk size is split into chunk messages that carry
 ``(group id, index, count, sha256 of the whole value)`` headers; the materializer reassembles them.
@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from tokcap.errors import EventDecodeError, NewerSchemaError
+from tokcap.errors import EventDecodeError, NewerSchemaError, RecordValidationError
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event, event_from_mapping
 
 __all__ = [
@@ -89,8 +89,8 @@ class ChunkHeader:
         return self.group.rsplit(":", 1)[0]
 
 
-def _int_dtype(values: list[int]) -> str | None:
-    """The narrowest dtype that holds every id, or ``None`` when some id needs more than 64 bits."""
+def _int_dtype(values: list[int]) -> str:
+    """The narrowest dtype that holds every id; an id beyond 64 bits is refused."""
     if not values:
         return "<i4"
     low, high = min(values), max(values)
@@ -98,7 +98,7 @@ def _int_dtype(values: list[int]) -> str | None:
         return "<i4"
     if _INT64[0] <= low and high <= _INT64[1]:
         return "<i8"
-    return None
+    raise RecordValidationError(f"token ids must fit in 64 bits; found one in [{low}, {high}]")
 
 
 def _pack_array(values: list[Any], dtype: str) -> bytes:
@@ -118,8 +118,8 @@ def _unpack_array(data: bytes, dtype: str) -> list[Any]:
     return unpacked.tolist()
 
 
-def _pack_put(event: PutEvent) -> bytes | None:
-    """The packed value of a put event, or ``None`` when an id does not fit in 64 bits."""
+def _pack_put(event: PutEvent) -> bytes:
+    """The packed value of a put event."""
     mapping = event.model_dump(mode="json")
     entry = mapping["entry"]
     descriptors: list[dict[str, Any]] = []
@@ -127,8 +127,6 @@ def _pack_put(event: PutEvent) -> bytes | None:
     for name in _ARRAY_FIELDS:
         values = entry.pop(name)
         dtype = "<f8" if name == "generation_log_probs" else _int_dtype(values)
-        if dtype is None:
-            return None
         blob = _pack_array(values, dtype)
         descriptors.append({"field": name, "dtype": dtype, "count": len(values)})
         blobs.append(blob)
@@ -179,9 +177,7 @@ def _unpack_put(value: bytes) -> dict[str, Any]:
 def encode_event_value(event: Event) -> tuple[str, bytes]:
     """The value bytes of an event and the name of their encoding."""
     if isinstance(event, PutEvent):
-        packed = _pack_put(event)
-        if packed is not None:
-            return ENCODING_PACKED, packed
+        return ENCODING_PACKED, _pack_put(event)
     return ENCODING_JSON, encode_event(event)
 
 

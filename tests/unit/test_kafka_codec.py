@@ -1,0 +1,123 @@
+"""The Kafka message encoding is lossless, compact for token arrays, and chunks large values."""
+
+from __future__ import annotations
+
+import hashlib
+
+import orjson
+import pytest
+
+from tokcap.errors import EventDecodeError, NewerSchemaError, RecordValidationError
+from tokcap.events import EVENT_SCHEMA_VERSION, FreezeEvent, PutEvent, encode_event
+from tokcap.records import TokenEntry
+from transports.kafka.codec import (
+    HEADER_ENCODING,
+    decode_event_value,
+    encode_event_messages,
+    encode_event_value,
+    headers_to_dict,
+    read_chunk_header,
+)
+
+
+def put_event(ids: list[int], log_probs: list[float] | None = None, **extra: object) -> PutEvent:
+    generation = ids[: len(log_probs)] if log_probs is not None else ids[:3]
+    entry = TokenEntry(
+        rollout_id="r1",
+        model_call_id="c1",
+        prompt_token_ids=ids,
+        generation_token_ids=generation,
+        generation_log_probs=log_probs if log_probs is not None else [-0.1] * len(generation),
+        created_at=1.5,
+        **extra,
+    )
+    return PutEvent(rollout_id="r1", writer="w", entry=entry)
+
+
+def roundtrip(event: PutEvent | FreezeEvent) -> bytes:
+    encoding, value = encode_event_value(event)
+    decoded = decode_event_value(value, {HEADER_ENCODING: encoding})
+    assert decoded == event
+    return value
+
+
+def test_a_packed_put_decodes_to_the_same_canonical_entry_with_full_float64_precision() -> None:
+    probs = [-1e-308, -5e-324, -0.0, -1.0 / 3.0]
+    event = put_event([0, 1, 2**31 - 1, -(2**31)], probs, tool="x", nested={"b": [1, 2.5]})
+    encoding, value = encode_event_value(event)
+    assert encoding == "packed"
+    decoded = decode_event_value(value, {HEADER_ENCODING: encoding})
+    assert isinstance(decoded, PutEvent)
+    assert decoded.entry.canonical_json() == event.entry.canonical_json()
+
+
+def test_ids_beyond_32_bits_are_packed_as_64_bit_and_beyond_64_bits_are_refused() -> None:
+    narrow = roundtrip(put_event([1, 2, 3]))
+    wide = roundtrip(put_event([2**40, -(2**62), 3]))
+    assert len(wide) - len(narrow) == 6 * 4
+    with pytest.raises(RecordValidationError):
+        encode_event_value(put_event([2**70, 1, 2]))
+
+
+def test_packed_token_arrays_are_much_smaller_than_their_json() -> None:
+    event = put_event(list(range(100_000, 200_000)))
+    _, packed = encode_event_value(event)
+    assert len(packed) * 10 < len(encode_event(event)) * 6
+
+
+def test_events_other_than_put_travel_as_the_canonical_event_json() -> None:
+    event = FreezeEvent(rollout_id="r1", writer="w")
+    assert encode_event_value(event) == ("json", encode_event(event))
+
+
+def test_a_large_value_is_split_into_chunks_whose_headers_describe_the_whole() -> None:
+    event = put_event(list(range(10_000)))
+    groups = iter(["session:0"])
+    messages = encode_event_messages(event, chunk_bytes=4096, next_chunk_group=lambda: next(groups))
+    assert len(messages) > 2
+    whole = b"".join(message.value for message in messages)
+    assert whole == encode_event_value(event)[1]
+    headers = [headers_to_dict(message.headers) for message in messages]
+    chunks = [read_chunk_header(h) for h in headers]
+    assert [(c.group, c.index, c.count) for c in chunks if c] == [
+        ("session:0", i, len(messages)) for i in range(len(messages))
+    ]
+    assert {c.digest for c in chunks if c} == {hashlib.sha256(whole).hexdigest()}
+    assert all(message.key == b"r1" for message in messages)
+    assert headers[0]["tokcap.type"] == "put" and headers[0]["tokcap.writer"] == "w"
+
+
+def test_a_small_value_is_one_message_without_chunk_headers() -> None:
+    (message,) = encode_event_messages(put_event([1, 2, 3]), next_chunk_group=lambda: "unused")
+    assert read_chunk_header(headers_to_dict(message.headers)) is None
+
+
+def test_partial_or_inconsistent_chunk_headers_are_undecodable() -> None:
+    with pytest.raises(EventDecodeError):
+        read_chunk_header({"tokcap.chunk.group": "g"})
+    with pytest.raises(EventDecodeError):
+        read_chunk_header(
+            {
+                "tokcap.chunk.group": "g",
+                "tokcap.chunk.index": "3",
+                "tokcap.chunk.count": "3",
+                "tokcap.chunk.sha256": "x",
+            }
+        )
+
+
+def test_a_newer_schema_header_or_body_is_refused_as_newer() -> None:
+    body = orjson.dumps({"schema_version": EVENT_SCHEMA_VERSION + 1, "type": "freeze", "rollout_id": "r"})
+    with pytest.raises(NewerSchemaError):
+        decode_event_value(b"{}", {"tokcap.schema_version": str(EVENT_SCHEMA_VERSION + 1)})
+    with pytest.raises(NewerSchemaError):
+        decode_event_value(body, {})
+
+
+def test_truncated_or_foreign_packed_values_are_undecodable() -> None:
+    _, value = encode_event_value(put_event(list(range(50))))
+    for broken in (value[:-4], value + b"\x00", b"XXXX" + value[4:], b"TKP1"):
+        with pytest.raises(EventDecodeError):
+            decode_event_value(broken, {HEADER_ENCODING: "packed"})
+    with pytest.raises(EventDecodeError):
+        decode_event_value(value, {HEADER_ENCODING: "msgpack"})

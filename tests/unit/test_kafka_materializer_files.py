@@ -1,0 +1,70 @@
+"""The materializer's own files: checkpoints and dead letters are deterministic and crash-safe."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tokcap.errors import MaterializerFailedError
+from transports.kafka.materializer import DeadLetterLog, PartitionCheckpoint, remove_stale_temp_files
+
+
+def test_a_checkpoint_round_trips_and_names_where_reading_resumes(tmp_path: Path) -> None:
+    path = tmp_path / "kafka-checkpoint-p2.json"
+    checkpoint = PartitionCheckpoint("topic-a", 2, next_offset=40, pending_chunk_offsets=[33, 31])
+    path.write_bytes(checkpoint.encode())
+    loaded = PartitionCheckpoint.load(path, "topic-a", 2)
+    assert (loaded.next_offset, sorted(loaded.pending_chunk_offsets), loaded.resume_offset()) == (
+        40,
+        [31, 33],
+        31,
+    )
+    assert loaded.encode() == checkpoint.encode()
+    assert PartitionCheckpoint.load(tmp_path / "missing.json", "topic-a", 0).resume_offset() == 0
+
+
+def test_a_checkpoint_of_another_topic_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "kafka-checkpoint-p0.json"
+    path.write_bytes(PartitionCheckpoint("topic-a", 0, next_offset=5).encode())
+    with pytest.raises(MaterializerFailedError):
+        PartitionCheckpoint.load(path, "topic-b", 0)
+
+
+def test_a_dead_letter_offset_is_written_once_even_after_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "kafka-dead-letter-p0.jsonl"
+    log = DeadLetterLog(path)
+    assert log.record(0, 7, "bad", "r1") is True
+    assert log.record(0, 7, "bad", "r1") is False
+    assert DeadLetterLog(path).record(0, 7, "bad", "r1") is False
+    assert [orjson.loads(line) for line in path.read_bytes().splitlines()] == [
+        {"offset": 7, "partition": 0, "reason": "bad", "rollout_id": "r1"}
+    ]
+
+
+def test_a_torn_dead_letter_line_is_cut_off_and_written_again(tmp_path: Path) -> None:
+    path = tmp_path / "kafka-dead-letter-p0.jsonl"
+    DeadLetterLog(path).record(0, 1, "first", None)
+    clean = path.read_bytes()
+    with path.open("ab") as handle:
+        handle.write(b'{"offset": 2, "parti')
+    log = DeadLetterLog(path)
+    assert path.read_bytes() == clean
+    assert log.record(0, 2, "second", None) is True
+
+
+def test_temporary_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    dead_pid = int(finished.stdout)
+    stale = tmp_path / f"r1.tokens.state.json.tmp-{dead_pid}-1"
+    live = tmp_path / f"r1.tokens.state.json.tmp-{os.getpid()}-1"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"y")
+    assert remove_stale_temp_files(tmp_path) == [stale]
+    assert live.exists() and not stale.exists()
