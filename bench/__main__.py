@@ -1,0 +1,108 @@
+"""``python -m bench``: measure capture, freeze and replay for the file store and Kafka, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import tempfile
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+
+from bench.broker import local_broker
+from bench.options import BenchOptions, WorkloadShape
+from bench.report import print_report, write_json
+from bench.suite import run_suite
+
+__all__ = ["main", "parse_options"]
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part)
+
+
+def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool]:
+    """Options from the command line, and whether to run the Kafka side at all."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    shape = WorkloadShape()
+    parser.add_argument("--rollouts", type=int, default=shape.rollouts, help="concurrent rollouts")
+    parser.add_argument("--rounds", type=int, default=shape.rounds, help="rollouts each slot runs in turn")
+    parser.add_argument("--turns", type=int, default=shape.turns, help="model calls per rollout")
+    parser.add_argument("--prompt-tokens", type=int, default=shape.prompt_tokens, help="system prompt tokens")
+    parser.add_argument("--generated-tokens", type=int, default=shape.generated_tokens, help="per turn")
+    parser.add_argument("--tool-tokens", type=int, default=shape.tool_tokens, help="tool output per turn")
+    parser.add_argument("--seed", type=int, default=shape.seed)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    parser.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
+    parser.add_argument("--no-kafka", action="store_true", help="measure the file store only")
+    parser.add_argument("--no-growth", action="store_true", help="skip the growth grid")
+    parser.add_argument(
+        "--growth-rollouts", type=int, default=8, help="concurrent rollouts in the growth grid"
+    )
+    parser.add_argument("--growth-turns", type=_int_list, default=(4, 16, 64))
+    parser.add_argument("--growth-prompts", type=_int_list, default=(1000, 32000))
+    parser.add_argument("--work-dir", type=Path, default=None, help="parent of the scratch directories")
+    parser.add_argument("--output", type=Path, default=Path("bench/results/latest.json"))
+    parser.add_argument("--quick", action="store_true", help="small shapes and one repeat, for a smoke run")
+    args = parser.parse_args(argv)
+    options = BenchOptions(
+        shape=WorkloadShape(
+            rollouts=args.rollouts,
+            rounds=args.rounds,
+            turns=args.turns,
+            prompt_tokens=args.prompt_tokens,
+            generated_tokens=args.generated_tokens,
+            tool_tokens=args.tool_tokens,
+            seed=args.seed,
+        ),
+        repeats=args.repeats,
+        bootstrap=args.bootstrap,
+        growth=not args.no_growth,
+        growth_rollouts=args.growth_rollouts,
+        growth_turns=args.growth_turns,
+        growth_prompts=args.growth_prompts,
+        work_dir=args.work_dir,
+        output=args.output,
+    )
+    if args.quick:
+        options = replace(
+            options,
+            shape=replace(
+                options.shape, rollouts=min(options.shape.rollouts, 16), turns=min(options.shape.turns, 4)
+            ),
+            repeats=1,
+            growth_rollouts=2,
+            growth_turns=(4, 16),
+        )
+    return options, not args.no_kafka
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print the tables and write the JSON results."""
+    options, with_kafka = parse_options(argv)
+    logging.basicConfig(level=logging.WARNING)
+    console = Console()
+    with ExitStack() as stack:
+        bootstrap = options.bootstrap
+        if with_kafka and bootstrap is None:
+            state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tokcap-bench-broker-")))
+            console.print("starting a local Kafka broker (scripts/kafka-broker) ...")
+            bootstrap = stack.enter_context(local_broker(state_dir))
+        results = asyncio.run(
+            run_suite(
+                options, bootstrap if with_kafka else None, lambda text: console.print(f"[dim]{text}[/dim]")
+            )
+        )
+    print_report(results, console)
+    write_json(results, options.output)
+    console.print(f"results written to {options.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

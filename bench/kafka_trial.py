@@ -1,0 +1,135 @@
+"""One trial of the load through Kafka: sink puts (acks=all), source freezes, then a full replay.
+
+Each trial gets its own topic, deleted afterwards, so trials never read each other's events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka.admin import AdminClient
+
+from bench.file_store_trial import directory_bytes
+from bench.load import LoadResult, PreparedWorkload, drive
+from tokcap.protocols import TokenCaptureSnapshot
+from tokcap.records import TokenEntry
+from transports.kafka.materializer import Materializer
+from transports.kafka.sink import KafkaTokenSink
+from transports.kafka.source import KafkaTokenSource
+from transports.kafka.topics import ensure_topic
+
+__all__ = ["KafkaTrial", "ReplayFigures", "ReplayTimeoutError", "run_kafka_trial"]
+
+_CATCH_UP_TIMEOUT_S = 600.0
+
+
+class ReplayTimeoutError(RuntimeError):
+    """A materializer did not reach the end of the topic in time; its rate cannot be reported."""
+
+
+@dataclass(frozen=True)
+class ReplayFigures:
+    """How long a fresh materializer took to project the whole topic into an empty directory."""
+
+    seconds: float
+    events: int
+    puts: int
+    tokens: int
+    disk_bytes: int
+
+    @property
+    def events_per_s(self) -> float:
+        """Messages consumed and applied per second."""
+        return self.events / self.seconds
+
+    @property
+    def puts_per_s(self) -> float:
+        """Entries applied per second."""
+        return self.puts / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens of applied entries per second."""
+        return self.tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class KafkaTrial:
+    """The load's figures and the replay's."""
+
+    load: LoadResult
+    replay: ReplayFigures
+
+
+class _KafkaTarget:
+    """The load's view of the Kafka path: the sink writes, the source freezes."""
+
+    def __init__(self, sink: KafkaTokenSink, source: KafkaTokenSource) -> None:
+        self._sink = sink
+        self._source = source
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        await self._sink.begin_call(rollout_id, model_call_id)
+
+    async def put(self, entry: TokenEntry) -> None:
+        await self._sink.put(entry)
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        return await self._source.freeze(rollout_id)
+
+
+def _replay(bootstrap: str, topic: str, directory: Path, workload: PreparedWorkload) -> ReplayFigures:
+    """Project the whole topic into an empty directory and time it from consumer start to the last offset."""
+    materializer = Materializer(bootstrap, topic, directory)
+    high = materializer.high_watermarks()
+    started = time.perf_counter()
+    materializer.start()
+    try:
+        deadline = started + _CATCH_UP_TIMEOUT_S
+        for partition, end in high.items():
+            if end and not materializer.wait_for(
+                partition, end - 1, max(0.0, deadline - time.perf_counter())
+            ):
+                raise ReplayTimeoutError(
+                    f"replay of {topic} did not reach offset {end - 1} of partition {partition} "
+                    f"within {_CATCH_UP_TIMEOUT_S} s"
+                )
+        seconds = time.perf_counter() - started
+    finally:
+        materializer.stop()
+    materializer.store.reconcile_indexes()
+    return ReplayFigures(
+        seconds=seconds,
+        events=sum(high.values()),
+        puts=workload.puts,
+        tokens=workload.tokens,
+        disk_bytes=directory_bytes(directory),
+    )
+
+
+def _delete_topic(bootstrap: str, topic: str) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.delete_topics([topic], operation_timeout=30).values():
+        future.result(timeout=60)
+
+
+async def run_kafka_trial(workload: PreparedWorkload, bootstrap: str, directory: Path) -> KafkaTrial:
+    """Drive the load through a fresh topic with a live materializer, then replay the topic elsewhere."""
+    topic = f"tokcap.bench-{uuid.uuid4().hex[:12]}"
+    ensure_topic(bootstrap, topic)
+    try:
+        sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+        source = KafkaTokenSource(bootstrap_servers=bootstrap, store_dir=directory / "live", topic=topic)
+        try:
+            load = await drive(workload, _KafkaTarget(sink, source))
+        finally:
+            await sink.close()
+            await source.close()
+        replay = await asyncio.to_thread(_replay, bootstrap, topic, directory / "replay", workload)
+    finally:
+        await asyncio.to_thread(_delete_topic, bootstrap, topic)
+    return KafkaTrial(load=load, replay=replay)

@@ -1,0 +1,105 @@
+"""Physical references measured in the same run: what the disk and orjson can do alone.
+
+The targets are ratios against these, so a slow or loaded machine moves both sides together.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from bench.options import WorkloadShape
+from bench.workload import rollouts_of, tokens_of
+from tokcap.group_commit import filesystem_sync_for
+
+__all__ = ["EncodeRate", "encode_and_write_rate", "fsync_rate", "rename_rate", "syncfs_rate"]
+
+_LINE = b'{"model_call_id":"call-0000","op":"intent","rollout_id":"bench-reference"}\n'
+
+
+def fsync_rate(directory: Path, seconds: float) -> float:
+    """Appends of one short line, each followed by ``fsync``, per second, from one thread."""
+    path = directory / "fsync-reference.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            os.write(fd, _LINE)
+            os.fsync(fd)
+            count += 1
+    finally:
+        os.close(fd)
+        path.unlink()
+    return count / elapsed
+
+
+def syncfs_rate(directory: Path, seconds: float) -> float:
+    """Appends followed by the store's own filesystem sync (``syncfs``), per second, from one thread."""
+    path = directory / "syncfs-reference.bin"
+    sync = filesystem_sync_for(directory)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            os.write(fd, _LINE)
+            sync()
+            count += 1
+    finally:
+        os.close(fd)
+        path.unlink()
+    return count / elapsed
+
+
+def rename_rate(directory: Path, seconds: float) -> float:
+    """Small files written and renamed over a target (no fsync), per second: the cost of an atomic replace."""
+    target = directory / "rename-reference.json"
+    temp = directory / "rename-reference.json.tmp"
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        temp.write_bytes(_LINE)
+        os.replace(temp, target)
+        count += 1
+    target.unlink()
+    return count / elapsed
+
+
+@dataclass(frozen=True)
+class EncodeRate:
+    """How fast orjson alone turns a workload's entries into JSONL lines on disk."""
+
+    entries_per_s: float
+    tokens_per_s: float
+    seconds: float
+
+
+def encode_and_write_rate(directory: Path, shape: WorkloadShape) -> EncodeRate:
+    """Encode every entry of the workload with orjson (sorted keys) and append it to its rollout's file.
+
+    Entries are dumped to plain dicts first, untimed, so only orjson and ``write`` are measured;
+    each file is fsynced once at the end, inside the timing.
+    """
+    entries = tokens = 0
+    elapsed = 0.0
+    for slot in rollouts_of(shape, "reference"):
+        for rollout in slot:
+            path = directory / f"{rollout.rollout_id}.reference.jsonl"
+            mappings = []
+            for entry in rollout.entries():
+                mappings.append(entry.model_dump(mode="json"))
+                tokens += tokens_of(entry)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                start = time.perf_counter()
+                for mapping in mappings:
+                    os.write(fd, orjson.dumps(mapping, option=orjson.OPT_SORT_KEYS) + b"\n")
+                os.fsync(fd)
+                elapsed += time.perf_counter() - start
+            finally:
+                os.close(fd)
+                path.unlink()
+            entries += len(mappings)
+    return EncodeRate(entries / elapsed, tokens / elapsed, elapsed)
