@@ -49,6 +49,7 @@ LOGS_DIR = "logs"
 SERVER_LOG = "server.log"
 STDOUT_LOG = "stdout.log"
 LOCK_FILE = ".lock"
+OWNER_FILE = "owner.pid"
 
 
 class BrokerError(RuntimeError):
@@ -368,19 +369,26 @@ def _read_pid(state_dir: Path) -> int | None:
 
 
 def _is_our_broker(pid: int, state_dir: Path) -> bool:
-    """True if pid is alive and is the broker JVM of this state dir (guards against pid reuse)."""
+    """True if pid is alive and is the broker JVM of this state dir (guards against pid reuse).
+
+    Right after launch the java launcher's /proc/PID/cmdline reads empty for a few milliseconds,
+    so a child we started is judged by poll(), and an empty cmdline is read again.
+    """
     child = _CHILDREN.get(pid)
-    if child is not None and child.poll() is not None:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    state = stat.rsplit(")", 1)[-1].split()[0]
-    if state in ("Z", "X"):
-        return False
-    return "kafka.Kafka" in cmdline and str(state_dir / PROPERTIES_FILE) in cmdline
+    if child is not None:
+        return child.poll() is None
+    for _ in range(40):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return False
+        if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+            return False
+        if cmdline:
+            return "kafka.Kafka" in cmdline and str(state_dir / PROPERTIES_FILE) in cmdline
+        time.sleep(0.05)
+    return False
 
 
 def _wait_gone(pid: int, state_dir: Path, timeout: float) -> bool:
@@ -492,12 +500,14 @@ def start(
     reuse: bool = False,
     cache_dir: Path | None = None,
     timeout: float = START_TIMEOUT_S,
+    owner_pid: int | None = None,
 ) -> str:
     """Start the broker and return its bootstrap ``127.0.0.1:PORT`` once it accepts connections.
 
     If a broker of this state dir is already running, its bootstrap is returned unchanged.
     ``reuse=True`` keeps the ports and data of the previous run (a restart); otherwise the data
-    dir is wiped and new free ports are chosen.
+    dir is wiped and new free ports are chosen. ``owner_pid`` marks a private state dir whose
+    broker :func:`prune_orphans` may stop once that process is gone (e.g. a killed test run).
     """
     sd = (state_dir or default_state_dir()).resolve()
     with _locked(sd):
@@ -550,10 +560,17 @@ def start(
                 raise BrokerError(f"cannot run {java}: {exc}") from exc
         _CHILDREN[proc.pid] = proc
         (sd / PID_FILE).write_text(f"{proc.pid}\n")
+        if owner_pid is not None:
+            (sd / OWNER_FILE).write_text(f"{owner_pid}\n")
+        t0 = time.monotonic()
         if not _wait_port(bootstrap, proc.pid, sd, timeout):
-            tail = tail_log(sd, 40)
+            waited = time.monotonic() - t0
+            exit_code = proc.poll()
             _terminate(proc.pid, sd, STOP_TIMEOUT_S)
-            raise BrokerError(f"broker did not become ready at {bootstrap} within {timeout:.0f}s\n{tail}")
+            how = f"exited with {exit_code}" if exit_code is not None else "still running, not answering"
+            raise BrokerError(
+                f"broker did not become ready at {bootstrap} after {waited:.1f}s ({how})\n{tail_log(sd, 40)}"
+            )
         (sd / BOOTSTRAP_FILE).write_text(bootstrap + "\n")
         return bootstrap
 
@@ -600,6 +617,42 @@ def stop(state_dir: Path | None = None, timeout: float = STOP_TIMEOUT_S) -> bool
         return was_running
 
 
+def _pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists (and is not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
+def prune_orphans(root: Path | None = None) -> list[Path]:
+    """Stop and delete private broker dirs under root whose owner process has died.
+
+    Test runs give each session its own broker in ``<root>/<name>/`` with an owner pid, so
+    parallel runs never stop or restart each other's broker; this reclaims the ones a killed
+    run left behind.
+    """
+    base = root or default_state_dir()
+    removed: list[Path] = []
+    if not base.is_dir():
+        return removed
+    for child in sorted(base.iterdir()):
+        owner_file = child / OWNER_FILE
+        if not child.is_dir() or not owner_file.is_file():
+            continue
+        try:
+            owner = int(owner_file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if _pid_alive(owner):
+            continue
+        stop(child)
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
+    return removed
+
+
 def restart(state_dir: Path | None = None, timeout: float = START_TIMEOUT_S) -> str:
     """Stop and start again on the same ports and data dir (used to test surviving a broker restart)."""
     sd = state_dir or default_state_dir()
@@ -635,7 +688,13 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 def _cmd_start(args: argparse.Namespace) -> int:
     """CLI: start (or reuse a running) broker and print its bootstrap."""
     t0 = time.monotonic()
-    bootstrap = start(args.state_dir, reuse=args.reuse, cache_dir=args.cache_dir, timeout=args.timeout)
+    bootstrap = start(
+        args.state_dir,
+        reuse=args.reuse,
+        cache_dir=args.cache_dir,
+        timeout=args.timeout,
+        owner_pid=args.owner_pid,
+    )
     print(bootstrap)
     print(f"kafka broker ready at {bootstrap} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return 0
@@ -659,6 +718,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     st = status(args.state_dir)
     print(st.describe())
     return 0 if st.answering else 1
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    """CLI: stop and remove private broker dirs of dead test runs."""
+    for path in prune_orphans(args.state_dir):
+        print(f"removed orphaned broker dir {path}", file=sys.stderr)
+    return 0
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
@@ -689,12 +755,18 @@ def main(argv: list[str] | None = None) -> int:
     p_start = sub.add_parser("start", help="start the broker and print its bootstrap address")
     p_start.add_argument("--reuse", action="store_true", help="keep ports and data of the previous run")
     p_start.add_argument("--timeout", type=float, default=START_TIMEOUT_S)
+    p_start.add_argument(
+        "--owner-pid", type=int, default=None, help="process owning this broker; `prune` stops it once gone"
+    )
     p_start.set_defaults(func=_cmd_start)
     sub.add_parser("stop", help="stop the broker (SIGTERM, SIGKILL fallback)").set_defaults(func=_cmd_stop)
     p_restart = sub.add_parser("restart", help="stop, then start on the same ports and data dir")
     p_restart.add_argument("--timeout", type=float, default=START_TIMEOUT_S)
     p_restart.set_defaults(func=_cmd_restart)
     sub.add_parser("status", help="exit 0 if running and answering").set_defaults(func=_cmd_status)
+    sub.add_parser(
+        "prune", help="stop and delete sub-dirs of the state dir whose --owner-pid process is gone"
+    ).set_defaults(func=_cmd_prune)
     p_logs = sub.add_parser("logs", help="print the tail of the broker log")
     p_logs.add_argument("-n", "--lines", type=int, default=50)
     p_logs.set_defaults(func=_cmd_logs)

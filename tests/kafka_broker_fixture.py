@@ -4,8 +4,9 @@ Where the broker comes from, in order:
 
 1. ``TOKCAP_KAFKA_BOOTSTRAP`` (e.g. the docker-compose broker, or the one ``scripts/test`` started);
 2. testcontainers' Kafka container, when a Docker engine answers;
-3. the local JVM broker of ``scripts/kafka-broker`` (reused if already running, else started here
-   and stopped at session end).
+3. the local JVM broker of ``scripts/kafka-broker``: one left running in the state dir by
+   ``scripts/kafka-broker start`` is reused (and left running); otherwise this session starts its
+   own in a private sub-dir ``pytest-<pid>`` and stops and deletes it at session end.
 
 If none is available the tests skip with a reason that says how to get one, except with
 ``TOKCAP_REQUIRE_BROKER=1`` (CI), where they fail.
@@ -23,6 +24,7 @@ import gc
 import importlib.util
 import os
 import re
+import shutil
 import sys
 import time
 import uuid
@@ -248,12 +250,18 @@ def _resolve_broker() -> tuple[KafkaBroker | None, str]:
         docker_error = ""
     local = module.status(state_dir)
     if local.running and local.answering and local.bootstrap:
+        # Left running by `scripts/kafka-broker start`: reuse it and leave it running.
         return KafkaBroker(kind="local", bootstrap=local.bootstrap, state_dir=state_dir), ""
+    # Our own broker in a private dir: parallel sessions in one checkout never stop or restart
+    # each other's broker, and prune_orphans reclaims the dirs of sessions that were killed.
+    module.prune_orphans(state_dir)
+    private_dir = state_dir / f"pytest-{os.getpid()}"
     try:
-        bootstrap = str(module.start(state_dir))
+        bootstrap = str(module.start(private_dir, owner_pid=os.getpid()))
     except Exception as exc:
+        shutil.rmtree(private_dir, ignore_errors=True)
         return None, f"{docker_error}local JVM broker failed: {exc}. {HOW_TO_GET_A_BROKER}"
-    return KafkaBroker(kind="local", bootstrap=bootstrap, state_dir=state_dir, started_here=True), ""
+    return KafkaBroker(kind="local", bootstrap=bootstrap, state_dir=private_dir, started_here=True), ""
 
 
 def _shutdown(broker: KafkaBroker) -> None:
@@ -262,8 +270,9 @@ def _shutdown(broker: KafkaBroker) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             broker.container.stop()
-    elif broker.kind == "local" and broker.started_here:
+    elif broker.kind == "local" and broker.started_here and broker.state_dir is not None:
         load_broker_module().stop(broker.state_dir)
+        shutil.rmtree(broker.state_dir, ignore_errors=True)
     elif broker.kind == "local":
         broker.ensure_running()
 
