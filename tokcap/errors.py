@@ -23,6 +23,7 @@ Error tree::
     │   └── RolloutRetiredError
     ├── StoreCorruptionError (RuntimeError)
     ├── MaskFractionExceededError (RuntimeError)
+    ├── InjectedFaultError (RuntimeError)
     ├── TrajectoryBuildError (RuntimeError)
     │   ├── ChainValidationError
     │   └── PrefixContiguityError
@@ -44,6 +45,7 @@ __all__ = [
     "DeliveryError",
     "DeliveryTimeoutError",
     "EventDecodeError",
+    "InjectedFaultError",
     "InvalidInputError",
     "InvalidRolloutIdError",
     "MaskFractionExceededError",
@@ -170,3 +172,7 @@ class PrefixContiguityError(TrajectoryBuildError):
 
 class MaterializerFailedError(TransportError):
     """The materializer stopped on an error it must not skip (a damaged store, a truncated topic)."""
+
+
+class InjectedFaultError(TokcapError, RuntimeError):
+    """A failure ``tokcap demo`` raises on purpose, to show that the capture path survives it."""

@@ -1,0 +1,82 @@
+"""``tokcap inspect`` shows a store's rollouts and judges one rollout exactly as the trainer would."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from cli_helpers import tokcap
+from factories import make_entry
+
+from tokcap.store import TokenCaptureStore
+
+
+def _conversation(store: TokenCaptureStore, rollout_id: str) -> None:
+    """Two calls whose second prompt extends the first call's prompt and generation."""
+    store.append(make_entry(rollout_id, "c1", prompt=[1, 2, 3], generation=[4, 5]))
+    store.append(make_entry(rollout_id, "c2", prompt=[1, 2, 3, 4, 5, 6], generation=[7]))
+
+
+def test_inspect_lists_every_rollout_with_its_state_entries_and_tokens(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    _conversation(store, "open-one")
+    _conversation(store, "frozen-one")
+    store.freeze_now("frozen-one")
+    _conversation(store, "gone")
+    store.retire_now(["gone"])
+    completed = tokcap("inspect", str(tmp_path), "--json")
+    assert completed.returncode == 0, completed.stderr
+    rows = {row["rollout_id"]: row for row in completed.json()["rollouts"]}
+    assert {rid: row["state"] for rid, row in rows.items()} == {
+        "frozen-one": "frozen",
+        "gone": "retired",
+        "open-one": "open",
+    }
+    assert rows["open-one"]["entries"] == 2
+    assert rows["open-one"]["prompt_tokens"] == 9 and rows["open-one"]["generated_tokens"] == 3
+    assert rows["gone"]["entries"] == 0
+
+
+def test_inspecting_an_open_rollout_shows_its_chain_and_verdict_without_freezing_it(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    _conversation(store, "r1")
+    completed = tokcap("inspect", str(tmp_path), "r1", "--json")
+    assert completed.returncode == 0, completed.stderr
+    detail = completed.json()
+    assert detail["state"] == "open"
+    assert [link["model_call_id"] for link in detail["build"]["main_chain"]["links"]] == ["c1", "c2"]
+    assert detail["verdict"] == {"masked": False, "mask_reasons": [], "sequence_tokens": 7}
+    assert store.read_state("r1").is_open
+
+
+def test_a_dangling_intent_makes_an_open_rollout_masked_in_inspect(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    _conversation(store, "r1")
+    store.begin_call_now("r1", "c3")
+    detail = tokcap("inspect", str(tmp_path), "r1", "--json").json()
+    assert detail["intents"]["c3"] == "intent"
+    assert detail["verdict"]["masked"] is True
+    assert detail["verdict"]["mask_reasons"] == ["incomplete"]
+
+
+def test_inspect_shows_incomplete_reasons_and_late_rejections_of_a_frozen_rollout(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    _conversation(store, "r1")
+    store.mark_incomplete_now("r1", "c9", "put failed: disk full")
+    store.freeze_now("r1")
+    with contextlib.suppress(RuntimeError):
+        store.append(make_entry("r1", "late"))
+    completed = tokcap("inspect", str(tmp_path), "r1")
+    assert completed.returncode == 0, completed.stderr
+    assert "incomplete: call c9: put failed: disk full" in completed.stdout
+    assert "rejected after freeze: put of call late" in completed.stdout
+    assert "masked" in completed.stdout
+
+
+def test_a_retired_rollout_is_reported_as_retired(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    _conversation(store, "r1")
+    store.retire_now(["r1"])
+    detail = tokcap("inspect", str(tmp_path), "r1", "--json").json()
+    assert detail["state"] == "retired"
+    assert detail["entries"] == [] and detail["verdict"] is None

@@ -1,0 +1,6 @@
+"""``python -m tokcap.cli`` runs the ``tokcap`` command, for environments without the console script."""
+
+from tokcap.cli import main
+
+if __name__ == "__main__":
+    main()

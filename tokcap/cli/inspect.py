@@ -1,0 +1,261 @@
+"""``tokcap inspect``: what a store directory holds, and what the trainer would make of one rollout.
+
+The verdict comes from the consumer's own code (``trajectories_from_source``) run over a read-only view of
+the rollout, so ``inspect`` and the trainer cannot disagree about whether a rollout is masked.
+A rollout that is still open is judged as if it were frozen now; nothing is frozen or written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from tokcap.builder import BuildOutput, Chain
+from tokcap.consumer import TrajectoryResult, trajectories_from_source
+from tokcap.errors import InvalidInputError
+from tokcap.protocols import TokenCaptureSnapshot
+from tokcap.rollout_ids import validate_rollout_id
+from tokcap.state import RolloutState
+from tokcap.store import TokenCaptureStore
+
+__all__ = [
+    "KAFKA_FILE_PREFIX",
+    "PreviewSource",
+    "RolloutSummary",
+    "describe_rollout",
+    "describe_store",
+    "intent_status",
+    "open_existing_store",
+    "summarize_rollout",
+]
+
+KAFKA_FILE_PREFIX = "kafka-"
+"""Materializer checkpoints and dead-letter records start with this."""
+
+
+def open_existing_store(directory: Path) -> TokenCaptureStore:
+    """Open a store directory that must already exist; the store itself would create a missing one."""
+    if not directory.exists():
+        raise InvalidInputError(f"store directory {directory} does not exist")
+    if not directory.is_dir():
+        raise InvalidInputError(f"{directory} is not a directory")
+    return TokenCaptureStore(directory)
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of an append-only side file; a torn last line is ignored as the store ignores it."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    records: list[dict[str, Any]] = []
+    for line in data.split(b"\n"):
+        if not line:
+            continue
+        try:
+            records.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            continue
+    return records
+
+
+@dataclass(frozen=True)
+class RolloutSummary:
+    """One row of the store table."""
+
+    rollout_id: str
+    state: str
+    incomplete: bool
+    entries: int
+    prompt_tokens: int
+    generated_tokens: int
+    version: int
+    snapshot_id: str | None
+    rejections: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly form."""
+        return dict(self.__dict__)
+
+
+def summarize_rollout(store: TokenCaptureStore, rollout_id: str) -> RolloutSummary:
+    """State, entry count and token counts of one rollout, read without changing anything it means."""
+    state = store.read_state(rollout_id)
+    entries = [] if state.retired else store.read_entries(rollout_id)
+    incomplete = state.incomplete or store.incomplete_path_for(rollout_id).exists()
+    return RolloutSummary(
+        rollout_id=rollout_id,
+        state=state.lifecycle.value,
+        incomplete=incomplete,
+        entries=len(entries),
+        prompt_tokens=sum(len(entry.prompt_token_ids) for entry in entries),
+        generated_tokens=sum(len(entry.generation_token_ids) for entry in entries),
+        version=state.version,
+        snapshot_id=state.snapshot_id,
+        rejections=len(state.rejections),
+    )
+
+
+def describe_store(directory: Path) -> dict[str, Any]:
+    """Every rollout of a store, plus the materializer files a Kafka projection leaves there."""
+    store = open_existing_store(directory)
+    rollouts = [summarize_rollout(store, rollout_id) for rollout_id in store.rollout_ids()]
+    checkpoints = {}
+    dead_letters = {}
+    for path in sorted(directory.glob(f"{KAFKA_FILE_PREFIX}*")):
+        if path.name.startswith("kafka-checkpoint-p"):
+            checkpoints[path.name] = orjson.loads(path.read_bytes())
+        elif path.name.startswith("kafka-dead-letter-p"):
+            dead_letters[path.name] = _json_lines(path)
+    return {
+        "store_dir": str(directory),
+        "rollouts": [summary.to_dict() for summary in rollouts],
+        "kafka_checkpoints": checkpoints,
+        "dead_letters": dead_letters,
+    }
+
+
+class PreviewSource:
+    """A read-only ``TokenSource`` over one store: ``freeze`` returns the snapshot a freeze would give now.
+
+    A frozen rollout returns its real snapshot; an open one returns its current entries, incomplete if a call
+    was marked lost or an intent is still dangling.
+    ``drop`` refuses: inspecting never retires anything.
+    """
+
+    NOT_FROZEN = "(not frozen)"
+
+    def __init__(self, store: TokenCaptureStore) -> None:
+        self._store = store
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """The rollout's snapshot, real or as it would be if frozen now."""
+        state = self._store.read_state(rollout_id)
+        if not state.is_open:
+            return self._store.snapshot(rollout_id)
+        entries = tuple(self._store.read_entries(rollout_id))
+        captured = {entry.model_call_id for entry in entries}
+        dangling = [call for call, op in intent_status(self._store, rollout_id).items() if op == "intent"]
+        incomplete = (
+            state.incomplete
+            or self._store.incomplete_path_for(rollout_id).exists()
+            or any(call not in captured for call in dangling)
+        )
+        return TokenCaptureSnapshot(
+            rollout_id=rollout_id,
+            entries=entries,
+            incomplete=incomplete,
+            snapshot_id=self.NOT_FROZEN,
+            version=state.version,
+        )
+
+    async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        """Inspecting never retires; a caller that tries has a bug."""
+        raise InvalidInputError("tokcap inspect is read-only and never drops a snapshot")
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+def intent_status(store: TokenCaptureStore, rollout_id: str) -> dict[str, str]:
+    """The last intent operation (``intent`` or ``cancel``) recorded for each call of a rollout."""
+    status: dict[str, str] = {}
+    for record in _json_lines(store.intents_path_for(rollout_id)):
+        status[str(record.get("model_call_id"))] = str(record.get("op"))
+    return status
+
+
+@contextmanager
+def _quiet_consumer_logs() -> Iterator[None]:
+    """The consumer logs every mask as a warning; inspect reports the verdict itself."""
+    logger = logging.getLogger("tokcap.consumer")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def _chain_dict(chain: Chain) -> dict[str, Any]:
+    links = []
+    for index, link in enumerate(chain.links):
+        entry = link.entry
+        links.append(
+            {
+                "model_call_id": entry.model_call_id,
+                "context_tokens": len(chain.root_prompt_token_ids)
+                if index == 0
+                else len(link.interstitial_token_ids),
+                "generated_tokens": len(entry.generation_token_ids),
+            }
+        )
+    return {"chain_id": chain.chain_id, "links": links}
+
+
+def _build_dict(build: BuildOutput | None) -> dict[str, Any] | None:
+    if build is None:
+        return None
+    main = build.main_chain
+    return {
+        "builder": build.notes.builder,
+        "roots": build.notes.roots,
+        "chains": build.notes.chains,
+        "main_chain": _chain_dict(main) if main is not None else None,
+        "branch_chain_ids": list(build.branch_chain_ids),
+        "discarded_retries": list(build.notes.discarded_retries),
+        "unresolved_retries": [list(group) for group in build.notes.unresolved_retries],
+        "quarantined_call_ids": list(build.quarantined_call_ids),
+        "empty_generation_calls": list(build.notes.empty_generation_calls),
+    }
+
+
+def _verdict(result: TrajectoryResult) -> dict[str, Any]:
+    tokens = result.response["usage"]["total_tokens"] if result.response is not None else 0
+    return {"masked": result.masked, "mask_reasons": list(result.mask_reasons), "sequence_tokens": tokens}
+
+
+def describe_rollout(directory: Path, rollout_id: str) -> dict[str, Any]:
+    """One rollout in full: state, entries, intents, incomplete reasons, rejections, chain and verdict."""
+    store = open_existing_store(directory)
+    rollout_id = validate_rollout_id(rollout_id)
+    if rollout_id not in store.rollout_ids():
+        raise InvalidInputError(f"rollout {rollout_id!r} has no files in {directory}")
+    state: RolloutState = store.read_state(rollout_id)
+    entries = [] if state.retired else store.read_entries(rollout_id)
+    with _quiet_consumer_logs():
+        result = (
+            None if state.retired else asyncio.run(trajectories_from_source(rollout_id, PreviewSource(store)))
+        )
+    return {
+        "rollout_id": rollout_id,
+        "store_dir": str(directory),
+        "state": state.lifecycle.value,
+        "snapshot_id": state.snapshot_id,
+        "version": state.version,
+        "incomplete": state.incomplete or store.incomplete_path_for(rollout_id).exists(),
+        "last_position": state.last_position,
+        "entries": [
+            {
+                "model_call_id": entry.model_call_id,
+                "model": entry.model,
+                "prompt_tokens": len(entry.prompt_token_ids),
+                "generated_tokens": len(entry.generation_token_ids),
+                "created_at": entry.created_at,
+            }
+            for entry in sorted(entries, key=lambda entry: (entry.created_at, entry.model_call_id))
+        ],
+        "intents": intent_status(store, rollout_id),
+        "dangling_intents": list(state.dangling_intents),
+        "incomplete_reasons": _json_lines(store.incomplete_path_for(rollout_id)),
+        "rejections": [rejection.model_dump(mode="json") for rejection in state.rejections],
+        "build": _build_dict(result.build) if result is not None else None,
+        "verdict": _verdict(result) if result is not None else None,
+    }
