@@ -47,7 +47,7 @@ async def mixed_run(bootstrap: str, topic: str, store_dir: Path, rollouts: int =
         await source.delete(["rollout-0"])
         await sinks[0].mark_incomplete("rollout-1", "c7", "lost")
         with pytest.raises(RolloutRetiredError):
-            await source.freeze("rollout-6")
+            await source.freeze("rollout-2")
         assert source.materializer.wait_until_caught_up(60)
     finally:
         for sink in sinks:
