@@ -249,11 +249,15 @@ class TokenCaptureStore:
             self._barrier()
 
     def _write_index(self, rollout_id: str) -> None:
-        """Write a rollout's state with its index caught up to the JSONL file."""
+        """Write a rollout's state with its index caught up to the JSONL file.
+
+        A rollout deleted later in the same block has no entries left and gets no state file back.
+        """
         with self._locked(rollout_id):
             state = self._read_state(rollout_id)
             if not state.retired and (
-                self._sync_entry_index(state) or not self.state_path_for(rollout_id).exists()
+                self._sync_entry_index(state)
+                or (state.indexed_size and not self.state_path_for(rollout_id).exists())
             ):
                 self._write_state(state, durable=False)
 
