@@ -31,7 +31,9 @@ Error tree::
         ├── DeliveryError
         ├── DeliveryTimeoutError
         ├── TopicMismatchError
-        └── MaterializerFailedError
+        ├── MaterializerFailedError
+        ├── BrokerUnreachableError
+        └── TopicNotFoundError
 
 Errors carry the rollout id and the model call id where one applies, so a
 log line names the exact turn that was lost.
@@ -40,6 +42,7 @@ log line names the exact turn that was lost.
 from __future__ import annotations
 
 __all__ = [
+    "BrokerUnreachableError",
     "ConfigError",
     "ConflictingEntryError",
     "DeliveryError",
@@ -64,6 +67,7 @@ __all__ = [
     "TrajectoryBuildError",
     "UndeliverableBuilderError",
     "TopicMismatchError",
+    "TopicNotFoundError",
     "TransportError",
     "UnknownBuilderError",
 ]
@@ -176,3 +180,11 @@ class MaterializerFailedError(TransportError):
 
 class InjectedFaultError(TokcapError, RuntimeError):
     """A failure ``tokcap demo`` raises on purpose, to show that the capture path survives it."""
+
+
+class BrokerUnreachableError(TransportError):
+    """No Kafka broker answered at the configured bootstrap address in time."""
+
+
+class TopicNotFoundError(TransportError):
+    """The run topic does not exist on the broker; create it, or check the run id."""

@@ -18,7 +18,18 @@ from tokcap.cli.demo import DemoSettings, run_demo_over_files, run_demo_over_kaf
 from tokcap.cli.inspect import describe_rollout, describe_store
 from tokcap.cli.views import render_demo, render_rollout, render_store
 
-__all__ = ["app", "topic_app"]
+__all__ = [
+    "app",
+    "demo",
+    "inspect",
+    "log",
+    "materialize",
+    "replay",
+    "topic_app",
+    "topic_create",
+    "topic_delete",
+    "topic_describe",
+]
 
 app = typer.Typer(
     name="tokcap",
@@ -36,8 +47,8 @@ topic_app = typer.Typer(
 )
 app.add_typer(topic_app, name="topic")
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
-Bootstrap = Annotated[
+_JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+_Bootstrap = Annotated[
     str,
     typer.Option(
         "--bootstrap",
@@ -46,9 +57,9 @@ Bootstrap = Annotated[
         help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT]; defaults to $TOKCAP_KAFKA_BOOTSTRAP.",
     ),
 ]
-RunId = Annotated[str | None, typer.Option("--run", help="The run id; its topic is tokcap.RUN.")]
-TopicName = Annotated[str | None, typer.Option("--topic", help="An explicit topic name instead of --run.")]
-ClientOptions = Annotated[
+_RunId = Annotated[str | None, typer.Option("--run", help="The run id; its topic is tokcap.RUN.")]
+_TopicName = Annotated[str | None, typer.Option("--topic", help="An explicit topic name instead of --run.")]
+_ClientOptions = Annotated[
     list[str] | None,
     typer.Option(
         "--kafka-option",
@@ -56,7 +67,7 @@ ClientOptions = Annotated[
         help="A librdkafka setting KEY=VALUE for every client (repeatable), e.g. -X security.protocol=SASL_SSL.",
     ),
 ]
-Timeout = Annotated[
+_Timeout = Annotated[
     float, typer.Option("--timeout", help="Seconds to wait for the broker before giving up.", min=0.1)
 ]
 
@@ -107,8 +118,8 @@ def demo(
     ] = None,
     servers: Annotated[int, typer.Option(help="Model servers (Kafka sinks) over Kafka.")] = 3,
     partitions: Annotated[int, typer.Option(help="Partitions of the run topic over Kafka.")] = 3,
-    timeout: Timeout = 10.0,
-    as_json: JsonFlag = False,
+    timeout: _Timeout = 10.0,
+    as_json: _JsonFlag = False,
 ) -> None:
     """Run a synthetic multi-turn agent workload end to end and print what happened."""
     settings = DemoSettings(
@@ -153,7 +164,7 @@ def demo(
 def inspect(
     directory: Annotated[Path, typer.Argument(help="A store directory.")],
     rollout: Annotated[str | None, typer.Argument(help="One rollout to show in full.")] = None,
-    as_json: JsonFlag = False,
+    as_json: _JsonFlag = False,
 ) -> None:
     """Show the rollouts of a store, or one rollout with its chain and mask verdict."""
     if rollout is None:
@@ -175,10 +186,10 @@ def inspect(
 
 @app.command()
 def materialize(
-    bootstrap: Bootstrap,
+    bootstrap: _Bootstrap,
     directory: Annotated[Path, typer.Option("--dir", help="The store directory this materializer owns.")],
-    run: RunId = None,
-    topic: TopicName = None,
+    run: _RunId = None,
+    topic: _TopicName = None,
     partitions: Annotated[
         str | None, typer.Option(help="Comma-separated partitions to apply (default: all).")
     ] = None,
@@ -186,8 +197,8 @@ def materialize(
         bool, typer.Option("--until-caught-up", help="Stop once everything in the log at start is applied.")
     ] = False,
     interval: Annotated[float, typer.Option(help="Seconds between lag reports.", min=0.1)] = 2.0,
-    kafka_option: ClientOptions = None,
-    timeout: Timeout = 10.0,
+    kafka_option: _ClientOptions = None,
+    timeout: _Timeout = 10.0,
 ) -> None:
     """Apply the run topic to a store directory until SIGINT/SIGTERM, showing lag per partition."""
     from tokcap.cli.materialize import run_materializer
@@ -208,10 +219,10 @@ def materialize(
 
 @app.command()
 def replay(
-    bootstrap: Bootstrap,
+    bootstrap: _Bootstrap,
     directory: Annotated[Path, typer.Option("--dir", help="An empty directory to rebuild the store in.")],
-    run: RunId = None,
-    topic: TopicName = None,
+    run: _RunId = None,
+    topic: _TopicName = None,
     rollout: Annotated[str | None, typer.Option(help="Replay only this rollout's events.")] = None,
     until: Annotated[
         str,
@@ -220,9 +231,9 @@ def replay(
     force: Annotated[
         bool, typer.Option("--force", help="Replay into a directory that already has files.")
     ] = False,
-    kafka_option: ClientOptions = None,
-    timeout: Timeout = 10.0,
-    as_json: JsonFlag = False,
+    kafka_option: _ClientOptions = None,
+    timeout: _Timeout = 10.0,
+    as_json: _JsonFlag = False,
 ) -> None:
     """Rebuild a store from the run's log into an empty directory."""
     from tokcap.cli.replay import run_replay
@@ -249,13 +260,13 @@ def replay(
 
 @app.command()
 def log(
-    bootstrap: Bootstrap,
+    bootstrap: _Bootstrap,
     rollout: Annotated[str, typer.Option(help="The rollout whose events to show.")],
-    run: RunId = None,
-    topic: TopicName = None,
-    kafka_option: ClientOptions = None,
-    timeout: Timeout = 10.0,
-    as_json: JsonFlag = False,
+    run: _RunId = None,
+    topic: _TopicName = None,
+    kafka_option: _ClientOptions = None,
+    timeout: _Timeout = 10.0,
+    as_json: _JsonFlag = False,
 ) -> None:
     """The event timeline of one rollout, with what the apply step decided for each event."""
     from tokcap.cli.log import render_timeline, rollout_timeline
@@ -271,17 +282,17 @@ def log(
 
 @topic_app.command("create")
 def topic_create(
-    bootstrap: Bootstrap,
-    run: RunId = None,
-    topic: TopicName = None,
+    bootstrap: _Bootstrap,
+    run: _RunId = None,
+    topic: _TopicName = None,
     partitions: Annotated[int, typer.Option(help="Partitions; rollouts spread over them by key.", min=1)] = 1,
     replication_factor: Annotated[int, typer.Option(help="Copies of each partition.", min=1)] = 1,
     config: Annotated[
         list[str] | None, typer.Option("--config", "-c", help="Topic config KEY=VALUE (repeatable).")
     ] = None,
-    kafka_option: ClientOptions = None,
-    timeout: Timeout = 10.0,
-    as_json: JsonFlag = False,
+    kafka_option: _ClientOptions = None,
+    timeout: _Timeout = 10.0,
+    as_json: _JsonFlag = False,
 ) -> None:
     """Create the run topic; an existing topic with the same settings is fine, one with others is an error."""
     from tokcap.cli.topic import create_topic
@@ -306,12 +317,12 @@ def topic_create(
 
 @topic_app.command("describe")
 def topic_describe(
-    bootstrap: Bootstrap,
-    run: RunId = None,
-    topic: TopicName = None,
-    kafka_option: ClientOptions = None,
-    timeout: Timeout = 10.0,
-    as_json: JsonFlag = False,
+    bootstrap: _Bootstrap,
+    run: _RunId = None,
+    topic: _TopicName = None,
+    kafka_option: _ClientOptions = None,
+    timeout: _Timeout = 10.0,
+    as_json: _JsonFlag = False,
 ) -> None:
     """Partitions, leaders, replicas, in-sync replicas, offsets and the configs that matter for durability."""
     from tokcap.cli.topic import describe, render_description
@@ -327,15 +338,15 @@ def topic_describe(
 
 @topic_app.command("delete")
 def topic_delete(
-    bootstrap: Bootstrap,
-    run: RunId = None,
-    topic: TopicName = None,
+    bootstrap: _Bootstrap,
+    run: _RunId = None,
+    topic: _TopicName = None,
     yes: Annotated[
         bool, typer.Option("--yes", help="Confirm: the run's log cannot be replayed afterwards.")
     ] = False,
-    kafka_option: ClientOptions = None,
-    timeout: Timeout = 10.0,
-    as_json: JsonFlag = False,
+    kafka_option: _ClientOptions = None,
+    timeout: _Timeout = 10.0,
+    as_json: _JsonFlag = False,
 ) -> None:
     """Delete the run topic, and with it every way to replay the run."""
     from tokcap.cli.topic import delete

@@ -55,10 +55,12 @@ __all__ = [
     "FAULT_LOST_CALL",
     "FAULT_RETRY",
     "MODEL",
+    "VOCABULARY",
     "CallSink",
     "DemoReport",
     "DemoSettings",
     "FaultySink",
+    "ProgressCallback",
     "RolloutOutcome",
     "StoreDirectory",
     "fault_of",
@@ -507,15 +509,15 @@ def run_demo_over_kafka(
     The source runs an in-process materializer that projects the run topic into the store directory.
     The run topic must not exist yet, so the demo never mixes with an earlier run.
     """
-    from transports.kafka.admin import probe_broker
-
     from transports.kafka import KafkaTokenSink, KafkaTokenSource, TopicSettings, ensure_topic, topic_for_run
+    from transports.kafka.admin import probe_broker, route_client_logs
 
     if servers < 1:
         raise InvalidInputError(f"--servers must be at least 1, got {servers}")
     topic = topic_for_run(run_id)
     probe_broker(bootstrap, timeout_s=broker_timeout_s)
-    if not ensure_topic(bootstrap, topic, TopicSettings(partitions=partitions)):
+    quiet = route_client_logs()
+    if not ensure_topic(bootstrap, topic, TopicSettings(partitions=partitions), admin_config=quiet):
         raise InvalidInputError(
             f"topic {topic!r} already exists; pick a new --run (the demo writes a fresh run), "
             f"or delete it with `tokcap topic delete --run {run_id} --bootstrap {bootstrap}`"
@@ -524,11 +526,21 @@ def run_demo_over_kafka(
 
         async def run() -> tuple[list[RolloutOutcome], float, float]:
             sinks = [
-                KafkaTokenSink(bootstrap_servers=bootstrap, run_id=run_id, writer_id=f"demo-server-{number}")
+                KafkaTokenSink(
+                    bootstrap_servers=bootstrap,
+                    run_id=run_id,
+                    writer_id=f"demo-server-{number}",
+                    producer_config=quiet,
+                )
                 for number in range(servers)
             ]
             source = KafkaTokenSource(
-                bootstrap_servers=bootstrap, run_id=run_id, store_dir=store_dir.path, writer_id="demo-trainer"
+                bootstrap_servers=bootstrap,
+                run_id=run_id,
+                store_dir=store_dir.path,
+                writer_id="demo-trainer",
+                producer_config=quiet,
+                consumer_config=quiet,
             )
             try:
                 return await run_workload(settings, lambda index: sinks[index % servers], source, on_progress)

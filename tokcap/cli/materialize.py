@@ -1,0 +1,105 @@
+"""``tokcap materialize``: the long-running service that projects a run topic into a store directory.
+
+Run one per node that needs snapshots, each on its own directory. It reports, per partition, how far it
+has applied and how far behind the log's end it is. SIGINT or SIGTERM stops it after the current batch,
+with the checkpoint written, so a restart resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from rich.console import Console
+
+from tokcap.cli.kafka_options import parse_key_values, parse_partitions, resolve_run_topic
+
+__all__ = ["format_lag", "run_materializer", "stop_on_signals"]
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Set ``stop`` on SIGINT or SIGTERM while the block runs; restore the previous handlers after."""
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def format_lag(applied: dict[int, int], ends: dict[int, int]) -> str:
+    """``p0 1200/1250 (lag 50)  p1 ...``: per partition, applied offsets over the log's end."""
+    parts = []
+    for partition in sorted(ends):
+        done = applied.get(partition, 0)
+        parts.append(f"p{partition} {done}/{ends[partition]} (lag {max(0, ends[partition] - done)})")
+    return "  ".join(parts)
+
+
+def run_materializer(
+    bootstrap: str,
+    directory: Path,
+    *,
+    run_id: str | None,
+    topic: str | None,
+    partitions: str | None,
+    until_caught_up: bool,
+    interval_s: float,
+    client_options: Sequence[str],
+    timeout_s: float,
+    console: Console,
+) -> dict[str, Any]:
+    """Apply the topic until a signal (or, with ``until_caught_up``, until the log at start is applied)."""
+    name = resolve_run_topic(run_id, topic)
+    chosen = parse_partitions(partitions)
+    client_config = parse_key_values(client_options, "-X")
+    from transports.kafka import Materializer
+    from transports.kafka.admin import probe_broker, route_client_logs, watermarks
+
+    probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
+    marks = watermarks(bootstrap, name, client_config=client_config, timeout_s=timeout_s)
+    if chosen is not None:
+        missing = sorted(set(chosen) - set(marks))
+        if missing:
+            from tokcap.errors import InvalidInputError
+
+            raise InvalidInputError(f"topic {name!r} has no partition {missing[0]} (it has {sorted(marks)})")
+        marks = {p: marks[p] for p in chosen}
+    target = {p: high for p, (_, high) in marks.items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    materializer = Materializer(
+        bootstrap, name, directory, chosen, consumer_config=route_client_logs(client_config)
+    )
+    stop = threading.Event()
+    console.print(f"materializing {name} into {directory} (partitions {sorted(marks)}); Ctrl-C stops cleanly")
+    with stop_on_signals(stop):
+        materializer.start()
+        try:
+            next_report = 0.0
+            while not stop.is_set():
+                materializer.wait_for(0 if chosen is None else chosen[0], -1, 0)
+                applied = materializer.applied_offsets()
+                if until_caught_up and all(applied.get(p, 0) >= end for p, end in target.items()):
+                    break
+                now = time.monotonic()
+                if now >= next_report:
+                    ends = materializer.high_watermarks()
+                    console.print(f"{time.strftime('%H:%M:%S')} {format_lag(applied, ends)}")
+                    next_report = now + interval_s
+                stop.wait(0.2)
+        finally:
+            materializer.stop()
+    applied = materializer.applied_offsets()
+    console.print(f"stopped; checkpoint written: {format_lag(applied, target)}")
+    return {"topic": name, "store_dir": str(directory), "applied_offsets": applied}

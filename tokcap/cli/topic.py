@@ -1,0 +1,114 @@
+"""``tokcap topic create|describe|delete``: the run topic's life, from the operator's side."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tokcap.cli.kafka_options import parse_key_values, resolve_run_topic
+from tokcap.errors import InvalidInputError
+
+__all__ = ["create_topic", "delete", "describe", "render_description"]
+
+
+def create_topic(
+    bootstrap: str,
+    *,
+    run_id: str | None,
+    topic: str | None,
+    partitions: int,
+    replication_factor: int,
+    config: Sequence[str],
+    client_options: Sequence[str],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Create the topic, or accept an identical existing one; a differently configured one is an error."""
+    name = resolve_run_topic(run_id, topic)
+    topic_config = parse_key_values(config, "--config")
+    client_config = parse_key_values(client_options, "-X")
+    from transports.kafka.admin import probe_broker, route_client_logs
+    from transports.kafka.topics import TopicSettings, ensure_topic
+
+    probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
+    settings = TopicSettings(
+        partitions=partitions, replication_factor=replication_factor, config=topic_config
+    )
+    created = ensure_topic(
+        bootstrap, name, settings, admin_config=route_client_logs(client_config), timeout_s=timeout_s
+    )
+    return {
+        "topic": name,
+        "created": created,
+        "partitions": partitions,
+        "replication_factor": replication_factor,
+        "config": topic_config,
+    }
+
+
+def describe(
+    bootstrap: str,
+    *,
+    run_id: str | None,
+    topic: str | None,
+    client_options: Sequence[str],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """The topic's partitions, replicas, offsets and durability configs."""
+    name = resolve_run_topic(run_id, topic)
+    client_config = parse_key_values(client_options, "-X")
+    from transports.kafka.admin import describe_topic, probe_broker
+
+    probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
+    return describe_topic(bootstrap, name, client_config=client_config, timeout_s=timeout_s).to_dict()
+
+
+def delete(
+    bootstrap: str,
+    *,
+    run_id: str | None,
+    topic: str | None,
+    confirmed: bool,
+    client_options: Sequence[str],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Delete the topic; refuse without ``--yes``, since the run can never be replayed afterwards."""
+    name = resolve_run_topic(run_id, topic)
+    client_config = parse_key_values(client_options, "-X")
+    if not confirmed:
+        raise InvalidInputError(
+            f"deleting {name!r} removes the only copy of the run's log (no replay afterwards); pass --yes to confirm"
+        )
+    from transports.kafka.admin import delete_topic, probe_broker
+
+    probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
+    delete_topic(bootstrap, name, client_config=client_config, timeout_s=max(timeout_s, 30.0))
+    return {"topic": name, "deleted": True}
+
+
+def render_description(description: dict[str, Any], console: Console) -> None:
+    """A partition table with the durability configs under it."""
+    table = Table(title=f"{description['topic']}: {description['messages']} messages", title_justify="left")
+    for column in ("partition", "leader", "replicas", "in sync", "low", "high"):
+        table.add_column(
+            column, justify="right" if column in {"partition", "leader", "low", "high"} else "left"
+        )
+    for partition in description["partitions"]:
+        in_sync = ",".join(map(str, partition["in_sync_replicas"]))
+        if partition["under_replicated"]:
+            in_sync += " (under-replicated)"
+        table.add_row(
+            str(partition["partition"]),
+            str(partition["leader"]),
+            ",".join(map(str, partition["replicas"])),
+            in_sync,
+            str(partition["low_offset"]),
+            str(partition["high_offset"]),
+        )
+    console.print(table)
+    for key, value in description["configs"].items():
+        console.print(f"{key} = {value if value is not None else '(not reported)'}")
+    if not description["replayable_from_start"]:
+        console.print("warning: retention removed the start of the run; a full replay is no longer possible")
