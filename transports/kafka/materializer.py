@@ -405,8 +405,10 @@ class Materializer:
             self._ready.set()
             while not self._stop.is_set():
                 messages = consumer.consume(_BATCH_SIZE, _POLL_TIMEOUT_S)
-                for message in messages:
-                    self._take(message)
+                # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
+                with self._store.deferred_durability():
+                    for message in messages:
+                        self._take(message)
                 self._checkpoint()
         finally:
             consumer.close()
