@@ -13,6 +13,7 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
+from bench.apply_rate import ApplyRate, measure_apply_rate
 from bench.file_store_trial import directory_bytes
 from bench.load import LoadResult, PreparedWorkload, drive
 from tokcap.protocols import TokenCaptureSnapshot
@@ -59,10 +60,11 @@ class ReplayFigures:
 
 @dataclass(frozen=True)
 class KafkaTrial:
-    """The load's figures and the replay's."""
+    """The load's figures, the replay's, and the apply step's alone."""
 
     load: LoadResult
     replay: ReplayFigures
+    apply: ApplyRate
 
 
 class _KafkaTarget:
@@ -82,7 +84,9 @@ class _KafkaTarget:
         return await self._source.freeze(rollout_id)
 
 
-def _replay(bootstrap: str, topic: str, directory: Path, workload: PreparedWorkload) -> ReplayFigures:
+def _replay(
+    bootstrap: str, topic: str, directory: Path, workload: PreparedWorkload
+) -> tuple[ReplayFigures, dict[int, int]]:
     """Project the whole topic into an empty directory and time it from consumer start to the last offset."""
     materializer = Materializer(bootstrap, topic, directory)
     high = materializer.high_watermarks()
@@ -102,13 +106,14 @@ def _replay(bootstrap: str, topic: str, directory: Path, workload: PreparedWorkl
     finally:
         materializer.stop()
     materializer.store.reconcile_indexes()
-    return ReplayFigures(
+    figures = ReplayFigures(
         seconds=seconds,
         events=sum(high.values()),
         puts=workload.puts,
         tokens=workload.tokens,
         disk_bytes=directory_bytes(directory),
     )
+    return figures, high
 
 
 def _delete_topic(bootstrap: str, topic: str) -> None:
@@ -129,7 +134,8 @@ async def run_kafka_trial(workload: PreparedWorkload, bootstrap: str, directory:
         finally:
             await sink.close()
             await source.close()
-        replay = await asyncio.to_thread(_replay, bootstrap, topic, directory / "replay", workload)
+        replay, ends = await asyncio.to_thread(_replay, bootstrap, topic, directory / "replay", workload)
+        apply = await asyncio.to_thread(measure_apply_rate, bootstrap, topic, ends, directory / "apply")
     finally:
         await asyncio.to_thread(_delete_topic, bootstrap, topic)
-    return KafkaTrial(load=load, replay=replay)
+    return KafkaTrial(load=load, replay=replay, apply=apply)

@@ -89,13 +89,28 @@ class LoadResult:
 
 
 async def drive(workload: PreparedWorkload, target: CaptureTarget) -> LoadResult:
-    """Run every slot concurrently; a freeze counts as under load while no slot has finished yet."""
+    """Run every slot concurrently; freezes run beside the load, as a trainer freezes while agents keep going.
+
+    A slot hands its finished rollout to a freeze task and starts the next rollout at once.
+    Put throughput is counted until the last put returns; a freeze is under load when it starts before that.
+    """
     result = LoadResult()
-    slots_running = len(workload.slots)
-    total_slots = slots_running
+    puts_done = False
+    freezes: list[asyncio.Task[None]] = []
+
+    async def freeze(rollout_id: str, written: int) -> None:
+        under_load = not puts_done
+        started = time.perf_counter()
+        snapshot = await target.freeze(rollout_id)
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        (result.freeze_under_load_ms if under_load else result.freeze_after_load_ms).append(latency_ms)
+        if len(snapshot.entries) != written or snapshot.incomplete:
+            raise BenchmarkCheckError(
+                f"snapshot of {rollout_id} holds {len(snapshot.entries)} entries (incomplete="
+                f"{snapshot.incomplete}), but {written} were written; the transport lost or masked a turn"
+            )
 
     async def run_slot(rollouts: list[tuple[str, list[TokenEntry]]]) -> None:
-        nonlocal slots_running
         for rollout_id, entries in rollouts:
             for entry in entries:
                 await target.begin_call(rollout_id, entry.model_call_id)
@@ -104,19 +119,11 @@ async def drive(workload: PreparedWorkload, target: CaptureTarget) -> LoadResult
                 result.calls += 2
                 result.generated_tokens += len(entry.generation_token_ids)
                 result.tokens += tokens_of(entry)
-            under_load = slots_running == total_slots
-            started = time.perf_counter()
-            snapshot = await target.freeze(rollout_id)
-            latency_ms = (time.perf_counter() - started) * 1000.0
-            (result.freeze_under_load_ms if under_load else result.freeze_after_load_ms).append(latency_ms)
-            if len(snapshot.entries) != len(entries) or snapshot.incomplete:
-                raise BenchmarkCheckError(
-                    f"snapshot of {rollout_id} holds {len(snapshot.entries)} entries (incomplete="
-                    f"{snapshot.incomplete}), but {len(entries)} were written; the transport lost or masked a turn"
-                )
-        slots_running -= 1
+            freezes.append(asyncio.create_task(freeze(rollout_id, len(entries))))
 
     started = time.perf_counter()
     await asyncio.gather(*(run_slot(slot) for slot in workload.slots))
     result.seconds = time.perf_counter() - started
+    puts_done = True
+    await asyncio.gather(*freezes)
     return result

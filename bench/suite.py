@@ -130,6 +130,8 @@ async def measure_shape(
             record("replay_tokens_per_s", kafka.replay.tokens_per_s)
             record("replay_events", kafka.replay.events)
             record("replay_disk_bytes_per_token", kafka.replay.disk_bytes / workload.tokens)
+            record("apply_events_per_s", kafka.apply.events_per_s)
+            record("apply_tokens_per_s", kafka.apply.tokens_per_s)
             gc.collect()
 
     figures: dict[str, Any] = {name: median(values) for name, values in runs.items()}

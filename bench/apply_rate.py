@@ -1,0 +1,88 @@
+"""The materializer's apply step alone: decode each message and apply it to an empty store, in log order.
+
+Messages are read from the topic into memory first, so the figure excludes the consumer and the broker;
+they are applied in deferred-durability batches of the materializer's size, each made durable at its end.
+Replay time (in ``kafka_trial``) is the end-to-end figure with the consumer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, TopicPartition
+
+from tokcap.events import LogPosition, PutEvent
+from tokcap.store import TokenCaptureStore
+from transports.kafka.codec import decode_event_value, headers_to_dict
+
+__all__ = ["ApplyRate", "measure_apply_rate"]
+
+_BATCH = 200
+
+
+@dataclass(frozen=True)
+class ApplyRate:
+    """Events and tokens applied per second by the store's apply step."""
+
+    events: int
+    tokens: int
+    seconds: float
+
+    @property
+    def events_per_s(self) -> float:
+        """Events decoded and applied per second."""
+        return self.events / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens of applied put events per second."""
+        return self.tokens / self.seconds
+
+
+def _read_topic(bootstrap: str, topic: str, ends: dict[int, int]) -> list[tuple[int, int, bytes, Any]]:
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-apply-{topic}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    try:
+        consumer.assign([TopicPartition(topic, partition, 0) for partition in ends])
+        messages: list[tuple[int, int, bytes, Any]] = []
+        wanted = sum(ends.values())
+        while len(messages) < wanted:
+            for message in consumer.consume(1000, 1.0):
+                if message.error() is None:
+                    messages.append(
+                        (
+                            int(message.partition() or 0),
+                            int(message.offset() or 0),
+                            message.value() or b"",
+                            message.headers() or [],
+                        )
+                    )
+        return messages
+    finally:
+        consumer.close()
+
+
+def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directory: Path) -> ApplyRate:
+    """Read the topic, then time decoding and applying every message to a fresh store."""
+    messages = _read_topic(bootstrap, topic, ends)
+    store = TokenCaptureStore(directory)
+    tokens = 0
+    started = time.perf_counter()
+    for first in range(0, len(messages), _BATCH):
+        with store.deferred_durability():
+            for partition, offset, value, headers in messages[first : first + _BATCH]:
+                event = decode_event_value(value, headers_to_dict(headers))
+                store.apply(event, LogPosition(topic, partition, offset))
+                if isinstance(event, PutEvent):
+                    tokens += len(event.entry.prompt_token_ids) + len(event.entry.generation_token_ids)
+    seconds = time.perf_counter() - started
+    return ApplyRate(len(messages), tokens, seconds)
