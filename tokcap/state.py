@@ -1,6 +1,7 @@
 """The typed state of one rollout, as the store keeps it in ``<rollout_id>.tokens.state.json``.
 
 A rollout moves open → frozen → retired and never back; ``delete`` forgets it.
+``removed_records`` tells whether the retire or delete that produced this state removed anything.
 ``version`` is 0 while open, becomes 1 at freeze, and moves on every later change
 (a rejected late write, a late incomplete marker), so a stale snapshot cannot be dropped.
 """
@@ -58,11 +59,24 @@ class RolloutState(BaseModel):
     dangling_intents: list[str] = Field(default_factory=list)
     rejections: list[Rejection] = Field(default_factory=list)
     last_position: dict[str, Any] | None = None
+    removed_records: bool | None = None
 
     @property
     def is_open(self) -> bool:
         """Writes are accepted only while open."""
         return self.lifecycle is Lifecycle.OPEN
+
+    @property
+    def is_pristine(self) -> bool:
+        """Nothing has happened to this rollout since it was created or deleted."""
+        return (
+            self.is_open
+            and not self.incomplete
+            and not self.entry_digests
+            and self.indexed_size == 0
+            and self.version == 0
+            and not self.rejections
+        )
 
     def advance(self, lifecycle: Lifecycle) -> None:
         """Move forward in the lifecycle, keeping the plain flags readers of the layout rely on."""

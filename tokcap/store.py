@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import fcntl
 import logging
 import os
 import threading
@@ -40,7 +41,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
-from filelock import FileLock
 
 from tokcap.durable_io import append_durably, remove_if_exists, replace_atomically
 from tokcap.errors import (
@@ -168,6 +168,68 @@ def _snapshot_id_for(position: LogPosition | None) -> str:
     return f"{position.topic}:{position.partition}:{position.offset}"
 
 
+@dataclass
+class _HeldLock:
+    """One rollout's lock inside this process: who waits for it, and the locked file while held."""
+
+    thread_lock: threading.RLock
+    users: int = 0
+    depth: int = 0
+    fd: int = -1
+
+
+class _RolloutLocks:
+    """Per-rollout exclusive locks: a thread lock within the process, ``flock`` on the lock file across processes.
+
+    It is the same ``flock`` on the same ``.tokens.lock`` file that the ``filelock`` package takes, so processes
+    using either interoperate; it costs a few microseconds where ``filelock`` 4 costs over 100.
+    A waiting process blocks in ``flock`` and wakes as soon as the holder releases, instead of polling.
+    Re-entry by the thread that holds the lock is allowed, as with ``filelock``.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._held: dict[str, _HeldLock] = {}
+
+    @contextmanager
+    def hold(self, path: Path) -> Iterator[None]:
+        """Hold the lock of ``path`` for the duration of the block."""
+        key = str(path)
+        with self._guard:
+            held = self._held.get(key)
+            if held is None:
+                held = self._held[key] = _HeldLock(threading.RLock())
+            held.users += 1
+        try:
+            with held.thread_lock:
+                if held.depth == 0:
+                    held.fd = self._lock_file(key)
+                held.depth += 1
+                try:
+                    yield
+                finally:
+                    held.depth -= 1
+                    if held.depth == 0:
+                        fd, held.fd = held.fd, -1
+                        os.close(fd)
+        finally:
+            with self._guard:
+                held.users -= 1
+                if held.users == 0:
+                    del self._held[key]
+
+    @staticmethod
+    def _lock_file(path: str) -> int:
+        """Open the lock file (never removed, so every locker shares one inode) and wait for its ``flock``."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
 class TokenCaptureStore:
     """Durable, rollout-keyed JSONL sink and source for ``TokenEntry`` records.
 
@@ -182,6 +244,7 @@ class TokenCaptureStore:
         self._deferral = threading.local()
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        self._rollout_locks = _RolloutLocks()
 
     @property
     def commit_stats(self) -> dict[str, int]:
@@ -314,7 +377,7 @@ class TokenCaptureStore:
     @contextmanager
     def _locked(self, rollout_id: str) -> Iterator[None]:
         """Hold the rollout's exclusive file lock; it serializes threads and processes alike."""
-        with FileLock(self.lock_path_for(rollout_id)):
+        with self._rollout_locks.hold(self.lock_path_for(rollout_id)):
             yield
 
     # ----------------------------------------------------------------- state
@@ -471,7 +534,7 @@ class TokenCaptureStore:
         if isinstance(event, RetireEvent):
             return self._apply_retire(state, position)
         if isinstance(event, DeleteEvent):
-            return self._apply_delete(rollout_id)
+            return self._apply_delete(rollout_id, position)
         raise InvalidInputError(f"cannot apply an event of type {type(event).__name__}")
 
     def _reject_late(
@@ -670,6 +733,7 @@ class TokenCaptureStore:
     def _retire_locked(self, state: RolloutState, position: LogPosition | None) -> bool:
         """Fence, make the fence durable, then remove the records; return whether anything was removed."""
         had_records = self._has_records(state.rollout_id)
+        state.removed_records = had_records
         self._write_fence_unlocked(state, position)
         self._barrier()
         self._finish_retire_unlocked(state)
@@ -698,15 +762,22 @@ class TokenCaptureStore:
         self._write_state(state, durable=True)
 
     def _has_records(self, rollout_id: str) -> bool:
-        return any(
-            path.exists()
-            for path in (
-                self.path_for(rollout_id),
-                self.intents_path_for(rollout_id),
-                self.incomplete_path_for(rollout_id),
-                self.state_path_for(rollout_id),
-            )
+        """Whether the rollout holds anything a retire or delete would remove.
+
+        An empty open state left by a log-applied delete holds nothing.
+        """
+        record_paths = (
+            self.path_for(rollout_id),
+            self.intents_path_for(rollout_id),
+            self.incomplete_path_for(rollout_id),
         )
+        if any(path.exists() for path in record_paths):
+            return True
+        try:
+            data = self.state_path_for(rollout_id).read_bytes()
+        except FileNotFoundError:
+            return False
+        return not RolloutState.decode(data, str(self.state_path_for(rollout_id))).is_pristine
 
     def _remove_record_files(self, rollout_id: str) -> bool:
         """Remove a rollout's entries, intents and incomplete marker, whichever exist."""
@@ -721,8 +792,17 @@ class TokenCaptureStore:
             self._commit.note_write()
         return removed
 
-    def _apply_delete(self, rollout_id: str) -> ApplyResult:
+    def _apply_delete(self, rollout_id: str, position: LogPosition | None) -> ApplyResult:
+        """Forget the rollout; applied from a log, leave an empty open state that remembers the delete.
+
+        That state keeps a resumed materializer from applying the delete twice and lets a source in another
+        process read the verdict; the rollout id is reusable and starts empty either way.
+        """
         removed = self._delete_unlocked(rollout_id)
+        if position is not None:
+            fresh = RolloutState(rollout_id=rollout_id, removed_records=removed)
+            fresh.record_position(position)
+            self._write_state(fresh, durable=True)
         self._forced_barrier()
         return ApplyResult(
             ApplyOutcome.ACCEPTED if removed else ApplyOutcome.NOOP,
@@ -732,12 +812,14 @@ class TokenCaptureStore:
         )
 
     def _delete_unlocked(self, rollout_id: str) -> bool:
-        removed = self._remove_record_files(rollout_id)
+        """Remove every file of the rollout but its lock; return whether it held records or a fence."""
+        had_anything = self._has_records(rollout_id) or self.fence_path_for(rollout_id).exists()
+        removed_files = self._remove_record_files(rollout_id)
         for path in (self.state_path_for(rollout_id), self.fence_path_for(rollout_id)):
-            removed = remove_if_exists(path) or removed
-        if removed:
+            removed_files = remove_if_exists(path) or removed_files
+        if removed_files:
             self._commit.note_write()
-        return removed
+        return had_anything
 
     # ------------------------------------------------------------------ reads
 

@@ -2,13 +2,22 @@
 
 Each command is published to the run topic keyed by its rollout, so it lands after every event
 of that rollout acknowledged before it. The source then waits until its materializer has applied
-the command's offset and answers with what the store decided there. Because the decision is taken
+the command's offset and answers with what the store decided there.
+
+The materializer runs in a thread of the source's process by default.
+With ``external_materializer=True`` another process (``tokcap materialize``) feeds the same directory;
+the source then waits on that process's checkpoint files and reads verdicts back from the store.
+Verdicts are then read from the rollout's state, which records the position and the outcome of the last
+retire or delete applied to it. Only when a later event of the same rollout has already overwritten a
+delete's record does the ``removed``/``not_found`` split fall back to what the store held just before the
+delete was published; the removal itself is exact. Because the decision is taken
 at a log position, every replay of the topic reaches the same answer and the same snapshot id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,9 +26,9 @@ from tokcap.errors import ConfigError, DeliveryTimeoutError, RolloutRetiredError
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, RetireEvent
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
-from tokcap.store import ApplyOutcome, ApplyResult
+from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.codec import encode_event_messages
-from transports.kafka.materializer import Materializer
+from transports.kafka.materializer import CHECKPOINT_PREFIX, Materializer, PartitionCheckpoint
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
 from transports.kafka.sink import default_writer_id
 from transports.kafka.topics import resolve_topic
@@ -28,6 +37,28 @@ __all__ = ["DEFAULT_APPLY_TIMEOUT_S", "KafkaTokenSource"]
 
 DEFAULT_APPLY_TIMEOUT_S = 30.0
 """How long a command waits for the materializer to apply it."""
+
+_CHECKPOINT_POLL_S = 0.01
+
+
+class _CheckpointWaiter:
+    """Waits for another process's materializer by reading its checkpoint files in the shared directory."""
+
+    def __init__(self, store_dir: Path, topic: str) -> None:
+        self._store_dir = store_dir
+        self._topic = topic
+
+    def applied_next(self, partition: int) -> int:
+        path = self._store_dir / f"{CHECKPOINT_PREFIX}{partition}.json"
+        return PartitionCheckpoint.load(path, self._topic, partition).next_offset
+
+    def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.applied_next(partition) <= offset:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_CHECKPOINT_POLL_S)
+        return True
 
 
 class KafkaTokenSource:
@@ -41,6 +72,7 @@ class KafkaTokenSource:
         run_id: str | None = None,
         topic: str | None = None,
         materializer: Materializer | None = None,
+        external_materializer: bool = False,
         timeout_s: float = DEFAULT_APPLY_TIMEOUT_S,
         writer_id: str | None = None,
         delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
@@ -50,6 +82,8 @@ class KafkaTokenSource:
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         self._topic = resolve_topic(run_id, topic)
+        if external_materializer and materializer is not None:
+            raise ConfigError("pass either a materializer or external_materializer=True, not both")
         if materializer is not None:
             if materializer.topic != self._topic:
                 raise ConfigError(
@@ -59,16 +93,22 @@ class KafkaTokenSource:
                 raise ConfigError(
                     f"the materializer writes {materializer.store.root}, not this source's store_dir {store_dir}"
                 )
-        self._owns_materializer = materializer is None
-        self._materializer = materializer or Materializer(
-            bootstrap_servers, self._topic, store_dir, consumer_config=consumer_config
+        self._owns_materializer = materializer is None and not external_materializer
+        self._materializer: Materializer | None = materializer
+        if self._owns_materializer:
+            self._materializer = Materializer(
+                bootstrap_servers, self._topic, store_dir, consumer_config=consumer_config
+            )
+        self._store = (
+            self._materializer.store if self._materializer is not None else TokenCaptureStore(store_dir)
         )
+        self._external = _CheckpointWaiter(Path(store_dir), self._topic) if external_materializer else None
         self._timeout_s = timeout_s
         self._writer_id = writer_id or default_writer_id()
         self._bridge = ProducerBridge(
             bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
         )
-        if self._owns_materializer:
+        if self._owns_materializer and self._materializer is not None:
             self._materializer.start()
         self._closed = False
 
@@ -78,22 +118,33 @@ class KafkaTokenSource:
 
     @property
     def materializer(self) -> Materializer:
-        """The materializer whose store answers this source."""
+        """The in-process materializer whose store answers this source."""
+        if self._materializer is None:
+            raise ConfigError("this source waits on an external materializer; it has no in-process one")
         return self._materializer
+
+    @property
+    def store(self) -> TokenCaptureStore:
+        """The materialized store this source answers from."""
+        return self._store
 
     async def _command(self, event: Event, what: str) -> ApplyResult:
         """Publish one command, wait until it is applied, and return the store's verdict on it."""
         messages = encode_event_messages(event, next_chunk_group=_commands_are_never_chunked)
         (delivered,) = await self._bridge.send(self._topic, messages, what=what)
         await self._wait_applied(delivered, event.rollout_id, what)
-        result = self._materializer.result_at(delivered.partition, delivered.offset)
+        result = None
+        if self._materializer is not None:
+            result = self._materializer.result_at(delivered.partition, delivered.offset)
         if result is None:
-            result = await asyncio.to_thread(self._rederive, event)
+            result = await asyncio.to_thread(self._rederive, event, delivered)
         return result
 
     async def _wait_applied(self, delivered: Delivered, rollout_id: str, what: str) -> None:
+        waiter: Materializer | _CheckpointWaiter | None = self._external or self._materializer
+        assert waiter is not None
         applied = await asyncio.to_thread(
-            self._materializer.wait_for, delivered.partition, delivered.offset, self._timeout_s
+            waiter.wait_for, delivered.partition, delivered.offset, self._timeout_s
         )
         if not applied:
             raise DeliveryTimeoutError(
@@ -103,9 +154,19 @@ class KafkaTokenSource:
                 rollout_id=rollout_id,
             )
 
-    def _rederive(self, event: Event) -> ApplyResult:
-        """Rebuild a verdict from the state when the materializer no longer remembers the result."""
-        state = self._materializer.store.read_state(event.rollout_id)
+    def _rederive(self, event: Event, delivered: Delivered) -> ApplyResult:
+        """Rebuild a verdict from the state when no in-process materializer remembers the result."""
+        state = self._store.read_state(event.rollout_id)
+        position = {"topic": self._topic, "partition": delivered.partition, "offset": delivered.offset}
+        if isinstance(event, RetireEvent | DeleteEvent):
+            removed: bool | None = None
+            if state.last_position == position:
+                removed = bool(state.removed_records)
+            elif isinstance(event, RetireEvent):
+                removed = False
+            return ApplyResult(
+                ApplyOutcome.NOOP, event.type, event.rollout_id, removed=removed, detail="re-derived"
+            )
         if isinstance(event, DropEvent):
             dropped = (
                 state.retired and state.snapshot_id == event.snapshot_id and state.version == event.version
@@ -125,7 +186,7 @@ class KafkaTokenSource:
                 f"rollout {rollout_id!r} is retired; it cannot be frozen. Delete it before reusing its id",
                 rollout_id=rollout_id,
             )
-        return await asyncio.to_thread(self._materializer.store.snapshot, rollout_id)
+        return await asyncio.to_thread(self._store.snapshot, rollout_id)
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire exactly this snapshot; ``False`` if the rollout changed since it was taken."""
@@ -137,10 +198,26 @@ class KafkaTokenSource:
         return bool(result.dropped)
 
     async def _remove(self, events: Sequence[RetireEvent | DeleteEvent], what: str) -> RolloutRemovalPayload:
+        held_before: dict[str, bool] = {}
+        if self._external is not None and what == "delete":
+            held_before = await asyncio.to_thread(self._records_before_delete, events)
         results = await asyncio.gather(*(self._command(event, what) for event in events))
-        removed = tuple(r.rollout_id for r in results if r.removed)
-        not_found = tuple(r.rollout_id for r in results if not r.removed)
+        verdicts = [
+            r.removed if r.removed is not None else held_before.get(r.rollout_id, False) for r in results
+        ]
+        removed = tuple(r.rollout_id for r, verdict in zip(results, verdicts, strict=True) if verdict)
+        not_found = tuple(r.rollout_id for r, verdict in zip(results, verdicts, strict=True) if not verdict)
         return RolloutRemovalPayload(removed=removed, not_found=not_found)
+
+    def _records_before_delete(self, events: Sequence[RetireEvent | DeleteEvent]) -> dict[str, bool]:
+        """What a delete will find, read before publishing it: the fallback when its own record is overwritten."""
+        found: dict[str, bool] = {}
+        for event in events:
+            state = self._store.read_state(event.rollout_id)
+            found[event.rollout_id] = (
+                not state.is_pristine or self._store.fence_path_for(event.rollout_id).exists()
+            )
+        return found
 
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove the rollouts' records and keep their fences, whatever their state."""
@@ -162,7 +239,7 @@ class KafkaTokenSource:
             return
         self._closed = True
         await asyncio.to_thread(self._bridge.close)
-        if self._owns_materializer:
+        if self._owns_materializer and self._materializer is not None:
             await asyncio.to_thread(self._materializer.stop)
 
 

@@ -1,0 +1,126 @@
+"""A source answering from a directory that a separate materializer process feeds."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from store_contract import make_entry
+
+from tokcap.errors import ConfigError, DeliveryTimeoutError
+from transports.kafka import KafkaTokenSink, KafkaTokenSource
+
+pytestmark = pytest.mark.kafka
+
+
+def start_materializer_process(
+    bootstrap: str, topic: str, store_dir: Path, log: Path
+) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "transports.kafka.materializer", "--bootstrap", bootstrap]
+    command += ["--topic", topic, "--dir", str(store_dir)]
+    with log.open("ab") as handle:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=handle)
+    deadline = time.monotonic() + 60
+    while b"materializer ready" not in log.read_bytes():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return process
+
+
+async def scripted_run(bootstrap: str, topic: str, store_dir: Path) -> dict[str, Any]:
+    sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+    source = KafkaTokenSource(
+        bootstrap_servers=bootstrap,
+        topic=topic,
+        store_dir=store_dir,
+        external_materializer=True,
+        timeout_s=30,
+    )
+    outcome: dict[str, Any] = {}
+    try:
+        for call in ("c1", "c2"):
+            await sink.begin_call("kept", call)
+            await sink.put(make_entry("kept", call))
+        snapshot = await source.freeze("kept")
+        outcome["entries"] = sorted(e.model_call_id for e in snapshot.entries)
+        outcome["incomplete"] = snapshot.incomplete
+        outcome["refreeze_same"] = await source.freeze("kept") == snapshot
+        outcome["dropped"] = await source.drop("kept", snapshot.snapshot_id, snapshot.version)
+
+        await sink.put(make_entry("raced", "c1"))
+        raced = await source.freeze("raced")
+        await sink.put(make_entry("raced", "late"))
+        outcome["stale_drop"] = await source.drop("raced", raced.snapshot_id, raced.version)
+
+        await sink.put(make_entry("to-retire", "c1"))
+        outcome["retire"] = (await source.retire(["to-retire", "never-written"])).to_dict()
+        outcome["delete"] = (await source.delete(["to-retire", "never-written-2"])).to_dict()
+    finally:
+        await sink.close()
+        await source.close()
+    return outcome
+
+
+def test_a_source_answers_through_a_materializer_running_in_another_process(
+    kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
+) -> None:
+    topic = kafka_topic_factory("external", partitions=2)
+    store_dir = tmp_path / "store"
+    process = start_materializer_process(kafka_bootstrap, topic, store_dir, tmp_path / "materializer.log")
+    try:
+        outcome = asyncio.run(scripted_run(kafka_bootstrap, topic, store_dir))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    assert outcome["entries"] == ["c1", "c2"]
+    assert outcome["incomplete"] is False
+    assert outcome["refreeze_same"] is True
+    assert outcome["dropped"] is True
+    assert outcome["stale_drop"] is False
+    assert outcome["retire"] == {"removed": ["to-retire"], "not_found": ["never-written"]}
+    assert outcome["delete"] == {"removed": ["to-retire"], "not_found": ["never-written-2"]}
+
+
+def test_without_a_running_materializer_a_command_times_out_naming_rollout_and_offset(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    async def freeze_alone() -> None:
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap,
+            topic=kafka_topic,
+            store_dir=tmp_path,
+            external_materializer=True,
+            timeout_s=1.0,
+        )
+        try:
+            await source.freeze("lonely")
+        finally:
+            await source.close()
+
+    with pytest.raises(DeliveryTimeoutError, match=r"'lonely'.*partition 0 offset 0"):
+        asyncio.run(freeze_alone())
+
+
+def test_an_external_source_has_no_in_process_materializer(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    async def probe() -> None:
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap,
+            topic=kafka_topic,
+            store_dir=tmp_path,
+            external_materializer=True,
+        )
+        try:
+            with pytest.raises(ConfigError, match="external materializer"):
+                _ = source.materializer
+        finally:
+            await source.close()
+
+    asyncio.run(probe())
