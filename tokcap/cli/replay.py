@@ -77,7 +77,7 @@ def run_replay(
         "store_dir": str(directory),
         "mode": mode,
         "rollout_id": rollout_id,
-        "until": offsets,
+        "until": None if offsets is None else {str(p): o for p, o in sorted(offsets.items())},
         "end_offsets": {str(p): high for p, (_, high) in marks.items()},
         "messages_applied": applied,
         "rollouts": len(store.rollout_ids()),
@@ -167,7 +167,7 @@ def render_replay(summary: dict[str, Any], console: Console) -> None:
     until = (
         "the end of the log"
         if summary["until"] is None
-        else ", ".join(f"p{p} < {o}" for p, o in sorted(summary["until"].items()))
+        else ", ".join(f"p{p} < {o}" for p, o in summary["until"].items())
     )
     console.print(
         f"replayed {scope} of {summary['topic']} up to {until}: {summary['messages_applied']} messages, "
