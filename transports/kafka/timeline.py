@@ -25,9 +25,9 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from tokcap.errors import EventDecodeError, InvalidRolloutIdError, NewerSchemaError, TransportError
-from tokcap.events import Event, IncompleteEvent, LogPosition
+from tokcap.events import Event, FreezeEvent, IncompleteEvent, LogPosition
 from tokcap.rollout_ids import validate_rollout_id
-from tokcap.store import ApplyResult, TokenCaptureStore
+from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import client_settings, watermarks
 from transports.kafka.codec import (
     HEADER_TYPE,
@@ -290,16 +290,31 @@ class LogApplier:
             reason = f"invalid rollout id {event.rollout_id!r}"
             return self._entry(message, headers, size, DEAD_LETTERED, detail=reason)
         result = self._apply(event, message.partition, message.offset)
+        detail = result.detail
+        if isinstance(event, FreezeEvent) and result.outcome is ApplyOutcome.ACCEPTED:
+            detail = self._freeze_detail(event.rollout_id)
+        elif isinstance(event, IncompleteEvent):
+            reason = f"reason: {event.reason or '(none given)'}"
+            detail = f"{reason}; {detail}" if detail else reason
         return self._entry(
             message,
             headers,
             size,
             result.outcome.value,
             model_call_id=result.model_call_id or getattr(event, "model_call_id", ""),
-            detail=result.detail,
+            detail=detail,
             snapshot_id=result.snapshot_id,
             version=result.version,
         )
+
+    def _freeze_detail(self, rollout_id: str) -> str:
+        """Why a freeze made the snapshot incomplete: dangling intents, or earlier incomplete marks."""
+        state = self.store.read_state(rollout_id)
+        if state.dangling_intents:
+            return f"incomplete: no entry for dispatched call(s) {', '.join(state.dangling_intents)}"
+        if state.incomplete:
+            return "incomplete: a call was marked lost before the freeze"
+        return ""
 
     def _take_chunk(self, message: LogMessage, headers: dict[str, str], chunk: ChunkHeader) -> TimelineEntry:
         key = message.key or b""
