@@ -103,7 +103,7 @@ def render_timeline(timeline: dict[str, Any], console: Console) -> None:
         style = _DECISION_STYLES.get(event["decision"], "")
         decision = f"[{style}]{event['decision']}[/{style}]" if style else event["decision"]
         detail = event["detail"]
-        if event["snapshot_id"] and event["event_type"] in {"freeze", "drop"}:
+        if event["snapshot_id"] and event["event_type"] == "freeze":
             detail = f"snapshot {event['snapshot_id']} v{event['version']}" + (
                 f"; {detail}" if detail else ""
             )

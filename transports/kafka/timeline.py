@@ -25,7 +25,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from tokcap.errors import EventDecodeError, InvalidRolloutIdError, NewerSchemaError, TransportError
-from tokcap.events import Event, FreezeEvent, IncompleteEvent, LogPosition
+from tokcap.events import DropEvent, Event, FreezeEvent, IncompleteEvent, LogPosition
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import client_settings, watermarks
@@ -209,6 +209,16 @@ def _rollout_of(key: bytes | None) -> str | None:
         return None
 
 
+def _drop_detail(event: DropEvent, result: ApplyResult) -> str:
+    """Say what the drop asked for and why it did or did not retire the rollout."""
+    asked = f"{event.snapshot_id} v{event.version}"
+    if result.outcome is ApplyOutcome.ACCEPTED:
+        return f"dropped {asked}"
+    if result.dropped:
+        return f"{asked} was already dropped"
+    return f"kept: asked for {asked}, but the rollout is at {result.snapshot_id} v{result.version}"
+
+
 @dataclass
 class LogApplier:
     """Applies log messages, in order, to a store and returns the verdict of each one."""
@@ -293,6 +303,8 @@ class LogApplier:
         detail = result.detail
         if isinstance(event, FreezeEvent) and result.outcome is ApplyOutcome.ACCEPTED:
             detail = self._freeze_detail(event.rollout_id)
+        elif isinstance(event, DropEvent):
+            detail = _drop_detail(event, result)
         elif isinstance(event, IncompleteEvent):
             reason = f"reason: {event.reason or '(none given)'}"
             detail = f"{reason}; {detail}" if detail else reason
