@@ -293,48 +293,56 @@ class TokenCaptureStore:
 
         Inside the block, operations return before their writes are durable.
         Ordering barriers (a fence before the removals it guards) still sync at once.
-        Index-only state updates are written once per rollout at the end of the block.
+        Puts, intents and cancels keep their rollout's state in memory for the rest of the block;
+        their non-durable state changes (index, last position) are written once per rollout at its end.
+        Any other event first writes that state out and reads the file, as outside a block.
         Only a single-writer projection that records its own checkpoint after the block should use this.
         """
         previous = getattr(self._deferral, "active", False)
         self._deferral.active = True
         if not previous:
-            self._deferral.lagging_indexes = set()
+            self._deferral.states = {}
+            self._deferral.dirty = set()
         try:
             yield
         finally:
             self._deferral.active = previous
+            if not previous:
+                states: dict[str, RolloutState] = self._deferral.states
+                dirty: set[str] = self._deferral.dirty
+                self._deferral.states, self._deferral.dirty = {}, set()
         if not previous:
-            lagging: set[str] = self._deferral.lagging_indexes
-            self._deferral.lagging_indexes = set()
-            for rollout_id in sorted(lagging):
-                self._write_index(rollout_id)
+            for rollout_id in sorted(dirty):
+                with self._locked(rollout_id):
+                    self._replace_state_file(states[rollout_id])
             self._barrier()
 
-    def _write_index(self, rollout_id: str) -> None:
-        """Write a rollout's state with its index caught up to the JSONL file.
+    def _deferred_state(self, rollout_id: str, event: Event) -> RolloutState:
+        """The state an event applies to inside a deferred block; the caller holds the rollout's lock.
 
-        A rollout deleted later in the same block has no entries left and gets no state file back.
+        Puts, intents and cancels reuse the state earlier events of the block left in memory.
+        Any other event writes that state out first, so it reads, and acts on, exactly what is on disk.
         """
-        with self._locked(rollout_id):
-            state = self._read_state(rollout_id)
-            if not state.retired and (
-                self._sync_entry_index(state)
-                or (state.indexed_size and not self.state_path_for(rollout_id).exists())
-            ):
-                self._write_state(state, durable=False)
+        states: dict[str, RolloutState] = self._deferral.states
+        if isinstance(event, PutEvent | IntentEvent | CancelEvent):
+            state = states.get(rollout_id)
+            if state is None:
+                state = states[rollout_id] = self._read_state(rollout_id)
+            return state
+        cached = states.pop(rollout_id, None)
+        if cached is not None and rollout_id in self._deferral.dirty:
+            self._deferral.dirty.discard(rollout_id)
+            self._replace_state_file(cached)
+        return self._read_state(rollout_id)
 
     def _index_write_due(self, state: RolloutState, lagging_lines: int, position: LogPosition | None) -> bool:
         """Decide whether an index-only change is written now.
 
-        Inside a deferred block it waits for the end of the block.
-        Applied from a log, it is written at once, so the state a projection leaves depends only on the log.
+        Applied from a log, it is written at once (inside a deferred block: at the end of the block),
+        so the state a projection leaves depends only on the log.
         Otherwise it is written every ``INDEX_FLUSH_ENTRIES`` entries, or when the rollout has no state file yet.
         """
-        if getattr(self._deferral, "active", False):
-            self._deferral.lagging_indexes.add(state.rollout_id)
-            return False
-        if position is not None:
+        if position is not None or getattr(self._deferral, "active", False):
             return True
         return lagging_lines >= INDEX_FLUSH_ENTRIES or not self.state_path_for(state.rollout_id).exists()
 
@@ -403,10 +411,22 @@ class TokenCaptureStore:
         """Replace the state file atomically; a durable change is synced before the operation returns.
 
         A non-durable change (a new entry's index) can be rebuilt from the JSONL tail after a crash.
+        Inside a deferred block, a non-durable change to a state the block keeps in memory waits for its end.
         """
-        replace_atomically(self.state_path_for(state.rollout_id), state.encode(), durable=False)
+        deferred = (
+            getattr(self._deferral, "active", False) and self._deferral.states.get(state.rollout_id) is state
+        )
+        if deferred and not durable:
+            self._deferral.dirty.add(state.rollout_id)
+            return
+        if deferred:
+            self._deferral.dirty.discard(state.rollout_id)
+        self._replace_state_file(state)
         if durable:
             self._commit.note_write()
+
+    def _replace_state_file(self, state: RolloutState) -> None:
+        replace_atomically(self.state_path_for(state.rollout_id), state.encode(), durable=False)
 
     def _sync_entry_index(self, state: RolloutState) -> int:
         """Reconcile the entry index with the JSONL tail; return how many lines were indexed.
@@ -509,7 +529,10 @@ class TokenCaptureStore:
         """
         rollout_id = validate_rollout_id(event.rollout_id)
         with self._locked(rollout_id):
-            state = self._read_state(rollout_id)
+            if getattr(self._deferral, "active", False):
+                state = self._deferred_state(rollout_id, event)
+            else:
+                state = self._read_state(rollout_id)
             if state.retired and self._retire_unfinished(rollout_id):
                 self._finish_retire_unlocked(state)
             if state.already_applied(position):
