@@ -49,6 +49,12 @@ def _describe(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, typer.TyperException):
         code = getattr(exc, "exit_code", EXIT_USAGE)
         return exc.format_message(), code if isinstance(code, int) else EXIT_USAGE
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").startswith("confluent_kafka"):
+        return (
+            "this command needs the Kafka client, which is not installed: pip install 'tokcap[kafka]' "
+            "(or `pip install -e '.[kafka]'` in a clone)",
+            EXIT_FAILURE,
+        )
     if isinstance(exc, TokcapError):
         return str(exc), EXIT_FAILURE
     if isinstance(exc, ValidationError):

@@ -17,6 +17,7 @@ the group is reported as never completed instead.
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -151,8 +152,17 @@ def read_log(
     try:
         consumer.assign([TopicPartition(topic, partition, 0) for partition in sorted(ends)])
         pending = dict(ends)
+        last_progress = time.monotonic()
         while pending:
-            for message in _messages_of(consumer, timeout_s):
+            messages = _messages_of(consumer, timeout_s)
+            if messages:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > max(timeout_s, 30.0):
+                raise TransportError(
+                    f"reading {topic!r} stalled: partitions {sorted(pending)} gave no message for "
+                    f"{max(timeout_s, 30.0):g} s before reaching offsets {pending}; check the broker"
+                )
+            for message in messages:
                 error = message.error()
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:
