@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from store_contract import make_entry
 
-from tokcap.errors import ConfigError, DeliveryTimeoutError
-from transports.kafka import KafkaTokenSink, KafkaTokenSource
+from tokcap.errors import ConfigError, DeliveryTimeoutError, MaterializerFailedError
+from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
 
 pytestmark = pytest.mark.kafka
 
@@ -124,3 +124,21 @@ def test_an_external_source_has_no_in_process_materializer(
             await source.close()
 
     asyncio.run(probe())
+
+
+def test_a_second_materializer_of_the_same_partitions_and_directory_is_refused(
+    kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
+) -> None:
+    topic = kafka_topic_factory("owners", partitions=2)
+    first = Materializer(kafka_bootstrap, topic, tmp_path)
+    first.start()
+    try:
+        with pytest.raises(MaterializerFailedError, match="already being materialized"):
+            Materializer(kafka_bootstrap, topic, tmp_path, partitions=[1]).start()
+    finally:
+        first.stop()
+    halves = [Materializer(kafka_bootstrap, topic, tmp_path, partitions=[p]) for p in (0, 1)]
+    for half in halves:
+        half.start()
+    for half in halves:
+        half.stop()

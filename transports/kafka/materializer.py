@@ -38,6 +38,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -45,6 +46,7 @@ from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from filelock import FileLock, Timeout
 
 from tokcap.durable_io import append_durably, fsync_directory, replace_atomically
 from tokcap.errors import (
@@ -65,6 +67,7 @@ __all__ = [
     "DEAD_LETTER_PREFIX",
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
+    "OWNER_LOCK_PREFIX",
     "Materializer",
     "PartitionCheckpoint",
     "main",
@@ -74,6 +77,9 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "kafka-checkpoint-p"
 """Checkpoint of partition N: ``kafka-checkpoint-p<N>.json``."""
+
+OWNER_LOCK_PREFIX = "kafka-materializer-p"
+"""Lock file held by the one materializer applying partition N into a directory: ``kafka-materializer-p<N>.lock``."""
 
 DEAD_LETTER_PREFIX = "kafka-dead-letter-p"
 """Dead-letter record of partition N: ``kafka-dead-letter-p<N>.jsonl``."""
@@ -377,41 +383,58 @@ class Materializer:
             self._ready.set()
 
     def _run(self) -> None:
-        remove_stale_temp_files(self._store.root)
         consumer = Consumer(self._consumer_settings())
         try:
-            assignment = []
-            for partition in self._partitions(consumer):
-                checkpoint = PartitionCheckpoint.load(
-                    self._checkpoint_path(partition), self._topic, partition
-                )
-                progress = _PartitionProgress(
-                    checkpoint=checkpoint,
-                    dead_letters=DeadLetterLog(self._store.root / f"{DEAD_LETTER_PREFIX}{partition}.jsonl"),
-                    replay_below=checkpoint.next_offset,
-                    replay_chunks=set(checkpoint.pending_chunk_offsets),
-                    written=checkpoint.encode(),
-                )
-                self._progress[partition] = progress
-                with self._condition:
-                    self._applied_next[partition] = checkpoint.next_offset
-                assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
-            consumer.assign(assignment)
-            logger.info(
-                "materializer ready: topic %s, resuming at %s",
-                self._topic,
-                {tp.partition: tp.offset for tp in assignment},
-            )
-            self._ready.set()
-            while not self._stop.is_set():
-                messages = consumer.consume(_BATCH_SIZE, _POLL_TIMEOUT_S)
-                # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
-                with self._store.deferred_durability():
-                    for message in messages:
-                        self._take(message)
-                self._checkpoint()
+            with ExitStack() as held:
+                partitions = self._partitions(consumer)
+                for partition in partitions:
+                    held.enter_context(self._exclusive(partition))
+                remove_stale_temp_files(self._store.root)
+                self._consume(consumer, partitions)
         finally:
             consumer.close()
+
+    def _exclusive(self, partition: int) -> FileLock:
+        """Hold partition ownership of this directory: two materializers applying one partition would corrupt it."""
+        lock = FileLock(self._store.root / f"{OWNER_LOCK_PREFIX}{partition}.lock", timeout=0)
+        try:
+            lock.acquire()
+        except Timeout as exc:
+            raise MaterializerFailedError(
+                f"partition {partition} of {self._topic!r} is already being materialized into {self._store.root} "
+                "by another process; stop it, or give this materializer other partitions or another directory"
+            ) from exc
+        return lock
+
+    def _consume(self, consumer: Consumer, partitions: list[int]) -> None:
+        assignment = []
+        for partition in partitions:
+            checkpoint = PartitionCheckpoint.load(self._checkpoint_path(partition), self._topic, partition)
+            progress = _PartitionProgress(
+                checkpoint=checkpoint,
+                dead_letters=DeadLetterLog(self._store.root / f"{DEAD_LETTER_PREFIX}{partition}.jsonl"),
+                replay_below=checkpoint.next_offset,
+                replay_chunks=set(checkpoint.pending_chunk_offsets),
+                written=checkpoint.encode(),
+            )
+            self._progress[partition] = progress
+            with self._condition:
+                self._applied_next[partition] = checkpoint.next_offset
+            assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
+        consumer.assign(assignment)
+        logger.info(
+            "materializer ready: topic %s, resuming at %s",
+            self._topic,
+            {tp.partition: tp.offset for tp in assignment},
+        )
+        self._ready.set()
+        while not self._stop.is_set():
+            messages = consumer.consume(_BATCH_SIZE, _POLL_TIMEOUT_S)
+            # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
+            with self._store.deferred_durability():
+                for message in messages:
+                    self._take(message)
+            self._checkpoint()
 
     def _checkpoint_path(self, partition: int) -> Path:
         return self._store.root / f"{CHECKPOINT_PREFIX}{partition}.json"
