@@ -110,6 +110,9 @@ WORKER_THREADS = 64
 
 _Result = TypeVar("_Result")
 
+_REMEMBERED_LINES = 65_536
+"""How many appended lines' call ids a store remembers to re-index its lagging tails without parsing them."""
+
 
 class ApplyOutcome(enum.StrEnum):
     """What the apply step decided for one event."""
@@ -245,6 +248,7 @@ class TokenCaptureStore:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._rollout_locks = _RolloutLocks()
+        self._call_ids_of_written_lines: dict[str, str] = {}
 
     @property
     def commit_stats(self) -> dict[str, int]:
@@ -458,8 +462,10 @@ class TokenCaptureStore:
         consumed = 0
         indexed_lines = 0
         for index, line in enumerate(complete):
+            digest = entry_digest(line)
+            known_call_id = self._call_ids_of_written_lines.get(digest)
             try:
-                call_id = _call_id_of_line(line)
+                call_id = known_call_id if known_call_id is not None else _call_id_of_line(line)
             except RecordValidationError as exc:
                 if type(exc) is not RecordValidationError:
                     raise
@@ -471,7 +477,7 @@ class TokenCaptureStore:
                     f"content: {exc}; the file is corrupt",
                     rollout_id=state.rollout_id,
                 ) from exc
-            state.entry_digests[call_id] = entry_digest(line)
+            state.entry_digests[call_id] = digest
             consumed += len(line) + 1
             indexed_lines += 1
         indexed = state.indexed_size + consumed
@@ -487,6 +493,16 @@ class TokenCaptureStore:
                 os.fsync(handle.fileno())
         state.indexed_size = indexed
         return indexed_lines
+
+    def _remember_written_line(self, digest: str, call_id: str) -> None:
+        """Remember the call id of a line this store appended, keyed by the line's sha256.
+
+        Re-indexing a lagging tail then hashes each line instead of parsing it: equal digests mean equal bytes,
+        so the call id is the one this store wrote. Bounded: forgotten lines are simply parsed again.
+        """
+        if len(self._call_ids_of_written_lines) >= _REMEMBERED_LINES:
+            self._call_ids_of_written_lines.clear()
+        self._call_ids_of_written_lines[digest] = call_id
 
     def _intent_status(self, rollout_id: str) -> dict[str, str]:
         """Last intent/cancel operation per call id."""
@@ -629,6 +645,7 @@ class TokenCaptureStore:
             )
         state.entry_digests[call_id] = digest
         state.indexed_size = start + len(canonical) + 1
+        self._remember_written_line(digest, call_id)
         if self._index_write_due(state, lagging_lines + 1, position):
             self._write_state(state, durable=False)
         return ApplyResult(ApplyOutcome.ACCEPTED, EventType.PUT, state.rollout_id, call_id)
