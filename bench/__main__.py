@@ -15,11 +15,14 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.broker import local_broker
+from bench.markdown import update_readme
 from bench.options import BenchOptions, WorkloadShape
 from bench.report import print_report, write_json
 from bench.suite import run_suite
 
 __all__ = ["main", "parse_options"]
+
+_README = Path(__file__).resolve().parent / "README.md"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -49,6 +52,9 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
     parser.add_argument("--work-dir", type=Path, default=None, help="parent of the scratch directories")
     parser.add_argument("--output", type=Path, default=Path("bench/results/latest.json"))
     parser.add_argument("--quick", action="store_true", help="small shapes and one repeat, for a smoke run")
+    parser.add_argument(
+        "--update-readme", action="store_true", help="rewrite the results section of bench/README.md"
+    )
     args = parser.parse_args(argv)
     options = BenchOptions(
         shape=WorkloadShape(
@@ -68,6 +74,7 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
         growth_prompts=args.growth_prompts,
         work_dir=args.work_dir,
         output=args.output,
+        update_readme=args.update_readme,
     )
     if args.quick:
         options = replace(
@@ -86,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the tables and write the JSON results."""
     options, with_kafka = parse_options(argv)
     logging.basicConfig(level=logging.WARNING)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     with ExitStack() as stack:
         bootstrap = options.bootstrap
         if with_kafka and bootstrap is None:
@@ -101,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(results, console)
     write_json(results, options.output)
     console.print(f"results written to {options.output}")
+    if options.update_readme:
+        update_readme(_README, results)
+        console.print(f"{_README} updated")
     return 0
 
 

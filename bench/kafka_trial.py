@@ -65,6 +65,7 @@ class KafkaTrial:
     load: LoadResult
     replay: ReplayFigures
     apply: ApplyRate
+    lag_at_end_of_puts: int
 
 
 class _KafkaTarget:
@@ -129,8 +130,16 @@ async def run_kafka_trial(workload: PreparedWorkload, bootstrap: str, directory:
     try:
         sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
         source = KafkaTokenSource(bootstrap_servers=bootstrap, store_dir=directory / "live", topic=topic)
+        lag: list[int] = []
+
+        def note_lag() -> None:
+            """Events in the log the live materializer had not applied when the last put returned."""
+            high = source.materializer.high_watermarks()
+            applied = source.materializer.applied_offsets()
+            lag.append(sum(end - applied.get(partition, 0) for partition, end in high.items()))
+
         try:
-            load = await drive(workload, _KafkaTarget(sink, source))
+            load = await drive(workload, _KafkaTarget(sink, source), note_lag)
         finally:
             await sink.close()
             await source.close()
@@ -138,4 +147,4 @@ async def run_kafka_trial(workload: PreparedWorkload, bootstrap: str, directory:
         apply = await asyncio.to_thread(measure_apply_rate, bootstrap, topic, ends, directory / "apply")
     finally:
         await asyncio.to_thread(_delete_topic, bootstrap, topic)
-    return KafkaTrial(load=load, replay=replay, apply=apply)
+    return KafkaTrial(load=load, replay=replay, apply=apply, lag_at_end_of_puts=lag[0])

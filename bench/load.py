@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,10 +89,13 @@ class LoadResult:
         return self.generated_tokens / self.seconds
 
 
-async def drive(workload: PreparedWorkload, target: CaptureTarget) -> LoadResult:
+async def drive(
+    workload: PreparedWorkload, target: CaptureTarget, on_puts_done: Callable[[], None] | None = None
+) -> LoadResult:
     """Run every slot concurrently; freezes run beside the load, as a trainer freezes while agents keep going.
 
     A slot hands its finished rollout to a freeze task and starts the next rollout at once.
+    ``on_puts_done`` runs in a thread when the last put has returned, while the remaining freezes complete.
     Put throughput is counted until the last put returns; a freeze is under load when it starts before that.
     """
     result = LoadResult()
@@ -125,5 +129,7 @@ async def drive(workload: PreparedWorkload, target: CaptureTarget) -> LoadResult
     await asyncio.gather(*(run_slot(slot) for slot in workload.slots))
     result.seconds = time.perf_counter() - started
     puts_done = True
+    if on_puts_done is not None:
+        await asyncio.to_thread(on_puts_done)
     await asyncio.gather(*freezes)
     return result

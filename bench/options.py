@@ -54,7 +54,7 @@ class BenchOptions:
     growth_prompts: tuple[int, ...] = (1000, 32000)
     work_dir: Path | None = None
     output: Path = Path("bench/results/latest.json")
-    profile: bool = False
+    update_readme: bool = False
 
     def growth_shapes(self) -> list[WorkloadShape]:
         """The growth grid: every turn count with every prompt size, fewer rollouts so long ones fit in memory."""

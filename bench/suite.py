@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.cpu_cost import measure_call_costs
 from bench.file_store_trial import run_file_store_trial
 from bench.kafka_trial import run_kafka_trial
 from bench.load import PreparedWorkload, prepare
@@ -104,6 +105,16 @@ async def measure_shape(
         record("orjson_tokens_per_s", encode.tokens_per_s)
         gc.collect()
 
+        costs = measure_call_costs(workload, _fresh(work_dir, "call-costs"))
+        record("file_intent_cpu_us", costs.intent_cpu_us)
+        record("file_put_cpu_us", costs.put_cpu_us)
+        record("file_freeze_cpu_us", costs.freeze_cpu_us)
+        record("file_intent_wall_us", costs.intent_wall_us)
+        record("file_put_wall_us", costs.put_wall_us)
+        record("file_freeze_unloaded_ms", costs.freeze_wall_us / 1000.0)
+        record("file_cpu_bound_puts_per_s", costs.cpu_bound_puts_per_s)
+        gc.collect()
+
         trial = await run_file_store_trial(workload, _fresh(work_dir, "file-store"))
         record("file_puts_per_s", trial.load.puts_per_s)
         record("file_calls_per_s", trial.load.calls_per_s)
@@ -130,6 +141,7 @@ async def measure_shape(
             record("replay_tokens_per_s", kafka.replay.tokens_per_s)
             record("replay_events", kafka.replay.events)
             record("replay_disk_bytes_per_token", kafka.replay.disk_bytes / workload.tokens)
+            record("kafka_lag_at_end_of_puts", kafka.lag_at_end_of_puts)
             record("apply_events_per_s", kafka.apply.events_per_s)
             record("apply_tokens_per_s", kafka.apply.tokens_per_s)
             gc.collect()
@@ -146,7 +158,10 @@ async def measure_shape(
 
 def _ratios(figures: dict[str, Any]) -> dict[str, float]:
     """The ratios the targets name, from the medians of one shape."""
-    ratios = {"file_puts_vs_fsync": figures["file_puts_per_s"] / figures["fsync_per_s"]}
+    ratios = {
+        "file_puts_vs_fsync": figures["file_puts_per_s"] / figures["fsync_per_s"],
+        "file_cpu_bound_puts_vs_fsync": figures["file_cpu_bound_puts_per_s"] / figures["fsync_per_s"],
+    }
     if "kafka_puts_per_s" in figures:
         ratios["kafka_puts_vs_file_puts"] = figures["kafka_puts_per_s"] / figures["file_puts_per_s"]
         ratios["replay_vs_orjson"] = figures["replay_puts_per_s"] / figures["orjson_entries_per_s"]
