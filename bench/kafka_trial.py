@@ -23,7 +23,7 @@ from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
 from transports.kafka.topics import ensure_topic
 
-__all__ = ["KafkaTrial", "ReplayFigures", "ReplayTimeoutError", "run_kafka_trial"]
+__all__ = ["KafkaTrial", "ReplayFigures", "ReplayTimeoutError", "run_kafka_trial", "warm_up_broker"]
 
 _CATCH_UP_TIMEOUT_S = 600.0
 
@@ -121,6 +121,21 @@ def _delete_topic(bootstrap: str, topic: str) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for future in admin.delete_topics([topic], operation_timeout=30).values():
         future.result(timeout=60)
+
+
+async def warm_up_broker(bootstrap: str) -> None:
+    """Write a few events to a throwaway topic, so a fresh broker's coordinator load is not timed."""
+    topic = f"tokcap.bench-warmup-{uuid.uuid4().hex[:12]}"
+    ensure_topic(bootstrap, topic)
+    try:
+        sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+        try:
+            for call in range(10):
+                await sink.begin_call("bench-warmup", f"call-{call}")
+        finally:
+            await sink.close()
+    finally:
+        await asyncio.to_thread(_delete_topic, bootstrap, topic)
 
 
 async def run_kafka_trial(workload: PreparedWorkload, bootstrap: str, directory: Path) -> KafkaTrial:

@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.cpu_cost import measure_call_costs
 from bench.file_store_trial import run_file_store_trial
-from bench.kafka_trial import run_kafka_trial
+from bench.kafka_trial import run_kafka_trial, warm_up_broker
 from bench.load import PreparedWorkload, prepare
 from bench.options import BenchOptions, WorkloadShape
 from bench.physical import encode_and_write_rate, fsync_rate, rename_rate, syncfs_rate
@@ -175,6 +175,8 @@ async def run_suite(options: BenchOptions, bootstrap: str | None, progress: Prog
     parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix="tokcap-bench-", dir=parent))
     try:
+        if bootstrap is not None:
+            await warm_up_broker(bootstrap)
         main = await measure_shape(options.shape, options.repeats, bootstrap, work_dir, progress)
         growth = []
         if options.growth:
