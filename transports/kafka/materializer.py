@@ -429,7 +429,11 @@ class Materializer:
         )
         self._ready.set()
         while not self._stop.is_set():
-            messages = consumer.consume(_BATCH_SIZE, _POLL_TIMEOUT_S)
+            # Wait for one message, then take what is already fetched: consume(n, t) alone blocks until n
+            # messages or t, which delays every freeze by up to t whenever fewer than n messages arrive.
+            messages = consumer.consume(1, _POLL_TIMEOUT_S)
+            if messages:
+                messages.extend(consumer.consume(_BATCH_SIZE - 1, 0))
             # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
             with self._store.deferred_durability():
                 for message in messages:
