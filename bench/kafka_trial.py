@@ -23,7 +23,15 @@ from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
 from transports.kafka.topics import ensure_topic
 
-__all__ = ["KafkaTrial", "ReplayFigures", "ReplayTimeoutError", "run_kafka_trial", "warm_up_broker"]
+__all__ = [
+    "KafkaTarget",
+    "KafkaTrial",
+    "ReplayFigures",
+    "ReplayTimeoutError",
+    "delete_topic",
+    "run_kafka_trial",
+    "warm_up_broker",
+]
 
 _CATCH_UP_TIMEOUT_S = 600.0
 
@@ -68,7 +76,7 @@ class KafkaTrial:
     lag_at_end_of_puts: int
 
 
-class _KafkaTarget:
+class KafkaTarget:
     """The load's view of the Kafka path: the sink writes, the source freezes."""
 
     def __init__(self, sink: KafkaTokenSink, source: KafkaTokenSource) -> None:
@@ -76,12 +84,15 @@ class _KafkaTarget:
         self._source = source
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Publish the call's intent through the sink."""
         await self._sink.begin_call(rollout_id, model_call_id)
 
     async def put(self, entry: TokenEntry) -> None:
+        """Publish the entry through the sink."""
         await self._sink.put(entry)
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Freeze through the source, which waits for the materializer."""
         return await self._source.freeze(rollout_id)
 
 
@@ -117,7 +128,8 @@ def _replay(
     return figures, high
 
 
-def _delete_topic(bootstrap: str, topic: str) -> None:
+def delete_topic(bootstrap: str, topic: str) -> None:
+    """Delete a trial's topic so the broker's disk does not fill over a run."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for future in admin.delete_topics([topic], operation_timeout=30).values():
         future.result(timeout=60)
@@ -135,7 +147,7 @@ async def warm_up_broker(bootstrap: str) -> None:
         finally:
             await sink.close()
     finally:
-        await asyncio.to_thread(_delete_topic, bootstrap, topic)
+        await asyncio.to_thread(delete_topic, bootstrap, topic)
 
 
 async def run_kafka_trial(workload: PreparedWorkload, bootstrap: str, directory: Path) -> KafkaTrial:
@@ -154,12 +166,12 @@ async def run_kafka_trial(workload: PreparedWorkload, bootstrap: str, directory:
             lag.append(sum(end - applied.get(partition, 0) for partition, end in high.items()))
 
         try:
-            load = await drive(workload, _KafkaTarget(sink, source), note_lag)
+            load = await drive(workload, KafkaTarget(sink, source), note_lag)
         finally:
             await sink.close()
             await source.close()
         replay, ends = await asyncio.to_thread(_replay, bootstrap, topic, directory / "replay", workload)
         apply = await asyncio.to_thread(measure_apply_rate, bootstrap, topic, ends, directory / "apply")
     finally:
-        await asyncio.to_thread(_delete_topic, bootstrap, topic)
+        await asyncio.to_thread(delete_topic, bootstrap, topic)
     return KafkaTrial(load=load, replay=replay, apply=apply, lag_at_end_of_puts=lag[0])

@@ -17,6 +17,7 @@ from typing import Any
 
 from bench.cpu_cost import measure_call_costs
 from bench.file_store_trial import run_file_store_trial
+from bench.kafka_external import run_with_materializer_process
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
 from bench.load import PreparedWorkload, prepare
 from bench.options import BenchOptions, WorkloadShape
@@ -85,8 +86,12 @@ async def measure_shape(
     bootstrap: str | None,
     work_dir: Path,
     progress: Progress,
+    with_materializer_process: bool = False,
 ) -> dict[str, Any]:
-    """Every figure of one workload shape, as medians over ``repeats`` interleaved runs."""
+    """Every figure of one workload shape, as medians over ``repeats`` interleaved runs.
+
+    ``with_materializer_process`` adds a second Kafka load whose materializer runs in its own process.
+    """
     workload: PreparedWorkload = prepare(shape, "bench")
     sizes = wire_sizes(workload)
     runs: dict[str, list[float]] = {}
@@ -145,6 +150,15 @@ async def measure_shape(
             record("apply_events_per_s", kafka.apply.events_per_s)
             record("apply_tokens_per_s", kafka.apply.tokens_per_s)
             gc.collect()
+            if with_materializer_process:
+                external = await run_with_materializer_process(
+                    workload, bootstrap, _fresh(work_dir, "kafka-external")
+                )
+                record("kafka_ext_puts_per_s", external.load.puts_per_s)
+                record("kafka_ext_freeze_p50_ms", percentile(external.load.freeze_under_load_ms, 0.50))
+                record("kafka_ext_freeze_p99_ms", percentile(external.load.freeze_under_load_ms, 0.99))
+                record("kafka_ext_lag_at_end_of_puts", external.lag_at_end_of_puts)
+                gc.collect()
 
     figures: dict[str, Any] = {name: median(values) for name, values in runs.items()}
     figures["wire_bytes_per_token"] = sizes.packed_per_token
@@ -177,7 +191,9 @@ async def run_suite(options: BenchOptions, bootstrap: str | None, progress: Prog
     try:
         if bootstrap is not None:
             await warm_up_broker(bootstrap)
-        main = await measure_shape(options.shape, options.repeats, bootstrap, work_dir, progress)
+        main = await measure_shape(
+            options.shape, options.repeats, bootstrap, work_dir, progress, with_materializer_process=True
+        )
         growth = []
         if options.growth:
             for shape in options.growth_shapes():

@@ -1,0 +1,95 @@
+"""The Kafka load with the materializer in its own process, as a trainer node would run it.
+
+The in-process materializer shares the GIL with every producing rollout of the benchmark; this variant gives
+it its own interpreter (``python -m transports.kafka.materializer``) and lets the source wait on its
+checkpoint files (``external_materializer=True``). Only the load is measured; replay is the same either way.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka import Consumer, TopicPartition
+
+from bench.kafka_trial import KafkaTarget, delete_topic
+from bench.load import LoadResult, PreparedWorkload, drive
+from transports.kafka.materializer import CHECKPOINT_PREFIX, PartitionCheckpoint
+from transports.kafka.sink import KafkaTokenSink
+from transports.kafka.source import KafkaTokenSource
+from transports.kafka.topics import ensure_topic
+
+__all__ = ["ExternalMaterializerTrial", "MaterializerStartError", "run_with_materializer_process"]
+
+_READY_TIMEOUT_S = 60.0
+
+
+class MaterializerStartError(RuntimeError):
+    """The materializer process exited or did not report ready in time; its log tail says why."""
+
+
+@dataclass(frozen=True)
+class ExternalMaterializerTrial:
+    """The load's figures and the backlog the materializer process had when the last put returned."""
+
+    load: LoadResult
+    lag_at_end_of_puts: int
+
+
+def _start(bootstrap: str, topic: str, directory: Path, log: Path) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "transports.kafka.materializer", "--bootstrap", bootstrap]
+    command += ["--topic", topic, "--dir", str(directory)]
+    with log.open("wb") as handle:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=handle)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while b"materializer ready" not in log.read_bytes():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise MaterializerStartError(f"materializer process did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    return process
+
+
+def _lag(bootstrap: str, topic: str, directory: Path) -> int:
+    """Events in partition 0 the process has not checkpointed yet (bench topics have one partition)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-lag-{uuid.uuid4().hex}"})
+    try:
+        high = int(consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1])
+    finally:
+        consumer.close()
+    applied = PartitionCheckpoint.load(directory / f"{CHECKPOINT_PREFIX}0.json", topic, 0).next_offset
+    return high - applied
+
+
+async def run_with_materializer_process(
+    workload: PreparedWorkload, bootstrap: str, directory: Path
+) -> ExternalMaterializerTrial:
+    """Drive the load through a fresh topic whose materializer runs in a child process."""
+    topic = f"tokcap.bench-{uuid.uuid4().hex[:12]}"
+    ensure_topic(bootstrap, topic)
+    live = directory / "live"
+    live.mkdir(parents=True, exist_ok=True)
+    process = _start(bootstrap, topic, live, directory / "materializer.log")
+    try:
+        sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+        source = KafkaTokenSource(
+            bootstrap_servers=bootstrap, store_dir=live, topic=topic, external_materializer=True
+        )
+        lag: list[int] = []
+        try:
+            load = await drive(
+                workload, KafkaTarget(sink, source), lambda: lag.append(_lag(bootstrap, topic, live))
+            )
+        finally:
+            await sink.close()
+            await source.close()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        delete_topic(bootstrap, topic)
+    return ExternalMaterializerTrial(load=load, lag_at_end_of_puts=lag[0])
