@@ -38,6 +38,13 @@ TOKEN_FIELDS: tuple[str, ...] = ("prompt_token_ids", "generation_token_ids", "ge
 
 _OPTIONAL_TOKEN_FIELDS: tuple[str, ...] = ("routed_experts",)
 
+_CANONICAL_FAST_OPTIONS = (
+    orjson.OPT_SORT_KEYS
+    | orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
+
 
 def _refuse_newer_schema(version: object, what: str) -> None:
     """Fail loudly on a record from a newer writer: skipping it would silently lose a turn."""
@@ -125,8 +132,20 @@ class TokenEntry(BaseModel):
             ) from exc
 
     def canonical_json(self) -> bytes:
-        """The one byte encoding of this entry: JSON with sorted keys, no trailing newline."""
-        return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+        """The one byte encoding of this entry: JSON with sorted keys, no trailing newline.
+
+        It is pydantic's JSON-mode dump, serialized by orjson.
+        The fast path hands the field values to orjson directly, which skips copying the token arrays;
+        any value orjson would render differently from pydantic (a datetime, a dataclass, a subclass of a
+        builtin) makes orjson refuse, and the entry takes the slow path, so both give the same bytes.
+        """
+        values = dict(self.__dict__)
+        if self.__pydantic_extra__:
+            values.update(self.__pydantic_extra__)
+        try:
+            return orjson.dumps(values, option=_CANONICAL_FAST_OPTIONS)
+        except TypeError:
+            return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
 
     def digest(self) -> str:
         """sha256 hex of the canonical JSON; equal digests mean the same payload."""
