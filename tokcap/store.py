@@ -551,6 +551,8 @@ class TokenCaptureStore:
                 state = self._read_state(rollout_id)
             if state.retired and self._retire_unfinished(rollout_id):
                 self._finish_retire_unlocked(state)
+            if self._is_interrupted_delete(state, event, position):
+                self._remove_delete_leftovers(rollout_id)
             if state.already_applied(position):
                 return ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, rollout_id)
             result = self._dispatch(state, event, position)
@@ -779,6 +781,20 @@ class TokenCaptureStore:
         self._finish_retire_unlocked(state)
         return had_records
 
+    @staticmethod
+    def _is_interrupted_delete(state: RolloutState, event: Event, position: LogPosition | None) -> bool:
+        """True when this very delete was applied before, up to its fresh state, and may have left files.
+
+        Only the re-applied delete itself finishes the removals: any later event of the rollout may own
+        the files by now.
+        """
+        return (
+            isinstance(event, DeleteEvent)
+            and position is not None
+            and state.is_pristine
+            and state.last_position == position.to_dict()
+        )
+
     def _retire_unfinished(self, rollout_id: str) -> bool:
         """True when a fence exists but a crash stopped the retire before its records were removed."""
         try:
@@ -838,11 +854,17 @@ class TokenCaptureStore:
         That state keeps a resumed materializer from applying the delete twice and lets a source in another
         process read the verdict; the rollout id is reusable and starts empty either way.
         """
-        removed = self._delete_unlocked(rollout_id)
-        if position is not None:
+        if position is None:
+            removed = self._delete_unlocked(rollout_id)
+        else:
+            # The fresh state replaces the old one first and carries the verdict, so a crash anywhere below
+            # leaves the same verdict, and re-applying this delete only finishes the removals.
+            removed = self._has_records(rollout_id) or self.fence_path_for(rollout_id).exists()
             fresh = RolloutState(rollout_id=rollout_id, removed_records=removed)
             fresh.record_position(position)
             self._write_state(fresh, durable=True)
+            self._barrier()
+            self._remove_delete_leftovers(rollout_id)
         self._forced_barrier()
         return ApplyResult(
             ApplyOutcome.ACCEPTED if removed else ApplyOutcome.NOOP,
@@ -850,6 +872,12 @@ class TokenCaptureStore:
             rollout_id,
             removed=removed,
         )
+
+    def _remove_delete_leftovers(self, rollout_id: str) -> None:
+        """Remove what a log-applied delete removes besides the state it replaced; safe to repeat."""
+        removed_files = self._remove_record_files(rollout_id)
+        if remove_if_exists(self.fence_path_for(rollout_id)) or removed_files:
+            self._commit.note_write()
 
     def _delete_unlocked(self, rollout_id: str) -> bool:
         """Remove every file of the rollout but its lock; return whether it held records or a fence."""

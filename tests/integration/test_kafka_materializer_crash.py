@@ -110,9 +110,17 @@ def test_a_materializer_killed_at_random_points_ends_byte_identical_to_a_clean_r
     log = tmp_path / "materializer.log"
     rng = random.Random(11)
     progress_seen: list[dict[int, int]] = []
+    total = sum(end.values())
     for _ in range(10):
         process = start_process(kafka_bootstrap, topic, crashed, log)
-        time.sleep(rng.uniform(0.2, 1.2))
+        # Kill at a random point of the remaining log: wait for a random amount of progress, then a random
+        # few milliseconds more, so kills land mid-batch and between batches however fast the machine is.
+        already = sum(checkpointed(crashed).values())
+        target = already + rng.uniform(0.05, 0.5) * (total - already)
+        deadline = time.monotonic() + 10
+        while sum(checkpointed(crashed).values()) < target and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.03))
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
         progress_seen.append(checkpointed(crashed))
