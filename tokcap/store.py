@@ -34,7 +34,6 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,11 +69,11 @@ from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry, entry_digest
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.state import Lifecycle, Rejection, RolloutState
+from tokcap.write_queue import WriteQueue
 
 __all__ = [
     "ENTRIES_SUFFIX",
     "INDEX_FLUSH_ENTRIES",
-    "WORKER_THREADS",
     "FENCE_SUFFIX",
     "INCOMPLETE_SUFFIX",
     "INTENTS_SUFFIX",
@@ -104,9 +103,6 @@ INDEX_FLUSH_ENTRIES = 8
 Renaming a state file costs about as much as an fsync on ext4; the JSONL line is the durable record and the
 index is rebuilt from the tail, so puts skip most index writes and never parse more than this many lines.
 """
-
-WORKER_THREADS = 64
-"""Threads per store for async callers: enough concurrent writers to share each filesystem sync."""
 
 _Result = TypeVar("_Result")
 
@@ -245,8 +241,7 @@ class TokenCaptureStore:
         self._root.mkdir(parents=True, exist_ok=True)
         self._commit = GroupCommitter(filesystem_sync_for(self._root))
         self._deferral = threading.local()
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
+        self._writes = WriteQueue(self._run_without_own_barrier, self._barrier, name="tokcap-store-writer")
         self._rollout_locks = _RolloutLocks()
         self._call_ids_of_written_lines: dict[str, str] = {}
 
@@ -255,19 +250,22 @@ class TokenCaptureStore:
         """How many filesystem syncs this store instance has run; benchmarks report it."""
         return {"syncs": self._commit.syncs}
 
-    async def _in_thread(self, function: Callable[..., _Result], *args: Any) -> _Result:
-        """Run blocking file work off the event loop.
+    async def _in_thread(self, function: Callable[..., _Result], *args: Any, urgent: bool = False) -> _Result:
+        """Run blocking file work off the event loop, on the store's writer thread.
 
-        The store has its own pool, larger than asyncio's default, so many rollouts wait on one shared sync
-        instead of queueing behind a handful of threads.
+        Operations queued together run as one batch that shares one durability barrier;
+        each caller resumes only after that barrier, so each still returns only once durable.
+        Source operations are urgent: they go ahead of queued writes.
         """
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=WORKER_THREADS, thread_name_prefix="tokcap-store"
-                )
-            executor = self._executor
-        return await asyncio.get_running_loop().run_in_executor(executor, function, *args)
+        return await self._writes.submit(function, *args, urgent=urgent)
+
+    def _run_without_own_barrier(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Run one queued operation; its writes become durable at the end of its batch."""
+        self._deferral.barrier_deferred = True
+        try:
+            return function(*args)
+        finally:
+            self._deferral.barrier_deferred = False
 
     # ------------------------------------------------------------ durability
 
@@ -287,8 +285,10 @@ class TokenCaptureStore:
         self._commit.wait_durable()
 
     def _end_of_operation(self) -> None:
-        """Make the operation durable now, unless the caller batches durability (a materializer)."""
-        if not getattr(self._deferral, "active", False):
+        """Make the operation durable now, unless its batch (writer thread or materializer) does it later."""
+        if not getattr(self._deferral, "active", False) and not getattr(
+            self._deferral, "barrier_deferred", False
+        ):
             self._barrier()
 
     @contextmanager
@@ -1108,26 +1108,23 @@ class TokenCaptureStore:
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze a rollout and return its snapshot without blocking the event loop."""
-        return await self._in_thread(self.freeze_now, rollout_id)
+        return await self._in_thread(self.freeze_now, rollout_id, urgent=True)
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the exact consumed snapshot, keeping its fence."""
-        return await self._in_thread(self.drop_now, rollout_id, snapshot_id, version)
+        return await self._in_thread(self.drop_now, rollout_id, snapshot_id, version, urgent=True)
 
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove rollouts' records and keep fences, whatever their state; retiring again is a no-op."""
-        return await self._in_thread(self.retire_now, rollout_ids)
+        return await self._in_thread(self.retire_now, rollout_ids, urgent=True)
 
     async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove rollouts' records and fences so ids can be reused; deleting again is a no-op."""
-        return await self._in_thread(self.delete_now, rollout_ids)
+        return await self._in_thread(self.delete_now, rollout_ids, urgent=True)
 
     async def close(self) -> None:
-        """Release the worker threads; the store holds no open files between calls, and closing again is a no-op."""
-        with self._executor_lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False)
+        """Finish queued operations and stop the writer thread; no files stay open, and closing again is a no-op."""
+        await asyncio.to_thread(self._writes.close)
 
 
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:

@@ -1,0 +1,143 @@
+"""The store's writer thread: batches share one barrier, and nobody hears "done" before it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.factories import make_entry
+from tokcap.errors import RolloutFrozenError
+from tokcap.store import TokenCaptureStore
+from tokcap.write_queue import MAX_BATCH, WriteQueue
+
+
+class Recorder:
+    """Runs operations and barriers while recording their order."""
+
+    def __init__(self, failing_barrier: bool = False) -> None:
+        self.events: list[str] = []
+        self.lock = threading.Lock()
+        self.failing_barrier = failing_barrier
+
+    def run(self, function: Any, args: tuple[Any, ...]) -> Any:
+        return function(*args)
+
+    def barrier(self) -> None:
+        with self.lock:
+            self.events.append("barrier")
+        if self.failing_barrier:
+            raise OSError(5, "sync failed")
+
+    def op(self, name: str, delay: float = 0.0) -> str:
+        time.sleep(delay)
+        with self.lock:
+            self.events.append(name)
+        return name
+
+
+def test_every_operation_completes_only_after_a_barrier_that_followed_it() -> None:
+    recorder = Recorder()
+    queue = WriteQueue(recorder.run, recorder.barrier, name="test-writer")
+    completed: list[tuple[str, int]] = []
+
+    async def one(name: str) -> None:
+        await queue.submit(recorder.op, name)
+        with recorder.lock:
+            completed.append((name, len(recorder.events)))
+
+    async def main() -> None:
+        await asyncio.gather(*(one(f"op{n}") for n in range(100)))
+
+    asyncio.run(main())
+    queue.close()
+    for name, seen in completed:
+        ran_at = recorder.events.index(name)
+        assert "barrier" in recorder.events[ran_at:seen], f"{name} completed before a barrier covered it"
+    assert recorder.events.count("barrier") < 100
+    assert queue.batches == recorder.events.count("barrier")
+
+
+def test_an_operation_error_reaches_its_own_caller_only() -> None:
+    recorder = Recorder()
+    queue = WriteQueue(recorder.run, recorder.barrier, name="test-writer")
+
+    def boom() -> None:
+        raise ValueError("this one failed")
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(
+            queue.submit(recorder.op, "a"),
+            queue.submit(boom),
+            queue.submit(recorder.op, "b"),
+            return_exceptions=True,
+        )
+
+    results = asyncio.run(main())
+    queue.close()
+    assert results[0] == "a" and results[2] == "b"
+    assert isinstance(results[1], ValueError)
+
+
+def test_a_failed_barrier_fails_every_operation_of_its_batch() -> None:
+    recorder = Recorder(failing_barrier=True)
+    queue = WriteQueue(recorder.run, recorder.barrier, name="test-writer")
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(
+            *(queue.submit(recorder.op, f"op{n}") for n in range(5)), return_exceptions=True
+        )
+
+    results = asyncio.run(main())
+    queue.close()
+    assert all(isinstance(result, OSError) for result in results)
+
+
+def test_an_urgent_operation_runs_before_queued_ones_in_a_batch_of_its_own() -> None:
+    recorder = Recorder()
+    queue = WriteQueue(recorder.run, recorder.barrier, name="test-writer")
+
+    async def main() -> None:
+        first = asyncio.ensure_future(queue.submit(recorder.op, "slow", 0.2))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.ensure_future(queue.submit(recorder.op, f"w{n}")) for n in range(MAX_BATCH * 2)]
+        await asyncio.sleep(0.01)
+        urgent = asyncio.ensure_future(queue.submit(recorder.op, "freeze", urgent=True))
+        await asyncio.gather(first, urgent, *rest)
+
+    asyncio.run(main())
+    queue.close()
+    events = recorder.events
+    assert events[:3] == ["slow", "barrier", "freeze"]
+    assert events[3] == "barrier"
+
+
+def test_close_finishes_queued_work_and_a_later_submit_restarts_the_thread(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+
+    async def main() -> None:
+        await asyncio.gather(*(store.put(make_entry("r", f"c{n}")) for n in range(10)))
+        await store.close()
+        await store.close()
+        await store.put(make_entry("r", "after-close"))
+        await store.close()
+
+    asyncio.run(main())
+    assert len(store.read_entries("r")) == 11
+
+
+def test_store_errors_keep_their_type_through_the_writer_thread(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+
+    async def main() -> None:
+        await store.put(make_entry("r", "c1"))
+        await store.freeze("r")
+        with pytest.raises(RolloutFrozenError):
+            await store.put(make_entry("r", "late"))
+        await store.close()
+
+    asyncio.run(main())
