@@ -106,6 +106,9 @@ index is rebuilt from the tail, so puts skip most index writes and never parse m
 
 _Result = TypeVar("_Result")
 
+_REMEMBERED_PATHS = 65_536
+"""How many validated rollout file paths a store remembers."""
+
 _REMEMBERED_LINES = 65_536
 """How many appended lines' call ids a store remembers to re-index its lagging tails without parsing them."""
 
@@ -244,6 +247,7 @@ class TokenCaptureStore:
         self._writes = WriteQueue(self._run_without_own_barrier, self._barrier, name="tokcap-store-writer")
         self._rollout_locks = _RolloutLocks()
         self._call_ids_of_written_lines: dict[str, str] = {}
+        self._paths: dict[tuple[str, str], Path] = {}
 
     @property
     def commit_stats(self) -> dict[str, int]:
@@ -358,7 +362,14 @@ class TokenCaptureStore:
     # ----------------------------------------------------------------- paths
 
     def _path(self, rollout_id: str, suffix: str) -> Path:
-        return self._root / f"{validate_rollout_id(rollout_id)}{suffix}"
+        """A rollout's file; paths are remembered because building them showed up in every operation's profile."""
+        key = (rollout_id, suffix)
+        path = self._paths.get(key)
+        if path is None:
+            if len(self._paths) >= _REMEMBERED_PATHS:
+                self._paths.clear()
+            path = self._paths[key] = self._root / f"{validate_rollout_id(rollout_id)}{suffix}"
+        return path
 
     def path_for(self, rollout_id: str) -> Path:
         """The rollout's JSONL file of entries."""
