@@ -143,6 +143,7 @@ Event = Annotated[
 ]
 
 _EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+_EVENT_TYPE_NAMES = frozenset(member.value for member in EventType)
 
 
 @dataclass(frozen=True, order=True)
@@ -188,7 +189,7 @@ def event_from_mapping(raw: Any) -> Event:
             raise NewerSchemaError(
                 f"record schema_version {entry_version} is newer than this reader; upgrade tokcap on the reader"
             )
-    if raw.get("type") not in {member.value for member in EventType}:
+    if raw.get("type") not in _EVENT_TYPE_NAMES:
         raise EventDecodeError(f"unknown event type {raw.get('type')!r}")
     try:
         return _EVENT_ADAPTER.validate_python(raw)

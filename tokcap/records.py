@@ -97,9 +97,11 @@ class TokenEntry(BaseModel):
                 f"generation_token_ids has {len(self.generation_token_ids)} ids but generation_log_probs "
                 f"has {len(self.generation_log_probs)} values; they must have equal length"
             )
-        for value in self.generation_log_probs:
-            if not math.isfinite(value):
-                raise ValueError(f"generation_log_probs contains a non-finite value {value!r}")
+        # A sum is finite only if every term is (or the terms overflow): check element by element only then.
+        if not math.isfinite(sum(self.generation_log_probs)):
+            for value in self.generation_log_probs:
+                if not math.isfinite(value):
+                    raise ValueError(f"generation_log_probs contains a non-finite value {value!r}")
         if self.token_item_index is not None and not 0 <= self.token_item_index < len(self.output_items):
             raise ValueError(
                 f"token_item_index {self.token_item_index} does not point inside output_items "

@@ -66,3 +66,14 @@ def test_the_fast_path_equals_the_pydantic_dump_for_any_token_arrays(
 ) -> None:
     entry = make_entry("r", "c", prompt=prompt, generation=list(range(len(log_probs))), log_probs=log_probs)
     assert entry.canonical_json() == orjson.dumps(entry.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+
+
+def test_finite_log_probs_whose_sum_overflows_are_accepted() -> None:
+    entry = make_entry("r", "c", generation=(1, 2), log_probs=(-1e308, -1e308))
+    assert entry.generation_log_probs == [-1e308, -1e308]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_a_non_finite_log_prob_is_refused_wherever_it_sits(bad: float) -> None:
+    with pytest.raises(ValueError, match="non-finite"):
+        make_entry("r", "c", generation=(1, 2, 3), log_probs=(-0.5, bad, -0.25))
