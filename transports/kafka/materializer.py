@@ -28,6 +28,8 @@ Run it in a thread (``start``/``stop``) or as a process::
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -205,6 +207,12 @@ class _PartitionProgress:
     written: bytes = b""
 
 
+def _resolve_waiter(future: asyncio.Future[None]) -> None:
+    """Runs on the waiter's loop: wake it unless it already gave up."""
+    if not future.done():
+        future.set_result(None)
+
+
 def _rollout_of_key(key: bytes | None) -> str | None:
     """The rollout id a message key names, or ``None`` when the key is not a valid id."""
     if key is None:
@@ -258,6 +266,7 @@ class Materializer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._async_waiters: list[tuple[int, int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     # ---------------------------------------------------------------- public
 
@@ -317,6 +326,45 @@ class Materializer:
             )
         self._raise_if_failed()
         return bool(applied)
+
+    async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
+        """Wait, without holding a thread, until the event at this offset is applied; ``False`` on timeout.
+
+        Many trainers' freezes wait at once; a blocking wait per freeze would queue them behind the
+        event loop's few executor threads.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        waiter = (partition, offset, loop, future)
+        with self._condition:
+            if self._failure is None and self._applied_next.get(partition, 0) > offset:
+                return True
+            if self._failure is None:
+                self._async_waiters.append(waiter)
+        if self._failure is not None:
+            self._raise_if_failed()
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            with self._condition:
+                if waiter in self._async_waiters:
+                    self._async_waiters.remove(waiter)
+            return False
+        self._raise_if_failed()
+        return True
+
+    def _wake_async_waiters(self) -> None:
+        """Resolve the waits that are now applied, or all of them when the loop failed; caller holds the condition."""
+        still_waiting = []
+        for waiter in self._async_waiters:
+            partition, offset, loop, future = waiter
+            if self._failure is not None or self._applied_next.get(partition, 0) > offset:
+                # A closed event loop raises here: nobody is waiting on it any more.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_resolve_waiter, future)
+            else:
+                still_waiting.append(waiter)
+        self._async_waiters = still_waiting
 
     def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
         """Per assigned partition, the offset after the last message currently in the log."""
@@ -379,6 +427,7 @@ class Materializer:
             with self._condition:
                 self._failure = exc
                 self._condition.notify_all()
+                self._wake_async_waiters()
         finally:
             self._ready.set()
 
@@ -460,6 +509,7 @@ class Materializer:
             for partition, progress in self._progress.items():
                 self._applied_next[partition] = progress.checkpoint.next_offset
             self._condition.notify_all()
+            self._wake_async_waiters()
 
     def _take(self, message: Message) -> None:
         """Route one consumed message: an error, a replayed chunk, a skipped offset or a new event."""

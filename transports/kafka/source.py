@@ -52,12 +52,13 @@ class _CheckpointWaiter:
         path = self._store_dir / f"{CHECKPOINT_PREFIX}{partition}.json"
         return PartitionCheckpoint.load(path, self._topic, partition).next_offset
 
-    def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
+    async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
+        """Poll the checkpoint without holding a thread; ``False`` when the offset is not applied in time."""
         deadline = time.monotonic() + timeout_s
         while self.applied_next(partition) <= offset:
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(_CHECKPOINT_POLL_S)
+            await asyncio.sleep(_CHECKPOINT_POLL_S)
         return True
 
 
@@ -141,11 +142,11 @@ class KafkaTokenSource:
         return result
 
     async def _wait_applied(self, delivered: Delivered, rollout_id: str, what: str) -> None:
-        waiter: Materializer | _CheckpointWaiter | None = self._external or self._materializer
-        assert waiter is not None
-        applied = await asyncio.to_thread(
-            waiter.wait_for, delivered.partition, delivered.offset, self._timeout_s
-        )
+        if self._materializer is not None:
+            applied = await self._materializer.applied(delivered.partition, delivered.offset, self._timeout_s)
+        else:
+            assert self._external is not None
+            applied = await self._external.applied(delivered.partition, delivered.offset, self._timeout_s)
         if not applied:
             raise DeliveryTimeoutError(
                 f"{what} of rollout {rollout_id!r} was written at partition {delivered.partition} offset "
