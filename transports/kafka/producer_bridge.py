@@ -32,7 +32,10 @@ _ANSWER_GRACE_S = 5.0
 """Extra time past librdkafka's own timeout before giving up on a delivery report that never came."""
 
 _ENFORCED = {"enable.idempotence": True, "acks": "all"}
-_DEFAULTS: dict[str, Any] = {"compression.type": "zstd", "linger.ms": 5}
+_DEFAULTS: dict[str, Any] = {"compression.type": "zstd", "linger.ms": 1}
+"""Overridable defaults. Each rollout awaits its calls in sequence, so linger adds to every call's latency:
+on the bench, 8 concurrent rollouts put 523/s with 5 ms of linger and 991/s with 1 ms, and 64 rollouts
+were no slower (concurrent sends still share batches)."""
 _TIMEOUT_KEYS = ("message.timeout.ms", "delivery.timeout.ms")
 
 
