@@ -229,6 +229,15 @@ async def _put_entry(context: CaptureContext, sink: TokenSink, entry: TokenEntry
     return True
 
 
+def _uncommitted_call() -> tuple[CaptureContext, TokenSink] | None:
+    """The current call and its sink, unless there is no context, no sink, or the call is already stored."""
+    context = current_capture_context()
+    if context is None or context.committed:
+        return None
+    sink = _sink_for(context)
+    return None if sink is None else (context, sink)
+
+
 async def capture_tokens(response: Any) -> TokenEntry | None:
     """Store the current call's tokens from its model response; return the stored entry, else ``None``.
 
@@ -236,12 +245,10 @@ async def capture_tokens(response: Any) -> TokenEntry | None:
     Nothing happens without a context, without a sink, or when the call was already committed.
     This never raises into the model call.
     """
-    context = current_capture_context()
-    if context is None or context.committed:
+    target = _uncommitted_call()
+    if target is None:
         return None
-    sink = _sink_for(context)
-    if sink is None:
-        return None
+    context, sink = target
     try:
         entry = token_entry_from_response(context, response)
     except Exception as exc:
@@ -260,12 +267,10 @@ async def commit_entry(entry: TokenEntry) -> bool:
     Nothing happens without a context, without a sink, or when the call was already committed.
     This never raises into the model call.
     """
-    context = current_capture_context()
-    if context is None or context.committed:
+    target = _uncommitted_call()
+    if target is None:
         return False
-    sink = _sink_for(context)
-    if sink is None:
-        return False
+    context, sink = target
     if (entry.rollout_id, entry.model_call_id) != (context.rollout_id, context.model_call_id):
         await _mark_call_lost(
             context,
