@@ -27,6 +27,7 @@ __all__ = [
     "TokenEntry",
     "entry_digest",
     "extract_token_fields",
+    "response_items",
     "strip_token_fields",
 ]
 
@@ -170,7 +171,7 @@ class ExtractedTokenFields:
     routed_experts: Any = None
 
 
-def _items_of(response_json: Mapping[str, Any]) -> Sequence[Any] | None:
+def response_items(response_json: Mapping[str, Any]) -> Sequence[Any] | None:
     """Responses-API payloads keep items under ``output``; Chat Completions under ``choices[*].message``."""
     output = response_json.get("output")
     if isinstance(output, list):
@@ -189,7 +190,7 @@ def extract_token_fields(response_json: Mapping[str, Any]) -> ExtractedTokenFiel
     """
     if not isinstance(response_json, Mapping):
         raise TokenExtractionError(f"response must be a JSON object, got {type(response_json).__name__}")
-    items = _items_of(response_json)
+    items = response_items(response_json)
     if items is None:
         return None
     found: ExtractedTokenFields | None = None

@@ -19,7 +19,7 @@ Untagged traffic has no context, and capture is then a no-op.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any, cast
@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from tokcap.errors import TokenExtractionError
 from tokcap.protocols import TokenSink, installed_token_sink
-from tokcap.records import TokenEntry, extract_token_fields, strip_token_fields
+from tokcap.records import TokenEntry, extract_token_fields, response_items, strip_token_fields
 
 __all__ = [
     "CaptureContext",
@@ -144,17 +144,6 @@ def _response_as_mapping(response: Any) -> Mapping[str, Any]:
     )
 
 
-def _content_items(payload: Mapping[str, Any]) -> Sequence[Any]:
-    """The items that may carry token arrays: Responses ``output`` or Chat Completions choice messages."""
-    output = payload.get("output")
-    if isinstance(output, list):
-        return output
-    choices = payload.get("choices")
-    if isinstance(choices, list):
-        return [choice.get("message") if isinstance(choice, Mapping) else None for choice in choices]
-    return []
-
-
 def token_entry_from_response(context: CaptureContext, response: Any) -> TokenEntry | None:
     """Build the call's ``TokenEntry`` from a model response; ``None`` when it carries no token ids.
 
@@ -169,7 +158,7 @@ def token_entry_from_response(context: CaptureContext, response: Any) -> TokenEn
         return None
     kept_items: list[dict[str, Any]] = []
     token_item_index: int | None = None
-    for index, item in enumerate(_content_items(payload)):
+    for index, item in enumerate(response_items(payload) or []):
         if not isinstance(item, Mapping):
             continue
         if index == fields.item_index:

@@ -28,8 +28,9 @@ from typing import Any
 
 import orjson
 
-from tokcap.errors import EventDecodeError, NewerSchemaError, RecordValidationError
+from tokcap.errors import EventDecodeError, InvalidRolloutIdError, NewerSchemaError, RecordValidationError
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event, event_from_mapping
+from tokcap.rollout_ids import validate_rollout_id
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -40,6 +41,7 @@ __all__ = [
     "encode_event_value",
     "headers_to_dict",
     "read_chunk_header",
+    "rollout_of_key",
 ]
 
 DEFAULT_CHUNK_BYTES = 900_000
@@ -283,3 +285,13 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
     except orjson.JSONDecodeError as exc:
         raise EventDecodeError(f"event is not valid JSON: {exc}") from exc
     return event_from_mapping(raw)
+
+
+def rollout_of_key(key: bytes | None) -> str | None:
+    """The rollout id a message key names, or ``None`` when the key is not a valid id."""
+    if key is None:
+        return None
+    try:
+        return validate_rollout_id(key.decode())
+    except (UnicodeDecodeError, InvalidRolloutIdError):
+        return None

@@ -53,15 +53,19 @@ from filelock import FileLock, Timeout
 from tokcap.durable_io import append_durably, fsync_directory, replace_atomically
 from tokcap.errors import (
     EventDecodeError,
-    InvalidRolloutIdError,
     MaterializerFailedError,
     NewerSchemaError,
     StoreCorruptionError,
 )
 from tokcap.events import Event, IncompleteEvent, LogPosition
-from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import ApplyResult, TokenCaptureStore
-from transports.kafka.codec import ChunkHeader, decode_event_value, headers_to_dict, read_chunk_header
+from transports.kafka.codec import (
+    ChunkHeader,
+    decode_event_value,
+    headers_to_dict,
+    read_chunk_header,
+    rollout_of_key,
+)
 from transports.kafka.topics import validate_topic_name
 
 __all__ = [
@@ -211,16 +215,6 @@ def _resolve_waiter(future: asyncio.Future[None]) -> None:
     """Runs on the waiter's loop: wake it unless it already gave up."""
     if not future.done():
         future.set_result(None)
-
-
-def _rollout_of_key(key: bytes | None) -> str | None:
-    """The rollout id a message key names, or ``None`` when the key is not a valid id."""
-    if key is None:
-        return None
-    try:
-        return validate_rollout_id(key.decode())
-    except (UnicodeDecodeError, InvalidRolloutIdError):
-        return None
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
@@ -596,7 +590,7 @@ class Materializer:
                 key,
             )
             return
-        if _rollout_of_key(key) is None:
+        if rollout_of_key(key) is None:
             self._dead_letter(progress, partition, offset, f"invalid rollout id {event.rollout_id!r}", None)
             return
         self._apply(event, partition, offset)
@@ -692,7 +686,7 @@ class Materializer:
             f"orphaned chunk group {group.header.group}: {len(group.pieces)} of {group.header.count} chunks "
             f"at offsets {group.offsets}; {why}"
         )
-        rollout_id = _rollout_of_key(group.key)
+        rollout_id = rollout_of_key(group.key)
         if rollout_id is not None and not self._has_incomplete_mark(rollout_id, reason):
             self._store.apply(
                 IncompleteEvent(rollout_id=rollout_id, writer=MATERIALIZER_WRITER, reason=reason)
@@ -718,7 +712,7 @@ class Materializer:
         self, progress: _PartitionProgress, partition: int, offset: int, reason: str, key: bytes | None
     ) -> None:
         """Record a message that cannot be applied and mask its rollout where the key names one."""
-        rollout_id = _rollout_of_key(key)
+        rollout_id = rollout_of_key(key)
         logger.warning(
             "dead-lettering partition %d offset %d of %s: %s", partition, offset, self._topic, reason
         )

@@ -25,9 +25,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from tokcap.errors import EventDecodeError, InvalidRolloutIdError, NewerSchemaError, TransportError
+from tokcap.errors import EventDecodeError, NewerSchemaError, TransportError
 from tokcap.events import DropEvent, Event, FreezeEvent, IncompleteEvent, LogPosition
-from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import client_settings, watermarks
 from transports.kafka.codec import (
@@ -37,6 +36,7 @@ from transports.kafka.codec import (
     decode_event_value,
     headers_to_dict,
     read_chunk_header,
+    rollout_of_key,
 )
 from transports.kafka.materializer import MATERIALIZER_WRITER
 
@@ -210,15 +210,6 @@ class _OpenGroup:
     size: int
 
 
-def _rollout_of(key: bytes | None) -> str | None:
-    if key is None:
-        return None
-    try:
-        return validate_rollout_id(key.decode())
-    except (UnicodeDecodeError, InvalidRolloutIdError):
-        return None
-
-
 def _drop_detail(event: DropEvent, result: ApplyResult) -> str:
     """Say what the drop asked for and why it did or did not retire the rollout."""
     asked = f"{event.snapshot_id} v{event.version}"
@@ -274,7 +265,7 @@ class LogApplier:
         self, message: LogMessage, headers: Mapping[str, str], reason: str, size: int
     ) -> TimelineEntry:
         """Mask the rollout the key names, at this message's position, as the materializer does."""
-        rollout_id = _rollout_of(message.key)
+        rollout_id = rollout_of_key(message.key)
         if rollout_id is not None:
             mark = IncompleteEvent(
                 rollout_id=rollout_id,
@@ -306,7 +297,7 @@ class LogApplier:
             return self._dead_letter(
                 message, headers, f"key {key!r} does not match the event's rollout {event.rollout_id!r}", size
             )
-        if _rollout_of(key) is None:
+        if rollout_of_key(key) is None:
             reason = f"invalid rollout id {event.rollout_id!r}"
             return self._entry(message, headers, size, DEAD_LETTERED, detail=reason)
         result = self._apply(event, message.partition, message.offset)
