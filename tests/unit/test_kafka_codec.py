@@ -121,3 +121,20 @@ def test_truncated_or_foreign_packed_values_are_undecodable() -> None:
             decode_event_value(broken, {HEADER_ENCODING: "packed"})
     with pytest.raises(EventDecodeError):
         decode_event_value(value, {HEADER_ENCODING: "msgpack"})
+
+
+def test_extra_values_orjson_would_render_differently_still_decode_to_the_same_canonical_entry() -> None:
+    import dataclasses
+    import datetime
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+
+    event = put_event(
+        [5, 6, 7], when=datetime.datetime(2024, 1, 2, 3, 4, 5), point=Point(1), day=datetime.date(2024, 1, 1)
+    )
+    encoding, value = encode_event_value(event)
+    decoded = decode_event_value(value, {HEADER_ENCODING: encoding})
+    assert isinstance(decoded, PutEvent)
+    assert decoded.entry.canonical_json() == event.entry.canonical_json()

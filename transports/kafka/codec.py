@@ -61,8 +61,6 @@ ENCODING_PACKED = "packed"
 
 _PACKED_MAGIC = b"TKP1"
 _ARRAY_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-_INT32 = (-(2**31), 2**31 - 1)
-_INT64 = (-(2**63), 2**63 - 1)
 _TYPECODES = {"<i4": "i", "<i8": "q", "<f8": "d"}
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -91,16 +89,17 @@ class ChunkHeader:
         return self.group.rsplit(":", 1)[0]
 
 
-def _int_dtype(values: list[int]) -> str:
-    """The narrowest dtype that holds every id; an id beyond 64 bits is refused."""
-    if not values:
-        return "<i4"
-    low, high = min(values), max(values)
-    if _INT32[0] <= low and high <= _INT32[1]:
-        return "<i4"
-    if _INT64[0] <= low and high <= _INT64[1]:
-        return "<i8"
-    raise RecordValidationError(f"token ids must fit in 64 bits; found one in [{low}, {high}]")
+def _packed_ids(values: list[int]) -> tuple[str, bytes]:
+    """Pack ids in the narrowest dtype that holds them all; an id beyond 64 bits is refused.
+
+    Building the array checks the range itself, which is cheaper than scanning for the minimum and maximum.
+    """
+    for dtype in ("<i4", "<i8"):
+        try:
+            return dtype, _pack_array(values, dtype)
+        except OverflowError:
+            continue
+    raise RecordValidationError(f"token ids must fit in 64 bits; found one in [{min(values)}, {max(values)}]")
 
 
 def _pack_array(values: list[Any], dtype: str) -> bytes:
@@ -108,6 +107,28 @@ def _pack_array(values: list[Any], dtype: str) -> bytes:
     if not _LITTLE_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+_HEAD_FAST_OPTIONS = (
+    orjson.OPT_SORT_KEYS
+    | orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
+
+
+def _put_mapping_without_dump(event: PutEvent) -> dict[str, Any]:
+    """The event's fields as plain values, without pydantic's dump copying the token arrays."""
+    entry = dict(event.entry.__dict__)
+    if event.entry.__pydantic_extra__:
+        entry.update(event.entry.__pydantic_extra__)
+    return {
+        "entry": entry,
+        "rollout_id": event.rollout_id,
+        "schema_version": event.schema_version,
+        "type": event.type.value,
+        "writer": event.writer,
+    }
 
 
 def _unpack_array(data: bytes, dtype: str) -> list[Any]:
@@ -122,18 +143,28 @@ def _unpack_array(data: bytes, dtype: str) -> list[Any]:
 
 def _pack_put(event: PutEvent) -> bytes:
     """The packed value of a put event."""
-    mapping = event.model_dump(mode="json")
+    mapping = _put_mapping_without_dump(event)
     entry = mapping["entry"]
     descriptors: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for name in _ARRAY_FIELDS:
         values = entry.pop(name)
-        dtype = "<f8" if name == "generation_log_probs" else _int_dtype(values)
-        blob = _pack_array(values, dtype)
+        if name == "generation_log_probs":
+            dtype, blob = "<f8", _pack_array(values, "<f8")
+        else:
+            dtype, blob = _packed_ids(values)
         descriptors.append({"field": name, "dtype": dtype, "count": len(values)})
         blobs.append(blob)
     mapping["arrays"] = descriptors
-    head = orjson.dumps(mapping, option=orjson.OPT_SORT_KEYS)
+    try:
+        head = orjson.dumps(mapping, option=_HEAD_FAST_OPTIONS)
+    except TypeError:
+        # A value orjson renders differently from pydantic (a datetime extra, say): use pydantic's dump.
+        dumped = event.model_dump(mode="json")
+        for name in _ARRAY_FIELDS:
+            dumped["entry"].pop(name)
+        dumped["arrays"] = descriptors
+        head = orjson.dumps(dumped, option=orjson.OPT_SORT_KEYS)
     return b"".join([_PACKED_MAGIC, struct.pack("<I", len(head)), head, *blobs])
 
 
