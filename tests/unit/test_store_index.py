@@ -15,7 +15,9 @@ def _indexed_on_disk(store: TokenCaptureStore, rollout_id: str) -> int:
     return int(orjson.loads(store.state_path_for(rollout_id).read_bytes())["indexed_size"])
 
 
-def test_the_index_on_disk_lags_by_fewer_than_the_flush_interval_and_reads_see_everything(tmp_path: Path) -> None:
+def test_the_index_on_disk_lags_by_fewer_than_the_flush_interval_and_reads_see_everything(
+    tmp_path: Path,
+) -> None:
     store = TokenCaptureStore(tmp_path)
     for n in range(INDEX_FLUSH_ENTRIES * 3 + 2):
         store.append(make_entry("r", f"c{n}"))
