@@ -4,6 +4,11 @@ A rollout moves open → frozen → retired and never back; ``delete`` forgets i
 ``removed_records`` tells whether the retire or delete that produced this state removed anything.
 ``version`` is 0 while open, becomes 1 at freeze, and moves on every later change
 (a rejected late write, a late incomplete marker), so a stale snapshot cannot be dropped.
+
+The state is the commit record of the rollout's side files: ``indexed_size``, ``intents_size`` and
+``incomplete_size`` say how many bytes of each file it covers, and ``last_position`` which log position
+it reflects. Bytes past those sizes were written after the state and are either folded in (file store)
+or cut and applied again (a projection resuming from its log), see ``tokcap.recovery``.
 """
 
 from __future__ import annotations
@@ -17,9 +22,17 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from tokcap.errors import NewerSchemaError, StoreCorruptionError
 from tokcap.events import LogPosition
 
-__all__ = ["STATE_SCHEMA_VERSION", "Lifecycle", "Rejection", "RolloutState"]
+__all__ = [
+    "STATE_SCHEMA_VERSION",
+    "FreezeAnswer",
+    "IncompleteMark",
+    "IntentOp",
+    "Lifecycle",
+    "Rejection",
+    "RolloutState",
+]
 
-STATE_SCHEMA_VERSION = 1
+STATE_SCHEMA_VERSION = 2
 """The newest state-file schema this reader understands."""
 
 
@@ -41,6 +54,36 @@ class Rejection(BaseModel):
     position: dict[str, Any] | None = None
 
 
+class IntentOp(enum.StrEnum):
+    """The last thing recorded about a dispatched call before its entry."""
+
+    INTENT = "intent"
+    CANCEL = "cancel"
+
+
+class IncompleteMark(BaseModel):
+    """One reason the rollout is masked: which call was lost and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_call_id: str = ""
+    reason: str = ""
+
+
+class FreezeAnswer(BaseModel):
+    """What a freeze applied at a log position answered: the snapshot version as of that position.
+
+    Later events move the version past it, so a source answering after them still returns the snapshot
+    as it was at its freeze, and a drop of that snapshot fails once a write raced it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    position: dict[str, Any]
+    version: StrictInt
+    incomplete: bool
+
+
 class RolloutState(BaseModel):
     """Everything the store knows about a rollout besides its entry lines."""
 
@@ -58,6 +101,11 @@ class RolloutState(BaseModel):
     indexed_size: StrictInt = 0
     dangling_intents: list[str] = Field(default_factory=list)
     rejections: list[Rejection] = Field(default_factory=list)
+    intents: dict[str, IntentOp] = Field(default_factory=dict)
+    intents_size: StrictInt = 0
+    incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
+    incomplete_size: StrictInt = 0
+    freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
     last_position: dict[str, Any] | None = None
     removed_records: bool | None = None
 
@@ -76,7 +124,22 @@ class RolloutState(BaseModel):
             and self.indexed_size == 0
             and self.version == 0
             and not self.rejections
+            and not self.intents
+            and not self.incomplete_marks
         )
+
+    @property
+    def holds_records(self) -> bool:
+        """Whether a retire or delete of this rollout would remove anything (an empty open state holds nothing)."""
+        return not self.retired and not self.is_pristine
+
+    def answer_at(self, position: LogPosition) -> FreezeAnswer | None:
+        """The answer a freeze applied at ``position`` gave, if one did."""
+        wanted = position.to_dict()
+        for answer in self.freeze_answers:
+            if answer.position == wanted:
+                return answer
+        return None
 
     def advance(self, lifecycle: Lifecycle) -> None:
         """Move forward in the lifecycle, keeping the plain flags readers of the layout rely on."""

@@ -1,52 +1,38 @@
 """The file store: a durable, rollout-keyed projection of capture events.
 
-Per rollout the store keeps, in one directory:
-
-- ``<id>.tokens.jsonl``: one canonical JSON line per accepted entry (keys sorted).
-- ``<id>.tokens.state.json``: the typed ``RolloutState`` (lifecycle, snapshot id, version,
-  entry digests, how many bytes of the JSONL are indexed, rejections, last applied log position).
-- ``<id>.tokens.intents``: JSON lines ``{"op": "intent"|"cancel", "model_call_id": ...}``.
-- ``<id>.tokens.incomplete``: JSON lines naming each lost call; its presence masks the rollout.
-- ``<id>.tokens.fence``: written on retire or drop, kept until ``delete``; late writers fail on it.
-- ``<id>.tokens.lock``: the per-rollout file lock; never removed, so two lockers never hold different inodes.
-
-Every change goes through one deterministic step, ``apply``.
-The file store's own methods build an event and apply it at once.
-The Kafka materializer applies events read from the log, with their log position.
+It carries out the decisions of ``tokcap.rules``; it holds no rule of its own. Every mutating operation,
+the file store's own and the Kafka materializer's, builds an event, recovers the rollout's state
+(``tokcap.recovery``), asks ``tokcap.rules.decide`` what the event does, and carries out the effects in order.
+File names live in ``tokcap.layout``, locks in ``tokcap.locks``, durability in ``tokcap.group_commit``,
+``tokcap.write_queue`` and ``tokcap.durable_io``.
 
 Durability:
 
-- Every entry line is fsynced before ``put`` returns.
-- Every intent and incomplete line is fsynced before its call returns.
-- The state file is replaced atomically; it is fsynced on lifecycle transitions and late changes.
-  After a crash it is rebuilt from the durable JSONL tail, parsing only the tail.
+- Every entry, intent and incomplete line is synced before its call returns.
+- The state file is replaced atomically; it is synced on lifecycle transitions and late changes.
+  Index-only changes may lag: the file tails past the state are folded in when the rollout is next read.
 - Retire makes its fences durable before removing records, and syncs the directory before it returns.
 - Delete syncs the directory before it returns, even when it found nothing.
+
+Reads never write: they recover the state in memory and leave repairs to the next writer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import fcntl
 import logging
 import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-
-import orjson
 
 from tokcap.durable_io import append_durably, remove_if_exists, replace_atomically
 from tokcap.errors import (
     ConflictingEntryError,
     InvalidInputError,
-    NewerSchemaError,
-    RecordValidationError,
     RolloutFrozenError,
     RolloutRetiredError,
     StoreCorruptionError,
@@ -56,7 +42,6 @@ from tokcap.events import (
     DeleteEvent,
     DropEvent,
     Event,
-    EventType,
     FreezeEvent,
     IncompleteEvent,
     IntentEvent,
@@ -65,17 +50,44 @@ from tokcap.events import (
     RetireEvent,
 )
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
+from tokcap.layout import (
+    ENTRIES_SUFFIX,
+    FENCE_SUFFIX,
+    INCOMPLETE_SUFFIX,
+    INTENTS_SUFFIX,
+    LOCK_SUFFIX,
+    STATE_SUFFIX,
+    RolloutPaths,
+    rollout_ids_in,
+)
+from tokcap.locks import RolloutLocks
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
-from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry, entry_digest
+from tokcap.records import TokenEntry
+from tokcap.recovery import CutTail, FinishRetire, Recovered, RemoveStaleFence, recover
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
-from tokcap.state import Lifecycle, Rejection, RolloutState
+from tokcap.rules import (
+    AppendEntry,
+    AppendIncompleteMark,
+    AppendIntent,
+    ApplyOutcome,
+    ApplyResult,
+    Barrier,
+    Decision,
+    RemoveFence,
+    RemoveRecords,
+    RemoveState,
+    WriteFence,
+    WriteState,
+    decide,
+)
+from tokcap.state import IncompleteMark, IntentOp, RolloutState
 from tokcap.write_queue import WriteQueue
 
 __all__ = [
     "ENTRIES_SUFFIX",
-    "INDEX_FLUSH_ENTRIES",
     "FENCE_SUFFIX",
     "INCOMPLETE_SUFFIX",
+    "INDEX_FLUSH_ENTRIES",
     "INTENTS_SUFFIX",
     "LOCK_SUFFIX",
     "STATE_SUFFIX",
@@ -90,169 +102,59 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENTRIES_SUFFIX = ".tokens.jsonl"
-STATE_SUFFIX = ".tokens.state.json"
-INTENTS_SUFFIX = ".tokens.intents"
-INCOMPLETE_SUFFIX = ".tokens.incomplete"
-LOCK_SUFFIX = ".tokens.lock"
-FENCE_SUFFIX = ".tokens.fence"
-
 INDEX_FLUSH_ENTRIES = 8
-"""Index-only state updates are written once this many entries lag behind the JSONL file.
+"""Index-only state updates of the file store are written once this many lines lag behind the files.
 
-Renaming a state file costs about as much as an fsync on ext4; the JSONL line is the durable record and the
-index is rebuilt from the tail, so puts skip most index writes and never parse more than this many lines.
+Renaming a state file costs about as much as an fsync on ext4; the lines are the durable record and the
+index is rebuilt from the tails, so writes skip most index writes and never parse more than this many lines.
 """
 
 _Result = TypeVar("_Result")
 
 _REMEMBERED_PATHS = 65_536
-"""How many validated rollout file paths a store remembers."""
+"""How many validated rollout file sets a store remembers."""
 
 _REMEMBERED_LINES = 65_536
 """How many appended lines' call ids a store remembers to re-index its lagging tails without parsing them."""
 
 
-class ApplyOutcome(enum.StrEnum):
-    """What the apply step decided for one event."""
+class _Deferral(threading.local):
+    """The deferred-durability block of one thread: states kept in memory, and which of them await a write."""
 
-    ACCEPTED = "accepted"
-    NOOP = "no-op"
-    ALREADY_APPLIED = "already-applied"
-    REJECTED_AFTER_FREEZE = "rejected-after-freeze"
-    REJECTED_RETIRED = "rejected-retired"
-    CONFLICT = "conflict"
-
-
-@dataclass(frozen=True)
-class ApplyResult:
-    """The verdict of applying one event, for callers and for the event timeline."""
-
-    outcome: ApplyOutcome
-    event_type: EventType
-    rollout_id: str
-    model_call_id: str = ""
-    snapshot_id: str | None = None
-    version: int | None = None
-    dropped: bool | None = None
-    removed: bool | None = None
-    detail: str = ""
-
-
-def _call_id_of_line(line: bytes) -> str:
-    """Read just the call id of a stored line; full validation happens when entries are read."""
-    try:
-        raw = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        raise RecordValidationError(f"entry line is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise RecordValidationError("entry line is not a JSON object")
-    version = raw.get("schema_version")
-    if isinstance(version, int) and version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
-        raise NewerSchemaError(
-            f"entry line has schema_version {version}, newer than {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; "
-            "upgrade tokcap on the reading side"
-        )
-    call_id = raw.get("model_call_id")
-    if not isinstance(call_id, str) or not call_id:
-        raise RecordValidationError("entry line has no model_call_id")
-    return call_id
-
-
-def _snapshot_id_for(position: LogPosition | None) -> str:
-    """Derive a snapshot id from the freeze's log position, or draw one when there is no log.
-
-    A log position never repeats for a topic, so the id never repeats for a rollout id,
-    even after delete and reuse, and every replay derives the same id.
-    """
-    if position is None:
-        return uuid.uuid4().hex
-    return f"{position.topic}:{position.partition}:{position.offset}"
-
-
-@dataclass
-class _HeldLock:
-    """One rollout's lock inside this process: who waits for it, and the locked file while held."""
-
-    thread_lock: threading.RLock
-    users: int = 0
-    depth: int = 0
-    fd: int = -1
-
-
-class _RolloutLocks:
-    """Per-rollout exclusive locks: a thread lock within the process, ``flock`` on the lock file across processes.
-
-    It is the same ``flock`` on the same ``.tokens.lock`` file that the ``filelock`` package takes, so processes
-    using either interoperate; it costs a few microseconds where ``filelock`` 4 costs over 100.
-    A waiting process blocks in ``flock`` and wakes as soon as the holder releases, instead of polling.
-    Re-entry by the thread that holds the lock is allowed, as with ``filelock``.
-    """
+    active: bool = False
+    barrier_deferred: bool = False
 
     def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._held: dict[str, _HeldLock] = {}
-
-    @contextmanager
-    def hold(self, path: Path) -> Iterator[None]:
-        """Hold the lock of ``path`` for the duration of the block."""
-        key = str(path)
-        with self._guard:
-            held = self._held.get(key)
-            if held is None:
-                held = self._held[key] = _HeldLock(threading.RLock())
-            held.users += 1
-        try:
-            with held.thread_lock:
-                if held.depth == 0:
-                    held.fd = self._lock_file(key)
-                held.depth += 1
-                try:
-                    yield
-                finally:
-                    held.depth -= 1
-                    if held.depth == 0:
-                        fd, held.fd = held.fd, -1
-                        os.close(fd)
-        finally:
-            with self._guard:
-                held.users -= 1
-                if held.users == 0:
-                    del self._held[key]
-
-    @staticmethod
-    def _lock_file(path: str) -> int:
-        """Open the lock file (never removed, so every locker shares one inode) and wait for its ``flock``."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        self.states: dict[str, RolloutState] = {}
+        self.dirty: set[str] = set()
 
 
 class TokenCaptureStore:
     """Durable, rollout-keyed JSONL sink and source for ``TokenEntry`` records.
 
     Writers to the same rollout are serialized by a file lock; different rollouts write concurrently.
-    Async methods run their blocking work in a thread, never on the event loop.
+    Async methods run their blocking work on the store's writer thread, never on the event loop.
     """
 
     def __init__(self, root: str | Path) -> None:
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)
         self._commit = GroupCommitter(filesystem_sync_for(self._root))
-        self._deferral = threading.local()
+        self._deferral = _Deferral()
         self._writes = WriteQueue(self._run_without_own_barrier, self._barrier, name="tokcap-store-writer")
-        self._rollout_locks = _RolloutLocks()
+        self._rollout_locks = RolloutLocks()
         self._call_ids_of_written_lines: dict[str, str] = {}
-        self._paths: dict[tuple[str, str], Path] = {}
+        self._paths: dict[str, RolloutPaths] = {}
 
     @property
     def commit_stats(self) -> dict[str, int]:
         """How many filesystem syncs this store instance has run; benchmarks report it."""
         return {"syncs": self._commit.syncs}
+
+    @property
+    def root(self) -> Path:
+        """The directory holding every rollout's files."""
+        return self._root
 
     async def _in_thread(self, function: Callable[..., _Result], *args: Any, urgent: bool = False) -> _Result:
         """Run blocking file work off the event loop, on the store's writer thread.
@@ -273,12 +175,6 @@ class TokenCaptureStore:
 
     # ------------------------------------------------------------ durability
 
-    def _append(self, path: Path, data: bytes) -> int:
-        """Append one line; it becomes durable at the operation's barrier, before the caller returns."""
-        start = append_durably(path, data, durable=False)
-        self._commit.note_write()
-        return start
-
     def _barrier(self) -> None:
         """Wait until every write noted so far is durable, sharing one sync with concurrent writers."""
         self._commit.wait_durable()
@@ -288,222 +184,208 @@ class TokenCaptureStore:
         self._commit.note_write()
         self._commit.wait_durable()
 
-    def _end_of_operation(self) -> None:
-        """Make the operation durable now, unless its batch (writer thread or materializer) does it later."""
-        if not getattr(self._deferral, "active", False) and not getattr(
-            self._deferral, "barrier_deferred", False
-        ):
+    def _end_of_operation(self, *, forced: bool = False) -> None:
+        """Make the operation durable now, unless its batch (writer thread or projection block) does it later."""
+        if forced:
+            self._commit.note_write()
+        if not self._deferral.active and not self._deferral.barrier_deferred:
             self._barrier()
 
     @contextmanager
     def deferred_durability(self) -> Iterator[None]:
         """Apply many events and make them durable together at the end of the block.
 
-        Inside the block, operations return before their writes are durable.
+        Inside the block, operations return before their writes are durable, and each rollout's state stays
+        in memory; the states are written once per rollout at the end, then synced together.
         Ordering barriers (a fence before the removals it guards) still sync at once.
-        Puts, intents and cancels keep their rollout's state in memory for the rest of the block;
-        their non-durable state changes (index, last position) are written once per rollout at its end.
-        Any other event first writes that state out and reads the file, as outside a block.
-        Only a single-writer projection that records its own checkpoint after the block should use this.
+        Only a single-writer projection that records its own checkpoint after the block should use this:
+        if the process dies inside the block, the files may be ahead of their states, and the projection's
+        next apply cuts them back and applies the same events again.
         """
-        previous = getattr(self._deferral, "active", False)
-        self._deferral.active = True
-        if not previous:
-            self._deferral.states = {}
-            self._deferral.dirty = set()
+        deferral = self._deferral
+        outermost = not deferral.active
+        deferral.active = True
+        if outermost:
+            deferral.states, deferral.dirty = {}, set()
         try:
             yield
         finally:
-            self._deferral.active = previous
-            if not previous:
-                states: dict[str, RolloutState] = self._deferral.states
-                dirty: set[str] = self._deferral.dirty
-                self._deferral.states, self._deferral.dirty = {}, set()
-        if not previous:
+            if outermost:
+                deferral.active = False
+                states, dirty = deferral.states, deferral.dirty
+                deferral.states, deferral.dirty = {}, set()
+        if outermost:
             for rollout_id in sorted(dirty):
-                with self._locked(rollout_id):
-                    self._replace_state_file(states[rollout_id])
+                paths = self._paths_of(rollout_id)
+                with self._rollout_locks.hold(paths.lock):
+                    self._replace_state_file(paths, states[rollout_id])
+            self._commit.note_write()
             self._barrier()
-
-    def _deferred_state(self, rollout_id: str, event: Event) -> RolloutState:
-        """The state an event applies to inside a deferred block; the caller holds the rollout's lock.
-
-        Puts, intents and cancels reuse the state earlier events of the block left in memory.
-        Any other event writes that state out first, so it reads, and acts on, exactly what is on disk.
-        """
-        states: dict[str, RolloutState] = self._deferral.states
-        if isinstance(event, PutEvent | IntentEvent | CancelEvent):
-            state = states.get(rollout_id)
-            if state is None:
-                state = states[rollout_id] = self._read_state(rollout_id)
-            return state
-        cached = states.pop(rollout_id, None)
-        if cached is not None and rollout_id in self._deferral.dirty:
-            self._deferral.dirty.discard(rollout_id)
-            self._replace_state_file(cached)
-        return self._read_state(rollout_id)
-
-    def _index_write_due(self, state: RolloutState, lagging_lines: int, position: LogPosition | None) -> bool:
-        """Decide whether an index-only change is written now.
-
-        Applied from a log, it is written at once (inside a deferred block: at the end of the block),
-        so the state a projection leaves depends only on the log.
-        Otherwise it is written every ``INDEX_FLUSH_ENTRIES`` entries, or when the rollout has no state file yet.
-        """
-        if position is not None or getattr(self._deferral, "active", False):
-            return True
-        return lagging_lines >= INDEX_FLUSH_ENTRIES or not self.state_path_for(state.rollout_id).exists()
-
-    @property
-    def root(self) -> Path:
-        """The directory holding every rollout's files."""
-        return self._root
 
     # ----------------------------------------------------------------- paths
 
-    def _path(self, rollout_id: str, suffix: str) -> Path:
-        """A rollout's file; paths are remembered because building them showed up in every operation's profile."""
-        key = (rollout_id, suffix)
-        path = self._paths.get(key)
-        if path is None:
+    def _paths_of(self, rollout_id: str) -> RolloutPaths:
+        """A rollout's files; remembered because building them showed up in every operation's profile."""
+        paths = self._paths.get(rollout_id)
+        if paths is None:
             if len(self._paths) >= _REMEMBERED_PATHS:
                 self._paths.clear()
-            path = self._paths[key] = self._root / f"{validate_rollout_id(rollout_id)}{suffix}"
-        return path
+            paths = self._paths[rollout_id] = RolloutPaths.of(self._root, rollout_id)
+        return paths
 
     def path_for(self, rollout_id: str) -> Path:
         """The rollout's JSONL file of entries."""
-        return self._path(rollout_id, ENTRIES_SUFFIX)
+        return self._paths_of(rollout_id).entries
 
     def state_path_for(self, rollout_id: str) -> Path:
         """The rollout's state index."""
-        return self._path(rollout_id, STATE_SUFFIX)
+        return self._paths_of(rollout_id).state
 
     def intents_path_for(self, rollout_id: str) -> Path:
         """The rollout's durable per-call intents."""
-        return self._path(rollout_id, INTENTS_SUFFIX)
+        return self._paths_of(rollout_id).intents
 
     def incomplete_path_for(self, rollout_id: str) -> Path:
         """Marker that at least one call of this rollout failed to capture."""
-        return self._path(rollout_id, INCOMPLETE_SUFFIX)
+        return self._paths_of(rollout_id).incomplete
 
     def lock_path_for(self, rollout_id: str) -> Path:
         """The rollout's file lock."""
-        return self._path(rollout_id, LOCK_SUFFIX)
+        return self._paths_of(rollout_id).lock
 
     def fence_path_for(self, rollout_id: str) -> Path:
         """The fence that outlives retire and drop and refuses late writes."""
-        return self._path(rollout_id, FENCE_SUFFIX)
-
-    # --------------------------------------------------------------- locking
+        return self._paths_of(rollout_id).fence
 
     @contextmanager
-    def _locked(self, rollout_id: str) -> Iterator[None]:
+    def _locked(self, rollout_id: str) -> Iterator[RolloutPaths]:
         """Hold the rollout's exclusive file lock; it serializes threads and processes alike."""
-        with self._rollout_locks.hold(self.lock_path_for(rollout_id)):
-            yield
+        paths = self._paths_of(rollout_id)
+        with self._rollout_locks.hold(paths.lock):
+            yield paths
 
-    # ----------------------------------------------------------------- state
+    # -------------------------------------------------------------- recovery
 
-    def _read_state(self, rollout_id: str) -> RolloutState:
-        """Load the rollout's state; a fence always wins, so a crashed retire still refuses writes."""
-        state_path = self.state_path_for(rollout_id)
-        fence_path = self.fence_path_for(rollout_id)
-        state: RolloutState | None = None
-        try:
-            state = RolloutState.decode(state_path.read_bytes(), str(state_path))
-        except FileNotFoundError:
-            state = None
-        if state is not None and state.retired:
-            return state
-        try:
-            fence_bytes = fence_path.read_bytes()
-        except FileNotFoundError:
-            return state if state is not None else RolloutState(rollout_id=rollout_id)
-        return RolloutState.decode(fence_bytes, str(fence_path))
+    def _recovered(self, paths: RolloutPaths, *, replaying: bool, writing: bool) -> Recovered:
+        """The rollout's state; a writer also carries out the repairs recovery asks for.
 
-    def _write_state(self, state: RolloutState, *, durable: bool) -> None:
-        """Replace the state file atomically; a durable change is synced before the operation returns.
-
-        A non-durable change (a new entry's index) can be rebuilt from the JSONL tail after a crash.
-        Inside a deferred block, a non-durable change to a state the block keeps in memory waits for its end.
+        Inside a deferred block the state the block keeps in memory is the truth.
         """
-        deferred = (
-            getattr(self._deferral, "active", False) and self._deferral.states.get(state.rollout_id) is state
-        )
-        if deferred and not durable:
-            self._deferral.dirty.add(state.rollout_id)
-            return
+        if self._deferral.active:
+            kept = self._deferral.states.get(paths.rollout_id)
+            if kept is not None:
+                return Recovered(kept, (), 0, True)
+        recovered = recover(paths, replaying=replaying, remembered_lines=self._call_ids_of_written_lines)
+        if writing:
+            self._repair(paths, recovered)
+        return recovered
+
+    def _repair(self, paths: RolloutPaths, recovered: Recovered) -> None:
+        for repair in recovered.repairs:
+            if isinstance(repair, CutTail):
+                self._cut(repair)
+            elif isinstance(repair, RemoveStaleFence):
+                self._remove(paths.fence)
+            elif isinstance(repair, FinishRetire):
+                self._remove_records(paths)
+                self._replace_state_file(paths, recovered.state)
+                self._commit.note_write()
+
+    def _cut(self, cut: CutTail) -> None:
+        """Cut bytes no state covers: a torn line never acknowledged, or a projection's unapplied tail."""
+        logger.warning("cutting %s back to %d bytes: they were never committed", cut.path, cut.size)
+        if cut.size == 0:
+            remove_if_exists(cut.path)
+        else:
+            with cut.path.open("r+b") as handle:
+                handle.truncate(cut.size)
+                os.fsync(handle.fileno())
+        self._commit.note_write()
+
+    # --------------------------------------------------------- carrying out
+
+    def _apply_locked(
+        self, paths: RolloutPaths, event: Event, position: LogPosition | None, *, fence_only: bool = False
+    ) -> Decision:
+        """Recover, decide, carry out; the caller holds the rollout's lock.
+
+        ``fence_only`` stops at the decision's first barrier (phase one of a batch retire);
+        the next writer's recovery finishes the rest.
+        """
+        recovered = self._recovered(paths, replaying=position is not None, writing=True)
+        new_snapshot_id = uuid.uuid4().hex if position is None and isinstance(event, FreezeEvent) else ""
+        decision = decide(recovered.state, event, position, new_snapshot_id=new_snapshot_id)
+        if decision.changed:
+            self._carry_out(paths, decision, recovered, fence_only=fence_only)
+        return decision
+
+    def _carry_out(
+        self, paths: RolloutPaths, decision: Decision, recovered: Recovered, *, fence_only: bool
+    ) -> None:
+        state = decision.state
+        deferred = self._deferral.active
+        rollout_id = paths.rollout_id
+        for effect in decision.effects:
+            if isinstance(effect, AppendEntry):
+                self._append(paths.entries, effect.line, effect.start, rollout_id)
+                self._remember_written_line(effect.digest, effect.model_call_id)
+            elif isinstance(effect, AppendIntent):
+                self._append(paths.intents, effect.line, effect.start, rollout_id)
+            elif isinstance(effect, AppendIncompleteMark):
+                self._append(paths.incomplete, effect.line, effect.start, rollout_id)
+            elif isinstance(effect, WriteState):
+                if deferred:
+                    self._deferral.dirty.add(rollout_id)
+                elif effect.durable or state.last_position is not None or self._index_write_due(recovered):
+                    self._replace_state_file(paths, state)
+                    if effect.durable:
+                        self._commit.note_write()
+            elif isinstance(effect, WriteFence):
+                replace_atomically(paths.fence, state.encode(), durable=False)
+                self._commit.note_write()
+            elif isinstance(effect, Barrier):
+                if deferred and rollout_id in self._deferral.dirty:
+                    self._deferral.dirty.discard(rollout_id)
+                    self._replace_state_file(paths, state)
+                    self._commit.note_write()
+                self._barrier()
+                if fence_only:
+                    return
+            elif isinstance(effect, RemoveRecords):
+                self._remove_records(paths)
+            elif isinstance(effect, RemoveFence):
+                self._remove(paths.fence)
+            elif isinstance(effect, RemoveState):
+                self._remove(paths.state)
         if deferred:
-            self._deferral.dirty.discard(state.rollout_id)
-        self._replace_state_file(state)
-        if durable:
+            self._deferral.states[rollout_id] = state
+
+    def _index_write_due(self, recovered: Recovered) -> bool:
+        """An index-only change of the file store is written every few lines, or when there is no state file."""
+        return recovered.lagging_lines + 1 >= INDEX_FLUSH_ENTRIES or not recovered.state_file_exists
+
+    def _append(self, path: Path, line: bytes, expected_start: int, rollout_id: str) -> None:
+        """Append one line; it becomes durable at the operation's barrier, before the caller returns."""
+        start = append_durably(path, line, durable=False)
+        self._commit.note_write()
+        if start != expected_start:
+            raise StoreCorruptionError(
+                f"{path} grew outside the rollout lock (expected {expected_start} bytes, found {start}); "
+                "another program is writing to the store",
+                rollout_id=rollout_id,
+            )
+
+    def _replace_state_file(self, paths: RolloutPaths, state: RolloutState) -> None:
+        replace_atomically(paths.state, state.encode(), durable=False)
+
+    def _remove(self, path: Path) -> None:
+        """Remove a file if it exists; the removal becomes durable at the operation's barrier."""
+        if remove_if_exists(path):
             self._commit.note_write()
 
-    def _replace_state_file(self, state: RolloutState) -> None:
-        replace_atomically(self.state_path_for(state.rollout_id), state.encode(), durable=False)
-
-    def _sync_entry_index(self, state: RolloutState) -> int:
-        """Reconcile the entry index with the JSONL tail; return how many lines were indexed.
-
-        The entry line is the durable record; the index in the state file may lag behind it,
-        after a crash or because index-only updates are written every few entries (``INDEX_FLUSH_ENTRIES``).
-        Only the tail past ``indexed_size`` is parsed, and only for its call id and digest.
-        A torn final line (no newline) was never acknowledged and is cut off.
-        A malformed line followed by more content is corruption and raises.
-        """
-        path = self.path_for(state.rollout_id)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            size = 0
-        if size == state.indexed_size:
-            return 0
-        if size < state.indexed_size:
-            raise StoreCorruptionError(
-                f"{path} is {size} bytes but {state.indexed_size} bytes were indexed; the file was truncated "
-                "outside tokcap; restore it from a backup or delete the rollout",
-                rollout_id=state.rollout_id,
-            )
-        with path.open("rb") as handle:
-            handle.seek(state.indexed_size)
-            tail = handle.read()
-        pieces = tail.split(b"\n")
-        complete, remainder = pieces[:-1], pieces[-1]
-        consumed = 0
-        indexed_lines = 0
-        for index, line in enumerate(complete):
-            digest = entry_digest(line)
-            known_call_id = self._call_ids_of_written_lines.get(digest)
-            try:
-                call_id = known_call_id if known_call_id is not None else _call_id_of_line(line)
-            except RecordValidationError as exc:
-                if type(exc) is not RecordValidationError:
-                    raise
-                is_last = index == len(complete) - 1 and not remainder
-                if is_last:
-                    break
-                raise StoreCorruptionError(
-                    f"{path} has a malformed line at byte {state.indexed_size + consumed} followed by more "
-                    f"content: {exc}; the file is corrupt",
-                    rollout_id=state.rollout_id,
-                ) from exc
-            state.entry_digests[call_id] = digest
-            consumed += len(line) + 1
-            indexed_lines += 1
-        indexed = state.indexed_size + consumed
-        if indexed != size:
-            logger.warning(
-                "rollout %s: cutting %d unacknowledged bytes of a torn final line from %s",
-                state.rollout_id,
-                size - indexed,
-                path,
-            )
-            with path.open("r+b") as handle:
-                handle.truncate(indexed)
-                os.fsync(handle.fileno())
-        state.indexed_size = indexed
-        return indexed_lines
+    def _remove_records(self, paths: RolloutPaths) -> None:
+        for path in paths.records:
+            self._remove(path)
 
     def _remember_written_line(self, digest: str, call_id: str) -> None:
         """Remember the call id of a line this store appended, keyed by the line's sha256.
@@ -515,479 +397,130 @@ class TokenCaptureStore:
             self._call_ids_of_written_lines.clear()
         self._call_ids_of_written_lines[digest] = call_id
 
-    def _intent_status(self, rollout_id: str) -> dict[str, str]:
-        """Last intent/cancel operation per call id."""
-        status: dict[str, str] = {}
-        for record in self._read_json_lines(self.intents_path_for(rollout_id)):
-            status[str(record["model_call_id"])] = str(record["op"])
-        return status
-
-    def _incomplete_marks(self, rollout_id: str) -> list[dict[str, Any]]:
-        return self._read_json_lines(self.incomplete_path_for(rollout_id))
-
-    @staticmethod
-    def _read_json_lines(path: Path) -> list[dict[str, Any]]:
-        """Parse a small append-only side file; a torn last line was never acknowledged."""
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return []
-        lines = data.split(b"\n")
-        records: list[dict[str, Any]] = []
-        for index, line in enumerate(lines):
-            if not line:
-                continue
-            try:
-                records.append(orjson.loads(line))
-            except orjson.JSONDecodeError as exc:
-                if index == len(lines) - 1:
-                    break
-                raise StoreCorruptionError(f"{path} has a malformed line {index + 1}: {exc}") from exc
-        return records
-
     # ------------------------------------------------------------- the apply step
 
     def apply(self, event: Event, position: LogPosition | None = None) -> ApplyResult:
         """Apply one event under the rollout's lock; the only way the store changes.
 
         With a log position, an event at or before the rollout's last applied position is skipped,
-        so a resumed materializer never applies anything twice.
+        so a resumed projection never applies anything twice.
         Rejections are returned, never raised; the file store's methods raise them to their callers.
         """
-        rollout_id = validate_rollout_id(event.rollout_id)
-        with self._locked(rollout_id):
-            if getattr(self._deferral, "active", False):
-                state = self._deferred_state(rollout_id, event)
-            else:
-                state = self._read_state(rollout_id)
-            if state.retired and self._retire_unfinished(rollout_id):
-                self._finish_retire_unlocked(state)
-            if self._is_interrupted_delete(state, event, position):
-                self._remove_delete_leftovers(rollout_id)
-            if state.already_applied(position):
-                return ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, rollout_id)
-            result = self._dispatch(state, event, position)
-            self._end_of_operation()
-            return result
-
-    def _dispatch(self, state: RolloutState, event: Event, position: LogPosition | None) -> ApplyResult:
-        """Route an event to the rule that applies it; the caller holds the lock."""
-        rollout_id = state.rollout_id
-        if isinstance(event, PutEvent):
-            return self._apply_put(state, event.entry, position)
-        if isinstance(event, IntentEvent | CancelEvent):
-            return self._apply_intent_op(state, event, position)
-        if isinstance(event, IncompleteEvent):
-            return self._apply_incomplete(state, event, position)
-        if isinstance(event, FreezeEvent):
-            return self._apply_freeze(state, position)
-        if isinstance(event, DropEvent):
-            return self._apply_drop(state, event, position)
-        if isinstance(event, RetireEvent):
-            return self._apply_retire(state, position)
-        if isinstance(event, DeleteEvent):
-            return self._apply_delete(rollout_id, position)
-        raise InvalidInputError(f"cannot apply an event of type {type(event).__name__}")
-
-    def _reject_late(
-        self, state: RolloutState, event_type: EventType, call_id: str, position: LogPosition | None
-    ) -> ApplyResult:
-        """Record a write that raced the freeze and move the version, so the stale snapshot is kept."""
-        position_dict = position.to_dict() if position is not None else None
-        state.rejections.append(
-            Rejection(event_type=event_type.value, model_call_id=call_id, position=position_dict)
-        )
-        state.version += 1
-        state.record_position(position)
-        self._write_state(state, durable=True)
-        return ApplyResult(
-            ApplyOutcome.REJECTED_AFTER_FREEZE,
-            event_type,
-            state.rollout_id,
-            call_id,
-            snapshot_id=state.snapshot_id,
-            version=state.version,
-            detail=f"{event_type.value} arrived after the freeze of snapshot {state.snapshot_id}",
-        )
-
-    def _retired_result(self, state: RolloutState, event_type: EventType, call_id: str = "") -> ApplyResult:
-        return ApplyResult(
-            ApplyOutcome.REJECTED_RETIRED,
-            event_type,
-            state.rollout_id,
-            call_id,
-            snapshot_id=state.snapshot_id,
-            version=state.version,
-            detail="the rollout is retired; its fence refuses late writes",
-        )
-
-    def _apply_put(self, state: RolloutState, entry: TokenEntry, position: LogPosition | None) -> ApplyResult:
-        call_id = entry.model_call_id
-        if state.retired:
-            return self._retired_result(state, EventType.PUT, call_id)
-        lagging_lines = self._sync_entry_index(state)
-        canonical = entry.canonical_json()
-        digest = entry_digest(canonical)
-        known = state.entry_digests.get(call_id)
-        if known == digest:
-            if lagging_lines and self._index_write_due(state, lagging_lines, position):
-                self._write_state(state, durable=False)
-            return ApplyResult(
-                ApplyOutcome.NOOP, EventType.PUT, state.rollout_id, call_id, detail="same payload"
-            )
-        if not state.is_open:
-            return self._reject_late(state, EventType.PUT, call_id, position)
-        if known is not None:
-            self._add_incomplete_mark(state, call_id, "conflicting payload for a call id already stored")
-            state.record_position(position)
-            self._write_state(state, durable=True)
-            return ApplyResult(
-                ApplyOutcome.CONFLICT,
-                EventType.PUT,
-                state.rollout_id,
-                call_id,
-                detail="a different payload was already stored for this call id; the rollout is incomplete",
-            )
-        start = self._append(self.path_for(state.rollout_id), canonical + b"\n")
-        if start != state.indexed_size:
-            raise StoreCorruptionError(
-                f"{self.path_for(state.rollout_id)} grew outside the rollout lock (expected {state.indexed_size} "
-                f"bytes, found {start}); another program is writing to the store",
-                rollout_id=state.rollout_id,
-                model_call_id=call_id,
-            )
-        state.entry_digests[call_id] = digest
-        state.indexed_size = start + len(canonical) + 1
-        self._remember_written_line(digest, call_id)
-        if self._index_write_due(state, lagging_lines + 1, position):
-            self._write_state(state, durable=False)
-        return ApplyResult(ApplyOutcome.ACCEPTED, EventType.PUT, state.rollout_id, call_id)
-
-    def _apply_intent_op(
-        self, state: RolloutState, event: IntentEvent | CancelEvent, position: LogPosition | None
-    ) -> ApplyResult:
-        op = event.type.value
-        call_id = event.model_call_id
-        if state.retired:
-            return self._retired_result(state, event.type, call_id)
-        if self._intent_status(state.rollout_id).get(call_id) == op:
-            if position is not None:
-                # A resumed materializer re-applies an intent whose state write a crash lost; record it now.
-                state.record_position(position)
-                self._write_state(state, durable=False)
-            return ApplyResult(
-                ApplyOutcome.NOOP, event.type, state.rollout_id, call_id, detail=f"{op} already recorded"
-            )
-        if not state.is_open:
-            return self._reject_late(state, event.type, call_id, position)
-        line = orjson.dumps({"model_call_id": call_id, "op": op}, option=orjson.OPT_SORT_KEYS) + b"\n"
-        self._append(self.intents_path_for(state.rollout_id), line)
-        if position is not None:
-            state.record_position(position)
-            self._write_state(state, durable=False)
-        return ApplyResult(ApplyOutcome.ACCEPTED, event.type, state.rollout_id, call_id)
-
-    def _add_incomplete_mark(self, state: RolloutState, call_id: str, reason: str) -> None:
-        """Durably mark the rollout incomplete; a repeated identical mark adds no line."""
-        mark = {"model_call_id": call_id, "reason": reason}
-        if mark not in self._incomplete_marks(state.rollout_id):
-            line = orjson.dumps(mark, option=orjson.OPT_SORT_KEYS) + b"\n"
-            self._append(self.incomplete_path_for(state.rollout_id), line)
-        state.incomplete = True
-
-    def _apply_incomplete(
-        self, state: RolloutState, event: IncompleteEvent, position: LogPosition | None
-    ) -> ApplyResult:
-        call_id = event.model_call_id
-        if state.retired:
-            return self._retired_result(state, EventType.INCOMPLETE, call_id)
-        self._add_incomplete_mark(state, call_id, event.reason)
-        late = not state.is_open
-        if late:
-            state.version += 1
-        state.record_position(position)
-        self._write_state(state, durable=late)
-        return ApplyResult(
-            ApplyOutcome.ACCEPTED,
-            EventType.INCOMPLETE,
-            state.rollout_id,
-            call_id,
-            snapshot_id=state.snapshot_id,
-            version=state.version,
-            detail="late incomplete after freeze; version moved" if late else "",
-        )
-
-    def _apply_freeze(self, state: RolloutState, position: LogPosition | None) -> ApplyResult:
-        if state.retired:
-            return self._retired_result(state, EventType.FREEZE)
-        index_changed = self._sync_entry_index(state)
-        if not state.is_open:
-            if index_changed:
-                self._write_state(state, durable=False)
-            return ApplyResult(
-                ApplyOutcome.NOOP,
-                EventType.FREEZE,
-                state.rollout_id,
-                snapshot_id=state.snapshot_id,
-                version=state.version,
-                detail="already frozen",
-            )
-        status = self._intent_status(state.rollout_id)
-        dangling = sorted(
-            call_id for call_id, op in status.items() if op == "intent" and call_id not in state.entry_digests
-        )
-        state.dangling_intents = dangling
-        state.incomplete = (
-            state.incomplete or bool(dangling) or bool(self._incomplete_marks(state.rollout_id))
-        )
-        state.snapshot_id = _snapshot_id_for(position)
-        state.advance(Lifecycle.FROZEN)
-        state.version += 1
-        state.record_position(position)
-        self._write_state(state, durable=True)
-        return ApplyResult(
-            ApplyOutcome.ACCEPTED,
-            EventType.FREEZE,
-            state.rollout_id,
-            snapshot_id=state.snapshot_id,
-            version=state.version,
-        )
-
-    def _apply_drop(self, state: RolloutState, event: DropEvent, position: LogPosition | None) -> ApplyResult:
-        matches = state.snapshot_id == event.snapshot_id and state.version == event.version
-        if state.retired or state.is_open or not matches:
-            dropped = state.retired and matches
-            return ApplyResult(
-                ApplyOutcome.NOOP,
-                EventType.DROP,
-                state.rollout_id,
-                snapshot_id=state.snapshot_id,
-                version=state.version,
-                dropped=dropped,
-                detail="already dropped" if dropped else "the rollout is not in that exact frozen state",
-            )
-        removed = self._retire_locked(state, position)
-        return ApplyResult(
-            ApplyOutcome.ACCEPTED,
-            EventType.DROP,
-            state.rollout_id,
-            snapshot_id=state.snapshot_id,
-            version=state.version,
-            dropped=True,
-            removed=removed,
-        )
-
-    def _apply_retire(self, state: RolloutState, position: LogPosition | None) -> ApplyResult:
-        if state.retired:
-            return ApplyResult(ApplyOutcome.NOOP, EventType.RETIRE, state.rollout_id, removed=False)
-        removed = self._retire_locked(state, position)
-        return ApplyResult(ApplyOutcome.ACCEPTED, EventType.RETIRE, state.rollout_id, removed=removed)
-
-    def _retire_locked(self, state: RolloutState, position: LogPosition | None) -> bool:
-        """Fence, make the fence durable, then remove the records; return whether anything was removed."""
-        had_records = self._has_records(state.rollout_id)
-        state.removed_records = had_records
-        self._write_fence_unlocked(state, position)
-        self._barrier()
-        self._finish_retire_unlocked(state)
-        return had_records
-
-    @staticmethod
-    def _is_interrupted_delete(state: RolloutState, event: Event, position: LogPosition | None) -> bool:
-        """True when this very delete was applied before, up to its fresh state, and may have left files.
-
-        Only the re-applied delete itself finishes the removals: any later event of the rollout may own
-        the files by now.
-        """
-        return (
-            isinstance(event, DeleteEvent)
-            and position is not None
-            and state.is_pristine
-            and state.last_position == position.to_dict()
-        )
-
-    def _retire_unfinished(self, rollout_id: str) -> bool:
-        """True when a fence exists but a crash stopped the retire before its records were removed."""
-        try:
-            data = self.state_path_for(rollout_id).read_bytes()
-        except FileNotFoundError:
-            return True
-        return not RolloutState.decode(data, str(self.state_path_for(rollout_id))).retired
-
-    def _write_fence_unlocked(self, state: RolloutState, position: LogPosition | None) -> None:
-        """Turn the state into its retired form and write it as the fence, fsynced."""
-        state.advance(Lifecycle.RETIRED)
-        state.record_position(position)
-        replace_atomically(self.fence_path_for(state.rollout_id), state.encode(), durable=False)
-        self._commit.note_write()
-
-    def _finish_retire_unlocked(self, state: RolloutState) -> None:
-        """Remove payloads and record the retired state; safe to repeat after a crash."""
-        self._remove_record_files(state.rollout_id)
-        state.entry_digests = {}
-        state.indexed_size = 0
-        self._write_state(state, durable=True)
-
-    def _has_records(self, rollout_id: str) -> bool:
-        """Whether the rollout holds anything a retire or delete would remove.
-
-        An empty open state left by a log-applied delete holds nothing.
-        """
-        record_paths = (
-            self.path_for(rollout_id),
-            self.intents_path_for(rollout_id),
-            self.incomplete_path_for(rollout_id),
-        )
-        if any(path.exists() for path in record_paths):
-            return True
-        try:
-            data = self.state_path_for(rollout_id).read_bytes()
-        except FileNotFoundError:
-            return False
-        return not RolloutState.decode(data, str(self.state_path_for(rollout_id))).is_pristine
-
-    def _remove_record_files(self, rollout_id: str) -> bool:
-        """Remove a rollout's entries, intents and incomplete marker, whichever exist."""
-        removed = False
-        for path in (
-            self.path_for(rollout_id),
-            self.intents_path_for(rollout_id),
-            self.incomplete_path_for(rollout_id),
-        ):
-            removed = remove_if_exists(path) or removed
-        if removed:
-            self._commit.note_write()
-        return removed
-
-    def _apply_delete(self, rollout_id: str, position: LogPosition | None) -> ApplyResult:
-        """Forget the rollout; applied from a log, leave an empty open state that remembers the delete.
-
-        That state keeps a resumed materializer from applying the delete twice and lets a source in another
-        process read the verdict; the rollout id is reusable and starts empty either way.
-        """
-        if position is None:
-            removed = self._delete_unlocked(rollout_id)
-        else:
-            # The fresh state replaces the old one first and carries the verdict, so a crash anywhere below
-            # leaves the same verdict, and re-applying this delete only finishes the removals.
-            removed = self._has_records(rollout_id) or self.fence_path_for(rollout_id).exists()
-            fresh = RolloutState(rollout_id=rollout_id, removed_records=removed)
-            fresh.record_position(position)
-            self._write_state(fresh, durable=True)
-            self._barrier()
-            self._remove_delete_leftovers(rollout_id)
-        self._forced_barrier()
-        return ApplyResult(
-            ApplyOutcome.ACCEPTED if removed else ApplyOutcome.NOOP,
-            EventType.DELETE,
-            rollout_id,
-            removed=removed,
-        )
-
-    def _remove_delete_leftovers(self, rollout_id: str) -> None:
-        """Remove what a log-applied delete removes besides the state it replaced; safe to repeat."""
-        removed_files = self._remove_record_files(rollout_id)
-        if remove_if_exists(self.fence_path_for(rollout_id)) or removed_files:
-            self._commit.note_write()
-
-    def _delete_unlocked(self, rollout_id: str) -> bool:
-        """Remove every file of the rollout but its lock; return whether it held records or a fence."""
-        had_anything = self._has_records(rollout_id) or self.fence_path_for(rollout_id).exists()
-        removed_files = self._remove_record_files(rollout_id)
-        for path in (self.state_path_for(rollout_id), self.fence_path_for(rollout_id)):
-            removed_files = remove_if_exists(path) or removed_files
-        if removed_files:
-            self._commit.note_write()
-        return had_anything
+        with self._locked(event.rollout_id) as paths:
+            decision = self._apply_locked(paths, event, position)
+            self._end_of_operation(forced=decision.sync_even_if_unchanged)
+            return decision.verdict
 
     # ------------------------------------------------------------------ reads
 
-    def _read_entries_unlocked(self, rollout_id: str, state: RolloutState) -> list[TokenEntry]:
+    def _read(self, rollout_id: str) -> RolloutState:
+        with self._locked(rollout_id) as paths:
+            return self._recovered(paths, replaying=False, writing=False).state
+
+    def _entries_of(self, paths: RolloutPaths, state: RolloutState) -> list[TokenEntry]:
         if state.retired or state.indexed_size == 0:
             return []
-        with self.path_for(rollout_id).open("rb") as handle:
+        with paths.entries.open("rb") as handle:
             data = handle.read(state.indexed_size)
         return [TokenEntry.from_json(line) for line in data.split(b"\n") if line]
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """Every accepted entry of a rollout, in file order (which carries no meaning)."""
-        with self._locked(rollout_id):
-            state = self._read_state(rollout_id)
-            if self._sync_entry_index(state) >= INDEX_FLUSH_ENTRIES:
-                self._write_state(state, durable=False)
-            return self._read_entries_unlocked(rollout_id, state)
+        with self._locked(rollout_id) as paths:
+            state = self._recovered(paths, replaying=False, writing=False).state
+            return self._entries_of(paths, state)
 
     def read_state(self, rollout_id: str) -> RolloutState:
-        """The rollout's current state, reconciled with its JSONL tail."""
-        with self._locked(rollout_id):
-            state = self._read_state(rollout_id)
-            if not state.retired and self._sync_entry_index(state) >= INDEX_FLUSH_ENTRIES:
-                self._write_state(state, durable=False)
-            return state
+        """The rollout's current state, reconciled in memory with its file tails."""
+        return self._read(rollout_id)
+
+    def read_intents(self, rollout_id: str) -> dict[str, IntentOp]:
+        """The last recorded operation (intent or cancel) of every call of the rollout."""
+        return dict(self._read(rollout_id).intents)
+
+    def read_incomplete_marks(self, rollout_id: str) -> list[IncompleteMark]:
+        """Why the rollout is masked: one marker per lost call and reason."""
+        return list(self._read(rollout_id).incomplete_marks)
+
+    def holds_anything(self, rollout_id: str) -> bool:
+        """Whether a delete of the rollout would find anything: records, evidence or a fence."""
+        state = self._read(rollout_id)
+        return state.holds_records or state.retired
 
     def reconcile_indexes(self) -> int:
-        """Bring every rollout's state index up to date with its JSONL file; return how many were rewritten.
+        """Bring every rollout's state up to date with its files; return how many states were rewritten.
 
         A projection calls this when it stops, so the state files it leaves depend only on the events applied,
         not on where index-only writes happened to fall.
         """
         rewritten = 0
         for rollout_id in self.rollout_ids():
-            with self._locked(rollout_id):
-                state = self._read_state(rollout_id)
-                if state.retired:
+            with self._locked(rollout_id) as paths:
+                recovered = self._recovered(paths, replaying=False, writing=True)
+                if recovered.state.retired:
                     continue
-                lagging = self._sync_entry_index(state)
-                if lagging or (state.indexed_size and not self.state_path_for(rollout_id).exists()):
-                    self._write_state(state, durable=True)
+                if recovered.lagging_lines or (
+                    recovered.state.indexed_size and not recovered.state_file_exists
+                ):
+                    self._replace_state_file(paths, recovered.state)
+                    self._commit.note_write()
                     rewritten += 1
         self._barrier()
         return rewritten
 
-    def snapshot(self, rollout_id: str) -> TokenCaptureSnapshot:
-        """The frozen snapshot of a rollout that is already frozen; used after a freeze applied elsewhere."""
-        with self._locked(rollout_id):
-            return self._snapshot_locked(rollout_id)
+    def snapshot(self, rollout_id: str, *, as_of: LogPosition | None = None) -> TokenCaptureSnapshot:
+        """The snapshot of a rollout that is already frozen; used after a freeze applied elsewhere.
 
-    def _snapshot_locked(self, rollout_id: str) -> TokenCaptureSnapshot:
-        state = self._read_state(rollout_id)
+        With ``as_of``, the snapshot is the one the freeze applied at that log position answered: its version
+        as of that position, so a write that raced the freeze keeps its drop from succeeding.
+        A late incomplete marker still masks it (failing closed).
+        """
+        with self._locked(rollout_id) as paths:
+            state = self._recovered(paths, replaying=False, writing=False).state
+            return self._snapshot_of(paths, state, as_of)
+
+    def _snapshot_of(
+        self, paths: RolloutPaths, state: RolloutState, as_of: LogPosition | None
+    ) -> TokenCaptureSnapshot:
+        rollout_id = paths.rollout_id
         if state.retired:
             raise RolloutRetiredError(
                 f"rollout {rollout_id!r} is retired (snapshot {state.snapshot_id}); its records are gone. "
                 "Delete it before reusing the id",
                 rollout_id=rollout_id,
             )
-        if state.is_open:
+        if state.is_open or state.snapshot_id is None:
             raise InvalidInputError(
                 f"rollout {rollout_id!r} is not frozen; freeze it first", rollout_id=rollout_id
             )
-        if self._sync_entry_index(state) >= INDEX_FLUSH_ENTRIES:
-            self._write_state(state, durable=False)
-        entries = tuple(self._read_entries_unlocked(rollout_id, state))
-        assert state.snapshot_id is not None
+        version = state.version
+        incomplete = state.incomplete or bool(state.incomplete_marks)
+        if as_of is not None:
+            answer = state.answer_at(as_of)
+            if answer is None:
+                raise InvalidInputError(
+                    f"rollout {rollout_id!r} has no freeze applied at {as_of}; the directory was not projected "
+                    "from this log, or the rollout was deleted since",
+                    rollout_id=rollout_id,
+                )
+            version = answer.version
+            incomplete = incomplete or answer.incomplete
         return TokenCaptureSnapshot(
             rollout_id=rollout_id,
-            entries=entries,
-            incomplete=state.incomplete or self.incomplete_path_for(rollout_id).exists(),
+            entries=tuple(self._entries_of(paths, state)),
+            incomplete=incomplete,
             snapshot_id=state.snapshot_id,
-            version=state.version,
+            version=version,
         )
 
     def is_incomplete(self, rollout_id: str) -> bool:
         """Whether any call of the rollout failed to capture (or, once frozen, was left dangling)."""
-        if self.incomplete_path_for(rollout_id).exists():
-            return True
-        with self._locked(rollout_id):
-            return self._read_state(rollout_id).incomplete
+        state = self._read(rollout_id)
+        return state.incomplete or bool(state.incomplete_marks)
 
     def rollout_ids(self) -> list[str]:
         """Every rollout id that has a state, entries, intents, marker or fence here, sorted."""
-        ids: set[str] = set()
-        for path in self._root.iterdir():
-            for suffix in (ENTRIES_SUFFIX, STATE_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX, FENCE_SUFFIX):
-                if path.name.endswith(suffix):
-                    ids.add(path.name[: -len(suffix)])
-        return sorted(ids)
+        return rollout_ids_in(self._root)
 
     # ------------------------------------------------------ sink, synchronous
 
@@ -1018,7 +551,7 @@ class TokenCaptureStore:
             )
 
     def append(self, entry: TokenEntry) -> None:
-        """Idempotently append one entry and fsync it before returning."""
+        """Idempotently append one entry and sync it before returning."""
         self._raise_for(self.apply(PutEvent(rollout_id=entry.rollout_id, entry=entry)))
 
     def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
@@ -1039,13 +572,12 @@ class TokenCaptureStore:
 
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze one rollout and return its stable snapshot; freezing again returns the same snapshot."""
-        rollout_id = validate_rollout_id(rollout_id)
-        with self._locked(rollout_id):
-            state = self._read_state(rollout_id)
-            result = self._apply_freeze(state, None)
-            self._raise_for(result)
+        event = FreezeEvent(rollout_id=validate_rollout_id(rollout_id))
+        with self._locked(rollout_id) as paths:
+            decision = self._apply_locked(paths, event, None)
+            self._raise_for(decision.verdict)
             self._barrier()
-            return self._snapshot_locked(rollout_id)
+            return self._snapshot_of(paths, decision.state, None)
 
     def drop_now(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the exact frozen snapshot if nothing changed since; keep the fence either way."""
@@ -1057,28 +589,25 @@ class TokenCaptureStore:
 
         Phase one writes every missing fence, then syncs the directory, even when it wrote none:
         a fence found here may come from an overlapping retire that has not synced yet.
-        Phase two removes the records and syncs again, so nothing is removed before its fence is durable.
+        Phase two finishes each retire (recovery removes the records of a fenced rollout) and syncs again,
+        so nothing is removed before its fence is durable.
         """
         ids = validate_rollout_ids(rollout_ids)
         if not ids:
             return RolloutRemovalPayload()
-        had_records: dict[str, bool] = {}
+        removed: dict[str, bool] = {}
         for rollout_id in ids:
-            with self._locked(rollout_id):
-                state = self._read_state(rollout_id)
-                had_records[rollout_id] = not state.retired and self._has_records(rollout_id)
-                if not self.fence_path_for(rollout_id).exists():
-                    self._write_fence_unlocked(state, None)
+            with self._locked(rollout_id) as paths:
+                decision = self._apply_locked(
+                    paths, RetireEvent(rollout_id=rollout_id), None, fence_only=True
+                )
+                removed[rollout_id] = bool(decision.verdict.removed)
         self._forced_barrier()
         for rollout_id in ids:
-            with self._locked(rollout_id):
-                state = self._read_state(rollout_id)
-                self._finish_retire_unlocked(state)
+            with self._locked(rollout_id) as paths:
+                self._recovered(paths, replaying=False, writing=True)
         self._barrier()
-        return RolloutRemovalPayload(
-            removed=tuple(rid for rid in ids if had_records[rid]),
-            not_found=tuple(rid for rid in ids if not had_records[rid]),
-        )
+        return _removal_payload(ids, removed)
 
     def delete_now(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove records and fences so the ids can be reused; repeat deletes are no-ops.
@@ -1091,13 +620,11 @@ class TokenCaptureStore:
             return RolloutRemovalPayload()
         removed: dict[str, bool] = {}
         for rollout_id in ids:
-            with self._locked(rollout_id):
-                removed[rollout_id] = self._delete_unlocked(rollout_id)
+            with self._locked(rollout_id) as paths:
+                decision = self._apply_locked(paths, DeleteEvent(rollout_id=rollout_id), None)
+                removed[rollout_id] = bool(decision.verdict.removed)
         self._forced_barrier()
-        return RolloutRemovalPayload(
-            removed=tuple(rid for rid in ids if removed[rid]),
-            not_found=tuple(rid for rid in ids if not removed[rid]),
-        )
+        return _removal_payload(ids, removed)
 
     # --------------------------------------------------------- async surface
 
@@ -1152,3 +679,10 @@ def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
     if directory is None:
         return None
     return TokenCaptureStore(directory)
+
+
+def _removal_payload(ids: Sequence[str], removed: dict[str, bool]) -> RolloutRemovalPayload:
+    return RolloutRemovalPayload(
+        removed=tuple(rid for rid in ids if removed[rid]),
+        not_found=tuple(rid for rid in ids if not removed[rid]),
+    )

@@ -17,12 +17,14 @@ def _write_unindexed(store: TokenCaptureStore, data: bytes) -> None:
         handle.write(data)
 
 
-def test_a_torn_final_line_that_was_never_acknowledged_is_dropped(tmp_path: Path) -> None:
+def test_a_torn_final_line_is_ignored_by_reads_and_cut_by_the_next_write(tmp_path: Path) -> None:
     store = TokenCaptureStore(tmp_path)
     store.append(make_entry("r", "c1"))
     good_size = store.path_for("r").stat().st_size
     _write_unindexed(store, make_entry("r", "c2").canonical_json()[:40])
     assert [e.model_call_id for e in store.read_entries("r")] == ["c1"]
+    assert store.path_for("r").stat().st_size == good_size + 40
+    store.begin_call_now("r", "c2")
     assert store.path_for("r").stat().st_size == good_size
     store.append(make_entry("r", "c2"))
     assert [e.model_call_id for e in store.read_entries("r")] == ["c1", "c2"]

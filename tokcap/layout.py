@@ -1,0 +1,88 @@
+"""Where a rollout's files live: the store directory's naming, in one place.
+
+Per rollout, in one directory:
+
+- ``<id>.tokens.jsonl``: one canonical JSON line per accepted entry (keys sorted).
+- ``<id>.tokens.state.json``: the typed ``RolloutState``, the commit record of the other files.
+- ``<id>.tokens.intents``: JSON lines ``{"model_call_id": ..., "op": "intent"|"cancel"}``.
+- ``<id>.tokens.incomplete``: JSON lines naming each lost call; its presence masks the rollout.
+- ``<id>.tokens.fence``: written on retire or drop, kept until ``delete``; late writers fail on it.
+- ``<id>.tokens.lock``: the per-rollout file lock; never removed, so two lockers never hold different inodes.
+
+Nothing outside this module spells a file name; transports and tools ask the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokcap.rollout_ids import validate_rollout_id
+
+__all__ = [
+    "ENTRIES_SUFFIX",
+    "FENCE_SUFFIX",
+    "INCOMPLETE_SUFFIX",
+    "INTENTS_SUFFIX",
+    "LOCK_SUFFIX",
+    "RECORD_SUFFIXES",
+    "STATE_SUFFIX",
+    "RolloutPaths",
+    "rollout_ids_in",
+]
+
+ENTRIES_SUFFIX = ".tokens.jsonl"
+STATE_SUFFIX = ".tokens.state.json"
+INTENTS_SUFFIX = ".tokens.intents"
+INCOMPLETE_SUFFIX = ".tokens.incomplete"
+LOCK_SUFFIX = ".tokens.lock"
+FENCE_SUFFIX = ".tokens.fence"
+
+RECORD_SUFFIXES = (ENTRIES_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX)
+"""The files a retire removes: everything the rollout recorded, not its state, fence or lock."""
+
+_LISTED_SUFFIXES = (ENTRIES_SUFFIX, STATE_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX, FENCE_SUFFIX)
+
+
+@dataclass(frozen=True)
+class RolloutPaths:
+    """Every file of one rollout; built once per rollout id, after the id was validated."""
+
+    rollout_id: str
+    entries: Path
+    state: Path
+    intents: Path
+    incomplete: Path
+    lock: Path
+    fence: Path
+
+    @classmethod
+    def of(cls, root: Path, rollout_id: str) -> RolloutPaths:
+        """The files of ``rollout_id`` under ``root``; an unsafe id is refused before any path is built."""
+        stem = str(root / validate_rollout_id(rollout_id))
+        return cls(
+            rollout_id=rollout_id,
+            entries=Path(stem + ENTRIES_SUFFIX),
+            state=Path(stem + STATE_SUFFIX),
+            intents=Path(stem + INTENTS_SUFFIX),
+            incomplete=Path(stem + INCOMPLETE_SUFFIX),
+            lock=Path(stem + LOCK_SUFFIX),
+            fence=Path(stem + FENCE_SUFFIX),
+        )
+
+    @property
+    def records(self) -> tuple[Path, Path, Path]:
+        """The files a retire removes."""
+        return (self.entries, self.intents, self.incomplete)
+
+
+def rollout_ids_in(root: Path) -> list[str]:
+    """Every rollout id that has a state, entries, intents, marker or fence in ``root``, sorted."""
+    ids: set[str] = set()
+    for path in root.iterdir():
+        name = path.name
+        for suffix in _LISTED_SUFFIXES:
+            if name.endswith(suffix):
+                ids.add(name[: -len(suffix)])
+                break
+    return sorted(ids)

@@ -1,0 +1,276 @@
+"""Index recovery: the state a rollout is really in, from its state file, its fence and its file tails.
+
+The state file is the commit record: it says how many bytes of each side file it covers and which log
+position it reflects. Files can be ahead of it (index writes lag on purpose in the file store; a crash can
+land between an append and its state write), and a retire or delete can stop half-way. This module reads
+what is on disk and says what the state is and which repairs make the files agree with it.
+
+- A fence wins over a state that is not retired, unless the state was applied from a later log position
+  (a delete leaves an empty state first and removes the fence after it). The retire is then finished.
+- Past the state, the file store folds the tails in: every complete line was acknowledged.
+  A torn final line was never acknowledged; it is cut before the next append.
+- A projection resuming from its log instead cuts every tail back to the state and applies those events
+  again: whatever lies past the state was never covered by a checkpoint.
+- A file shorter than the state says is corruption, never silently accepted.
+
+Recovery only reads. Writers carry out the repairs under the rollout's lock; readers ignore them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from tokcap.errors import NewerSchemaError, RecordValidationError, StoreCorruptionError
+from tokcap.layout import RolloutPaths
+from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
+from tokcap.state import IncompleteMark, IntentOp, RolloutState
+
+__all__ = [
+    "CutTail",
+    "FinishRetire",
+    "Recovered",
+    "RemoveStaleFence",
+    "Repair",
+    "call_id_of_entry_line",
+    "recover",
+]
+
+
+@dataclass(frozen=True)
+class CutTail:
+    """Cut ``path`` back to ``size`` bytes (remove it when ``size`` is 0)."""
+
+    path: Path
+    size: int
+
+
+@dataclass(frozen=True)
+class FinishRetire:
+    """A fence exists but the records were not removed yet: remove them and write the retired state."""
+
+
+@dataclass(frozen=True)
+class RemoveStaleFence:
+    """A delete applied after this fence left it behind: remove it."""
+
+
+Repair = CutTail | FinishRetire | RemoveStaleFence
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A rollout's state as recovered, the repairs a writer must carry out, and how far the index lagged."""
+
+    state: RolloutState
+    repairs: tuple[Repair, ...]
+    lagging_lines: int
+    state_file_exists: bool
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _later(state: RolloutState, fence: RolloutState) -> bool:
+    """Whether ``state`` was applied from a later position of the same log than ``fence``."""
+    mine, theirs = state.last_position, fence.last_position
+    if mine is None or theirs is None:
+        return False
+    same_log = mine.get("topic") == theirs.get("topic") and mine.get("partition") == theirs.get("partition")
+    return same_log and int(mine.get("offset", -1)) > int(theirs.get("offset", -1))
+
+
+def recover(paths: RolloutPaths, *, replaying: bool, remembered_lines: dict[str, str]) -> Recovered:
+    """Recover one rollout; the caller holds its lock.
+
+    ``replaying`` says the caller applies events from a log it will re-read after a crash.
+    ``remembered_lines`` maps the sha256 of lines this process appended to their call ids, so a lagging
+    tail is hashed instead of parsed.
+    """
+    state_bytes = _read(paths.state)
+    state = RolloutState.decode(state_bytes, str(paths.state)) if state_bytes is not None else None
+    exists = state is not None
+    if state is None or not state.retired:
+        fence_bytes = _read(paths.fence)
+        if fence_bytes is not None:
+            fence = RolloutState.decode(fence_bytes, str(paths.fence))
+            if state is not None and _later(state, fence):
+                return _tails(paths, state, (RemoveStaleFence(),), replaying, remembered_lines, exists)
+            return Recovered(fence, (FinishRetire(),), 0, exists)
+    if state is None:
+        state = RolloutState(rollout_id=paths.rollout_id)
+    if state.retired:
+        return Recovered(state, (), 0, exists)
+    return _tails(paths, state, (), replaying, remembered_lines, exists)
+
+
+def _tails(
+    paths: RolloutPaths,
+    state: RolloutState,
+    repairs: tuple[Repair, ...],
+    replaying: bool,
+    remembered_lines: dict[str, str],
+    exists: bool,
+) -> Recovered:
+    sizes = {
+        paths.entries: state.indexed_size,
+        paths.intents: state.intents_size,
+        paths.incomplete: state.incomplete_size,
+    }
+    cuts: list[Repair] = list(repairs)
+    grown: list[Path] = []
+    for path, covered in sizes.items():
+        size = _size(path)
+        if size < covered:
+            raise StoreCorruptionError(
+                f"{path} is {size} bytes but the state covers {covered}; the file was truncated outside tokcap; "
+                "restore it from a backup or delete the rollout",
+                rollout_id=state.rollout_id,
+            )
+        if size > covered:
+            grown.append(path)
+    if not grown:
+        return Recovered(state, tuple(cuts), 0, exists)
+    if replaying:
+        cuts.extend(CutTail(path, sizes[path]) for path in grown)
+        return Recovered(state, tuple(cuts), 0, exists)
+    state = state.model_copy()
+    lagging = 0
+    if paths.entries in grown:
+        lagging += _fold_entries(paths.entries, state, cuts, remembered_lines)
+    if paths.intents in grown:
+        lagging += _fold_intents(paths.intents, state, cuts)
+    if paths.incomplete in grown:
+        lagging += _fold_marks(paths.incomplete, state, cuts)
+    return Recovered(state, tuple(cuts), lagging, exists)
+
+
+def _complete_lines(path: Path, start: int) -> tuple[list[bytes], bool]:
+    """The complete lines past ``start``, and whether a torn final line follows them."""
+    with path.open("rb") as handle:
+        handle.seek(start)
+        tail = handle.read()
+    pieces = tail.split(b"\n")
+    return pieces[:-1], bool(pieces[-1])
+
+
+def _parse_tail(
+    path: Path, start: int, state: RolloutState, cuts: list[Repair], parse: Callable[[bytes], None]
+) -> tuple[int, int]:
+    """Parse the complete lines past ``start`` with ``parse``; return (bytes consumed, lines parsed).
+
+    A malformed or torn final line was never acknowledged: it is cut. A malformed line followed by more is
+    corruption.
+    """
+    lines, torn = _complete_lines(path, start)
+    consumed = 0
+    for index, line in enumerate(lines):
+        try:
+            parse(line)
+        except RecordValidationError as exc:
+            if type(exc) is not RecordValidationError:
+                raise
+            if index == len(lines) - 1 and not torn:
+                torn = True
+                break
+            raise StoreCorruptionError(
+                f"{path} has a malformed line at byte {start + consumed} followed by more content: {exc}; "
+                "the file is corrupt",
+                rollout_id=state.rollout_id,
+            ) from exc
+        consumed += len(line) + 1
+    else:
+        index = len(lines)
+    if torn:
+        cuts.append(CutTail(path, start + consumed))
+    return consumed, index
+
+
+def _json_object(line: bytes, what: str) -> dict[str, object]:
+    try:
+        raw = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise RecordValidationError(f"{what} line is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise RecordValidationError(f"{what} line is not a JSON object")
+    return raw
+
+
+def call_id_of_entry_line(line: bytes) -> str:
+    """Read just the call id of a stored entry line; full validation happens when entries are read."""
+    raw = _json_object(line, "entry")
+    version = raw.get("schema_version")
+    if isinstance(version, int) and version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
+        raise NewerSchemaError(
+            f"entry line has schema_version {version}, newer than {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; "
+            "upgrade tokcap on the reading side"
+        )
+    call_id = raw.get("model_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise RecordValidationError("entry line has no model_call_id")
+    return call_id
+
+
+def _fold_entries(path: Path, state: RolloutState, cuts: list[Repair], remembered: dict[str, str]) -> int:
+    digests = dict(state.entry_digests)
+
+    def fold(line: bytes) -> None:
+        digest = entry_digest(line)
+        call_id = remembered.get(digest)
+        digests[call_id if call_id is not None else call_id_of_entry_line(line)] = digest
+
+    consumed, lines = _parse_tail(path, state.indexed_size, state, cuts, fold)
+    state.entry_digests = digests
+    state.indexed_size += consumed
+    return lines
+
+
+def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
+    intents = dict(state.intents)
+
+    def fold(line: bytes) -> None:
+        raw = _json_object(line, "intent")
+        call_id, op = raw.get("model_call_id"), raw.get("op")
+        if not isinstance(call_id, str) or op not in ("intent", "cancel"):
+            raise RecordValidationError(f"intent line {line[:80]!r} has no call id or an unknown op")
+        intents[call_id] = IntentOp(op)
+
+    consumed, lines = _parse_tail(path, state.intents_size, state, cuts, fold)
+    state.intents = intents
+    state.intents_size += consumed
+    return lines
+
+
+def _fold_marks(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
+    marks = list(state.incomplete_marks)
+
+    def fold(line: bytes) -> None:
+        raw = _json_object(line, "incomplete")
+        call_id, reason = raw.get("model_call_id", ""), raw.get("reason", "")
+        if not isinstance(call_id, str) or not isinstance(reason, str):
+            raise RecordValidationError(f"incomplete line {line[:80]!r} is not a marker")
+        mark = IncompleteMark(model_call_id=call_id, reason=reason)
+        if mark not in marks:
+            marks.append(mark)
+
+    consumed, lines = _parse_tail(path, state.incomplete_size, state, cuts, fold)
+    state.incomplete_marks = marks
+    state.incomplete_size += consumed
+    if marks:
+        state.incomplete = True
+    return lines

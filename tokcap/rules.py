@@ -1,0 +1,495 @@
+"""The rules: one pure decision per event, the only place a rule of the store lives.
+
+``decide(state, event, position)`` returns a ``Decision``: the rollout's new state, the file effects that
+carry it out, and the verdict for the caller. It reads no file, clock or random number, and never mutates
+its input; the store (``tokcap.store``) carries out the effects in order. Because both transports feed the
+same function in the same event order, the Kafka projection and the file store agree, and a replay of a
+log reproduces the store byte for byte.
+
+The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
+
+- An event at or before the rollout's last applied log position was applied already and changes nothing.
+- A put of a known call id with the same canonical payload is a no-op.
+- A put of a known call id with a different payload is rejected and marks the rollout incomplete.
+- An intent or cancel that repeats the call's last recorded operation is a no-op.
+- An intent, cancel or put after the freeze is rejected, recorded as evidence and moves the version.
+- An incomplete marker is accepted even after the freeze; after it, it moves the version.
+- Every event but delete is refused by a retired rollout's fence.
+- A freeze records the calls whose intent has no entry and no cancel; they make the snapshot incomplete.
+- A freeze is idempotent; its snapshot id comes from its log position, or from the caller without a log.
+- A freeze applied at a log position records the version it answered, so later events never leak into it.
+- A drop retires the rollout only while it is frozen in exactly that snapshot and version.
+- A retire retires whatever the state; retiring writes the fence durably before any record is removed.
+- A delete forgets the rollout and its fence; applied from a log it leaves an empty state holding the verdict.
+- The position of every applied event is recorded once, in the state the decision returns.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import orjson
+
+from tokcap.events import (
+    CancelEvent,
+    DeleteEvent,
+    DropEvent,
+    Event,
+    EventType,
+    FreezeEvent,
+    IncompleteEvent,
+    IntentEvent,
+    LogPosition,
+    PutEvent,
+    RetireEvent,
+)
+from tokcap.records import entry_digest
+from tokcap.state import FreezeAnswer, IncompleteMark, IntentOp, Lifecycle, Rejection, RolloutState
+
+__all__ = [
+    "AppendEntry",
+    "AppendIncompleteMark",
+    "AppendIntent",
+    "ApplyOutcome",
+    "ApplyResult",
+    "Barrier",
+    "Decision",
+    "Effect",
+    "RemoveFence",
+    "RemoveRecords",
+    "RemoveState",
+    "WriteFence",
+    "WriteState",
+    "decide",
+    "intent_line",
+    "mark_line",
+    "snapshot_id_at",
+]
+
+
+class ApplyOutcome(enum.StrEnum):
+    """What the apply step decided for one event."""
+
+    ACCEPTED = "accepted"
+    NOOP = "no-op"
+    ALREADY_APPLIED = "already-applied"
+    REJECTED_AFTER_FREEZE = "rejected-after-freeze"
+    REJECTED_RETIRED = "rejected-retired"
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """The verdict of applying one event, for callers and for the event timeline."""
+
+    outcome: ApplyOutcome
+    event_type: EventType
+    rollout_id: str
+    model_call_id: str = ""
+    snapshot_id: str | None = None
+    version: int | None = None
+    dropped: bool | None = None
+    removed: bool | None = None
+    detail: str = ""
+
+
+# --------------------------------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True)
+class AppendEntry:
+    """Append one canonical entry line to ``<id>.tokens.jsonl`` at byte ``start``."""
+
+    line: bytes
+    start: int
+    model_call_id: str
+    digest: str
+
+
+@dataclass(frozen=True)
+class AppendIntent:
+    """Append one intent or cancel line to ``<id>.tokens.intents`` at byte ``start``."""
+
+    line: bytes
+    start: int
+
+
+@dataclass(frozen=True)
+class AppendIncompleteMark:
+    """Append one incomplete marker line to ``<id>.tokens.incomplete`` at byte ``start``."""
+
+    line: bytes
+    start: int
+
+
+@dataclass(frozen=True)
+class WriteState:
+    """Replace the state file with the decision's state.
+
+    A durable write must be synced before the caller returns; an index-only one may lag,
+    because recovery rebuilds it from the file tails.
+    """
+
+    durable: bool
+
+
+@dataclass(frozen=True)
+class WriteFence:
+    """Write the decision's (retired) state as the fence that refuses late writers."""
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """Everything before this effect must be durable before anything after it happens."""
+
+
+@dataclass(frozen=True)
+class RemoveRecords:
+    """Remove the entries, intents and incomplete files."""
+
+
+@dataclass(frozen=True)
+class RemoveFence:
+    """Remove the fence."""
+
+
+@dataclass(frozen=True)
+class RemoveState:
+    """Remove the state file."""
+
+
+Effect = (
+    AppendEntry
+    | AppendIntent
+    | AppendIncompleteMark
+    | WriteState
+    | WriteFence
+    | Barrier
+    | RemoveRecords
+    | RemoveFence
+    | RemoveState
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one event: the new state, the effects carrying it out, the verdict.
+
+    ``sync_even_if_unchanged`` asks the store to sync the directory before returning even when this
+    instance wrote nothing: another process may have removed the files without syncing yet.
+    """
+
+    state: RolloutState
+    verdict: ApplyResult
+    effects: tuple[Effect, ...] = ()
+    sync_even_if_unchanged: bool = False
+    changed: bool = field(default=True)
+
+
+# ------------------------------------------------------------------------------------------ encodings
+
+
+def intent_line(model_call_id: str, op: IntentOp) -> bytes:
+    """The stored line of one intent or cancel."""
+    return orjson.dumps({"model_call_id": model_call_id, "op": op.value}, option=orjson.OPT_SORT_KEYS) + b"\n"
+
+
+def mark_line(mark: IncompleteMark) -> bytes:
+    """The stored line of one incomplete marker."""
+    return orjson.dumps(mark.model_dump(), option=orjson.OPT_SORT_KEYS) + b"\n"
+
+
+def snapshot_id_at(position: LogPosition) -> str:
+    """A snapshot id derived from the freeze's log position.
+
+    A log position never repeats for a topic, so the id never repeats for a rollout id, even after delete and
+    reuse, and every replay derives the same id.
+    """
+    return f"{position.topic}:{position.partition}:{position.offset}"
+
+
+# ------------------------------------------------------------------------------------------- the rules
+
+
+def decide(
+    state: RolloutState, event: Event, position: LogPosition | None, *, new_snapshot_id: str = ""
+) -> Decision:
+    """Decide what one event does to a rollout; ``state`` is never mutated.
+
+    ``new_snapshot_id`` names the snapshot a freeze without a log position creates; the caller draws it,
+    so this function stays free of randomness.
+    """
+    if state.already_applied(position):
+        return Decision(
+            state, ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, state.rollout_id), changed=False
+        )
+    new = state.model_copy()
+    new.record_position(position)
+    if isinstance(event, PutEvent):
+        return _put(new, event, position)
+    if isinstance(event, IntentEvent):
+        return _intent_op(new, event.model_call_id, EventType.INTENT, IntentOp.INTENT, position)
+    if isinstance(event, CancelEvent):
+        return _intent_op(new, event.model_call_id, EventType.CANCEL, IntentOp.CANCEL, position)
+    if isinstance(event, IncompleteEvent):
+        return _incomplete(new, event, position)
+    if isinstance(event, FreezeEvent):
+        return _freeze(new, position, new_snapshot_id)
+    if isinstance(event, DropEvent):
+        return _drop(new, event, position)
+    if isinstance(event, RetireEvent):
+        return _retire(new, position)
+    if isinstance(event, DeleteEvent):
+        return _delete(state, position)
+    raise TypeError(f"no rule applies events of type {type(event).__name__}")
+
+
+def _unchanged(state: RolloutState, verdict: ApplyResult, position: LogPosition | None) -> Decision:
+    """A verdict that changes nothing but, applied from a log, the recorded position."""
+    if position is None:
+        return Decision(state, verdict, changed=False)
+    return Decision(state, verdict, (WriteState(durable=False),))
+
+
+def _refused_by_fence(state: RolloutState, event_type: EventType, call_id: str) -> ApplyResult:
+    return ApplyResult(
+        ApplyOutcome.REJECTED_RETIRED,
+        event_type,
+        state.rollout_id,
+        call_id,
+        snapshot_id=state.snapshot_id,
+        version=state.version,
+        detail="the rollout is retired; its fence refuses late writes",
+    )
+
+
+def _rejected_late(
+    state: RolloutState, event_type: EventType, call_id: str, position: LogPosition | None
+) -> Decision:
+    """A write that raced the freeze: kept as evidence, and the version moves so the stale snapshot stays."""
+    state.rejections = [
+        *state.rejections,
+        Rejection(
+            event_type=event_type.value,
+            model_call_id=call_id,
+            position=position.to_dict() if position is not None else None,
+        ),
+    ]
+    state.version += 1
+    verdict = ApplyResult(
+        ApplyOutcome.REJECTED_AFTER_FREEZE,
+        event_type,
+        state.rollout_id,
+        call_id,
+        snapshot_id=state.snapshot_id,
+        version=state.version,
+        detail=f"{event_type.value} arrived after the freeze of snapshot {state.snapshot_id}",
+    )
+    return Decision(state, verdict, (WriteState(durable=True),))
+
+
+def _with_mark(state: RolloutState, mark: IncompleteMark) -> tuple[Effect, ...]:
+    """Mark the rollout incomplete; a repeated identical mark adds no line."""
+    state.incomplete = True
+    if mark in state.incomplete_marks:
+        return ()
+    line = mark_line(mark)
+    effect = AppendIncompleteMark(line, state.incomplete_size)
+    state.incomplete_marks = [*state.incomplete_marks, mark]
+    state.incomplete_size += len(line)
+    return (effect,)
+
+
+def _put(state: RolloutState, event: PutEvent, position: LogPosition | None) -> Decision:
+    call_id = event.entry.model_call_id
+    if state.retired:
+        return _unchanged(state, _refused_by_fence(state, EventType.PUT, call_id), position)
+    canonical = event.entry.canonical_json()
+    digest = entry_digest(canonical)
+    known = state.entry_digests.get(call_id)
+    if known == digest:
+        verdict = ApplyResult(
+            ApplyOutcome.NOOP, EventType.PUT, state.rollout_id, call_id, detail="same payload"
+        )
+        return _unchanged(state, verdict, position)
+    if not state.is_open:
+        return _rejected_late(state, EventType.PUT, call_id, position)
+    if known is not None:
+        marks = _with_mark(
+            state,
+            IncompleteMark(model_call_id=call_id, reason="conflicting payload for a call id already stored"),
+        )
+        verdict = ApplyResult(
+            ApplyOutcome.CONFLICT,
+            EventType.PUT,
+            state.rollout_id,
+            call_id,
+            detail="a different payload was already stored for this call id; the rollout is incomplete",
+        )
+        return Decision(state, verdict, (*marks, WriteState(durable=True)))
+    line = canonical + b"\n"
+    append = AppendEntry(line, state.indexed_size, call_id, digest)
+    state.entry_digests = {**state.entry_digests, call_id: digest}
+    state.indexed_size += len(line)
+    verdict = ApplyResult(ApplyOutcome.ACCEPTED, EventType.PUT, state.rollout_id, call_id)
+    return Decision(state, verdict, (append, WriteState(durable=False)))
+
+
+def _intent_op(
+    state: RolloutState, call_id: str, event_type: EventType, op: IntentOp, position: LogPosition | None
+) -> Decision:
+    if state.retired:
+        return _unchanged(state, _refused_by_fence(state, event_type, call_id), position)
+    if state.intents.get(call_id) is op:
+        verdict = ApplyResult(
+            ApplyOutcome.NOOP, event_type, state.rollout_id, call_id, detail=f"{op.value} already recorded"
+        )
+        return _unchanged(state, verdict, position)
+    if not state.is_open:
+        return _rejected_late(state, event_type, call_id, position)
+    line = intent_line(call_id, op)
+    append = AppendIntent(line, state.intents_size)
+    state.intents = {**state.intents, call_id: op}
+    state.intents_size += len(line)
+    verdict = ApplyResult(ApplyOutcome.ACCEPTED, event_type, state.rollout_id, call_id)
+    return Decision(state, verdict, (append, WriteState(durable=False)))
+
+
+def _incomplete(state: RolloutState, event: IncompleteEvent, position: LogPosition | None) -> Decision:
+    call_id = event.model_call_id
+    if state.retired:
+        return _unchanged(state, _refused_by_fence(state, EventType.INCOMPLETE, call_id), position)
+    marks = _with_mark(state, IncompleteMark(model_call_id=call_id, reason=event.reason))
+    late = not state.is_open
+    if late:
+        state.version += 1
+    verdict = ApplyResult(
+        ApplyOutcome.ACCEPTED,
+        EventType.INCOMPLETE,
+        state.rollout_id,
+        call_id,
+        snapshot_id=state.snapshot_id,
+        version=state.version,
+        detail="late incomplete after freeze; version moved" if late else "",
+    )
+    return Decision(state, verdict, (*marks, WriteState(durable=True)))
+
+
+def _freeze(state: RolloutState, position: LogPosition | None, new_snapshot_id: str) -> Decision:
+    if state.retired:
+        return _unchanged(state, _refused_by_fence(state, EventType.FREEZE, ""), position)
+    if not state.is_open:
+        if position is not None:
+            _record_answer(state, position)
+        verdict = ApplyResult(
+            ApplyOutcome.NOOP,
+            EventType.FREEZE,
+            state.rollout_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            detail="already frozen",
+        )
+        return _unchanged(state, verdict, position)
+    if position is None and not new_snapshot_id:
+        raise ValueError("a freeze without a log position needs a snapshot id drawn by the caller")
+    state.dangling_intents = sorted(
+        call_id
+        for call_id, op in state.intents.items()
+        if op is IntentOp.INTENT and call_id not in state.entry_digests
+    )
+    state.incomplete = state.incomplete or bool(state.dangling_intents) or bool(state.incomplete_marks)
+    state.snapshot_id = snapshot_id_at(position) if position is not None else new_snapshot_id
+    state.advance(Lifecycle.FROZEN)
+    state.version += 1
+    if position is not None:
+        _record_answer(state, position)
+    verdict = ApplyResult(
+        ApplyOutcome.ACCEPTED,
+        EventType.FREEZE,
+        state.rollout_id,
+        snapshot_id=state.snapshot_id,
+        version=state.version,
+    )
+    return Decision(state, verdict, (WriteState(durable=True),))
+
+
+def _record_answer(state: RolloutState, position: LogPosition) -> None:
+    answer = FreezeAnswer(position=position.to_dict(), version=state.version, incomplete=state.incomplete)
+    state.freeze_answers = [*state.freeze_answers, answer]
+
+
+def _retired(state: RolloutState) -> tuple[Effect, ...]:
+    """Fence first and make it durable, then remove the records: a crash in between still refuses writes."""
+    state.removed_records = state.holds_records
+    state.advance(Lifecycle.RETIRED)
+    fence = (WriteFence(), Barrier())
+    state.entry_digests = {}
+    state.indexed_size = 0
+    state.intents = {}
+    state.intents_size = 0
+    state.incomplete_marks = []
+    state.incomplete_size = 0
+    return (*fence, RemoveRecords(), WriteState(durable=True))
+
+
+def _drop(state: RolloutState, event: DropEvent, position: LogPosition | None) -> Decision:
+    matches = state.snapshot_id == event.snapshot_id and state.version == event.version
+    if state.retired or state.is_open or not matches:
+        dropped = state.retired and matches
+        verdict = ApplyResult(
+            ApplyOutcome.NOOP,
+            EventType.DROP,
+            state.rollout_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            dropped=dropped,
+            detail="already dropped" if dropped else "the rollout is not in that exact frozen state",
+        )
+        return _unchanged(state, verdict, position)
+    effects = _retired(state)
+    verdict = ApplyResult(
+        ApplyOutcome.ACCEPTED,
+        EventType.DROP,
+        state.rollout_id,
+        snapshot_id=state.snapshot_id,
+        version=state.version,
+        dropped=True,
+        removed=state.removed_records,
+    )
+    return Decision(state, verdict, effects)
+
+
+def _retire(state: RolloutState, position: LogPosition | None) -> Decision:
+    if state.retired:
+        verdict = ApplyResult(ApplyOutcome.NOOP, EventType.RETIRE, state.rollout_id, removed=False)
+        return _unchanged(state, verdict, position)
+    effects = _retired(state)
+    verdict = ApplyResult(
+        ApplyOutcome.ACCEPTED, EventType.RETIRE, state.rollout_id, removed=state.removed_records
+    )
+    return Decision(state, verdict, effects)
+
+
+def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
+    """Forget the rollout; applied from a log, leave an empty open state that remembers the delete.
+
+    That state keeps a resumed projection from applying the delete twice and lets a source in another
+    process read the verdict; the rollout id is reusable and starts empty either way. It replaces the old
+    state before any file is removed, so a crash anywhere leaves the same verdict.
+    """
+    removed = state.holds_records or state.retired
+    verdict = ApplyResult(
+        ApplyOutcome.ACCEPTED if removed else ApplyOutcome.NOOP,
+        EventType.DELETE,
+        state.rollout_id,
+        removed=removed,
+    )
+    if position is None:
+        fresh = RolloutState(rollout_id=state.rollout_id)
+        effects: tuple[Effect, ...] = (RemoveRecords(), RemoveState(), RemoveFence())
+    else:
+        fresh = RolloutState(rollout_id=state.rollout_id, removed_records=removed)
+        fresh.record_position(position)
+        effects = (WriteState(durable=True), Barrier(), RemoveRecords(), RemoveFence())
+    return Decision(fresh, verdict, effects, sync_even_if_unchanged=True)
