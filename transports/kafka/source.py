@@ -17,13 +17,14 @@ at a log position, every replay of the topic reaches the same answer and the sam
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, RolloutRetiredError
-from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, RetireEvent
+from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
@@ -131,6 +132,11 @@ class KafkaTokenSource:
 
     async def _command(self, event: Event, what: str) -> ApplyResult:
         """Publish one command, wait until it is applied, and return the store's verdict on it."""
+        result, _ = await self._command_at(event, what)
+        return result
+
+    async def _command_at(self, event: Event, what: str) -> tuple[ApplyResult, LogPosition]:
+        """Publish one command, wait until it is applied; return the verdict and where it sits in the log."""
         messages = encode_event_messages(event, next_chunk_group=_commands_are_never_chunked)
         (delivered,) = await self._bridge.send(self._topic, messages, what=what)
         await self._wait_applied(delivered, event.rollout_id, what)
@@ -139,7 +145,7 @@ class KafkaTokenSource:
             result = self._materializer.result_at(delivered.partition, delivered.offset)
         if result is None:
             result = await asyncio.to_thread(self._rederive, event, delivered)
-        return result
+        return result, LogPosition(self._topic, delivered.partition, delivered.offset)
 
     async def _wait_applied(self, delivered: Delivered, rollout_id: str, what: str) -> None:
         if self._materializer is not None:
@@ -181,13 +187,14 @@ class KafkaTokenSource:
         """Freeze a rollout at a log position and return its snapshot; freezing again returns the same one."""
         rollout_id = validate_rollout_id(rollout_id)
         event = FreezeEvent(rollout_id=rollout_id, writer=self._writer_id)
-        result = await self._command(event, "freeze")
+        result, position = await self._command_at(event, "freeze")
         if result.outcome is ApplyOutcome.REJECTED_RETIRED:
             raise RolloutRetiredError(
                 f"rollout {rollout_id!r} is retired; it cannot be frozen. Delete it before reusing its id",
                 rollout_id=rollout_id,
             )
-        return await asyncio.to_thread(self._store.snapshot, rollout_id)
+        # The snapshot as of the freeze's position: writes applied after it move the version past it.
+        return await asyncio.to_thread(functools.partial(self._store.snapshot, rollout_id, as_of=position))
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire exactly this snapshot; ``False`` if the rollout changed since it was taken."""
