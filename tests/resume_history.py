@@ -1,0 +1,174 @@
+"""A scripted log of every event kind, cut into the blocks a projection applies together.
+
+Shared by the resume test and the worker process it kills, so both apply the very same events.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from factories import make_entry
+
+from tokcap.events import (
+    CancelEvent,
+    DeleteEvent,
+    DropEvent,
+    Event,
+    FreezeEvent,
+    IncompleteEvent,
+    IntentEvent,
+    LogPosition,
+    PutEvent,
+    RetireEvent,
+)
+from tokcap.layout import RolloutPaths
+from tokcap.rules import snapshot_id_at
+from tokcap.state import RolloutState
+from tokcap.store import TokenCaptureStore
+
+TOPIC = "resume-topic"
+
+
+def _put(rollout_id: str, call_id: str, generation: tuple[int, ...] = (4, 5)) -> PutEvent:
+    return PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, call_id, generation=generation))
+
+
+def _build() -> list[list[Event]]:
+    freeze_b_offset = 19
+    freeze_a2_offset = 29
+    blocks: list[list[Event]] = [
+        [
+            IntentEvent(rollout_id="a", model_call_id="c1"),
+            _put("a", "c1"),
+            IntentEvent(rollout_id="b", model_call_id="c1"),
+            CancelEvent(rollout_id="b", model_call_id="c1"),
+            IntentEvent(rollout_id="a", model_call_id="c2"),
+        ],
+        [
+            CancelEvent(rollout_id="a", model_call_id="c2"),
+            IntentEvent(rollout_id="a", model_call_id="c2"),
+            _put("a", "c2"),
+            _put("a", "c2"),
+            _put("b", "x"),
+        ],
+        [
+            IncompleteEvent(rollout_id="b", model_call_id="y", reason="lost"),
+            IncompleteEvent(rollout_id="b", model_call_id="y", reason="lost"),
+            _put("a", "c1", generation=(9, 9)),
+            FreezeEvent(rollout_id="a"),
+            _put("a", "late"),
+        ],
+        [
+            IntentEvent(rollout_id="a", model_call_id="late2"),
+            IncompleteEvent(rollout_id="a", model_call_id="late", reason="after the cut"),
+            FreezeEvent(rollout_id="a"),
+            DropEvent(rollout_id="a", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, 13)), version=1),
+            FreezeEvent(rollout_id="b"),
+        ],
+        [
+            DropEvent(rollout_id="b", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, freeze_b_offset)), version=1),
+            RetireEvent(rollout_id="c"),
+            _put("c", "c1"),
+            DeleteEvent(rollout_id="c"),
+            IntentEvent(rollout_id="c", model_call_id="c1"),
+            _put("c", "c1"),
+        ],
+        [
+            DeleteEvent(rollout_id="a"),
+            IntentEvent(rollout_id="a", model_call_id="c9"),
+            _put("a", "c9"),
+            FreezeEvent(rollout_id="a"),
+            DropEvent(rollout_id="a", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, freeze_a2_offset)), version=1),
+        ],
+        [
+            FreezeEvent(rollout_id="c"),
+            RetireEvent(rollout_id="c"),
+            RetireEvent(rollout_id="c"),
+            DeleteEvent(rollout_id="b"),
+            FreezeEvent(rollout_id="b"),
+            RetireEvent(rollout_id="a"),
+        ],
+    ]
+    return blocks
+
+
+BLOCKS = _build()
+
+
+def block_start(block: int) -> int:
+    """The log offset of the first event of ``block``: where a projection killed inside it resumes."""
+    return sum(len(events) for events in BLOCKS[:block])
+
+
+def apply_blocks(store: TokenCaptureStore, first_block: int = 0, end_block: int | None = None) -> None:
+    """Apply blocks ``first_block`` up to ``end_block``, each in one deferred-durability block, as a projection does."""
+    offset = block_start(first_block)
+    for events in BLOCKS[first_block:end_block]:
+        with store.deferred_durability():
+            for event in events:
+                store.apply(event, LogPosition(TOPIC, 0, offset))
+                offset += 1
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_until_killed(root: Path, block: int, events_before_kill: int, state_writes_before_kill: int) -> None:
+    """Apply the blocks before ``block``, then die inside it.
+
+    With ``state_writes_before_kill`` < 0 the process dies after ``events_before_kill`` events of the block;
+    otherwise it applies the whole block and dies after that many of the state writes that close it
+    (after all of them: between the block's barrier and the checkpoint a projection would write).
+    """
+    store = TokenCaptureStore(root)
+    apply_blocks(store, 0, block)
+    offset = block_start(block)
+    events = BLOCKS[block]
+    if state_writes_before_kill >= 0:
+        write_state_file = store._replace_state_file
+        closing_writes = [0]
+
+        def dying_write(paths: RolloutPaths, state: RolloutState) -> None:
+            if not store._deferral.active:
+                if closing_writes[0] == state_writes_before_kill:
+                    _kill_self()
+                closing_writes[0] += 1
+            write_state_file(paths, state)
+
+        store._replace_state_file = dying_write  # type: ignore[method-assign]
+    with store.deferred_durability():
+        for index, event in enumerate(events):
+            if index == events_before_kill and state_writes_before_kill < 0:
+                _kill_self()
+            store.apply(event, LogPosition(TOPIC, 0, offset + index))
+        if state_writes_before_kill < 0:
+            _kill_self()
+    _kill_self()
+
+
+def serve() -> None:
+    """Fork one child per request line ``root block events writes`` and answer how it ended.
+
+    Forking from this warm, single-threaded process costs milliseconds where a fresh interpreter costs
+    a few hundred, so the test can kill at every boundary.
+    """
+    for line in sys.stdin:
+        root, block, events, writes = line.split()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                run_until_killed(Path(root), int(block), int(events), int(writes))
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+        ended = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+        sys.stdout.write(ended + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    serve()
