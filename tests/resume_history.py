@@ -69,7 +69,9 @@ def _build() -> list[list[Event]]:
             FreezeEvent(rollout_id="b"),
         ],
         [
-            DropEvent(rollout_id="b", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, freeze_b_offset)), version=1),
+            DropEvent(
+                rollout_id="b", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, freeze_b_offset)), version=1
+            ),
             RetireEvent(rollout_id="c"),
             _put("c", "c1"),
             DeleteEvent(rollout_id="c"),
@@ -81,7 +83,9 @@ def _build() -> list[list[Event]]:
             IntentEvent(rollout_id="a", model_call_id="c9"),
             _put("a", "c9"),
             FreezeEvent(rollout_id="a"),
-            DropEvent(rollout_id="a", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, freeze_a2_offset)), version=1),
+            DropEvent(
+                rollout_id="a", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, freeze_a2_offset)), version=1
+            ),
         ],
         [
             FreezeEvent(rollout_id="c"),
@@ -165,7 +169,9 @@ def serve() -> None:
             finally:
                 os._exit(3)
         _, status = os.waitpid(pid, 0)
-        ended = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+        ended = (
+            f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+        )
         sys.stdout.write(ended + "\n")
         sys.stdout.flush()
 

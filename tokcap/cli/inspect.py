@@ -89,7 +89,7 @@ def summarize_rollout(store: TokenCaptureStore, rollout_id: str) -> RolloutSumma
     """State, entry count and token counts of one rollout, read without changing anything it means."""
     state = store.read_state(rollout_id)
     entries = [] if state.retired else store.read_entries(rollout_id)
-    incomplete = state.incomplete or store.incomplete_path_for(rollout_id).exists()
+    incomplete = store.is_incomplete(rollout_id)
     return RolloutSummary(
         rollout_id=rollout_id,
         state=state.lifecycle.value,
@@ -143,11 +143,7 @@ class PreviewSource:
         entries = tuple(self._store.read_entries(rollout_id))
         captured = {entry.model_call_id for entry in entries}
         dangling = [call for call, op in intent_status(self._store, rollout_id).items() if op == "intent"]
-        incomplete = (
-            state.incomplete
-            or self._store.incomplete_path_for(rollout_id).exists()
-            or any(call not in captured for call in dangling)
-        )
+        incomplete = self._store.is_incomplete(rollout_id) or any(call not in captured for call in dangling)
         return TokenCaptureSnapshot(
             rollout_id=rollout_id,
             entries=entries,
@@ -166,10 +162,7 @@ class PreviewSource:
 
 def intent_status(store: TokenCaptureStore, rollout_id: str) -> dict[str, str]:
     """The last intent operation (``intent`` or ``cancel``) recorded for each call of a rollout."""
-    status: dict[str, str] = {}
-    for record in _json_lines(store.intents_path_for(rollout_id)):
-        status[str(record.get("model_call_id"))] = str(record.get("op"))
-    return status
+    return {call_id: op.value for call_id, op in store.read_intents(rollout_id).items()}
 
 
 @contextmanager
@@ -240,7 +233,7 @@ def describe_rollout(directory: Path, rollout_id: str) -> dict[str, Any]:
         "state": state.lifecycle.value,
         "snapshot_id": state.snapshot_id,
         "version": state.version,
-        "incomplete": state.incomplete or store.incomplete_path_for(rollout_id).exists(),
+        "incomplete": store.is_incomplete(rollout_id),
         "last_position": state.last_position,
         "entries": [
             {
@@ -254,7 +247,7 @@ def describe_rollout(directory: Path, rollout_id: str) -> dict[str, Any]:
         ],
         "intents": intent_status(store, rollout_id),
         "dangling_intents": list(state.dangling_intents),
-        "incomplete_reasons": _json_lines(store.incomplete_path_for(rollout_id)),
+        "incomplete_reasons": [mark.model_dump() for mark in store.read_incomplete_marks(rollout_id)],
         "rejections": [rejection.model_dump(mode="json") for rejection in state.rejections],
         "build": _build_dict(result.build) if result is not None else None,
         "verdict": _verdict(result) if result is not None else None,

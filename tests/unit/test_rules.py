@@ -1,0 +1,215 @@
+"""The decision function: pure, deterministic, and the place each rule of DESIGN.md is decided."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from typing import Any
+
+import pytest
+from factories import make_entry
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokcap.events import (
+    CancelEvent,
+    DeleteEvent,
+    DropEvent,
+    Event,
+    FreezeEvent,
+    IncompleteEvent,
+    IntentEvent,
+    LogPosition,
+    PutEvent,
+    RetireEvent,
+)
+from tokcap.rules import (
+    AppendEntry,
+    AppendIntent,
+    ApplyOutcome,
+    Barrier,
+    Decision,
+    RemoveFence,
+    RemoveRecords,
+    RemoveState,
+    WriteFence,
+    WriteState,
+    decide,
+)
+from tokcap.state import IntentOp, Lifecycle, RolloutState
+
+RID = "r"
+
+
+def _at(offset: int) -> LogPosition:
+    return LogPosition("t", 0, offset)
+
+
+def _run(events: list[Event], *, logged: bool = True) -> tuple[RolloutState, list[Decision]]:
+    state = RolloutState(rollout_id=RID)
+    decisions = []
+    for offset, event in enumerate(events):
+        decision = decide(state, event, _at(offset) if logged else None, new_snapshot_id=f"s{offset}")
+        decisions.append(decision)
+        state = decision.state
+    return state, decisions
+
+
+def _put(call_id: str, generation: tuple[int, ...] = (4, 5)) -> PutEvent:
+    return PutEvent(rollout_id=RID, entry=make_entry(RID, call_id, generation=generation))
+
+
+_events = st.lists(
+    st.one_of(
+        st.builds(lambda c: IntentEvent(rollout_id=RID, model_call_id=c), st.sampled_from(["a", "b"])),
+        st.builds(lambda c: CancelEvent(rollout_id=RID, model_call_id=c), st.sampled_from(["a", "b"])),
+        st.builds(lambda c, g: _put(c, (g,)), st.sampled_from(["a", "b"]), st.integers(1, 2)),
+        st.builds(
+            lambda c: IncompleteEvent(rollout_id=RID, model_call_id=c, reason="x"), st.sampled_from(["a"])
+        ),
+        st.just(FreezeEvent(rollout_id=RID)),
+        st.builds(lambda v: DropEvent(rollout_id=RID, snapshot_id="t:0:3", version=v), st.integers(1, 3)),
+        st.just(RetireEvent(rollout_id=RID)),
+        st.just(DeleteEvent(rollout_id=RID)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_events, st.booleans())
+def test_deciding_never_changes_the_state_it_was_given_and_always_decides_the_same(
+    events: list[Event], logged: bool
+) -> None:
+    state = RolloutState(rollout_id=RID)
+    for offset, event in enumerate(events):
+        position = _at(offset) if logged else None
+        before = state.encode()
+        first = decide(state, event, position, new_snapshot_id="s")
+        again = decide(state, event, position, new_snapshot_id="s")
+        assert state.encode() == before
+        assert first.verdict == again.verdict and first.effects == again.effects
+        assert first.state.encode() == again.state.encode()
+        state = first.state
+
+
+def test_deciding_touches_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the rules opened a file")
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    monkeypatch.setattr(os, "open", refuse)
+    monkeypatch.setattr(os, "stat", refuse)
+    _run(
+        [
+            _put("a"),
+            FreezeEvent(rollout_id=RID),
+            _put("late"),
+            RetireEvent(rollout_id=RID),
+            DeleteEvent(rollout_id=RID),
+        ]
+    )
+
+
+def test_an_event_at_or_before_the_recorded_position_changes_nothing() -> None:
+    state, _ = _run([_put("a"), _put("b")])
+    decision = decide(state, IntentEvent(rollout_id=RID, model_call_id="c"), _at(1))
+    assert decision.verdict.outcome is ApplyOutcome.ALREADY_APPLIED
+    assert decision.effects == () and decision.state is state
+
+
+def test_every_applied_event_records_its_position_once_in_the_state() -> None:
+    state, decisions = _run([IntentEvent(rollout_id=RID, model_call_id="a"), _put("a"), _put("a")])
+    assert state.last_position == _at(2).to_dict()
+    assert decisions[2].verdict.outcome is ApplyOutcome.NOOP
+    assert decisions[2].effects == (WriteState(durable=False),)
+
+
+def test_without_a_log_a_no_op_writes_nothing() -> None:
+    _, decisions = _run([_put("a"), _put("a")], logged=False)
+    assert decisions[1].verdict.outcome is ApplyOutcome.NOOP and not decisions[1].changed
+
+
+def test_an_intent_after_a_cancel_is_recorded_again_and_a_repeat_is_not() -> None:
+    events: list[Event] = [
+        IntentEvent(rollout_id=RID, model_call_id="a"),
+        CancelEvent(rollout_id=RID, model_call_id="a"),
+        IntentEvent(rollout_id=RID, model_call_id="a"),
+        IntentEvent(rollout_id=RID, model_call_id="a"),
+    ]
+    state, decisions = _run(events)
+    appends = [d.effects[0] for d in decisions if d.effects and isinstance(d.effects[0], AppendIntent)]
+    assert [a.start for a in appends] == [0, 36, 72]
+    assert decisions[3].verdict.outcome is ApplyOutcome.NOOP
+    assert state.intents == {"a": IntentOp.INTENT} and state.intents_size == 108
+
+
+def test_a_conflicting_put_marks_the_rollout_incomplete_and_appends_no_entry() -> None:
+    state, decisions = _run([_put("a"), _put("a", (9,))])
+    assert decisions[1].verdict.outcome is ApplyOutcome.CONFLICT
+    assert not any(isinstance(effect, AppendEntry) for effect in decisions[1].effects)
+    assert state.incomplete and len(state.incomplete_marks) == 1
+
+
+def test_a_dangling_intent_makes_the_freeze_incomplete() -> None:
+    state, _ = _run([IntentEvent(rollout_id=RID, model_call_id="a"), _put("b"), FreezeEvent(rollout_id=RID)])
+    assert state.dangling_intents == ["a"] and state.incomplete
+
+
+def test_a_freeze_answers_the_version_of_its_own_position_and_late_writes_move_past_it() -> None:
+    events: list[Event] = [_put("a"), FreezeEvent(rollout_id=RID), _put("late"), FreezeEvent(rollout_id=RID)]
+    state, decisions = _run(events)
+    assert (
+        decisions[1].verdict.version == 1
+        and decisions[2].verdict.outcome is ApplyOutcome.REJECTED_AFTER_FREEZE
+    )
+    assert state.version == 2
+    first, second = state.answer_at(_at(1)), state.answer_at(_at(3))
+    assert first is not None and first.version == 1
+    assert second is not None and second.version == 2
+    assert state.snapshot_id == "t:0:1"
+
+
+def test_a_freeze_without_a_log_needs_a_snapshot_id_from_the_caller() -> None:
+    with pytest.raises(ValueError, match="snapshot id"):
+        decide(RolloutState(rollout_id=RID), FreezeEvent(rollout_id=RID), None)
+
+
+def test_a_late_incomplete_is_accepted_and_moves_the_version() -> None:
+    state, decisions = _run(
+        [_put("a"), FreezeEvent(rollout_id=RID), IncompleteEvent(rollout_id=RID, model_call_id="a")]
+    )
+    assert decisions[2].verdict.outcome is ApplyOutcome.ACCEPTED
+    assert state.version == 2 and state.incomplete
+
+
+def test_a_stale_drop_keeps_everything_and_an_exact_one_fences_before_removing() -> None:
+    state, decisions = _run(
+        [_put("a"), FreezeEvent(rollout_id=RID), DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=2)]
+    )
+    assert decisions[2].verdict.dropped is False and state.lifecycle is Lifecycle.FROZEN
+    exact = decide(state, DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=1), _at(3))
+    assert exact.verdict.dropped is True and exact.verdict.removed is True
+    assert exact.effects == (WriteFence(), Barrier(), RemoveRecords(), WriteState(durable=True))
+    assert exact.state.retired and exact.state.entry_digests == {} and exact.state.indexed_size == 0
+
+
+def test_a_fence_refuses_every_write_but_delete() -> None:
+    state, _ = _run([_put("a"), RetireEvent(rollout_id=RID)])
+    for offset, event in enumerate(
+        [_put("b"), IntentEvent(rollout_id=RID, model_call_id="b"), FreezeEvent(rollout_id=RID)], start=10
+    ):
+        assert decide(state, event, _at(offset)).verdict.outcome is ApplyOutcome.REJECTED_RETIRED
+    assert decide(state, RetireEvent(rollout_id=RID), _at(20)).verdict.removed is False
+    assert decide(state, DeleteEvent(rollout_id=RID), _at(21)).verdict.removed is True
+
+
+def test_a_logged_delete_leaves_a_state_with_the_verdict_before_removing_files() -> None:
+    state, _ = _run([_put("a")])
+    logged = decide(state, DeleteEvent(rollout_id=RID), _at(5))
+    assert logged.effects == (WriteState(durable=True), Barrier(), RemoveRecords(), RemoveFence())
+    assert logged.state.is_pristine and logged.state.removed_records is True
+    assert logged.state.last_position == _at(5).to_dict()
+    unlogged = decide(state, DeleteEvent(rollout_id=RID), None)
+    assert unlogged.effects == (RemoveRecords(), RemoveState(), RemoveFence())
+    assert unlogged.sync_even_if_unchanged
