@@ -25,7 +25,7 @@ from tokcap.events import (
     RetireEvent,
 )
 from tokcap.layout import RolloutPaths
-from tokcap.rules import snapshot_id_at
+from tokcap.rules import decide, snapshot_id_at
 from tokcap.state import RolloutState
 from tokcap.store import TokenCaptureStore
 
@@ -36,10 +36,41 @@ def _put(rollout_id: str, call_id: str, generation: tuple[int, ...] = (4, 5)) ->
     return PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, call_id, generation=generation))
 
 
+class _DropOfFreezeAt:
+    """A drop of the snapshot the freeze at ``offset`` answered; ``stale`` drops it with an older version."""
+
+    def __init__(self, rollout_id: str, offset: int, *, stale: bool = False) -> None:
+        self.rollout_id, self.offset, self.stale = rollout_id, offset, stale
+
+
+def _resolved(blocks: list[list[Event | _DropOfFreezeAt]]) -> list[list[Event]]:
+    """Replace each drop placeholder by the drop of the snapshot the rules answered at that freeze."""
+    states: dict[str, RolloutState] = {}
+    resolved: list[list[Event]] = []
+    offset = 0
+    for block in blocks:
+        events: list[Event] = []
+        for item in block:
+            state = states.get(item.rollout_id) or RolloutState(rollout_id=item.rollout_id)
+            if isinstance(item, _DropOfFreezeAt):
+                position = LogPosition(TOPIC, 0, item.offset)
+                answer = state.answer_at(position)
+                assert answer is not None, f"no freeze at offset {item.offset}"
+                version = answer.version - 1 if item.stale else answer.version
+                event: Event = DropEvent(
+                    rollout_id=item.rollout_id, snapshot_id=snapshot_id_at(position), version=version
+                )
+            else:
+                event = item
+            states[item.rollout_id] = decide(state, event, LogPosition(TOPIC, 0, offset)).state
+            events.append(event)
+            offset += 1
+        resolved.append(events)
+    return resolved
+
+
 def _build() -> list[list[Event]]:
-    freeze_b_offset = 19
-    freeze_a2_offset = 29
-    blocks: list[list[Event]] = [
+    blocks: list[list[Event | _DropOfFreezeAt]] = [
         [
             IntentEvent(rollout_id="a", model_call_id="c1"),
             _put("a", "c1"),
@@ -65,13 +96,12 @@ def _build() -> list[list[Event]]:
             IntentEvent(rollout_id="a", model_call_id="late2"),
             IncompleteEvent(rollout_id="a", model_call_id="late", reason="after the cut"),
             FreezeEvent(rollout_id="a"),
-            DropEvent(rollout_id="a", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, 13)), version=1),
+            _DropOfFreezeAt("a", 13),
             FreezeEvent(rollout_id="b"),
         ],
         [
-            DropEvent(
-                rollout_id="b", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, freeze_b_offset)), version=1
-            ),
+            _DropOfFreezeAt("b", 19, stale=True),
+            _DropOfFreezeAt("b", 19),
             RetireEvent(rollout_id="c"),
             _put("c", "c1"),
             DeleteEvent(rollout_id="c"),
@@ -83,9 +113,7 @@ def _build() -> list[list[Event]]:
             IntentEvent(rollout_id="a", model_call_id="c9"),
             _put("a", "c9"),
             FreezeEvent(rollout_id="a"),
-            DropEvent(
-                rollout_id="a", snapshot_id=snapshot_id_at(LogPosition(TOPIC, 0, freeze_a2_offset)), version=1
-            ),
+            _DropOfFreezeAt("a", 30),
         ],
         [
             FreezeEvent(rollout_id="c"),
@@ -96,7 +124,7 @@ def _build() -> list[list[Event]]:
             RetireEvent(rollout_id="a"),
         ],
     ]
-    return blocks
+    return _resolved(blocks)
 
 
 BLOCKS = _build()

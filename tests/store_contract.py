@@ -83,8 +83,9 @@ class StoreContract:
             first = await source.freeze("r-freeze")
             again = await source.freeze("r-freeze")
             assert call_ids(first) == ["c1", "c2"]
-            assert (first.incomplete, first.version) == (False, 1)
-            assert (again.snapshot_id, again.version, call_ids(again)) == (first.snapshot_id, 1, ["c1", "c2"])
+            # Gym's counting: one version per entry, one for the first freeze.
+            assert (first.incomplete, first.version) == (False, 3)
+            assert (again.snapshot_id, again.version, call_ids(again)) == (first.snapshot_id, 3, ["c1", "c2"])
             stored = {entry.model_call_id: entry.canonical_json() for entry in first.entries}
             assert stored["c1"] == make_entry("r-freeze", "c1").canonical_json()
 
@@ -118,7 +119,7 @@ class StoreContract:
             after = await source.freeze("r-late")
             assert call_ids(after) == ["c1"]
             assert after.snapshot_id == frozen.snapshot_id
-            assert (frozen.version, after.version) == (1, 3)
+            assert (frozen.version, after.version) == (2, 4)
             assert await source.drop("r-late", frozen.snapshot_id, frozen.version) is False
             assert await source.drop("r-late", after.snapshot_id, after.version) is True
 
@@ -150,7 +151,7 @@ class StoreContract:
             refrozen = await source.freeze("r-race")
             assert (refrozen.snapshot_id, refrozen.version, refrozen.incomplete) == (
                 frozen.snapshot_id,
-                2,
+                3,
                 True,
             )
             assert await source.drop("r-race", refrozen.snapshot_id, refrozen.version) is True
@@ -163,7 +164,7 @@ class StoreContract:
             await sink.put(make_entry("r-marked", "c1"))
             await sink.mark_incomplete("r-marked", "c2", "capture failed")
             snapshot = await source.freeze("r-marked")
-            assert (call_ids(snapshot), snapshot.incomplete, snapshot.version) == (["c1"], True, 1)
+            assert (call_ids(snapshot), snapshot.incomplete, snapshot.version) == (["c1"], True, 3)
 
         self.run(scenario)
 
@@ -191,7 +192,7 @@ class StoreContract:
             assert (deleted.removed, deleted.not_found) == (("r-reuse",), ("r-absent",))
             await sink.put(make_entry("r-reuse", "c9"))
             new = await source.freeze("r-reuse")
-            assert (call_ids(new), new.version, new.incomplete) == (["c9"], 1, False)
+            assert (call_ids(new), new.version, new.incomplete) == (["c9"], 2, False)
             assert new.snapshot_id != old.snapshot_id
 
         self.run(scenario)

@@ -22,6 +22,7 @@ Error tree::
     │   ├── RolloutFrozenError
     │   └── RolloutRetiredError
     ├── StoreCorruptionError (RuntimeError)
+    ├── StoreFormatError (RuntimeError)
     ├── MaskFractionExceededError (RuntimeError)
     ├── InjectedFaultError (RuntimeError)
     ├── TrajectoryBuildError (RuntimeError)
@@ -60,6 +61,7 @@ __all__ = [
     "RolloutRetiredError",
     "SinkConfigError",
     "StoreCorruptionError",
+    "StoreFormatError",
     "TokcapError",
     "TokenExtractionError",
     "ChainValidationError",
@@ -136,6 +138,10 @@ class RolloutRetiredError(RolloutClosedError):
 
 class StoreCorruptionError(TokcapError, RuntimeError):
     """Durable store files are damaged in a way recovery must not guess about."""
+
+
+class StoreFormatError(TokcapError, RuntimeError):
+    """A store file is in a directory format this version does not read; the message names the upgrade step."""
 
 
 class MaskFractionExceededError(TokcapError, RuntimeError):

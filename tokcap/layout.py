@@ -3,11 +3,14 @@
 Per rollout, in one directory:
 
 - ``<id>.tokens.jsonl``: one canonical JSON line per accepted entry (keys sorted).
-- ``<id>.tokens.state.json``: the typed ``RolloutState``, the commit record of the other files.
-- ``<id>.tokens.intents``: JSON lines ``{"model_call_id": ..., "op": "intent"|"cancel"}``.
-- ``<id>.tokens.incomplete``: JSON lines naming each lost call; its presence masks the rollout.
-- ``<id>.tokens.fence``: written on retire or drop, kept until ``delete``; late writers fail on it.
-- ``<id>.tokens.lock``: the per-rollout file lock; never removed, so two lockers never hold different inodes.
+- ``<id>.tokens.state.json``: the ``RolloutState`` in Gym's layout, the commit record of the other files;
+  once retired it is the fence that refuses late writers, kept until ``delete``.
+- ``<id>.tokens.intents``: one line per dispatched call, its call id (cancels live in the state).
+- ``<id>.tokens.incomplete``: one line per marker, the lost call's id (reasons live in the state).
+- ``<id>.tokens.lock``: the per-rollout ``flock`` target shared with Gym's store; never removed.
+
+The format is Gym 0.7.0's, so either store opens the other's rollouts. ``<id>.tokens.fence`` belonged to
+tokcap 0.1; finding one means an old directory, which is refused with the upgrade step.
 
 Nothing outside this module spells a file name; transports and tools ask the store.
 """
@@ -42,6 +45,7 @@ RECORD_SUFFIXES = (ENTRIES_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX)
 """The files a retire removes: everything the rollout recorded, not its state, fence or lock."""
 
 _LISTED_SUFFIXES = (ENTRIES_SUFFIX, STATE_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX, FENCE_SUFFIX)
+"""A stray tokcap 0.1 fence is listed too, so the rollout's first read reports the old format."""
 
 
 @dataclass(frozen=True)

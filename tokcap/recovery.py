@@ -5,13 +5,15 @@ position it reflects. Files can be ahead of it (index writes lag on purpose in t
 land between an append and its state write), and a retire or delete can stop half-way. This module reads
 what is on disk and says what the state is and which repairs make the files agree with it.
 
-- A fence wins over a state that is not retired, unless the state was applied from a later log position
-  (a delete leaves an empty state first and removes the fence after it). The retire is then finished.
-- Past the state, the file store folds the tails in: every complete line was acknowledged.
+- A retired state is the fence; record files beside it mean the retire stopped half-way, and it is finished.
+- Past the state, the file store folds the tails in: every complete line was acknowledged, by tokcap or by
+  Gym's store (which counts a version per entry it finds there, as this does).
   A torn final line was never acknowledged; it is cut before the next append.
 - A projection resuming from its log instead cuts every tail back to the state and applies those events
   again: whatever lies past the state was never covered by a checkpoint.
+  Reads of a projected rollout ignore such tails.
 - A file shorter than the state says is corruption, never silently accepted.
+- A directory of tokcap 0.1 (a fence file, or a state with a ``lifecycle`` key) is refused with the upgrade step.
 
 Recovery only reads. Writers carry out the repairs under the rollout's lock; readers ignore them.
 """
@@ -25,16 +27,15 @@ from pathlib import Path
 
 import orjson
 
-from tokcap.errors import NewerSchemaError, RecordValidationError, StoreCorruptionError
+from tokcap.errors import NewerSchemaError, RecordValidationError, StoreCorruptionError, StoreFormatError
 from tokcap.layout import RolloutPaths
 from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
-from tokcap.state import IncompleteMark, IntentOp, RolloutState
+from tokcap.state import UPGRADE_STEP, IncompleteMark, IntentOp, RolloutState
 
 __all__ = [
     "CutTail",
     "FinishRetire",
     "Recovered",
-    "RemoveStaleFence",
     "Repair",
     "call_id_of_entry_line",
     "recover",
@@ -54,12 +55,7 @@ class FinishRetire:
     """A fence exists but the records were not removed yet: remove them and write the retired state."""
 
 
-@dataclass(frozen=True)
-class RemoveStaleFence:
-    """A delete applied after this fence left it behind: remove it."""
-
-
-Repair = CutTail | FinishRetire | RemoveStaleFence
+Repair = CutTail | FinishRetire
 
 
 @dataclass(frozen=True)
@@ -86,15 +82,6 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _later(state: RolloutState, fence: RolloutState) -> bool:
-    """Whether ``state`` was applied from a later position of the same log than ``fence``."""
-    mine, theirs = state.last_position, fence.last_position
-    if mine is None or theirs is None:
-        return False
-    same_log = mine.get("topic") == theirs.get("topic") and mine.get("partition") == theirs.get("partition")
-    return same_log and int(mine.get("offset", -1)) > int(theirs.get("offset", -1))
-
-
 def recover(paths: RolloutPaths, *, replaying: bool, remembered_lines: dict[str, str]) -> Recovered:
     """Recover one rollout; the caller holds its lock.
 
@@ -103,36 +90,26 @@ def recover(paths: RolloutPaths, *, replaying: bool, remembered_lines: dict[str,
     tail is hashed instead of parsed.
     """
     state_bytes = _read(paths.state)
-    state = RolloutState.decode(state_bytes, str(paths.state)) if state_bytes is not None else None
-    exists = state is not None
-    if state is None or not state.retired:
-        fence_bytes = _read(paths.fence)
-        if fence_bytes is not None:
-            fence = RolloutState.decode(fence_bytes, str(paths.fence))
-            if state is not None and _later(state, fence):
-                return _tails(paths, state, (RemoveStaleFence(),), replaying, remembered_lines, exists)
-            return Recovered(fence, (FinishRetire(),), 0, exists)
-    if state is None:
-        state = RolloutState(rollout_id=paths.rollout_id)
+    if os.path.lexists(paths.fence):
+        raise StoreFormatError(f"{paths.fence}: {UPGRADE_STEP}", rollout_id=paths.rollout_id)
+    if state_bytes is None:
+        return _tails(paths, RolloutState(rollout_id=paths.rollout_id), replaying, remembered_lines, False)
+    state = RolloutState.decode(state_bytes, str(paths.state), paths.rollout_id)
     if state.retired:
-        return Recovered(state, (), 0, exists)
-    return _tails(paths, state, (), replaying, remembered_lines, exists)
+        leftovers = any(os.path.lexists(path) for path in paths.records)
+        return Recovered(state, (FinishRetire(),) if leftovers else (), 0, True)
+    return _tails(paths, state, replaying, remembered_lines, True)
 
 
 def _tails(
-    paths: RolloutPaths,
-    state: RolloutState,
-    repairs: tuple[Repair, ...],
-    replaying: bool,
-    remembered_lines: dict[str, str],
-    exists: bool,
+    paths: RolloutPaths, state: RolloutState, replaying: bool, remembered_lines: dict[str, str], exists: bool
 ) -> Recovered:
     sizes = {
         paths.entries: state.indexed_size,
         paths.intents: state.intents_size,
         paths.incomplete: state.incomplete_size,
     }
-    cuts: list[Repair] = list(repairs)
+    cuts: list[Repair] = []
     grown: list[Path] = []
     for path, covered in sizes.items():
         size = _size(path)
@@ -146,9 +123,14 @@ def _tails(
             grown.append(path)
     if not grown:
         return Recovered(state, tuple(cuts), 0, exists)
-    if replaying:
+    projected = state.last_position is not None
+    if replaying or projected:
         cuts.extend(CutTail(path, sizes[path]) for path in grown)
         return Recovered(state, tuple(cuts), 0, exists)
+    if not state.is_open:
+        # Nothing is appended to a frozen rollout but markers: other lines raced the freeze and are not part of it.
+        cuts.extend(CutTail(path, sizes[path]) for path in grown if path != paths.incomplete)
+        grown = [path for path in grown if path == paths.incomplete]
     state = state.model_copy()
     lagging = 0
     if paths.entries in grown:
@@ -227,28 +209,41 @@ def call_id_of_entry_line(line: bytes) -> str:
 
 
 def _fold_entries(path: Path, state: RolloutState, cuts: list[Repair], remembered: dict[str, str]) -> int:
+    """Index entry lines past the state; each counts a version, and a second payload for a call id masks."""
     digests = dict(state.entry_digests)
+    marks = list(state.incomplete_marks)
 
     def fold(line: bytes) -> None:
         digest = entry_digest(line)
         call_id = remembered.get(digest)
-        digests[call_id if call_id is not None else call_id_of_entry_line(line)] = digest
+        if call_id is None:
+            call_id = call_id_of_entry_line(line)
+        known = digests.get(call_id)
+        if known is not None and known != digest:
+            marks.append(
+                IncompleteMark(model_call_id=call_id, reason="conflicting durable payloads for a call id")
+            )
+            state.incomplete = True
+        elif known is None:
+            digests[call_id] = digest
+        state.version += 1
 
     consumed, lines = _parse_tail(path, state.indexed_size, state, cuts, fold)
     state.entry_digests = digests
+    state.incomplete_marks = marks
     state.indexed_size += consumed
     return lines
 
 
 def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
+    """Each intent line is a call id (Gym's format); cancels live in the state and come before these lines."""
     intents = dict(state.intents)
 
     def fold(line: bytes) -> None:
-        raw = _json_object(line, "intent")
-        call_id, op = raw.get("model_call_id"), raw.get("op")
-        if not isinstance(call_id, str) or op not in ("intent", "cancel"):
-            raise RecordValidationError(f"intent line {line[:80]!r} has no call id or an unknown op")
-        intents[call_id] = IntentOp(op)
+        call_id = _call_id_of_side_line(line, "intent")
+        if not call_id:
+            raise RecordValidationError("intent line names no call")
+        intents[call_id] = IntentOp.INTENT
 
     consumed, lines = _parse_tail(path, state.intents_size, state, cuts, fold)
     state.intents = intents
@@ -257,14 +252,11 @@ def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
 
 
 def _fold_marks(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
+    """Each marker line is a call id, maybe empty (Gym's format); its writer already counted the version."""
     marks = list(state.incomplete_marks)
 
     def fold(line: bytes) -> None:
-        raw = _json_object(line, "incomplete")
-        call_id, reason = raw.get("model_call_id", ""), raw.get("reason", "")
-        if not isinstance(call_id, str) or not isinstance(reason, str):
-            raise RecordValidationError(f"incomplete line {line[:80]!r} is not a marker")
-        mark = IncompleteMark(model_call_id=call_id, reason=reason)
+        mark = IncompleteMark(model_call_id=_call_id_of_side_line(line, "incomplete"))
         if mark not in marks:
             marks.append(mark)
 
@@ -274,3 +266,13 @@ def _fold_marks(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
     if marks:
         state.incomplete = True
     return lines
+
+
+def _call_id_of_side_line(line: bytes, what: str) -> str:
+    try:
+        text = line.decode()
+    except UnicodeDecodeError as exc:
+        raise RecordValidationError(f"{what} line is not UTF-8: {exc}") from exc
+    if text.startswith("{"):
+        raise StoreFormatError(f"the {what} file holds a JSON line: {UPGRADE_STEP}")
+    return text.strip()

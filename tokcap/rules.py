@@ -13,14 +13,16 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - A put of a known call id with a different payload is rejected and marks the rollout incomplete.
 - An intent or cancel that repeats the call's last recorded operation is a no-op.
 - An intent, cancel or put after the freeze is rejected, recorded as evidence and moves the version.
-- An incomplete marker is accepted even after the freeze; after it, it moves the version.
+- An incomplete marker is accepted even after the freeze, and every one moves the version.
+- The version counts as Gym's does: one per accepted entry, per marker, per conflicting put, and the first freeze.
 - Every event but delete is refused by a retired rollout's fence.
 - A freeze records the calls whose intent has no entry and no cancel; they make the snapshot incomplete.
 - A freeze is idempotent; its snapshot id comes from its log position, or from the caller without a log.
 - A freeze applied at a log position records the version it answered, so later events never leak into it.
 - A drop retires the rollout only while it is frozen in exactly that snapshot and version.
-- A retire retires whatever the state; retiring writes the fence durably before any record is removed.
-- A delete forgets the rollout and its fence; applied from a log it leaves an empty state holding the verdict.
+- A retire retires whatever the state; the retired state is the fence, durable before any record is removed.
+- A delete forgets the rollout; applied from a log it leaves an empty state holding the verdict.
+- A cancel has no line in Gym's intents file: it lives in the state, durably.
 - The position of every applied event is recorded once, in the state the decision returns.
 """
 
@@ -28,8 +30,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import orjson
 
 from tokcap.events import (
     CancelEvent,
@@ -56,10 +56,8 @@ __all__ = [
     "Barrier",
     "Decision",
     "Effect",
-    "RemoveFence",
     "RemoveRecords",
     "RemoveState",
-    "WriteFence",
     "WriteState",
     "decide",
     "intent_line",
@@ -109,7 +107,7 @@ class AppendEntry:
 
 @dataclass(frozen=True)
 class AppendIntent:
-    """Append one intent or cancel line to ``<id>.tokens.intents`` at byte ``start``."""
+    """Append one intent line (the call id, as Gym writes it) to ``<id>.tokens.intents`` at byte ``start``."""
 
     line: bytes
     start: int
@@ -117,7 +115,7 @@ class AppendIntent:
 
 @dataclass(frozen=True)
 class AppendIncompleteMark:
-    """Append one incomplete marker line to ``<id>.tokens.incomplete`` at byte ``start``."""
+    """Append one marker line (the call id, as Gym writes it) to ``<id>.tokens.incomplete`` at byte ``start``."""
 
     line: bytes
     start: int
@@ -135,11 +133,6 @@ class WriteState:
 
 
 @dataclass(frozen=True)
-class WriteFence:
-    """Write the decision's (retired) state as the fence that refuses late writers."""
-
-
-@dataclass(frozen=True)
 class Barrier:
     """Everything before this effect must be durable before anything after it happens."""
 
@@ -150,25 +143,12 @@ class RemoveRecords:
 
 
 @dataclass(frozen=True)
-class RemoveFence:
-    """Remove the fence."""
-
-
-@dataclass(frozen=True)
 class RemoveState:
     """Remove the state file."""
 
 
 Effect = (
-    AppendEntry
-    | AppendIntent
-    | AppendIncompleteMark
-    | WriteState
-    | WriteFence
-    | Barrier
-    | RemoveRecords
-    | RemoveFence
-    | RemoveState
+    AppendEntry | AppendIntent | AppendIncompleteMark | WriteState | Barrier | RemoveRecords | RemoveState
 )
 
 
@@ -190,14 +170,14 @@ class Decision:
 # ------------------------------------------------------------------------------------------ encodings
 
 
-def intent_line(model_call_id: str, op: IntentOp) -> bytes:
-    """The stored line of one intent or cancel."""
-    return orjson.dumps({"model_call_id": model_call_id, "op": op.value}, option=orjson.OPT_SORT_KEYS) + b"\n"
+def intent_line(model_call_id: str) -> bytes:
+    """The stored line of one intent: the call id, as Gym writes it."""
+    return model_call_id.encode() + b"\n"
 
 
-def mark_line(mark: IncompleteMark) -> bytes:
-    """The stored line of one incomplete marker."""
-    return orjson.dumps(mark.model_dump(), option=orjson.OPT_SORT_KEYS) + b"\n"
+def mark_line(model_call_id: str) -> bytes:
+    """The stored line of one incomplete marker: the call id (maybe empty), as Gym writes it."""
+    return model_call_id.encode() + b"\n"
 
 
 def snapshot_id_at(position: LogPosition) -> str:
@@ -290,13 +270,13 @@ def _rejected_late(
 
 
 def _with_mark(state: RolloutState, mark: IncompleteMark) -> tuple[Effect, ...]:
-    """Mark the rollout incomplete; a repeated identical mark adds no line."""
+    """Mark the rollout incomplete: one line per marker, as Gym writes, and the version moves; a reason is kept once."""
     state.incomplete = True
-    if mark in state.incomplete_marks:
-        return ()
-    line = mark_line(mark)
+    state.version += 1
+    line = mark_line(mark.model_call_id)
     effect = AppendIncompleteMark(line, state.incomplete_size)
-    state.incomplete_marks = [*state.incomplete_marks, mark]
+    if mark not in state.incomplete_marks:
+        state.incomplete_marks = [*state.incomplete_marks, mark]
     state.incomplete_size += len(line)
     return (effect,)
 
@@ -332,6 +312,7 @@ def _put(state: RolloutState, event: PutEvent, position: LogPosition | None) -> 
     append = AppendEntry(line, state.indexed_size, call_id, digest)
     state.entry_digests = {**state.entry_digests, call_id: digest}
     state.indexed_size += len(line)
+    state.version += 1
     verdict = ApplyResult(ApplyOutcome.ACCEPTED, EventType.PUT, state.rollout_id, call_id)
     return Decision(state, verdict, (append, WriteState(durable=False)))
 
@@ -348,11 +329,13 @@ def _intent_op(
         return _unchanged(state, verdict, position)
     if not state.is_open:
         return _rejected_late(state, event_type, call_id, position)
-    line = intent_line(call_id, op)
-    append = AppendIntent(line, state.intents_size)
     state.intents = {**state.intents, call_id: op}
-    state.intents_size += len(line)
     verdict = ApplyResult(ApplyOutcome.ACCEPTED, event_type, state.rollout_id, call_id)
+    if op is IntentOp.CANCEL:
+        return Decision(state, verdict, (WriteState(durable=True),))
+    line = intent_line(call_id)
+    append = AppendIntent(line, state.intents_size)
+    state.intents_size += len(line)
     return Decision(state, verdict, (append, WriteState(durable=False)))
 
 
@@ -362,8 +345,6 @@ def _incomplete(state: RolloutState, event: IncompleteEvent, position: LogPositi
         return _unchanged(state, _refused_by_fence(state, EventType.INCOMPLETE, call_id), position)
     marks = _with_mark(state, IncompleteMark(model_call_id=call_id, reason=event.reason))
     late = not state.is_open
-    if late:
-        state.version += 1
     verdict = ApplyResult(
         ApplyOutcome.ACCEPTED,
         EventType.INCOMPLETE,
@@ -420,17 +401,19 @@ def _record_answer(state: RolloutState, position: LogPosition) -> None:
 
 
 def _retired(state: RolloutState) -> tuple[Effect, ...]:
-    """Fence first and make it durable, then remove the records: a crash in between still refuses writes."""
+    """The retired state is the fence: durable first, then the records go; a crash in between still refuses writes.
+
+    Like Gym's drop, it keeps the snapshot id, version and incomplete flag, and forgets the entry index.
+    """
     state.removed_records = state.holds_records
     state.advance(Lifecycle.RETIRED)
-    fence = (WriteFence(), Barrier())
     state.entry_digests = {}
     state.indexed_size = 0
     state.intents = {}
     state.intents_size = 0
     state.incomplete_marks = []
     state.incomplete_size = 0
-    return (*fence, RemoveRecords(), WriteState(durable=True))
+    return (WriteState(durable=True), Barrier(), RemoveRecords())
 
 
 def _drop(state: RolloutState, event: DropEvent, position: LogPosition | None) -> Decision:
@@ -476,7 +459,8 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
 
     That state keeps a resumed projection from applying the delete twice and lets a source in another
     process read the verdict; the rollout id is reusable and starts empty either way. It replaces the old
-    state before any file is removed, so a crash anywhere leaves the same verdict.
+    state before any file is removed, so a crash anywhere leaves the same verdict. Without a log, a rollout
+    holding records is retired first, so a crash half-way leaves it fenced, never half-open.
     """
     removed = state.holds_records or state.retired
     verdict = ApplyResult(
@@ -485,11 +469,16 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
         state.rollout_id,
         removed=removed,
     )
-    if position is None:
-        fresh = RolloutState(rollout_id=state.rollout_id)
-        effects: tuple[Effect, ...] = (RemoveRecords(), RemoveState(), RemoveFence())
-    else:
+    if position is not None:
         fresh = RolloutState(rollout_id=state.rollout_id, removed_records=removed)
         fresh.record_position(position)
-        effects = (WriteState(durable=True), Barrier(), RemoveRecords(), RemoveFence())
-    return Decision(fresh, verdict, effects, sync_even_if_unchanged=True)
+        effects: tuple[Effect, ...] = (WriteState(durable=True), Barrier(), RemoveRecords())
+        return Decision(fresh, verdict, effects, sync_even_if_unchanged=True)
+    if not state.holds_records:
+        effects = (RemoveRecords(), RemoveState())
+        return Decision(
+            RolloutState(rollout_id=state.rollout_id), verdict, effects, sync_even_if_unchanged=True
+        )
+    tombstone = state.model_copy()
+    retiring = _retired(tombstone)
+    return Decision(tombstone, verdict, (*retiring, RemoveState()), sync_even_if_unchanged=True)

@@ -1,9 +1,16 @@
 """The typed state of one rollout, as the store keeps it in ``<rollout_id>.tokens.state.json``.
 
+The file is in NeMo Gym 0.7.0's format, so Gym's file store and tokcap's open each other's rollouts:
+Gym's seven keys (``frozen``, ``retired``, ``incomplete``, ``snapshot_id``, ``version``, ``entry_digests``,
+``indexed_size``) with Gym's meanings, and everything tokcap adds under one ``tokcap`` key, which Gym
+carries through its own rewrites. The lifecycle is derived from Gym's flags. Keys neither knows survive.
+A state file of tokcap 0.1 (a ``lifecycle`` key at the top) is refused with the upgrade step.
+
 A rollout moves open → frozen → retired and never back; ``delete`` forgets it.
 ``removed_records`` tells whether the retire or delete that produced this state removed anything.
-``version`` is 0 while open, becomes 1 at freeze, and moves on every later change
-(a rejected late write, a late incomplete marker), so a stale snapshot cannot be dropped.
+``version`` counts changes as Gym does: one per accepted entry, per incomplete marker, per conflicting
+put and for the first freeze; tokcap also counts each write rejected after the freeze, so a stale
+snapshot cannot be dropped.
 
 The state is the commit record of the rollout's side files: ``indexed_size``, ``intents_size`` and
 ``incomplete_size`` say how many bytes of each file it covers, and ``last_position`` which log position
@@ -19,11 +26,12 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from tokcap.errors import NewerSchemaError, StoreCorruptionError
+from tokcap.errors import NewerSchemaError, StoreCorruptionError, StoreFormatError
 from tokcap.events import LogPosition
 
 __all__ = [
     "STATE_SCHEMA_VERSION",
+    "UPGRADE_STEP",
     "FreezeAnswer",
     "IncompleteMark",
     "IntentOp",
@@ -33,7 +41,7 @@ __all__ = [
 ]
 
 STATE_SCHEMA_VERSION = 2
-"""The newest state-file schema this reader understands."""
+"""The newest schema of the ``tokcap`` part of a state file this reader understands."""
 
 
 class Lifecycle(enum.StrEnum):
@@ -84,6 +92,33 @@ class FreezeAnswer(BaseModel):
     incomplete: bool
 
 
+_GYM_KEYS = frozenset(
+    {"entry_digests", "frozen", "incomplete", "indexed_size", "retired", "snapshot_id", "version"}
+)
+_TOKCAP_KEY = "tokcap"
+UPGRADE_STEP = (
+    "it was written by tokcap 0.1, whose directory format this version no longer reads; replay the run "
+    "topic into an empty directory (`tokcap replay`), or finish and delete its rollouts with tokcap 0.1"
+)
+
+
+class _TokcapPart(BaseModel):
+    """What tokcap keeps beyond Gym's keys, under the state file's ``tokcap`` key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: StrictInt = STATE_SCHEMA_VERSION
+    dangling_intents: list[str] = Field(default_factory=list)
+    rejections: list[Rejection] = Field(default_factory=list)
+    intents: dict[str, IntentOp] = Field(default_factory=dict)
+    intents_size: StrictInt = 0
+    incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
+    incomplete_size: StrictInt = 0
+    freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
+    last_position: dict[str, Any] | None = None
+    removed_records: bool | None = None
+
+
 class RolloutState(BaseModel):
     """Everything the store knows about a rollout besides its entry lines."""
 
@@ -108,6 +143,8 @@ class RolloutState(BaseModel):
     freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
     last_position: dict[str, Any] | None = None
     removed_records: bool | None = None
+    foreign_keys: dict[str, Any] = Field(default_factory=dict)
+    """Top-level keys another writer put in the file; kept so a rewrite never drops them."""
 
     @property
     def is_open(self) -> bool:
@@ -142,7 +179,7 @@ class RolloutState(BaseModel):
         return None
 
     def advance(self, lifecycle: Lifecycle) -> None:
-        """Move forward in the lifecycle, keeping the plain flags readers of the layout rely on."""
+        """Move forward in the lifecycle, keeping Gym's flags (``frozen``, ``retired``) in step."""
         order = [Lifecycle.OPEN, Lifecycle.FROZEN, Lifecycle.RETIRED]
         if order.index(lifecycle) < order.index(self.lifecycle):
             raise StoreCorruptionError(
@@ -150,7 +187,7 @@ class RolloutState(BaseModel):
                 rollout_id=self.rollout_id,
             )
         self.lifecycle = lifecycle
-        self.frozen = lifecycle is not Lifecycle.OPEN
+        self.frozen = self.frozen or lifecycle is Lifecycle.FROZEN
         self.retired = lifecycle is Lifecycle.RETIRED
 
     def already_applied(self, position: LogPosition | None) -> bool:
@@ -169,26 +206,72 @@ class RolloutState(BaseModel):
             self.last_position = position.to_dict()
 
     def encode(self) -> bytes:
-        """Sorted-key JSON, so replays produce identical bytes."""
-        return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+        """Gym's layout: sorted keys, compact, one trailing newline, so replays produce identical bytes."""
+        tokcap_part = _TokcapPart(
+            dangling_intents=self.dangling_intents,
+            rejections=self.rejections,
+            intents=self.intents,
+            intents_size=self.intents_size,
+            incomplete_marks=self.incomplete_marks,
+            incomplete_size=self.incomplete_size,
+            freeze_answers=self.freeze_answers,
+            last_position=self.last_position,
+            removed_records=self.removed_records,
+        )
+        document: dict[str, Any] = {
+            **self.foreign_keys,
+            "entry_digests": self.entry_digests,
+            "frozen": self.frozen,
+            "incomplete": self.incomplete,
+            "indexed_size": self.indexed_size,
+            "retired": self.retired,
+            "snapshot_id": self.snapshot_id or "",
+            "version": self.version,
+            _TOKCAP_KEY: tokcap_part.model_dump(mode="json"),
+        }
+        return orjson.dumps(document, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE)
 
     @classmethod
-    def decode(cls, data: bytes, origin: str) -> RolloutState:
-        """Parse a state or fence file; newer schemas are refused, damage is reported."""
+    def decode(cls, data: bytes, origin: str, rollout_id: str) -> RolloutState:
+        """Parse a state file written by tokcap or by Gym; newer schemas are refused, damage is reported."""
         try:
             raw = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise StoreCorruptionError(
-                f"{origin} is not valid JSON ({exc}); restore it or delete it"
+                f"{origin} is not valid JSON ({exc}); restore it or delete it", rollout_id=rollout_id
             ) from exc
-        if isinstance(raw, dict):
-            version = raw.get("schema_version")
+        if not isinstance(raw, dict):
+            raise StoreCorruptionError(
+                f"{origin} is not a JSON object; restore it or delete it", rollout_id=rollout_id
+            )
+        if "lifecycle" in raw:
+            raise StoreFormatError(f"{origin}: {UPGRADE_STEP}", rollout_id=rollout_id)
+        extra = raw.get(_TOKCAP_KEY, {})
+        if isinstance(extra, dict):
+            version = extra.get("schema_version")
             if isinstance(version, int) and version > STATE_SCHEMA_VERSION:
                 raise NewerSchemaError(
-                    f"{origin} has schema_version {version}, newer than {STATE_SCHEMA_VERSION}; upgrade tokcap"
+                    f"{origin} has tokcap schema_version {version}, newer than {STATE_SCHEMA_VERSION}; upgrade tokcap",
+                    rollout_id=rollout_id,
                 )
         try:
-            state = cls.model_validate(raw)
+            part = _TokcapPart.model_validate(extra)
+            frozen, retired = bool(raw.get("frozen", False)), bool(raw.get("retired", False))
+            state = cls(
+                rollout_id=rollout_id,
+                lifecycle=Lifecycle.RETIRED if retired else Lifecycle.FROZEN if frozen else Lifecycle.OPEN,
+                frozen=frozen,
+                retired=retired,
+                incomplete=bool(raw.get("incomplete", False)),
+                snapshot_id=raw.get("snapshot_id") or None,
+                version=raw.get("version", 0),
+                entry_digests=raw.get("entry_digests", {}),
+                indexed_size=raw.get("indexed_size", 0),
+                foreign_keys={k: v for k, v in raw.items() if k not in _GYM_KEYS and k != _TOKCAP_KEY},
+                **part.model_dump(exclude={"schema_version"}),
+            )
         except ValidationError as exc:
-            raise StoreCorruptionError(f"{origin} is not a valid rollout state: {exc}") from exc
+            raise StoreCorruptionError(
+                f"{origin} is not a valid rollout state: {exc}", rollout_id=rollout_id
+            ) from exc
         return state

@@ -11,7 +11,7 @@ Durability:
 - Every entry, intent and incomplete line is synced before its call returns.
 - The state file is replaced atomically; it is synced on lifecycle transitions and late changes.
   Index-only changes may lag: the file tails past the state are folded in when the rollout is next read.
-- Retire makes its fences durable before removing records, and syncs the directory before it returns.
+- Retire makes the retired state (the fence) durable before removing records, and syncs before it returns.
 - Delete syncs the directory before it returns, even when it found nothing.
 
 Reads never write: they recover the state in memory and leave repairs to the next writer.
@@ -52,7 +52,6 @@ from tokcap.events import (
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.layout import (
     ENTRIES_SUFFIX,
-    FENCE_SUFFIX,
     INCOMPLETE_SUFFIX,
     INTENTS_SUFFIX,
     LOCK_SUFFIX,
@@ -63,7 +62,7 @@ from tokcap.layout import (
 from tokcap.locks import RolloutLocks
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.records import TokenEntry
-from tokcap.recovery import CutTail, FinishRetire, Recovered, RemoveStaleFence, recover
+from tokcap.recovery import CutTail, FinishRetire, Recovered, recover
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.rules import (
     AppendEntry,
@@ -73,10 +72,8 @@ from tokcap.rules import (
     ApplyResult,
     Barrier,
     Decision,
-    RemoveFence,
     RemoveRecords,
     RemoveState,
-    WriteFence,
     WriteState,
     decide,
 )
@@ -85,7 +82,6 @@ from tokcap.write_queue import WriteQueue
 
 __all__ = [
     "ENTRIES_SUFFIX",
-    "FENCE_SUFFIX",
     "INCOMPLETE_SUFFIX",
     "INDEX_FLUSH_ENTRIES",
     "INTENTS_SUFFIX",
@@ -197,7 +193,7 @@ class TokenCaptureStore:
 
         Inside the block, operations return before their writes are durable, and each rollout's state stays
         in memory; the states are written once per rollout at the end, then synced together.
-        Ordering barriers (a fence before the removals it guards) still sync at once.
+        Ordering barriers (a retired state before the removals it guards) still sync at once.
         Only a single-writer projection that records its own checkpoint after the block should use this:
         if the process dies inside the block, the files may be ahead of their states, and the projection's
         next apply cuts them back and applies the same events again.
@@ -253,10 +249,6 @@ class TokenCaptureStore:
         """The rollout's file lock."""
         return self._paths_of(rollout_id).lock
 
-    def fence_path_for(self, rollout_id: str) -> Path:
-        """The fence that outlives retire and drop and refuses late writes."""
-        return self._paths_of(rollout_id).fence
-
     @contextmanager
     def _locked(self, rollout_id: str) -> Iterator[RolloutPaths]:
         """Hold the rollout's exclusive file lock; it serializes threads and processes alike."""
@@ -284,12 +276,8 @@ class TokenCaptureStore:
         for repair in recovered.repairs:
             if isinstance(repair, CutTail):
                 self._cut(repair)
-            elif isinstance(repair, RemoveStaleFence):
-                self._remove(paths.fence)
             elif isinstance(repair, FinishRetire):
                 self._remove_records(paths)
-                self._replace_state_file(paths, recovered.state)
-                self._commit.note_write()
 
     def _cut(self, cut: CutTail) -> None:
         """Cut bytes no state covers: a torn line never acknowledged, or a projection's unapplied tail."""
@@ -309,8 +297,8 @@ class TokenCaptureStore:
     ) -> Decision:
         """Recover, decide, carry out; the caller holds the rollout's lock.
 
-        ``fence_only`` stops at the decision's first barrier (phase one of a batch retire);
-        the next writer's recovery finishes the rest.
+        ``fence_only`` stops before the decision's first barrier (phase one of a batch retire, whose caller
+        syncs once for all); the next writer's recovery finishes the rest.
         """
         recovered = self._recovered(paths, replaying=position is not None, writing=True)
         new_snapshot_id = uuid.uuid4().hex if position is None and isinstance(event, FreezeEvent) else ""
@@ -340,21 +328,16 @@ class TokenCaptureStore:
                     self._replace_state_file(paths, state)
                     if effect.durable:
                         self._commit.note_write()
-            elif isinstance(effect, WriteFence):
-                replace_atomically(paths.fence, state.encode(), durable=False)
-                self._commit.note_write()
             elif isinstance(effect, Barrier):
+                if fence_only:
+                    return
                 if deferred and rollout_id in self._deferral.dirty:
                     self._deferral.dirty.discard(rollout_id)
                     self._replace_state_file(paths, state)
                     self._commit.note_write()
                 self._barrier()
-                if fence_only:
-                    return
             elif isinstance(effect, RemoveRecords):
                 self._remove_records(paths)
-            elif isinstance(effect, RemoveFence):
-                self._remove(paths.fence)
             elif isinstance(effect, RemoveState):
                 self._remove(paths.state)
         if deferred:
@@ -443,7 +426,7 @@ class TokenCaptureStore:
         return list(self._read(rollout_id).incomplete_marks)
 
     def holds_anything(self, rollout_id: str) -> bool:
-        """Whether a delete of the rollout would find anything: records, evidence or a fence."""
+        """Whether a delete of the rollout would find anything: records, evidence or a retired tombstone."""
         state = self._read(rollout_id)
         return state.holds_records or state.retired
 
@@ -519,7 +502,7 @@ class TokenCaptureStore:
         return state.incomplete or bool(state.incomplete_marks)
 
     def rollout_ids(self) -> list[str]:
-        """Every rollout id that has a state, entries, intents, marker or fence here, sorted."""
+        """Every rollout id that has a state, entries, intents or marker here, sorted."""
         return rollout_ids_in(self._root)
 
     # ------------------------------------------------------ sink, synchronous

@@ -149,7 +149,7 @@ def test_log_shows_the_rejected_late_write_of_a_scripted_rollout(
         ("drop", "", "no-op"),
     ]
     assert [e["offset"] for e in events] == sorted(e["offset"] for e in events)
-    assert events[3]["writer"] == "server-a" and events[3]["version"] == 2
+    assert events[3]["writer"] == "server-a" and events[3]["version"] == 3
     human = tokcap("log", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic, "--rollout", "r1")
     assert "rejected-after-freeze" in human.stdout and "late" in human.stdout
 

@@ -40,7 +40,7 @@ def test_retired_rollouts_in_the_summary_are_fenced_and_empty_in_the_store(
     for rollout in retired:
         rid = rollout["rollout_id"]
         assert store.read_state(rid).retired
-        assert store.fence_path_for(rid).exists()
+        assert store.state_path_for(rid).exists()
         assert not store.path_for(rid).exists()
 
 

@@ -25,14 +25,13 @@ from tokcap.events import (
 )
 from tokcap.rules import (
     AppendEntry,
+    AppendIncompleteMark,
     AppendIntent,
     ApplyOutcome,
     Barrier,
     Decision,
-    RemoveFence,
     RemoveRecords,
     RemoveState,
-    WriteFence,
     WriteState,
     decide,
 )
@@ -139,16 +138,18 @@ def test_an_intent_after_a_cancel_is_recorded_again_and_a_repeat_is_not() -> Non
     ]
     state, decisions = _run(events)
     appends = [d.effects[0] for d in decisions if d.effects and isinstance(d.effects[0], AppendIntent)]
-    assert [a.start for a in appends] == [0, 36, 72]
+    assert [(a.line, a.start) for a in appends] == [(b"a\n", 0), (b"a\n", 2)]
+    assert decisions[1].effects == (WriteState(durable=True),)
     assert decisions[3].verdict.outcome is ApplyOutcome.NOOP
-    assert state.intents == {"a": IntentOp.INTENT} and state.intents_size == 108
+    assert state.intents == {"a": IntentOp.INTENT} and state.intents_size == 4
 
 
 def test_a_conflicting_put_marks_the_rollout_incomplete_and_appends_no_entry() -> None:
     state, decisions = _run([_put("a"), _put("a", (9,))])
     assert decisions[1].verdict.outcome is ApplyOutcome.CONFLICT
     assert not any(isinstance(effect, AppendEntry) for effect in decisions[1].effects)
-    assert state.incomplete and len(state.incomplete_marks) == 1
+    assert AppendIncompleteMark(b"a\n", 0) in decisions[1].effects
+    assert state.incomplete and len(state.incomplete_marks) == 1 and state.version == 2
 
 
 def test_a_dangling_intent_makes_the_freeze_incomplete() -> None:
@@ -159,14 +160,13 @@ def test_a_dangling_intent_makes_the_freeze_incomplete() -> None:
 def test_a_freeze_answers_the_version_of_its_own_position_and_late_writes_move_past_it() -> None:
     events: list[Event] = [_put("a"), FreezeEvent(rollout_id=RID), _put("late"), FreezeEvent(rollout_id=RID)]
     state, decisions = _run(events)
-    assert (
-        decisions[1].verdict.version == 1
-        and decisions[2].verdict.outcome is ApplyOutcome.REJECTED_AFTER_FREEZE
-    )
-    assert state.version == 2
+    assert decisions[0].verdict.outcome is ApplyOutcome.ACCEPTED and decisions[0].state.version == 1
+    assert decisions[1].verdict.version == 2
+    assert decisions[2].verdict.outcome is ApplyOutcome.REJECTED_AFTER_FREEZE
+    assert state.version == 3
     first, second = state.answer_at(_at(1)), state.answer_at(_at(3))
-    assert first is not None and first.version == 1
-    assert second is not None and second.version == 2
+    assert first is not None and first.version == 2
+    assert second is not None and second.version == 3
     assert state.snapshot_id == "t:0:1"
 
 
@@ -175,23 +175,24 @@ def test_a_freeze_without_a_log_needs_a_snapshot_id_from_the_caller() -> None:
         decide(RolloutState(rollout_id=RID), FreezeEvent(rollout_id=RID), None)
 
 
-def test_a_late_incomplete_is_accepted_and_moves_the_version() -> None:
-    state, decisions = _run(
-        [_put("a"), FreezeEvent(rollout_id=RID), IncompleteEvent(rollout_id=RID, model_call_id="a")]
-    )
-    assert decisions[2].verdict.outcome is ApplyOutcome.ACCEPTED
-    assert state.version == 2 and state.incomplete
+def test_every_incomplete_marker_is_a_line_and_moves_the_version_even_after_the_freeze() -> None:
+    mark = IncompleteEvent(rollout_id=RID, model_call_id="a", reason="lost")
+    state, decisions = _run([_put("a"), mark, mark, FreezeEvent(rollout_id=RID), mark])
+    assert decisions[4].verdict.outcome is ApplyOutcome.ACCEPTED
+    assert state.version == 5 and state.incomplete
+    assert state.incomplete_size == 6 and len(state.incomplete_marks) == 1
 
 
 def test_a_stale_drop_keeps_everything_and_an_exact_one_fences_before_removing() -> None:
     state, decisions = _run(
-        [_put("a"), FreezeEvent(rollout_id=RID), DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=2)]
+        [_put("a"), FreezeEvent(rollout_id=RID), DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=1)]
     )
     assert decisions[2].verdict.dropped is False and state.lifecycle is Lifecycle.FROZEN
-    exact = decide(state, DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=1), _at(3))
+    exact = decide(state, DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=2), _at(3))
     assert exact.verdict.dropped is True and exact.verdict.removed is True
-    assert exact.effects == (WriteFence(), Barrier(), RemoveRecords(), WriteState(durable=True))
+    assert exact.effects == (WriteState(durable=True), Barrier(), RemoveRecords())
     assert exact.state.retired and exact.state.entry_digests == {} and exact.state.indexed_size == 0
+    assert exact.state.version == 2 and exact.state.snapshot_id == "t:0:1" and exact.state.frozen
 
 
 def test_a_fence_refuses_every_write_but_delete() -> None:
@@ -204,12 +205,16 @@ def test_a_fence_refuses_every_write_but_delete() -> None:
     assert decide(state, DeleteEvent(rollout_id=RID), _at(21)).verdict.removed is True
 
 
-def test_a_logged_delete_leaves_a_state_with_the_verdict_before_removing_files() -> None:
+def test_a_delete_leaves_a_verdict_or_a_fence_before_removing_files() -> None:
     state, _ = _run([_put("a")])
     logged = decide(state, DeleteEvent(rollout_id=RID), _at(5))
-    assert logged.effects == (WriteState(durable=True), Barrier(), RemoveRecords(), RemoveFence())
+    assert logged.effects == (WriteState(durable=True), Barrier(), RemoveRecords())
     assert logged.state.is_pristine and logged.state.removed_records is True
     assert logged.state.last_position == _at(5).to_dict()
     unlogged = decide(state, DeleteEvent(rollout_id=RID), None)
-    assert unlogged.effects == (RemoveRecords(), RemoveState(), RemoveFence())
-    assert unlogged.sync_even_if_unchanged
+    assert unlogged.effects == (WriteState(durable=True), Barrier(), RemoveRecords(), RemoveState())
+    assert unlogged.state.retired and unlogged.sync_even_if_unchanged
+    never_written = decide(RolloutState(rollout_id=RID), DeleteEvent(rollout_id=RID), None)
+    assert (
+        never_written.effects == (RemoveRecords(), RemoveState()) and never_written.verdict.removed is False
+    )

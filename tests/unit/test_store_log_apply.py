@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.factories import make_entry
-from tokcap.events import DeleteEvent, FreezeEvent, LogPosition, PutEvent, RetireEvent
+from tokcap.events import DeleteEvent, FreezeEvent, IntentEvent, LogPosition, PutEvent, RetireEvent
 from tokcap.state import RolloutState
 from tokcap.store import ApplyOutcome, TokenCaptureStore
 
@@ -24,42 +24,34 @@ def test_a_log_applied_delete_leaves_an_empty_state_that_remembers_it(tmp_path: 
     assert result.removed is True
     state = store.read_state("r")
     assert state.is_pristine and state.removed_records is True and state.last_position == _at(2).to_dict()
-    assert not store.fence_path_for("r").exists() and not store.path_for("r").exists()
+    assert not store.path_for("r").exists()
     assert store.apply(DeleteEvent(rollout_id="r"), _at(2)).outcome is ApplyOutcome.ALREADY_APPLIED
     assert store.apply(DeleteEvent(rollout_id="r"), _at(3)).removed is False
 
 
-@pytest.mark.parametrize("fence_left", [True, False])
+@pytest.mark.parametrize("leftover", ["entries", "entries-and-intents"])
 def test_re_applying_a_delete_interrupted_after_its_fresh_state_finishes_the_removals(
-    tmp_path: Path, fence_left: bool
+    tmp_path: Path, leftover: str
 ) -> None:
     store = TokenCaptureStore(tmp_path)
-    store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "c1")), _at(0))
-    store.apply(FreezeEvent(rollout_id="r"), _at(1))
+    store.apply(IntentEvent(rollout_id="r", model_call_id="c1"), _at(0))
+    store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "c1")), _at(1))
     leftover_entries = store.path_for("r").read_bytes()
-    store.apply(RetireEvent(rollout_id="r"), _at(2))
-    fence = store.fence_path_for("r").read_bytes()
+    leftover_intents = store.intents_path_for("r").read_bytes()
     clean = TokenCaptureStore(tmp_path / "clean")
-    for offset, event in enumerate(
-        [
-            PutEvent(rollout_id="r", entry=make_entry("r", "c1")),
-            FreezeEvent(rollout_id="r"),
-            RetireEvent(rollout_id="r"),
-        ]
-    ):
-        clean.apply(event, _at(offset))
-    clean.apply(DeleteEvent(rollout_id="r"), _at(3))
-    # The crash: the delete at offset 3 replaced the state, then the process died before removing the rest.
+    clean.apply(IntentEvent(rollout_id="r", model_call_id="c1"), _at(0))
+    clean.apply(PutEvent(rollout_id="r", entry=make_entry("r", "c1")), _at(1))
+    clean.apply(DeleteEvent(rollout_id="r"), _at(2))
+    # The crash: the delete at offset 2 replaced the state, then the process died before removing the files.
     interrupted = RolloutState(rollout_id="r", removed_records=True)
-    interrupted.record_position(_at(3))
+    interrupted.record_position(_at(2))
     store.state_path_for("r").write_bytes(interrupted.encode())
     store.path_for("r").write_bytes(leftover_entries)
-    if fence_left:
-        store.fence_path_for("r").write_bytes(fence)
-    else:
-        store.fence_path_for("r").unlink()
-    store.apply(DeleteEvent(rollout_id="r"), _at(3))
-    assert not store.path_for("r").exists() and not store.fence_path_for("r").exists()
+    if leftover == "entries-and-intents":
+        store.intents_path_for("r").write_bytes(leftover_intents)
+    assert store.read_entries("r") == []
+    store.apply(DeleteEvent(rollout_id="r"), _at(2))
+    assert not store.path_for("r").exists() and not store.intents_path_for("r").exists()
     assert store.state_path_for("r").read_bytes() == clean.state_path_for("r").read_bytes()
 
 

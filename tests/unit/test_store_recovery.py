@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from tests.factories import make_entry
-from tokcap.errors import NewerSchemaError, StoreCorruptionError
+from tokcap.errors import NewerSchemaError, StoreCorruptionError, StoreFormatError
 from tokcap.store import TokenCaptureStore
 
 
@@ -84,20 +84,46 @@ def test_a_state_file_with_a_newer_schema_is_refused(tmp_path: Path) -> None:
     store = TokenCaptureStore(tmp_path)
     store.append(make_entry("r", "c1"))
     raw = orjson.loads(store.state_path_for("r").read_bytes())
-    raw["schema_version"] = 42
+    raw["tokcap"]["schema_version"] = 42
     store.state_path_for("r").write_bytes(orjson.dumps(raw))
     with pytest.raises(NewerSchemaError):
         store.read_entries("r")
 
 
-def test_a_fence_without_a_retired_state_still_refuses_writes_and_retire_completes(tmp_path: Path) -> None:
+def test_a_retire_stopped_before_its_removals_still_refuses_writes_and_is_finished_by_the_next_writer(
+    tmp_path: Path,
+) -> None:
     store = TokenCaptureStore(tmp_path)
     store.append(make_entry("r", "c1"))
-    state = store.read_state("r")
-    state.advance(state.lifecycle.RETIRED)
-    store.fence_path_for("r").write_bytes(state.encode())
+    store.begin_call_now("r", "c2")
+    entries = store.path_for("r").read_bytes()
+    intents = store.intents_path_for("r").read_bytes()
+    store.retire_now(["r"])
+    # The crash: the retired state was durable, the records were not removed yet.
+    store.path_for("r").write_bytes(entries)
+    store.intents_path_for("r").write_bytes(intents)
+    assert store.read_entries("r") == []
     with pytest.raises(RuntimeError):
         store.append(make_entry("r", "c2"))
-    store.retire_now(["r"])
-    assert not store.path_for("r").exists()
+    assert not store.path_for("r").exists() and not store.intents_path_for("r").exists()
     assert store.read_state("r").retired
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("r.tokens.fence", b"{}"),
+        ("r.tokens.state.json", b'{"lifecycle":"open","rollout_id":"r","schema_version":1}'),
+        ("r.tokens.intents", b'{"model_call_id":"c1","op":"intent"}\n'),
+    ],
+)
+def test_a_directory_of_tokcap_0_1_is_refused_with_the_upgrade_step_never_misread(
+    tmp_path: Path, name: str, content: bytes
+) -> None:
+    (tmp_path / name).write_bytes(content)
+    store = TokenCaptureStore(tmp_path)
+    with pytest.raises(StoreFormatError, match=r"tokcap 0\.1.*tokcap replay"):
+        store.read_entries("r")
+    with pytest.raises(StoreFormatError):
+        store.begin_call_now("r", "c9")
+    assert (tmp_path / name).read_bytes() == content

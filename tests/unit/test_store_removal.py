@@ -12,14 +12,16 @@ from tokcap.errors import InvalidRolloutIdError, RolloutRetiredError
 from tokcap.store import TokenCaptureStore
 
 
-def test_drop_of_the_exact_snapshot_removes_payloads_and_keeps_the_fence(tmp_path: Path) -> None:
+def test_drop_of_the_exact_snapshot_removes_payloads_and_keeps_the_retired_state_as_fence(
+    tmp_path: Path,
+) -> None:
     store = TokenCaptureStore(tmp_path)
     store.begin_call_now("r", "c1")
     store.append(make_entry("r", "c1"))
     snapshot = store.freeze_now("r")
     assert store.drop_now("r", snapshot.snapshot_id, snapshot.version) is True
     assert not store.path_for("r").exists() and not store.intents_path_for("r").exists()
-    assert store.fence_path_for("r").exists()
+    assert store.read_state("r").retired
     assert store.drop_now("r", snapshot.snapshot_id, snapshot.version) is True
     with pytest.raises(RolloutRetiredError):
         store.append(make_entry("r", "c2"))
@@ -97,7 +99,7 @@ def test_delete_allows_reuse_with_an_empty_rollout(tmp_path: Path) -> None:
     store.retire_now(["r"])
     assert store.delete_now(["r"]).removed == ("r",)
     assert store.delete_now(["r"]).not_found == ("r",)
-    assert not store.fence_path_for("r").exists()
+    assert not store.state_path_for("r").exists()
     reused = store.freeze_now("r")
     assert reused.entries == () and reused.snapshot_id != first.snapshot_id
     store.delete_now(["r"])

@@ -68,6 +68,7 @@ class StoreMachine(RuleBasedStateMachine):
         if model.lifecycle == "frozen":
             model.version += 1
             return RolloutFrozenError
+        model.version += 1
         if known is not None:
             model.incomplete = True
             return ConflictingEntryError
@@ -95,6 +96,7 @@ class StoreMachine(RuleBasedStateMachine):
             list(pool.map(self.store.append, batch))
         for call in fresh:
             model.entries[call] = variant
+        model.version += len(fresh)
         model.known = True
 
     @rule(rollout_id=st.sampled_from(ROLLOUTS), call_id=st.sampled_from(CALLS), cancel=st.booleans())
@@ -128,8 +130,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.mark_incomplete_now(rollout_id, call_id)
         model.incomplete = True
         model.known = True
-        if model.lifecycle == "frozen":
-            model.version += 1
+        model.version += 1
 
     # ----------------------------------------------------------- lifecycle
 
@@ -144,7 +145,7 @@ class StoreMachine(RuleBasedStateMachine):
             dangling = [c for c, op in model.intents.items() if op == "intent" and c not in model.entries]
             model.incomplete = model.incomplete or bool(dangling)
             model.lifecycle = "frozen"
-            model.version = 1
+            model.version += 1
             model.known = True
         snapshot = self.store.freeze_now(rollout_id)
         if model.snapshot_id is None:
@@ -196,14 +197,13 @@ class StoreMachine(RuleBasedStateMachine):
             assert state.lifecycle.value == model.lifecycle
             if model.lifecycle == "retired":
                 assert self.store.read_entries(rollout_id) == []
-                assert self.store.fence_path_for(rollout_id).exists()
+                assert not self.store.path_for(rollout_id).exists()
                 continue
             entries = self.store.read_entries(rollout_id)
             assert {e.model_call_id: e.prompt_token_ids[2] for e in entries} == model.entries
             assert len(entries) == len(model.entries)
             assert self.store.is_incomplete(rollout_id) == model.incomplete
-            if model.lifecycle == "frozen":
-                assert state.version == model.version
+            assert state.version == model.version
 
 
 TestStoreAgainstReferenceModel = StoreMachine.TestCase

@@ -221,10 +221,7 @@ class KafkaTokenSource:
         """What a delete will find, read before publishing it: the fallback when its own record is overwritten."""
         found: dict[str, bool] = {}
         for event in events:
-            state = self._store.read_state(event.rollout_id)
-            found[event.rollout_id] = (
-                not state.is_pristine or self._store.fence_path_for(event.rollout_id).exists()
-            )
+            found[event.rollout_id] = self._store.holds_anything(event.rollout_id)
         return found
 
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
