@@ -36,7 +36,7 @@ import orjson
 
 from tokcap.builder import BuildOutput, Chain
 from tokcap.errors import PrefixContiguityError, TrajectoryBuildError
-from tokcap.records import TOKEN_FIELDS, strip_token_fields
+from tokcap.records import REQUIRED_TOKEN_FIELDS, strip_token_arrays
 
 __all__ = [
     "assert_prefix_contiguity",
@@ -69,7 +69,7 @@ def project_chain_to_output_items(chain: Chain) -> list[dict[str, Any]]:
         }
         if entry.routed_experts is not None:
             arrays["routed_experts"] = copy.deepcopy(entry.routed_experts)
-        call_items = [strip_token_fields(copy.deepcopy(item)) for item in entry.output_items]
+        call_items = [strip_token_arrays(copy.deepcopy(item)) for item in entry.output_items]
         if entry.token_item_index is None:
             call_items.append(_synthetic_message())
             token_index = len(call_items) - 1
@@ -135,12 +135,12 @@ def assert_prefix_contiguity(response: Mapping[str, Any]) -> list[int]:
     for index, item in enumerate(output):
         if not isinstance(item, Mapping):
             continue
-        present = [name for name in TOKEN_FIELDS if item.get(name) is not None]
+        present = [name for name in REQUIRED_TOKEN_FIELDS if item.get(name) is not None]
         if not present:
             continue
-        if len(present) != len(TOKEN_FIELDS):
+        if len(present) != len(REQUIRED_TOKEN_FIELDS):
             raise PrefixContiguityError(
-                f"output item {index} carries {present} but not all of {list(TOKEN_FIELDS)}"
+                f"output item {index} carries {present} but not all of {list(REQUIRED_TOKEN_FIELDS)}"
             )
         context = _int_list(item["prompt_token_ids"], "prompt_token_ids", index)
         generation = _int_list(item["generation_token_ids"], "generation_token_ids", index)

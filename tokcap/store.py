@@ -66,7 +66,7 @@ from tokcap.events import (
 )
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
-from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry, entry_digest
+from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry, as_token_entry, entry_digest
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.state import Lifecycle, Rejection, RolloutState
 from tokcap.write_queue import WriteQueue
@@ -1018,7 +1018,8 @@ class TokenCaptureStore:
             )
 
     def append(self, entry: TokenEntry) -> None:
-        """Idempotently append one entry and fsync it before returning."""
+        """Idempotently append one entry and fsync it before returning; a Gym entry is taken as is."""
+        entry = as_token_entry(entry)
         self._raise_for(self.apply(PutEvent(rollout_id=entry.rollout_id, entry=entry)))
 
     def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
