@@ -110,7 +110,7 @@ class TokenEntry(BaseModel):
     generation_token_ids: list[int]
     generation_log_probs: list[float]
     routed_experts: Any | None = None
-    output_items: list[dict[str, Any]] = Field(default_factory=list)
+    output_items: list[dict[Any, Any]] = Field(default_factory=list)
     token_item_index: int | None = None
     response_id: str | None = None
     created_at: float = 0.0
