@@ -127,6 +127,7 @@ def test_a_call_gym_could_not_capture_masks_the_rollout_read_from_tokcap(
             await store.close()
 
     built, retired = asyncio.run(run())
+    assert built["mask_sample"] is True
     assert result["mask_sample"] is True
     assert result["_ng_token_capture"]["capture_incomplete"] is True
     assert retired is False, "a masked build keeps its evidence"
