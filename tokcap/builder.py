@@ -21,7 +21,7 @@ from typing import Any
 
 from tokcap.errors import ChainValidationError, TrajectoryBuildError, UnknownBuilderError
 from tokcap.prefix_trie import PrefixTrie
-from tokcap.records import TokenEntry
+from tokcap.records import TokenEntry, compute_digest
 
 __all__ = [
     "BUILDERS",
@@ -335,8 +335,68 @@ def _chain_order_key(chain: Chain) -> tuple[tuple[float, str], ...]:
     return tuple(_creation_key(link.entry) for link in chain.links)
 
 
+def _with_full_prompts(entries: list[TokenEntry]) -> list[TokenEntry]:
+    """Rebuild delta prompts (Gym's ``prompt_is_delta``) from their parents, and check every stored digest.
+
+    A delta entry stores only the prompt suffix after its resolved parent's prompt and generation.
+    Its full prompt is the parent's full prompt, the parent's generation, then that suffix.
+    Where an entry carries Gym's ``digest`` of its full sequence, the rebuilt sequence must match it.
+    A delta whose parent is missing, a cycle, or a mismatch raises ``TrajectoryBuildError``: guessing
+    would train on a wrong prompt, so the consumer masks the rollout instead.
+    """
+    by_call = {entry.model_call_id: entry for entry in entries}
+    full: dict[str, list[int]] = {
+        entry.model_call_id: list(entry.prompt_token_ids) for entry in entries if not entry.prompt_is_delta
+    }
+    pending = [entry for entry in entries if entry.prompt_is_delta]
+    while pending:
+        waiting: list[TokenEntry] = []
+        for entry in pending:
+            parent = by_call.get(entry.parent_call_id or "")
+            if parent is None:
+                raise TrajectoryBuildError(
+                    f"call {entry.model_call_id!r} stores a delta prompt, but its parent "
+                    f"{entry.parent_call_id!r} is not in the snapshot; its full prompt cannot be rebuilt",
+                    rollout_id=entry.rollout_id,
+                    model_call_id=entry.model_call_id,
+                )
+            if parent.model_call_id in full:
+                prefix = full[parent.model_call_id]
+                full[entry.model_call_id] = [*prefix, *parent.generation_token_ids, *entry.prompt_token_ids]
+            else:
+                waiting.append(entry)
+        if len(waiting) == len(pending):
+            raise TrajectoryBuildError(
+                f"delta prompts of calls {sorted(e.model_call_id for e in waiting)} form a cycle of parents",
+                rollout_id=waiting[0].rollout_id,
+            )
+        pending = waiting
+    rebuilt: list[TokenEntry] = []
+    for entry in entries:
+        prompt = full[entry.model_call_id]
+        sequence = [*prompt, *entry.generation_token_ids]
+        if entry.digest is not None and compute_digest(sequence) != entry.digest:
+            raise TrajectoryBuildError(
+                f"call {entry.model_call_id!r}: its prompt and generation do not match its stored digest; "
+                "the record or its parent chain is inconsistent",
+                rollout_id=entry.rollout_id,
+                model_call_id=entry.model_call_id,
+            )
+        if entry.cum_len is not None and entry.cum_len != len(sequence):
+            raise TrajectoryBuildError(
+                f"call {entry.model_call_id!r}: its sequence has {len(sequence)} tokens, its cum_len says "
+                f"{entry.cum_len}",
+                rollout_id=entry.rollout_id,
+                model_call_id=entry.model_call_id,
+            )
+        if entry.prompt_is_delta:
+            entry = entry.model_copy(update={"prompt_token_ids": prompt, "prompt_is_delta": False})
+        rebuilt.append(entry)
+    return rebuilt
+
+
 def _split_empty_generations(entries: Iterable[TokenEntry]) -> tuple[list[TokenEntry], tuple[str, ...]]:
-    unique = _unique_entries(entries)
+    unique = _with_full_prompts(_unique_entries(entries))
     producing = [entry for entry in unique if entry.generation_token_ids]
     empty = tuple(sorted(entry.model_call_id for entry in unique if not entry.generation_token_ids))
     return producing, empty

@@ -14,13 +14,16 @@ Shape of ``project_main_chain_response``::
 Each call of the chain contributes its captured output items in order (text, reasoning, tool calls),
 without token arrays, except the item at its ``token_item_index``, which carries:
 
-- ``prompt_token_ids``: the root prompt for the first call; only the interstitial tokens for later calls;
+- ``prompt_token_ids``: every token before this call's generation (Gym 0.7.0's cumulative format): the
+  root prompt for the first call; for later calls the previous item's prompt and generation, then the
+  interstitial tokens;
 - ``generation_token_ids`` and ``generation_log_probs``: the call's generated tokens and their log probs;
 - ``routed_experts``, when the call captured it.
 
 A call captured without content items contributes one synthetic assistant message carrying the arrays.
-Concatenating every token-bearing item's ``prompt_token_ids`` then ``generation_token_ids``, in order,
-reproduces the chain's final token sequence; generated tokens take loss mask 1, the rest 0.
+Each token-bearing item's prompt extends the previous item's prompt and generation, so the last item's
+``prompt_token_ids`` then ``generation_token_ids`` are the chain's final token sequence; generated tokens
+take loss mask 1, the rest 0. Gym's own ``assert_prefix_contiguity`` accepts this output.
 ``usage`` counts that sequence: ``input_tokens`` are the masked ones, ``output_tokens`` the generated ones.
 ``tokcap_sequence_sha256`` is the sha256 of the sequence as a JSON array, so the invariant can be re-checked.
 """
@@ -59,11 +62,12 @@ def _synthetic_message() -> dict[str, Any]:
 def project_chain_to_output_items(chain: Chain) -> list[dict[str, Any]]:
     """The chain's output items with contiguous token arrays, as described in the module docstring."""
     items: list[dict[str, Any]] = []
+    seen: list[int] = []
     for index, link in enumerate(chain.links):
         entry = link.entry
-        context = list(chain.root_prompt_token_ids) if index == 0 else list(link.interstitial_token_ids)
+        seen = list(chain.root_prompt_token_ids) if index == 0 else [*seen, *link.interstitial_token_ids]
         arrays: dict[str, Any] = {
-            "prompt_token_ids": context,
+            "prompt_token_ids": list(seen),
             "generation_token_ids": list(entry.generation_token_ids),
             "generation_log_probs": list(entry.generation_log_probs),
         }
@@ -77,6 +81,7 @@ def project_chain_to_output_items(chain: Chain) -> list[dict[str, Any]]:
             token_index = entry.token_item_index
         call_items[token_index] = {**call_items[token_index], **arrays}
         items.extend(call_items)
+        seen = [*seen, *entry.generation_token_ids]
     return items
 
 
@@ -121,10 +126,12 @@ def _int_list(value: Any, name: str, index: int) -> list[int]:
 def assert_prefix_contiguity(response: Mapping[str, Any]) -> list[int]:
     """Check that the response's token arrays form one contiguous sequence; return that sequence.
 
-    Every token-bearing item must carry all three arrays, as many log probs as generated tokens,
-    and at least one generated token; at least one item must bear tokens.
-    When the response carries ``usage.total_tokens`` or ``metadata.tokcap_sequence_sha256``,
-    the concatenated sequence must match them.
+    Gym's rule: each token-bearing item's ``prompt_token_ids`` starts with every token seen so far
+    (the previous item's prompt and generation), so the sequence is the last item's prompt and generation.
+    Beyond Gym, every token-bearing item must carry all three arrays, as many log probs as generated
+    tokens, and at least one generated token; at least one item must bear tokens.
+    When the response carries ``usage.output_tokens``, ``usage.total_tokens`` or
+    ``metadata.tokcap_sequence_sha256``, the generated count and the sequence must match them.
     Raise ``PrefixContiguityError`` naming the first violation.
     """
     output = response.get("output")
@@ -132,6 +139,7 @@ def assert_prefix_contiguity(response: Mapping[str, Any]) -> list[int]:
         raise PrefixContiguityError("the response has no output list")
     sequence: list[int] = []
     bearing = 0
+    generated_count = 0
     for index, item in enumerate(output):
         if not isinstance(item, Mapping):
             continue
@@ -151,12 +159,23 @@ def assert_prefix_contiguity(response: Mapping[str, Any]) -> list[int]:
             )
         if not generation:
             raise PrefixContiguityError(f"output item {index} carries token arrays but no generated token")
-        sequence.extend(context)
-        sequence.extend(generation)
+        if context[: len(sequence)] != sequence:
+            raise PrefixContiguityError(
+                f"output item {index}: prompt_token_ids does not extend the {len(sequence)} tokens of the "
+                "items before it (prompts are cumulative)"
+            )
+        sequence = [*context, *generation]
+        generated_count += len(generation)
         bearing += 1
     if bearing == 0:
         raise PrefixContiguityError("the response has no output item carrying token ids")
     usage = response.get("usage")
+    generated = usage.get("output_tokens") if isinstance(usage, Mapping) else None
+    if isinstance(generated, int) and generated != generated_count:
+        raise PrefixContiguityError(
+            f"the output items carry {generated_count} generated tokens but usage.output_tokens is {generated}; "
+            "a token-bearing item was dropped or altered"
+        )
     total = usage.get("total_tokens") if isinstance(usage, Mapping) else None
     if isinstance(total, int) and total != len(sequence):
         raise PrefixContiguityError(
