@@ -98,3 +98,65 @@ def test_a_record_whose_tokens_disagree_with_its_digest_is_not_built() -> None:
     tampered = root.model_copy(update={"generation_token_ids": [4]})
     with pytest.raises(TrajectoryBuildError, match="digest"):
         run_builder([tampered])
+
+
+def test_tokcaps_delivery_reads_a_gym_record_and_its_result_reads_as_gyms_build(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    from tokcap.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
+
+    rollout = tool_use_rollout("shapes-3")
+    record = rollout.result()
+
+    async def run() -> tuple[Any, bool, bool]:
+        store = TokenCaptureStore(tmp_path)
+        lineage = gym.lineage.FileLineageStore(tmp_path)
+        try:
+            await drive(gym, rollout, store, lineage)
+            built = await finalize_rollout_token_capture(record, store)
+            # Gym's own gate and retirement take tokcap's result as they take Gym's dict.
+            can_retire = gym.delivery.capture_build_can_retire(built)
+            retired = await retire_rollout_token_capture(rollout.rollout_id, store, built)
+            return built, can_retire, retired
+        finally:
+            await lineage.close()
+            await store.close()
+
+    built, can_retire, retired = asyncio.run(run())
+    assert built["mask_sample"] is False, built["metrics"]
+    assert built["rebuilt_response"]["output"] == record["response"]["output"]
+    assert set(built["_capture_snapshot"]) == {"snapshot_id", "version"}
+    assert "mask_sample" not in record
+    assert record["_ng_token_capture"]["terminal_chain"] == "delivered"
+    generated = [
+        item["generation_token_ids"]
+        for item in record["response"]["output"]
+        if "generation_token_ids" in item
+    ]
+    # The retried answer the harness kept (resp_4, matched by response id), not the abandoned one.
+    assert generated == [[101, 102, 103], [104, 105], [109, 110]]
+    gym.builder.assert_prefix_contiguity(record["response"])
+    assert can_retire is True
+    assert retired is True
+
+
+def test_a_declared_terminal_that_no_call_served_masks_the_rollout(gym: GymModules, tmp_path: Path) -> None:
+    from tokcap.delivery import finalize_rollout_token_capture
+
+    rollout = tool_use_rollout("shapes-4")
+    record = {**rollout.result(), "terminal_response_id": "resp_never_served"}
+
+    async def run() -> Any:
+        store = TokenCaptureStore(tmp_path)
+        lineage = gym.lineage.FileLineageStore(tmp_path)
+        try:
+            await drive(gym, rollout, store, lineage)
+            return await finalize_rollout_token_capture(record, store)
+        finally:
+            await lineage.close()
+            await store.close()
+
+    built = asyncio.run(run())
+    assert built["mask_sample"] is True
+    assert record["mask_sample"] is True
+    assert "terminal-not-delivered" in record["_ng_token_capture"]["mask_reasons"]
