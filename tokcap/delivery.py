@@ -44,6 +44,7 @@ __all__ = [
     "finalize_rollout_token_capture",
     "logger",
     "retire_rollout_token_capture",
+    "rollout_carries_token_ids",
     "rollout_id_from_record",
 ]
 
@@ -78,6 +79,11 @@ def rollout_id_from_record(record: Mapping[str, Any]) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
+
+
+def rollout_carries_token_ids(result: Mapping[str, Any]) -> bool:
+    """Gym's name: whether the record's response already has generated token ids (then it is not rebuilt)."""
+    return _carries_generated_tokens(result)
 
 
 def _carries_generated_tokens(record: Mapping[str, Any]) -> bool:
@@ -212,39 +218,39 @@ async def finalize_rollout_token_capture(
     return outcome
 
 
-def capture_build_can_retire(build: TrajectoryResult | None) -> bool:
+def capture_build_can_retire(built: TrajectoryResult | None) -> bool:
     """Only an unmasked result that names its frozen snapshot may retire it; everything else keeps evidence."""
-    if build is None:
+    if built is None:
         return False
-    return not build.masked and build.snapshot_id is not None and build.version is not None
+    return not built.masked and built.snapshot_id is not None and built.version is not None
 
 
 async def retire_rollout_token_capture(
-    rollout_id: str, source: TokenSource, build: TrajectoryResult | None
+    rollout_id: str, source: TokenSource, built: TrajectoryResult | None
 ) -> bool:
-    """Drop exactly the snapshot ``build`` consumed, after the record's durable hand-off.
+    """Drop exactly the snapshot ``built`` consumed, after the record's durable hand-off.
 
     Return ``False`` without touching the source when the build may not retire (masked, failed or none),
     and otherwise the source's verdict: ``False`` when the rollout changed since the freeze.
-    Raise ``InvalidInputError`` when ``build`` belongs to another rollout.
+    Raise ``InvalidInputError`` when ``built`` belongs to another rollout.
     """
-    if build is None:
+    if built is None:
         return False
-    if build.rollout_id != rollout_id:
+    if built.rollout_id != rollout_id:
         raise InvalidInputError(
-            f"cannot retire rollout {rollout_id!r} with the build of rollout {build.rollout_id!r}; "
+            f"cannot retire rollout {rollout_id!r} with the build of rollout {built.rollout_id!r}; "
             "pass the result finalize_rollout_token_capture returned for this record",
             rollout_id=rollout_id,
         )
-    if not capture_build_can_retire(build) or build.snapshot_id is None or build.version is None:
-        logger.info("keeping the capture evidence of rollout %r: %s", rollout_id, list(build.mask_reasons))
+    if not capture_build_can_retire(built) or built.snapshot_id is None or built.version is None:
+        logger.info("keeping the capture evidence of rollout %r: %s", rollout_id, list(built.mask_reasons))
         return False
-    dropped = await source.drop(rollout_id, build.snapshot_id, build.version)
+    dropped = await source.drop(rollout_id, built.snapshot_id, built.version)
     if not dropped:
         logger.warning(
             "rollout %r changed after snapshot %s version %s was consumed; its records are kept",
             rollout_id,
-            build.snapshot_id,
-            build.version,
+            built.snapshot_id,
+            built.version,
         )
     return dropped

@@ -85,16 +85,16 @@ def project_chain_to_output_items(chain: Chain) -> list[dict[str, Any]]:
     return items
 
 
-def project_main_chain_response(rollout_id: str, build: BuildOutput, model: str = "") -> dict[str, Any]:
+def project_main_chain_response(rollout_id: str, out: BuildOutput, model: str = "") -> dict[str, Any]:
     """The rollout's main chain as one Responses-style dict; raise ``TrajectoryBuildError`` without one.
 
     ``model`` defaults to the model that served the chain's last call.
     """
-    chain = build.main_chain
+    chain = out.main_chain
     if chain is None:
         raise TrajectoryBuildError(
-            f"rollout {rollout_id!r} has no main chain to project (builder {build.notes.builder!r} built "
-            f"{len(build.chains)} chains); use prefix_merging and check that the calls generated tokens",
+            f"rollout {rollout_id!r} has no main chain to project (builder {out.notes.builder!r} built "
+            f"{len(out.chains)} chains); use prefix_merging and check that the calls generated tokens",
             rollout_id=rollout_id,
         )
     tokens = chain.training_tokens()
