@@ -9,24 +9,43 @@ This package imports no Kafka, FastAPI, Ray, Torch or aiohttp module.
 The rollout-record finalizer lives in ``tokcap.delivery`` and is not re-exported here.
 """
 
-from tokcap.builder import BuildOutput, Chain, ChainLink, run_builder
+from tokcap.builder import BuildOutput, Chain, ChainLink, prefix_merging, run_builder
 from tokcap.config import (
     TokenIdCaptureConfig,
     TokenIdCaptureSettings,
     token_id_capture_config,
     token_id_capture_enabled_for_agent,
 )
+from tokcap.consumer import trajectories_from_source
+from tokcap.projection import (
+    assert_prefix_contiguity,
+    project_chain_to_output_items,
+    project_main_chain_response,
+)
 from tokcap.protocols import (
+    LineageResolver,
     RolloutRemovalPayload,
     TokenCaptureSnapshot,
     TokenSink,
     TokenSource,
+    install_lineage_store,
     install_token_sink,
     install_token_source,
+    installed_lineage_store,
     installed_token_sink,
     installed_token_source,
 )
-from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TOKEN_FIELDS, TokenEntry, extract_token_fields
+from tokcap.records import (
+    TOKEN_ENTRY_MIN_SCHEMA_VERSION,
+    TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
+    TOKEN_FIELDS,
+    ParentResolutionStatus,
+    TokenEntry,
+    compute_digest,
+    cumulative_tokens,
+    extract_token_fields,
+    stamp_lineage,
+)
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.sink import (
     CaptureContext,
@@ -40,6 +59,19 @@ from tokcap.sink import (
 from tokcap.store import TokenCaptureStore, make_token_store
 
 __all__ = [
+    "TOKEN_ENTRY_MIN_SCHEMA_VERSION",
+    "LineageResolver",
+    "ParentResolutionStatus",
+    "assert_prefix_contiguity",
+    "compute_digest",
+    "cumulative_tokens",
+    "install_lineage_store",
+    "installed_lineage_store",
+    "prefix_merging",
+    "project_chain_to_output_items",
+    "project_main_chain_response",
+    "stamp_lineage",
+    "trajectories_from_source",
     "BuildOutput",
     "CaptureContext",
     "Chain",

@@ -21,7 +21,7 @@ from typing import Any
 
 from tokcap.errors import ChainValidationError, TrajectoryBuildError, UnknownBuilderError
 from tokcap.prefix_trie import PrefixTrie
-from tokcap.records import TokenEntry
+from tokcap.records import TokenEntry, compute_digest
 
 __all__ = [
     "BUILDERS",
@@ -52,6 +52,11 @@ class ChainLink:
     entry: TokenEntry
     interstitial_token_ids: tuple[int, ...] = ()
 
+    @property
+    def interstitial(self) -> list[int]:
+        """Gym's name for ``interstitial_token_ids``."""
+        return list(self.interstitial_token_ids)
+
 
 @dataclass(frozen=True)
 class ChainTokens:
@@ -69,6 +74,11 @@ class Chain:
     chain_id: str
     root_prompt_token_ids: tuple[int, ...]
     links: tuple[ChainLink, ...]
+
+    @property
+    def root_prompt(self) -> list[int]:
+        """Gym's name for ``root_prompt_token_ids``."""
+        return list(self.root_prompt_token_ids)
 
     @property
     def call_ids(self) -> tuple[str, ...]:
@@ -168,6 +178,10 @@ class BuildNotes:
     unresolved_retries: tuple[tuple[str, ...], ...] = ()
     discarded_retries: tuple[str, ...] = ()
     empty_generation_calls: tuple[str, ...] = ()
+    # Gym's terminal verdict: "" (no terminal named), "delivered" (the main chain ends at it),
+    # "broken" (it is quarantined), "not_captured" (no buildable call has that id).
+    terminal_call_id: str | None = None
+    terminal_chain: str = ""
 
     @property
     def delivered_fraction(self) -> float:
@@ -188,6 +202,8 @@ class BuildNotes:
             "unresolved_retries": [list(group) for group in self.unresolved_retries],
             "discarded_retries": list(self.discarded_retries),
             "empty_generation_calls": list(self.empty_generation_calls),
+            "terminal_call_id": self.terminal_call_id,
+            "terminal_chain": self.terminal_chain,
         }
 
 
@@ -204,6 +220,11 @@ class BuildOutput:
     main_chain_id: str | None = None
     branch_chain_ids: tuple[str, ...] = ()
     quarantined_call_ids: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def quarantined(self) -> list[str]:
+        """Gym's name for ``quarantined_call_ids``."""
+        return list(self.quarantined_call_ids)
 
     @property
     def main_chain(self) -> Chain | None:
@@ -335,14 +356,74 @@ def _chain_order_key(chain: Chain) -> tuple[tuple[float, str], ...]:
     return tuple(_creation_key(link.entry) for link in chain.links)
 
 
+def _with_full_prompts(entries: list[TokenEntry]) -> list[TokenEntry]:
+    """Rebuild delta prompts (Gym's ``prompt_is_delta``) from their parents, and check every stored digest.
+
+    A delta entry stores only the prompt suffix after its resolved parent's prompt and generation.
+    Its full prompt is the parent's full prompt, the parent's generation, then that suffix.
+    Where an entry carries Gym's ``digest`` of its full sequence, the rebuilt sequence must match it.
+    A delta whose parent is missing, a cycle, or a mismatch raises ``TrajectoryBuildError``: guessing
+    would train on a wrong prompt, so the consumer masks the rollout instead.
+    """
+    by_call = {entry.model_call_id: entry for entry in entries}
+    full: dict[str, list[int]] = {
+        entry.model_call_id: list(entry.prompt_token_ids) for entry in entries if not entry.prompt_is_delta
+    }
+    pending = [entry for entry in entries if entry.prompt_is_delta]
+    while pending:
+        waiting: list[TokenEntry] = []
+        for entry in pending:
+            parent = by_call.get(entry.parent_call_id or "")
+            if parent is None:
+                raise TrajectoryBuildError(
+                    f"call {entry.model_call_id!r} stores a delta prompt, but its parent "
+                    f"{entry.parent_call_id!r} is not in the snapshot; its full prompt cannot be rebuilt",
+                    rollout_id=entry.rollout_id,
+                    model_call_id=entry.model_call_id,
+                )
+            if parent.model_call_id in full:
+                prefix = full[parent.model_call_id]
+                full[entry.model_call_id] = [*prefix, *parent.generation_token_ids, *entry.prompt_token_ids]
+            else:
+                waiting.append(entry)
+        if len(waiting) == len(pending):
+            raise TrajectoryBuildError(
+                f"delta prompts of calls {sorted(e.model_call_id for e in waiting)} form a cycle of parents",
+                rollout_id=waiting[0].rollout_id,
+            )
+        pending = waiting
+    rebuilt: list[TokenEntry] = []
+    for entry in entries:
+        prompt = full[entry.model_call_id]
+        sequence = [*prompt, *entry.generation_token_ids]
+        if entry.digest is not None and compute_digest(sequence) != entry.digest:
+            raise TrajectoryBuildError(
+                f"call {entry.model_call_id!r}: its prompt and generation do not match its stored digest; "
+                "the record or its parent chain is inconsistent",
+                rollout_id=entry.rollout_id,
+                model_call_id=entry.model_call_id,
+            )
+        if entry.cum_len is not None and entry.cum_len != len(sequence):
+            raise TrajectoryBuildError(
+                f"call {entry.model_call_id!r}: its sequence has {len(sequence)} tokens, its cum_len says "
+                f"{entry.cum_len}",
+                rollout_id=entry.rollout_id,
+                model_call_id=entry.model_call_id,
+            )
+        if entry.prompt_is_delta:
+            entry = entry.model_copy(update={"prompt_token_ids": prompt, "prompt_is_delta": False})
+        rebuilt.append(entry)
+    return rebuilt
+
+
 def _split_empty_generations(entries: Iterable[TokenEntry]) -> tuple[list[TokenEntry], tuple[str, ...]]:
-    unique = _unique_entries(entries)
+    unique = _with_full_prompts(_unique_entries(entries))
     producing = [entry for entry in unique if entry.generation_token_ids]
     empty = tuple(sorted(entry.model_call_id for entry in unique if not entry.generation_token_ids))
     return producing, empty
 
 
-def prefix_merging(entries: Iterable[TokenEntry]) -> BuildOutput:
+def prefix_merging(entries: Iterable[TokenEntry], terminal_call_id: str | None = None) -> BuildOutput:
     """Merge calls whose prompts extend earlier calls into trees, and deliver one main chain.
 
     Calls are processed by increasing prompt length (ties by call id).
@@ -354,16 +435,36 @@ def prefix_merging(entries: Iterable[TokenEntry]) -> BuildOutput:
     Calls with no generated tokens are excluded and reported.
     Every root-to-leaf path is a chain; the main chain is the one whose root was created first (ties by
     call id, then the same rule at each fork), and the others are branches.
+    ``terminal_call_id`` (the call whose response the verifier scored) overrides that choice, as in Gym:
+    the main chain is the path from its root to that call, a retry group containing it is resolved to it,
+    and ``notes.terminal_chain`` says whether it was delivered.
     """
     producing, empty = _split_empty_generations(entries)
     captured = sum(len(entry.generation_token_ids) for entry in producing)
     ordered = sorted(producing, key=lambda entry: (len(entry.prompt_token_ids), entry.model_call_id))
     nodes = _attach_to_parents(ordered)
     unresolved, discarded = _resolve_retries(nodes)
+    terminal = next((node for node in nodes if node.entry.model_call_id == terminal_call_id), None)
+    terminal_chain = ""
+    if terminal_call_id is not None:
+        terminal_chain = (
+            "not_captured" if terminal is None else "broken" if terminal.quarantined else "delivered"
+        )
+    if terminal_chain == "delivered" and terminal is not None:
+        # The harness kept the terminal: its path wins over any same-prompt sibling.
+        node_on_path: _CallNode | None = terminal
+        while node_on_path is not None:
+            node_on_path.discarded = False
+            node_on_path = node_on_path.parent
+        unresolved = [group for group in unresolved if terminal_call_id not in group]
+        discarded = [call_id for call_id in discarded if call_id != terminal_call_id]
     kept = [node for node in nodes if not node.quarantined and not node.discarded]
     has_kept_child = {id(node.parent) for node in kept if node.parent is not None}
     leaves = [node for node in kept if id(node) not in has_kept_child]
     chains = sorted((_chain_ending_at(leaf) for leaf in leaves), key=_chain_order_key)
+    if terminal_chain == "delivered" and terminal is not None:
+        main_path = _chain_ending_at(terminal)
+        chains = [main_path, *(chain for chain in chains if chain.chain_id != main_path.chain_id)]
     roots = sum(1 for node in kept if node.parent is None)
     main = chains[0] if chains else None
     notes = BuildNotes(
@@ -375,6 +476,8 @@ def prefix_merging(entries: Iterable[TokenEntry]) -> BuildOutput:
         unresolved_retries=tuple(unresolved),
         discarded_retries=tuple(discarded),
         empty_generation_calls=empty,
+        terminal_call_id=terminal_call_id,
+        terminal_chain=terminal_chain,
     )
     return BuildOutput(
         chains=tuple(chains),
@@ -413,12 +516,15 @@ BUILDERS: dict[str, Builder] = {PREFIX_MERGING: prefix_merging, PER_REQUEST: per
 """Every builder by name."""
 
 
-def run_builder(entries: Iterable[TokenEntry], builder: str = PREFIX_MERGING) -> BuildOutput:
-    """Build with the named builder; an unknown name raises ``UnknownBuilderError`` listing the known ones."""
-    try:
-        build = BUILDERS[builder]
-    except KeyError:
-        raise UnknownBuilderError(
-            f"unknown trajectory builder {builder!r}; choose one of {sorted(BUILDERS)}"
-        ) from None
-    return build(entries)
+def run_builder(
+    entries: Iterable[TokenEntry], builder: str = PREFIX_MERGING, terminal_call_id: str | None = None
+) -> BuildOutput:
+    """Build with the named builder; an unknown name raises ``UnknownBuilderError`` listing the known ones.
+
+    ``terminal_call_id`` anchors the main chain of ``prefix_merging`` (Gym's signature).
+    """
+    if builder not in BUILDERS:
+        raise UnknownBuilderError(f"unknown trajectory builder {builder!r}; choose one of {sorted(BUILDERS)}")
+    if builder == PREFIX_MERGING:
+        return prefix_merging(entries, terminal_call_id=terminal_call_id)
+    return BUILDERS[builder](entries)

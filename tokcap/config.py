@@ -14,17 +14,19 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokcap.errors import ConfigError, SinkConfigError
-from tokcap.protocols import TokenSink, installed_token_sink
+from tokcap.protocols import LineageResolver, TokenSink, installed_lineage_store, installed_token_sink
 
 __all__ = [
     "TOKEN_ID_CAPTURE_BLOCK",
+    "ExternalStagingBackend",
     "TokenIdCaptureConfig",
     "TokenIdCaptureSettings",
     "logger",
@@ -39,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 _FALLBACK_DIR_KEY = "model_call_capture_dir"
 
+ExternalStagingBackend = Literal["vllm_worker", "megatron_worker"]
+"""Where an inference worker stages token deltas when ``external_staging`` is on (Gym's two backends)."""
+
 _AGENTS_KEY = "responses_api_agents"
 
 _WHY_METHOD_MATTERS: dict[str, str] = {
@@ -47,11 +52,18 @@ _WHY_METHOD_MATTERS: dict[str, str] = {
     "close": "without it pending records could not be flushed at shutdown",
     "freeze": "without it no atomic snapshot can be taken",
     "drop": "without it a consumed snapshot can never be retired",
+    "resolve": "without it no continuation can find its parent",
+    "is_process_shared": "without it Gym cannot tell whether workers share committed entries",
 }
 
 
 class TokenIdCaptureSettings(BaseModel):
-    """The ``token_id_capture`` block; unknown keys are refused so a typo cannot silently disable capture."""
+    """The ``token_id_capture`` block, key for key Gym 0.7.0's.
+
+    Unknown keys are refused so a typo cannot silently disable capture.
+    tokcap is stricter than Gym on two values only: ``max_mask_fraction`` must lie in [0, 1] and
+    ``mask_fraction_min_samples`` must be at least 1; a blank ``sink`` is refused.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -60,9 +72,31 @@ class TokenIdCaptureSettings(BaseModel):
     dir: Path | None = None
     sink: str | None = None
     sink_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # A resolver over the entries the sink committed, on the same backend (Gym's middleware asks it for
+    # each continuation's parent). A custom sink without one is refused unless the loss is accepted below.
+    lineage_store: str | None = None
+    lineage_store_kwargs: dict[str, Any] = Field(default_factory=dict)
     rebuild_response: bool = True
+    allow_unresolved_continuations: bool = False
+    # Gym stores resolved continuations as parent-relative suffixes (prompt_is_delta).
+    delta_records: bool = False
     max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     mask_fraction_min_samples: int = Field(default=50, ge=1)
+    # Gym's engine-side capture: an inference worker stages the tokens; tokcap only validates these keys.
+    external_staging: bool = False
+    external_staging_backend: ExternalStagingBackend = "vllm_worker"
+    # The name of the environment variable holding the control-route bearer token (never the token itself).
+    control_auth_token_env: str = Field(default="NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN", min_length=1)
+
+    def resolve_control_auth_token(self) -> str:
+        """Read the control bearer token from its environment variable, so it is never in the config."""
+        token = os.environ.get(self.control_auth_token_env)
+        if not token:
+            raise ConfigError(
+                "token_id_capture.external_staging needs a control bearer token in the environment "
+                f"variable {self.control_auth_token_env}; set it in the serving process"
+            )
+        return token
 
     @field_validator("sink")
     @classmethod
@@ -97,8 +131,20 @@ class TokenIdCaptureConfig(BaseModel):
 
     @model_validator(mode="after")
     def _validate(self) -> TokenIdCaptureConfig:
-        """Refuse at startup a file store that writers and readers could not agree on."""
+        """Gym's rules: refuse at startup a block that would lose or mask turns without saying so."""
         settings = self.token_id_capture
+        if settings.external_staging and not settings.enabled:
+            raise ValueError("token_id_capture.external_staging requires token_id_capture.enabled")
+        if settings.external_staging and settings.rebuild_response:
+            raise ValueError(
+                "token_id_capture.external_staging requires rebuild_response: false, because the framework "
+                "owns the finalization of staged records"
+            )
+        if settings.external_staging_backend == "megatron_worker" and not settings.external_staging:
+            raise ValueError("token_id_capture.external_staging_backend requires external_staging: true")
+        if not settings.enabled:
+            # Inactive settings stay valid, so a templated config can toggle only ``enabled``.
+            return self
         if settings.sink is not None:
             if settings.dir is not None:
                 logger.warning(
@@ -106,8 +152,12 @@ class TokenIdCaptureConfig(BaseModel):
                     settings.dir,
                     settings.sink,
                 )
+            _require_lineage_store(settings)
             return self
-        if not settings.enabled or not settings.rebuild_response or installed_token_sink() is not None:
+        if installed_token_sink() is not None and self.resolved_dir() is None:
+            _require_lineage_store(settings)
+            return self
+        if not settings.rebuild_response and self.resolved_dir() is None:
             return self
         directory = self.resolved_dir()
         if directory is None:
@@ -130,10 +180,20 @@ class TokenIdCaptureConfig(BaseModel):
         Raise ``SinkConfigError`` at startup when the sink cannot be built, rather than losing turns later.
         """
         settings = self.token_id_capture
-        if settings.sink is None:
+        if not settings.enabled or settings.sink is None:
             return None
         sink: TokenSink = self._build_endpoint(settings.sink, settings.sink_kwargs, TokenSink, "sink")
         return sink
+
+    def build_lineage_store(self) -> LineageResolver | None:
+        """Construct the configured lineage store; ``None`` when capture is off or none is configured."""
+        settings = self.token_id_capture
+        if not settings.enabled or settings.lineage_store is None:
+            return None
+        store: LineageResolver = self._build_endpoint(
+            settings.lineage_store, settings.lineage_store_kwargs, LineageResolver, "lineage_store"
+        )
+        return store
 
     @staticmethod
     def _build_endpoint(target: str, kwargs: dict[str, Any], protocol: type, kind: str) -> Any:
@@ -154,6 +214,23 @@ class TokenIdCaptureConfig(BaseModel):
             raise SinkConfigError(f"{where}: the constructor raised {type(exc).__name__}: {exc}") from exc
         _check_satisfies(endpoint, protocol, where)
         return endpoint
+
+
+def _require_lineage_store(settings: TokenIdCaptureSettings) -> None:
+    """A custom sink needs a resolver on its backend, else every continuation is unresolved and masked."""
+    if settings.lineage_store is not None or installed_lineage_store() is not None:
+        return
+    if settings.allow_unresolved_continuations:
+        logger.warning(
+            "token_id_capture has a custom sink and no lineage_store: every continuation resolves "
+            "UNRESOLVED and multi-call rollouts will be masked (allow_unresolved_continuations is set)"
+        )
+        return
+    raise ValueError(
+        "token_id_capture has a custom sink but no lineage_store, so no continuation can resolve its "
+        "parent and every multi-call rollout would be masked; set token_id_capture.lineage_store on the "
+        "same backend as the sink, or token_id_capture.allow_unresolved_continuations: true to accept that"
+    )
 
 
 def _split_target(target: str, where: str) -> tuple[str, str]:
@@ -209,7 +286,7 @@ def _check_satisfies(endpoint: Any, protocol: type, where: str) -> None:
                 f"{where}: {type(endpoint).__name__} does not satisfy {protocol.__name__}: "
                 f"it has no {name}() method; {consequence}"
             )
-        if not inspect.iscoroutinefunction(method):
+        if inspect.iscoroutinefunction(getattr(protocol, name)) and not inspect.iscoroutinefunction(method):
             raise SinkConfigError(
                 f"{where}: {type(endpoint).__name__} does not satisfy {protocol.__name__}: "
                 f"{name}() must be an async method; {consequence}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from tokcap.builder import BUILDERS, PER_REQUEST, BuildOutput, run_builder
 from tokcap.errors import MaskFractionExceededError, UndeliverableBuilderError, UnknownBuilderError
 from tokcap.projection import assert_prefix_contiguity, project_main_chain_response
 from tokcap.protocols import TokenCaptureSnapshot, TokenSource
+from tokcap.records import TokenEntry
 
 __all__ = [
     "MaskFractionGuard",
@@ -43,17 +45,22 @@ class MaskReason(enum.StrEnum):
     MULTIPLE_ROOTS = "multiple-roots"
     MULTIPLE_CHAINS = "multiple-chains"
     PROJECTION_FAILED = "projection-failed"
+    TERMINAL_NOT_DELIVERED = "terminal-not-delivered"
     NO_ROLLOUT_ID = "no-rollout-id"
     NO_RESPONSE = "no-response"
 
 
 @dataclass(frozen=True)
-class TrajectoryResult:
+class TrajectoryResult(Mapping[str, Any]):
     """The trajectory of one rollout, or the reasons it is masked.
 
     ``response`` is the projected main chain, and ``None`` whenever the rollout is masked.
     ``snapshot_id`` and ``version`` name the frozen state consumed; ``None`` when the freeze failed.
     ``build`` is kept even for a masked rollout, as evidence.
+
+    It also reads as the dict Gym 0.7.0's consumer returns (``rebuilt_response``, ``mask_sample``,
+    ``metrics``, ``_capture_snapshot``, ``error``, ...), so code written against Gym, such as Gym's own
+    ``retire_rollout_token_capture``, can use it unchanged.
     """
 
     rollout_id: str
@@ -65,11 +72,44 @@ class TrajectoryResult:
     build: BuildOutput | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 
+    def _gym_view(self) -> dict[str, Any]:
+        view: dict[str, Any] = {
+            "rollout_id": self.rollout_id,
+            "builder": self.build.notes.builder if self.build is not None else "prefix_merging",
+            "rebuilt_response": self.response,
+            "metrics": self.metrics,
+            "mask_sample": self.masked,
+        }
+        if self.build is not None:
+            view["unresolved_retries"] = [
+                call for group in self.build.notes.unresolved_retries for call in group
+            ]
+        errors = self.metrics.get("errors")
+        if errors:
+            view["error"] = "; ".join(str(error) for error in errors)
+        if self.snapshot_id is not None and self.version is not None:
+            view["_capture_snapshot"] = {"snapshot_id": self.snapshot_id, "version": self.version}
+        return view
+
+    def __getitem__(self, key: str) -> Any:
+        return self._gym_view()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._gym_view())
+
+    def __len__(self) -> int:
+        return len(self._gym_view())
+
 
 def _reasons_from_build(build: BuildOutput) -> list[MaskReason]:
     reasons: list[MaskReason] = []
     if build.main_chain is None:
         reasons.append(MaskReason.NO_MAIN_CHAIN)
+    if build.notes.terminal_chain == "delivered":
+        # Gym's policy: the verified terminal's chain is intact; off-path calls are left out, not masked.
+        return reasons
+    if build.notes.terminal_chain:
+        reasons.append(MaskReason.TERMINAL_NOT_DELIVERED)
     if build.notes.unresolved_retries:
         reasons.append(MaskReason.UNRESOLVED_RETRIES)
     if build.quarantined_call_ids:
@@ -116,16 +156,45 @@ def check_single_response_builder(builder: str) -> None:
         )
 
 
+def _terminal_call_id(
+    entries: tuple[TokenEntry, ...],
+    verified_response: Mapping[str, Any] | None,
+    explicit_terminal_call_id: str | None,
+    declared_response_id: str | None,
+) -> str | None:
+    """The call whose response the verifier scored: named outright, or found by its served response id.
+
+    A declared response id that matches no entry names an absent terminal, so the rollout is masked.
+    """
+    if explicit_terminal_call_id:
+        return explicit_terminal_call_id
+    response_id = declared_response_id or (verified_response or {}).get("id")
+    if not isinstance(response_id, str) or not response_id:
+        return None
+    matches = sorted({entry.model_call_id for entry in entries if entry.response_id == response_id})
+    if len(matches) == 1:
+        return matches[0]
+    if declared_response_id:
+        return f"<no call served response {declared_response_id}>"
+    return None
+
+
 async def trajectories_from_source(
     rollout_id: str,
     source: TokenSource,
     builder: str = "prefix_merging",
     model: str = "",
+    *,
+    verified_response: Mapping[str, Any] | None = None,
+    explicit_terminal_call_id: str | None = None,
+    declared_response_id: str | None = None,
 ) -> TrajectoryResult:
     """Freeze the rollout through ``source``, build, project and check the main chain.
 
     A malformed rollout is masked with its reasons in the result and its metrics; it never raises.
     An unknown builder or ``per_request`` raises before the freeze: that is a configuration error.
+    The keyword arguments are Gym's: they name the terminal call (the one whose response was scored),
+    which anchors the main chain; without one, every retry and extra chain masks the rollout.
     """
     check_single_response_builder(builder)
     reasons: list[str] = []
@@ -146,7 +215,10 @@ async def trajectories_from_source(
             reasons.append(MaskReason.EMPTY)
         else:
             try:
-                build = run_builder(snapshot.entries, builder)
+                terminal = _terminal_call_id(
+                    snapshot.entries, verified_response, explicit_terminal_call_id, declared_response_id
+                )
+                build = run_builder(snapshot.entries, builder, terminal_call_id=terminal)
                 reasons.extend(_reasons_from_build(build))
                 main = build.main_chain
                 if main is not None:

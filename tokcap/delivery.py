@@ -1,14 +1,16 @@
 """Rebuild finished rollout records from their frozen snapshots, and retire what was consumed.
 
 A rollout record is a plain dict, for example
-``{"rollout_id": "r1", "reward": 1.0, "response": {"output": [...]}, ...}``.
+``{"_ng_rollout_id": "r1", "reward": 1.0, "response": {"output": [...]}, ...}`` (Gym 0.7.0's keys).
 
 Finding the rollout id: ``finalize_rollout_token_capture`` calls ``rollout_id_of(record)``, which defaults
-to ``rollout_id_from_record`` (a non-empty string under the top-level ``rollout_id`` key).
+to ``rollout_id_from_record`` (a non-empty string under Gym's ``_ng_rollout_id``, else under ``rollout_id``).
 Pass another callable for records that keep the id elsewhere.
 
 Masking: a record that must not be trained on gets top-level ``mask_sample: True``; the reasons are under
-``record["token_capture_metrics"]["mask_reasons"]``, next to the rest of the capture metrics.
+``record["_ng_token_capture"]["mask_reasons"]`` (Gym's key), next to the rest of the capture metrics.
+The record's ``response`` is what the verifier scored: its ``id``, and Gym's ``_ng_terminal_model_call_id``
+and ``terminal_response_id`` keys, name the terminal call that anchors the main chain.
 
 Finalization never retires: the caller retires with ``retire_rollout_token_capture`` after the record's
 durable hand-off, and only a build that ``capture_build_can_retire`` approves is dropped.
@@ -32,12 +34,17 @@ from tokcap.protocols import TokenSource
 
 __all__ = [
     "MASK_SAMPLE_KEY",
+    "ROLLOUT_ID_KEY",
+    "TERMINAL_CALL_KEY",
+    "TERMINAL_RESPONSE_ID_KEY",
+    "TOKEN_CAPTURE_KEY",
     "TOKEN_CAPTURE_METRICS_KEY",
     "RolloutIdLocator",
     "capture_build_can_retire",
     "finalize_rollout_token_capture",
     "logger",
     "retire_rollout_token_capture",
+    "rollout_carries_token_ids",
     "rollout_id_from_record",
 ]
 
@@ -46,17 +53,37 @@ logger = logging.getLogger(__name__)
 MASK_SAMPLE_KEY = "mask_sample"
 """Top-level record key set to ``True`` when the record must not be trained on."""
 
-TOKEN_CAPTURE_METRICS_KEY = "token_capture_metrics"
-"""Top-level record key holding the capture metrics, including ``mask_reasons``."""
+TOKEN_CAPTURE_KEY = "_ng_token_capture"
+"""Top-level record key holding the capture metrics, including ``mask_reasons`` (Gym's key)."""
+
+TOKEN_CAPTURE_METRICS_KEY = TOKEN_CAPTURE_KEY
+"""tokcap 0.1's name for ``TOKEN_CAPTURE_KEY``; the key itself is now Gym's."""
+
+ROLLOUT_ID_KEY = "_ng_rollout_id"
+"""Gym's top-level record key for the rollout id."""
+
+TERMINAL_CALL_KEY = "_ng_terminal_model_call_id"
+"""Gym's record key naming the model call the harness kept as its final answer."""
+
+TERMINAL_RESPONSE_ID_KEY = "terminal_response_id"
+"""Gym's record key for the served response id the harness reports for the completion it kept."""
 
 RolloutIdLocator = Callable[[Mapping[str, Any]], str | None]
 """Finds a record's rollout id; returns ``None`` when the record has none."""
 
 
 def rollout_id_from_record(record: Mapping[str, Any]) -> str | None:
-    """The default locator: a non-empty string under the record's top-level ``rollout_id``."""
-    value = record.get("rollout_id")
-    return value if isinstance(value, str) and value else None
+    """The default locator: a non-empty string under Gym's ``_ng_rollout_id``, else under ``rollout_id``."""
+    for key in (ROLLOUT_ID_KEY, "rollout_id"):
+        value = record.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def rollout_carries_token_ids(result: Mapping[str, Any]) -> bool:
+    """Gym's name: whether the record's response already has generated token ids (then it is not rebuilt)."""
+    return _carries_generated_tokens(result)
 
 
 def _carries_generated_tokens(record: Mapping[str, Any]) -> bool:
@@ -136,7 +163,7 @@ async def finalize_rollout_token_capture(
     """Rebuild ``result["response"]["output"]`` in place from the rollout's frozen snapshot.
 
     Reward and every other field are kept.
-    On any failure the record is masked (``mask_sample``, reasons under ``token_capture_metrics``);
+    On any failure the record is masked (``mask_sample``, reasons under ``_ng_token_capture``);
     this never raises for a malformed rollout or record.
     A record that already carries generated token ids is left unchanged, but its snapshot is frozen so it
     can be retired.
@@ -162,7 +189,18 @@ async def finalize_rollout_token_capture(
         _write_metrics(result, outcome)
         return outcome
     try:
-        outcome = await trajectories_from_source(rollout_id, source, builder, model)
+        response = result.get("response")
+        explicit = result.get(TERMINAL_CALL_KEY)
+        declared = result.get(TERMINAL_RESPONSE_ID_KEY)
+        outcome = await trajectories_from_source(
+            rollout_id,
+            source,
+            builder,
+            model,
+            verified_response=response if isinstance(response, Mapping) else None,
+            explicit_terminal_call_id=str(explicit) if explicit else None,
+            declared_response_id=str(declared) if declared else None,
+        )
     except Exception as exc:
         logger.exception("finalizing rollout %r failed unexpectedly; masking it", rollout_id)
         outcome = _masked_result(rollout_id, MaskReason.BUILD_FAILED, f"{type(exc).__name__}: {exc}")
@@ -180,33 +218,39 @@ async def finalize_rollout_token_capture(
     return outcome
 
 
-def capture_build_can_retire(build: TrajectoryResult) -> bool:
+def capture_build_can_retire(built: TrajectoryResult | None) -> bool:
     """Only an unmasked result that names its frozen snapshot may retire it; everything else keeps evidence."""
-    return not build.masked and build.snapshot_id is not None and build.version is not None
+    if built is None:
+        return False
+    return not built.masked and built.snapshot_id is not None and built.version is not None
 
 
-async def retire_rollout_token_capture(rollout_id: str, source: TokenSource, build: TrajectoryResult) -> bool:
-    """Drop exactly the snapshot ``build`` consumed, after the record's durable hand-off.
+async def retire_rollout_token_capture(
+    rollout_id: str, source: TokenSource, built: TrajectoryResult | None
+) -> bool:
+    """Drop exactly the snapshot ``built`` consumed, after the record's durable hand-off.
 
-    Return ``False`` without touching the source when the build may not retire (masked or failed),
+    Return ``False`` without touching the source when the build may not retire (masked, failed or none),
     and otherwise the source's verdict: ``False`` when the rollout changed since the freeze.
-    Raise ``InvalidInputError`` when ``build`` belongs to another rollout.
+    Raise ``InvalidInputError`` when ``built`` belongs to another rollout.
     """
-    if build.rollout_id != rollout_id:
+    if built is None:
+        return False
+    if built.rollout_id != rollout_id:
         raise InvalidInputError(
-            f"cannot retire rollout {rollout_id!r} with the build of rollout {build.rollout_id!r}; "
+            f"cannot retire rollout {rollout_id!r} with the build of rollout {built.rollout_id!r}; "
             "pass the result finalize_rollout_token_capture returned for this record",
             rollout_id=rollout_id,
         )
-    if not capture_build_can_retire(build) or build.snapshot_id is None or build.version is None:
-        logger.info("keeping the capture evidence of rollout %r: %s", rollout_id, list(build.mask_reasons))
+    if not capture_build_can_retire(built) or built.snapshot_id is None or built.version is None:
+        logger.info("keeping the capture evidence of rollout %r: %s", rollout_id, list(built.mask_reasons))
         return False
-    dropped = await source.drop(rollout_id, build.snapshot_id, build.version)
+    dropped = await source.drop(rollout_id, built.snapshot_id, built.version)
     if not dropped:
         logger.warning(
             "rollout %r changed after snapshot %s version %s was consumed; its records are kept",
             rollout_id,
-            build.snapshot_id,
-            build.version,
+            built.snapshot_id,
+            built.version,
         )
     return dropped

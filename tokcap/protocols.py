@@ -9,17 +9,20 @@ This module imports nothing from a server or transport stack.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tokcap.records import TokenEntry
 
 __all__ = [
+    "LineageResolver",
     "RolloutRemovalPayload",
     "TokenCaptureSnapshot",
     "TokenSink",
     "TokenSource",
+    "install_lineage_store",
     "install_token_sink",
     "install_token_source",
+    "installed_lineage_store",
     "installed_token_sink",
     "installed_token_source",
 ]
@@ -104,8 +107,30 @@ class TokenSource(Protocol):
         ...
 
 
+@runtime_checkable
+class LineageResolver(Protocol):
+    """Gym's request-time parent resolver over the entries a sink committed (for example Gym's ``FileLineageStore``).
+
+    tokcap builds one from ``token_id_capture.lineage_store`` and passes it to Gym's middleware untouched;
+    ``resolve`` returns Gym's ``LineageResolution``.
+    """
+
+    async def resolve(self, rollout_id: str, request_items: list[dict[str, Any]]) -> Any:
+        """Return whether the request is a root, continues one proven parent, or is unresolved."""
+        ...
+
+    def is_process_shared(self) -> bool:
+        """Whether separate model-server workers see each other's committed entries."""
+        ...
+
+    async def close(self) -> None:
+        """Release resources; calling it again is a no-op."""
+        ...
+
+
 _INSTALLED_SINK: TokenSink | None = None
 _INSTALLED_SOURCE: TokenSource | None = None
+_INSTALLED_LINEAGE_STORE: LineageResolver | None = None
 
 
 def install_token_sink(sink: TokenSink | None) -> None:
@@ -128,3 +153,14 @@ def install_token_source(source: TokenSource | None) -> None:
 def installed_token_source() -> TokenSource | None:
     """The caller-owned source installed in this process, if any."""
     return _INSTALLED_SOURCE
+
+
+def install_lineage_store(store: LineageResolver | None) -> None:
+    """Set (or clear) the process-wide request-time lineage store."""
+    global _INSTALLED_LINEAGE_STORE
+    _INSTALLED_LINEAGE_STORE = store
+
+
+def installed_lineage_store() -> LineageResolver | None:
+    """The lineage store installed in this process, if any."""
+    return _INSTALLED_LINEAGE_STORE

@@ -1,43 +1,72 @@
-"""The training-token record: one ``TokenEntry`` per model call.
+"""The training-token record: one ``TokenEntry`` per model call, field for field Gym 0.7.0's.
 
 A record holds the exact prompt token ids, generated token ids and their log
-probabilities of one call, plus the assistant content without the arrays.
-Its canonical JSON (keys sorted, orjson) is what the store writes and what
-digests are computed over, so two processes agree on "the same payload".
+probabilities of one call, the assistant content without the arrays, and the
+lineage metadata (parent link, cumulative length and digest, request-time
+resolution) that Gym's builder verifies.
+Its canonical JSON (keys sorted, orjson, pydantic's JSON-mode dump) is what the
+store writes; it is byte-identical to the line Gym's own store writes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import time
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum, StrEnum
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokcap.errors import NewerSchemaError, RecordValidationError, TokenExtractionError
 
 __all__ = [
+    "DIGEST_VERSION",
+    "REQUIRED_TOKEN_FIELDS",
+    "TOKEN_ENTRY_MIN_SCHEMA_VERSION",
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_FIELDS",
     "ExtractedTokenFields",
+    "ParentResolutionStatus",
     "TokenEntry",
+    "as_token_entry",
+    "compute_digest",
+    "cumulative_tokens",
+    "encode_token_ids",
     "entry_digest",
     "extract_token_fields",
+    "find_token_fields",
     "response_items",
+    "stamp_lineage",
+    "strip_token_arrays",
     "strip_token_fields",
 ]
 
 TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
 """The newest record schema this reader understands; newer records are refused."""
 
-TOKEN_FIELDS: tuple[str, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-"""Token arrays a model response item carries; all or none of them must be present."""
+TOKEN_ENTRY_MIN_SCHEMA_VERSION = 1
+"""The oldest record schema this reader accepts; older (pre-lineage) records are refused, as Gym does."""
 
-_OPTIONAL_TOKEN_FIELDS: tuple[str, ...] = ("routed_experts",)
+DIGEST_VERSION = 1
+"""The version byte that opens every encoded token sequence; a change of encoding must change digests."""
+
+_DIGEST_DOMAIN = b"nemo-gym-tokens"
+"""The prefix hashed before the encoded tokens, so these digests cannot collide with other sha256 uses."""
+
+TOKEN_FIELDS: tuple[str, ...] = (
+    "prompt_token_ids",
+    "generation_token_ids",
+    "generation_log_probs",
+    "routed_experts",
+)
+"""Token metadata a model response item may carry (Gym's tuple); ``routed_experts`` is optional."""
+
+REQUIRED_TOKEN_FIELDS: tuple[str, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+"""The arrays an item must carry all of, or none of."""
 
 _CANONICAL_FAST_OPTIONS = (
     orjson.OPT_SORT_KEYS
@@ -45,6 +74,14 @@ _CANONICAL_FAST_OPTIONS = (
     | orjson.OPT_PASSTHROUGH_DATACLASS
     | orjson.OPT_PASSTHROUGH_SUBCLASS
 )
+
+
+class ParentResolutionStatus(StrEnum):
+    """The request-time decision about a call's predecessor: a root, a proven parent, or none proven."""
+
+    ROOT = "root"
+    RESOLVED = "resolved"
+    UNRESOLVED = "unresolved"
 
 
 def _refuse_newer_schema(version: object, what: str) -> None:
@@ -57,21 +94,38 @@ def _refuse_newer_schema(version: object, what: str) -> None:
 
 
 class TokenEntry(BaseModel):
-    """One model call's training tokens, keyed by rollout id and model call id."""
+    """One model call's training tokens and lineage, keyed by rollout id and model call id.
+
+    The fields, types, defaults and checks are Gym 0.7.0's, so an entry either side writes is read
+    the same way by the other.
+    """
 
     model_config = ConfigDict(extra="allow", validate_assignment=False)
 
-    schema_version: StrictInt = TOKEN_ENTRY_RECORD_SCHEMA_VERSION
+    schema_version: int = TOKEN_ENTRY_RECORD_SCHEMA_VERSION
     rollout_id: str
     model_call_id: str
     model: str = ""
-    prompt_token_ids: list[StrictInt]
-    generation_token_ids: list[StrictInt]
-    generation_log_probs: list[float] = Field(default_factory=list)
-    routed_experts: Any = None
-    output_items: list[dict[str, Any]] = Field(default_factory=list)
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    routed_experts: Any | None = None
+    output_items: list[dict[Any, Any]] = Field(default_factory=list)
     token_item_index: int | None = None
-    created_at: float = Field(default_factory=time.time)
+    response_id: str | None = None
+    created_at: float = 0.0
+    parent_call_id: str | None = None
+    cum_len: int | None = None
+    digest: str | None = None
+    parent_resolution: ParentResolutionStatus | None = None
+    continuation_fingerprint: str = ""
+    continuation_context_len: int = 0
+    continuation_context_digest: str = ""
+    parent_resolution_reason: str = ""
+    fingerprint_version: int | None = None
+    prompt_is_delta: bool = False
+    prefix_requested: bool = False
+    prefix_supplied: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -88,16 +142,18 @@ class TokenEntry(BaseModel):
 
     @model_validator(mode="after")
     def _check_invariants(self) -> TokenEntry:
-        """A record whose arrays disagree cannot be trained on; refuse it at the door."""
-        if not self.rollout_id:
-            raise ValueError("rollout_id must be a non-empty string")
-        if not self.model_call_id:
-            raise ValueError("model_call_id must be a non-empty string")
+        """A record whose arrays or lineage disagree cannot be trained on; refuse it at the door."""
+        if self.schema_version < TOKEN_ENTRY_MIN_SCHEMA_VERSION:
+            raise ValueError(
+                f"record schema_version {self.schema_version} is below the supported minimum "
+                f"{TOKEN_ENTRY_MIN_SCHEMA_VERSION}; regenerate the rollout with a current writer"
+            )
         if len(self.generation_token_ids) != len(self.generation_log_probs):
             raise ValueError(
                 f"generation_token_ids has {len(self.generation_token_ids)} ids but generation_log_probs "
                 f"has {len(self.generation_log_probs)} values; they must have equal length"
             )
+        # NaN or infinity would be stored as JSON null, a line no reader (Gym's included) can load again.
         # A sum is finite only if every term is (or the terms overflow): check element by element only then.
         if not math.isfinite(sum(self.generation_log_probs)):
             for value in self.generation_log_probs:
@@ -107,6 +163,13 @@ class TokenEntry(BaseModel):
             raise ValueError(
                 f"token_item_index {self.token_item_index} does not point inside output_items "
                 f"(length {len(self.output_items)})"
+            )
+        _check_lineage(self.parent_call_id, self.parent_resolution)
+        if self.prompt_is_delta and (
+            self.parent_call_id is None or self.parent_resolution != ParentResolutionStatus.RESOLVED
+        ):
+            raise ValueError(
+                "prompt_is_delta needs a RESOLVED parent_call_id: a delta prompt is rebuilt from its parent"
             )
         return self
 
@@ -137,7 +200,7 @@ class TokenEntry(BaseModel):
     def canonical_json(self) -> bytes:
         """The one byte encoding of this entry: JSON with sorted keys, no trailing newline.
 
-        It is pydantic's JSON-mode dump, serialized by orjson.
+        It is pydantic's JSON-mode dump, serialized by orjson, which is what Gym's store writes.
         The fast path hands the field values to orjson directly, which skips copying the token arrays;
         any value orjson would render differently from pydantic (a datetime, a dataclass, a subclass of a
         builtin) makes orjson refuse, and the entry takes the slow path, so both give the same bytes.
@@ -145,19 +208,109 @@ class TokenEntry(BaseModel):
         values = dict(self.__dict__)
         if self.__pydantic_extra__:
             values.update(self.__pydantic_extra__)
+        resolution = values.get("parent_resolution")
+        if isinstance(resolution, Enum):
+            values["parent_resolution"] = resolution.value
         try:
             return orjson.dumps(values, option=_CANONICAL_FAST_OPTIONS)
         except TypeError:
             return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
 
-    def digest(self) -> str:
-        """sha256 hex of the canonical JSON; equal digests mean the same payload."""
+    def payload_digest(self) -> str:
+        """sha256 hex of the canonical JSON; equal digests mean the same payload.
+
+        Not to be confused with the ``digest`` field, Gym's digest of the cumulative token sequence.
+        """
         return entry_digest(self.canonical_json())
+
+
+def _check_lineage(parent_call_id: str | None, resolution: ParentResolutionStatus | None) -> None:
+    """A resolved call names its parent; a root or unresolved call names none."""
+    if resolution == ParentResolutionStatus.RESOLVED and not parent_call_id:
+        raise ValueError("parent_resolution 'resolved' needs a parent_call_id")
+    if (
+        resolution in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED)
+        and parent_call_id is not None
+    ):
+        raise ValueError(f"parent_resolution {resolution.value!r} cannot carry a parent_call_id")
 
 
 def entry_digest(canonical: bytes) -> str:
     """sha256 hex of a canonical entry line (without its newline)."""
     return hashlib.sha256(canonical).hexdigest()
+
+
+def as_token_entry(entry: Any) -> TokenEntry:
+    """The one conversion at tokcap's API boundary: a tokcap entry as is, a Gym entry or a mapping validated.
+
+    A Gym ``TokenEntry`` is another pydantic class with the same fields; its JSON-mode dump validated here
+    gives the same canonical line Gym's store would write for it.
+    """
+    if isinstance(entry, TokenEntry):
+        return entry
+    if isinstance(entry, Mapping):
+        return TokenEntry.from_mapping(dict(entry))
+    dump = getattr(entry, "model_dump", None)
+    if callable(dump):
+        return TokenEntry.from_mapping(dump(mode="json"))
+    raise RecordValidationError(
+        f"cannot store a {type(entry).__name__} as a token entry; pass a TokenEntry (tokcap's or Gym's) or a dict"
+    )
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Gym's byte encoding of a token sequence: version byte, 8-byte count, then 8 bytes per id, big-endian."""
+    header = struct.pack(">BQ", DIGEST_VERSION, len(token_ids))
+    if not token_ids:
+        return header
+    try:
+        return header + struct.pack(f">{len(token_ids)}Q", *token_ids)
+    except struct.error:
+        bad = next((token for token in token_ids if not 0 <= token < 2**64), None)
+        raise ValueError(f"token ids must be non-negative 64-bit integers, got {bad}") from None
+
+
+def compute_digest(token_ids: Sequence[int]) -> str:
+    """Gym's digest of an exact token sequence, which the builder checks a child's prompt prefix against.
+
+    The empty sequence hashes the domain alone, as Gym does.
+    """
+    if not token_ids:
+        return hashlib.sha256(_DIGEST_DOMAIN).hexdigest()
+    return hashlib.sha256(_DIGEST_DOMAIN + encode_token_ids(token_ids)).hexdigest()
+
+
+def cumulative_tokens(entry: TokenEntry) -> list[int]:
+    """The full sequence a child of this call starts with; a delta entry must be rebuilt through its parent."""
+    if entry.prompt_is_delta:
+        raise ValueError(
+            f"model call {entry.model_call_id} stores a delta prompt; rebuild it through its parent chain first"
+        )
+    return [*entry.prompt_token_ids, *entry.generation_token_ids]
+
+
+def stamp_lineage(
+    entry: TokenEntry,
+    parent_call_id: str | None,
+    *,
+    parent_resolution: ParentResolutionStatus | None = None,
+    cumulative: list[int] | None = None,
+) -> TokenEntry:
+    """Fill ``cum_len``, ``digest``, the parent link and the resolution on the entry itself; return it.
+
+    ``cumulative`` is required for a delta entry; for a full entry it must equal the entry's own arrays.
+    Like Gym, the fields are set before the link is checked, so a refused link leaves them set.
+    """
+    if cumulative is None:
+        cumulative = cumulative_tokens(entry)
+    elif not entry.prompt_is_delta and cumulative != cumulative_tokens(entry):
+        raise ValueError("the cumulative tokens given disagree with the entry's own prompt and generation")
+    entry.cum_len = len(cumulative)
+    entry.digest = compute_digest(cumulative)
+    entry.parent_call_id = parent_call_id
+    entry.parent_resolution = parent_resolution
+    _check_lineage(parent_call_id, parent_resolution)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -182,47 +335,80 @@ def response_items(response_json: Mapping[str, Any]) -> Sequence[Any] | None:
     return None
 
 
-def extract_token_fields(response_json: Mapping[str, Any]) -> ExtractedTokenFields | None:
-    """Pull the token arrays off a Responses-API or Chat Completions payload.
+def _token_carriers(response_json: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Every Responses item and every chat message carrying any token array, in that order (Gym's scan)."""
+    carriers: list[Mapping[str, Any]] = []
+    candidates: list[Any] = list(response_json.get("output") or [])
+    for choice in response_json.get("choices") or []:
+        candidates.append((choice or {}).get("message") if isinstance(choice or {}, Mapping) else None)
+    for item in candidates:
+        if isinstance(item, Mapping) and any(item.get(name) is not None for name in REQUIRED_TOKEN_FIELDS):
+            carriers.append(item)
+    return carriers
 
-    Return ``None`` when no item carries token ids.
-    Raise ``TokenExtractionError`` when more than one item does, or when an item carries only part of them.
+
+def extract_token_fields(response_json: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Gym's shape: the four ``TOKEN_FIELDS`` of the one token-bearing item as a dict, or ``None``.
+
+    Raise ``TokenExtractionError`` (a ``ValueError``) when several items carry token ids or one carries
+    only part of them.
     """
     if not isinstance(response_json, Mapping):
         raise TokenExtractionError(f"response must be a JSON object, got {type(response_json).__name__}")
-    items = response_items(response_json)
-    if items is None:
+    carriers = _token_carriers(response_json)
+    if not carriers:
         return None
-    found: ExtractedTokenFields | None = None
-    for index, item in enumerate(items):
-        if not isinstance(item, Mapping):
-            continue
-        present = [name for name in TOKEN_FIELDS if item.get(name) is not None]
-        if not present:
-            continue
-        if len(present) != len(TOKEN_FIELDS):
-            missing = [name for name in TOKEN_FIELDS if name not in present]
-            raise TokenExtractionError(
-                f"output item {index} carries {present} but not {missing}; token metadata must be complete"
-            )
-        if found is not None:
-            raise TokenExtractionError(
-                f"output items {found.item_index} and {index} both carry token ids; exactly one item may"
-            )
-        arrays = [item[name] for name in TOKEN_FIELDS]
-        if not all(isinstance(array, list) for array in arrays):
-            raise TokenExtractionError(f"output item {index} has token fields that are not lists")
-        found = ExtractedTokenFields(
-            prompt_token_ids=arrays[0],
-            generation_token_ids=arrays[1],
-            generation_log_probs=arrays[2],
-            item_index=index,
-            routed_experts=item.get("routed_experts"),
+    if len(carriers) > 1:
+        raise TokenExtractionError(
+            f"{len(carriers)} response items carry token metadata; exactly one item may"
         )
-    return found
+    source = carriers[0]
+    missing = [name for name in REQUIRED_TOKEN_FIELDS if source.get(name) is None]
+    if missing:
+        raise TokenExtractionError(f"partial token metadata is missing: {', '.join(missing)}")
+    return {name: source.get(name) for name in TOKEN_FIELDS}
 
 
-def strip_token_fields(item: Mapping[str, Any]) -> dict[str, Any]:
-    """Copy an output item without its token arrays, keeping the captured content."""
-    dropped = set(TOKEN_FIELDS) | set(_OPTIONAL_TOKEN_FIELDS)
-    return {key: value for key, value in item.items() if key not in dropped}
+def find_token_fields(response_json: Mapping[str, Any]) -> ExtractedTokenFields | None:
+    """tokcap's typed helper: the token arrays and the index of the item among ``response_items``.
+
+    Same acceptance as ``extract_token_fields``; arrays that are not lists are refused too.
+    """
+    fields = extract_token_fields(response_json)
+    if fields is None:
+        return None
+    arrays = [fields[name] for name in REQUIRED_TOKEN_FIELDS]
+    if not all(isinstance(array, list) for array in arrays):
+        raise TokenExtractionError("the token fields of the response are not lists")
+    items = response_items(response_json) or []
+    carrier = _token_carriers(response_json)[0]
+    index = next((position for position, item in enumerate(items) if item is carrier), None)
+    if index is None:
+        raise TokenExtractionError(
+            "the token-bearing item is not among the response's items (output and choices both present?)"
+        )
+    return ExtractedTokenFields(
+        prompt_token_ids=arrays[0],
+        generation_token_ids=arrays[1],
+        generation_log_probs=arrays[2],
+        item_index=index,
+        routed_experts=fields["routed_experts"],
+    )
+
+
+def strip_token_arrays(item: Mapping[str, Any]) -> dict[str, Any]:
+    """Copy one output item without its token metadata, keeping the captured content."""
+    return {key: value for key, value in item.items() if key not in TOKEN_FIELDS}
+
+
+def strip_token_fields(items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int | None]:
+    """Gym's shape: the items without token metadata, and the index of the one that had generated ids.
+
+    Raise ``TokenExtractionError`` (a ``ValueError``) when more than one item carries them.
+    """
+    carriers = [
+        position for position, item in enumerate(items) if item.get("generation_token_ids") is not None
+    ]
+    if len(carriers) > 1:
+        raise TokenExtractionError("multiple output items carry token metadata")
+    return [strip_token_arrays(item) for item in items], carriers[0] if carriers else None

@@ -19,6 +19,7 @@ Untagged traffic has no context, and capture is then a no-op.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from pydantic import BaseModel
 
 from tokcap.errors import TokenExtractionError
 from tokcap.protocols import TokenSink, installed_token_sink
-from tokcap.records import TokenEntry, extract_token_fields, response_items, strip_token_fields
+from tokcap.records import TokenEntry, find_token_fields, response_items, strip_token_arrays
 
 __all__ = [
     "CaptureContext",
@@ -153,7 +154,7 @@ def token_entry_from_response(context: CaptureContext, response: Any) -> TokenEn
     token metadata, and a pydantic ``ValidationError`` (a ``ValueError``) when the arrays disagree.
     """
     payload = _response_as_mapping(response)
-    fields = extract_token_fields(payload)
+    fields = find_token_fields(payload)
     if fields is None:
         return None
     kept_items: list[dict[str, Any]] = []
@@ -163,7 +164,7 @@ def token_entry_from_response(context: CaptureContext, response: Any) -> TokenEn
             continue
         if index == fields.item_index:
             token_item_index = len(kept_items)
-        kept_items.append(strip_token_fields(item))
+        kept_items.append(strip_token_arrays(item))
     payload_model = payload.get("model")
     return TokenEntry(
         rollout_id=context.rollout_id,
@@ -175,6 +176,7 @@ def token_entry_from_response(context: CaptureContext, response: Any) -> TokenEn
         routed_experts=fields.routed_experts,
         output_items=kept_items,
         token_item_index=token_item_index,
+        created_at=time.time(),
     )
 
 

@@ -61,7 +61,7 @@ from tokcap.layout import (
 )
 from tokcap.locks import RolloutLocks
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
-from tokcap.records import TokenEntry
+from tokcap.records import TokenEntry, as_token_entry
 from tokcap.recovery import CutTail, FinishRetire, Recovered, recover
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.rules import (
@@ -534,7 +534,8 @@ class TokenCaptureStore:
             )
 
     def append(self, entry: TokenEntry) -> None:
-        """Idempotently append one entry and sync it before returning."""
+        """Idempotently append one entry and sync it before returning; a Gym entry is taken as is."""
+        entry = as_token_entry(entry)
         self._raise_for(self.apply(PutEvent(rollout_id=entry.rollout_id, entry=entry)))
 
     def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:

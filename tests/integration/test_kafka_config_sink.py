@@ -22,6 +22,7 @@ def put_through_configured_sink(bootstrap: str, topic: str) -> None:
             "token_id_capture": {
                 "enabled": True,
                 "sink": "transports.kafka:KafkaTokenSink",
+                "allow_unresolved_continuations": True,
                 "sink_kwargs": {
                     "bootstrap_servers": bootstrap,
                     "topic": topic,

@@ -59,7 +59,7 @@ def test_the_response_keeps_every_captured_item_in_order_with_arrays_on_the_toke
     assert tool_item["routed_experts"] == [[0, 1], [1, 0]]
     final_item = response["output"][2]
     assert final_item["content"][0]["text"] == "done"
-    assert final_item["prompt_token_ids"] == [90, 91]
+    assert final_item["prompt_token_ids"] == [1, 2, 3, 10, 11, 90, 91]
 
 
 def test_the_token_arrays_concatenate_to_the_chain_sequence_and_usage_counts_it() -> None:
@@ -120,13 +120,18 @@ def altered(mutate: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("response", "message"),
     [
-        pytest.param(altered(lambda r: r["output"].pop(1)), "usage.total_tokens", id="item-dropped"),
+        pytest.param(altered(lambda r: r["output"].pop(1)), "usage.output_tokens", id="item-dropped"),
         pytest.param(
             altered(lambda r: r["output"][2]["prompt_token_ids"].__setitem__(0, 99)),
-            "sha256",
+            "does not extend",
             id="token-changed",
         ),
-        pytest.param(altered(lambda r: r["output"].reverse()), "sha256", id="items-reordered"),
+        pytest.param(
+            altered(lambda r: r["output"][2]["generation_token_ids"].__setitem__(0, 99)),
+            "sha256",
+            id="last-generation-changed",
+        ),
+        pytest.param(altered(lambda r: r["output"].reverse()), "does not extend", id="items-reordered"),
         pytest.param(
             altered(lambda r: r["output"][1].pop("generation_log_probs")), "not all", id="partial-arrays"
         ),

@@ -117,9 +117,20 @@ def _no_installed_sink() -> Iterator[None]:
     install_token_sink(previous)
 
 
+_RESOLVER = "some_backend.lineage:Resolver"
+"""A lineage store target: validation needs one beside a custom sink; only build_lineage_store imports it."""
+
+
 def _with_sink(target: str, **sink_kwargs: Any) -> TokenIdCaptureConfig:
     return token_id_capture_config(
-        {TOKEN_ID_CAPTURE_BLOCK: {"enabled": True, "sink": target, "sink_kwargs": sink_kwargs}}
+        {
+            TOKEN_ID_CAPTURE_BLOCK: {
+                "enabled": True,
+                "sink": target,
+                "sink_kwargs": sink_kwargs,
+                "lineage_store": _RESOLVER,
+            }
+        }
     )
 
 
@@ -282,7 +293,7 @@ def test_disabled_capture_needs_no_directory() -> None:
 
 def test_enabled_without_a_directory_is_accepted_when_a_sink_is_installed(tmp_path: Path) -> None:
     install_token_sink(TokenCaptureStore(tmp_path))
-    config = token_id_capture_config({TOKEN_ID_CAPTURE_BLOCK: {"enabled": True}})
+    config = token_id_capture_config({TOKEN_ID_CAPTURE_BLOCK: {"enabled": True, "lineage_store": _RESOLVER}})
     assert config.enabled is True
 
 
@@ -305,6 +316,7 @@ def test_a_dir_set_beside_a_sink_logs_a_warning(
                     "enabled": True,
                     "dir": str(tmp_path),
                     "sink": f"{sink_module}:GoodSink",
+                    "lineage_store": _RESOLVER,
                 }
             }
         )
@@ -528,7 +540,13 @@ def test_no_store_is_made_when_capture_is_disabled(tmp_path: Path) -> None:
 
 
 def test_no_store_is_made_when_a_sink_owns_the_records(sink_module: str, tmp_path: Path) -> None:
-    global_config = {TOKEN_ID_CAPTURE_BLOCK: {"enabled": True, "sink": f"{sink_module}:GoodSink"}}
+    global_config = {
+        TOKEN_ID_CAPTURE_BLOCK: {
+            "enabled": True,
+            "sink": f"{sink_module}:GoodSink",
+            "lineage_store": _RESOLVER,
+        }
+    }
     assert make_token_store(global_config) is None
 
 
@@ -561,7 +579,11 @@ def test_a_top_level_capture_dir_beside_a_sink_logs_no_warning(
     with caplog.at_level(logging.WARNING, logger="tokcap.config"):
         token_id_capture_config(
             {
-                TOKEN_ID_CAPTURE_BLOCK: {"enabled": True, "sink": f"{sink_module}:GoodSink"},
+                TOKEN_ID_CAPTURE_BLOCK: {
+                    "enabled": True,
+                    "sink": f"{sink_module}:GoodSink",
+                    "lineage_store": _RESOLVER,
+                },
                 "model_call_capture_dir": str(tmp_path),
             }
         )

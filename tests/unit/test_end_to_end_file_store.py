@@ -64,7 +64,12 @@ def test_a_captured_rollout_is_rebuilt_and_then_retired(tmp_path: Path) -> None:
         assert not result.masked
         output = record["response"]["output"]
         assert [item["generation_token_ids"] for item in output] == [[10, 20], [11, 21], [12, 22]]
-        assert [item["prompt_token_ids"] for item in output] == [[1, 2, 3], [90], [91]]
+        # Cumulative prompts (Gym's format): each extends the previous prompt and generation.
+        assert [item["prompt_token_ids"] for item in output] == [
+            [1, 2, 3],
+            [1, 2, 3, 10, 20, 90],
+            [1, 2, 3, 10, 20, 90, 11, 21, 91],
+        ]
         assert record["reward"] == 1.0
         assert await retire_rollout_token_capture("rollout-ok", store, result)
         assert store.read_state("rollout-ok").retired

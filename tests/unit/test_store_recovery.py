@@ -36,7 +36,7 @@ def test_a_durable_but_unindexed_tail_is_reindexed(tmp_path: Path) -> None:
     tail = make_entry("r", "c2")
     _write_unindexed(store, tail.canonical_json() + b"\n")
     state = store.read_state("r")
-    assert state.entry_digests["c2"] == tail.digest()
+    assert state.entry_digests["c2"] == tail.payload_digest()
     assert state.indexed_size == store.path_for("r").stat().st_size
     store.append(tail)
     assert store.path_for("r").read_bytes().count(b"\n") == 2

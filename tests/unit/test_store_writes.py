@@ -41,7 +41,7 @@ def test_each_entry_line_is_the_canonical_json_of_the_entry(tmp_path: Path) -> N
     store.append(entry)
     assert store.path_for("r").read_bytes() == entry.canonical_json() + b"\n"
     state = orjson.loads(store.state_path_for("r").read_bytes())
-    assert state["entry_digests"] == {"c1": entry.digest()}
+    assert state["entry_digests"] == {"c1": entry.payload_digest()}
     assert state["indexed_size"] == len(entry.canonical_json()) + 1
     assert {"frozen", "retired", "incomplete", "snapshot_id", "version"} <= set(state)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from tokcap.errors import ConfigError, ConflictingEntryError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
-from tokcap.records import TokenEntry
+from tokcap.records import TokenEntry, as_token_entry
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
@@ -142,10 +142,11 @@ class KafkaTokenSink:
                 del self._digests[(rollout_id, call_id)]
 
     async def put(self, entry: TokenEntry) -> None:
-        """Publish a call's entry and return once the broker acknowledged it."""
+        """Publish a call's entry and return once the broker acknowledged it; a Gym entry is taken as is."""
+        entry = as_token_entry(entry)
         rollout_id = validate_rollout_id(entry.rollout_id)
         call_id = entry.model_call_id
-        digest = entry.digest()
+        digest = entry.payload_digest()
         added = self._reserve_digest(rollout_id, call_id, digest)
         event = PutEvent(rollout_id=rollout_id, writer=self._writer_id, entry=entry)
         tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
