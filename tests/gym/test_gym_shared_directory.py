@@ -1,0 +1,150 @@
+"""Gym 0.7.0's file store and tokcap's on one directory: one format, one lock, each fences the other's writers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gym_wheel import GymModules
+
+from tokcap.errors import RolloutFrozenError, RolloutRetiredError
+from tokcap.store import TokenCaptureStore
+
+
+def _gym_entry(gym: GymModules, rollout_id: str, call_id: str, generation: int = 3) -> Any:
+    return gym.records.TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id=call_id,
+        prompt_token_ids=[1, 2],
+        generation_token_ids=[generation],
+        generation_log_probs=[-0.5],
+        created_at=1.0,
+    )
+
+
+def _ids(snapshot: Any) -> list[str]:
+    return sorted(entry.model_call_id for entry in snapshot.entries)
+
+
+@pytest.fixture
+def both(gym: GymModules, tmp_path: Path) -> tuple[Any, TokenCaptureStore]:
+    return gym.store.TokenCaptureStore(tmp_path), TokenCaptureStore(tmp_path)
+
+
+def test_tokcap_opens_a_rollout_gym_wrote_and_sees_its_entries_intents_and_markers(
+    gym: GymModules, both: tuple[Any, TokenCaptureStore]
+) -> None:
+    theirs, ours = both
+    theirs._begin_call("r", "c1")
+    theirs.append(_gym_entry(gym, "r", "c1"))
+    theirs._begin_call("r", "c2")
+    theirs._begin_call("m", "c1")
+    theirs._mark_incomplete("m", "c1")
+    assert [entry.model_call_id for entry in ours.read_entries("r")] == ["c1"]
+    assert ours.read_state("r").version == 1
+    snapshot = ours.freeze_now("r")
+    assert (_ids(snapshot), snapshot.incomplete, snapshot.version) == (["c1"], True, 2)
+    assert ours.read_state("r").dangling_intents == ["c2"]
+    assert ours.is_incomplete("m")
+    assert ours.freeze_now("m").version == 2
+
+
+def test_gym_opens_a_rollout_tokcap_wrote_and_builds_the_same_snapshot(
+    gym: GymModules, both: tuple[Any, TokenCaptureStore]
+) -> None:
+    theirs, ours = both
+    for call in ("c1", "c2", "c3"):
+        ours.begin_call_now("r", call)
+        ours.append(_gym_entry(gym, "r", call))
+    assert [entry.model_call_id for entry in theirs.read_entries("r")] == ["c1", "c2", "c3"]
+    gym_snapshot = theirs.freeze_now("r")
+    assert (_ids(gym_snapshot), gym_snapshot.incomplete, gym_snapshot.version) == (
+        ["c1", "c2", "c3"],
+        False,
+        4,
+    )
+    tokcap_snapshot = ours.freeze_now("r")
+    assert (tokcap_snapshot.snapshot_id, tokcap_snapshot.version) == (gym_snapshot.snapshot_id, 4)
+    assert [e.model_dump() for e in tokcap_snapshot.entries] == [e.model_dump() for e in gym_snapshot.entries]
+
+
+def test_a_freeze_by_gym_fences_tokcaps_writers_and_a_freeze_by_tokcap_fences_gyms(
+    gym: GymModules, both: tuple[Any, TokenCaptureStore]
+) -> None:
+    theirs, ours = both
+    ours.append(_gym_entry(gym, "a", "c1"))
+    theirs.freeze_now("a")
+    with pytest.raises(RolloutFrozenError):
+        ours.append(_gym_entry(gym, "a", "late"))
+    with pytest.raises(RolloutFrozenError):
+        ours.begin_call_now("a", "late")
+    theirs.append(_gym_entry(gym, "b", "c1"))
+    ours.freeze_now("b")
+    with pytest.raises(RuntimeError, match="frozen"):
+        theirs.append(_gym_entry(gym, "b", "late"))
+    with pytest.raises(RuntimeError, match="frozen"):
+        theirs._begin_call("b", "late")
+    assert [entry.model_call_id for entry in theirs.read_entries("b")] == ["c1"]
+
+
+def test_a_drop_by_either_fences_the_other_and_a_stale_drop_by_either_returns_false(
+    gym: GymModules, both: tuple[Any, TokenCaptureStore]
+) -> None:
+    theirs, ours = both
+    ours.append(_gym_entry(gym, "a", "c1"))
+    ours_frozen = ours.freeze_now("a")
+    theirs._mark_incomplete("a", "c1")
+    assert theirs._drop("a", ours_frozen.snapshot_id, ours_frozen.version) is False
+    assert ours.drop_now("a", ours_frozen.snapshot_id, ours_frozen.version) is False
+    assert [entry.model_call_id for entry in theirs.read_entries("a")] == ["c1"]
+    refrozen = theirs.freeze_now("a")
+    assert ours.drop_now("a", refrozen.snapshot_id, refrozen.version) is True
+    with pytest.raises(RuntimeError, match="retired"):
+        theirs.append(_gym_entry(gym, "a", "late"))
+
+    theirs.append(_gym_entry(gym, "b", "c1"))
+    gym_frozen = theirs.freeze_now("b")
+    ours.mark_incomplete_now("b", "c2", "lost after the freeze")
+    assert theirs._drop("b", gym_frozen.snapshot_id, gym_frozen.version) is False
+    again = ours.freeze_now("b")
+    assert theirs._drop("b", again.snapshot_id, again.version) is True
+    with pytest.raises(RolloutRetiredError):
+        ours.append(_gym_entry(gym, "b", "late"))
+    assert ours.read_entries("b") == [] and not ours.path_for("b").exists()
+
+
+def test_nothing_acknowledged_is_deleted_unconsumed_when_both_write_one_rollout(
+    gym: GymModules, both: tuple[Any, TokenCaptureStore]
+) -> None:
+    theirs, ours = both
+    acknowledged = []
+    for n in range(12):
+        writer = ours.append if n % 2 else theirs.append
+        writer(_gym_entry(gym, "r", f"c{n}"))
+        acknowledged.append(f"c{n}")
+    snapshot = theirs.freeze_now("r")
+    assert _ids(snapshot) == sorted(acknowledged)
+    with pytest.raises(RuntimeError):
+        theirs.append(_gym_entry(gym, "r", "late-gym"))
+    with pytest.raises(RolloutFrozenError):
+        ours.append(_gym_entry(gym, "r", "late-tokcap"))
+    # tokcap keeps a write that raced the freeze as evidence: the consumed snapshot is not the last word.
+    assert theirs._drop("r", snapshot.snapshot_id, snapshot.version) is False
+    assert ours.drop_now("r", snapshot.snapshot_id, snapshot.version) is False
+    final = ours.freeze_now("r")
+    assert _ids(final) == sorted(acknowledged) and final.version == snapshot.version + 1
+    assert theirs._drop("r", final.snapshot_id, final.version) is True
+
+
+def test_a_rollout_deleted_by_gym_is_reusable_by_tokcap(
+    gym: GymModules, both: tuple[Any, TokenCaptureStore]
+) -> None:
+    theirs, ours = both
+    ours.append(_gym_entry(gym, "r", "c1"))
+    first = ours.freeze_now("r")
+    assert ours.drop_now("r", first.snapshot_id, first.version)
+    theirs.delete("r")
+    ours.append(_gym_entry(gym, "r", "c2"))
+    reused = ours.freeze_now("r")
+    assert _ids(reused) == ["c2"] and reused.snapshot_id != first.snapshot_id
