@@ -1137,6 +1137,18 @@ class TokenCaptureStore:
         """Finish queued operations and stop the writer thread; no files stay open, and closing again is a no-op."""
         await asyncio.to_thread(self._writes.close)
 
+    # ------------------------------------------------ read API for transports (h-kafka; lead to reconcile)
+    # Transports ask these instead of reading the store's files, so they never learn its file names.
+
+    def holds_anything(self, rollout_id: str) -> bool:
+        """Whether the rollout has anything a delete would remove: records, state or a fence."""
+        return not self.read_state(rollout_id).is_pristine or self.fence_path_for(rollout_id).exists()
+
+    def has_incomplete_mark(self, rollout_id: str, model_call_id: str, reason: str) -> bool:
+        """Whether this exact incomplete mark was already applied; guards marks applied without a log position."""
+        wanted = {"model_call_id": model_call_id, "reason": reason}
+        return any(mark == wanted for mark in self._incomplete_marks(rollout_id))
+
 
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
     """Build the training-token file store from a global config.
