@@ -69,6 +69,8 @@ class MemoryTopic:
         self.name = name
         self.partitions: list[list[StoredMessage]] = [[] for _ in range(partitions)]
         self.changed = threading.Condition()
+        self.allowance: int | None = None
+        """How many more messages consumers may hand out; ``None`` for no limit. Holds a batch where a test wants it."""
         self._groups = itertools.count()
 
     def produce(
@@ -127,11 +129,15 @@ class MemoryConsumer:
         return taken
 
     def _take(self, limit: int) -> list[StoredMessage]:
+        if self._topic.allowance is not None:
+            limit = min(limit, self._topic.allowance)
         taken: list[StoredMessage] = []
         for partition, position in sorted(self._positions.items()):
             available = self._topic.partitions[partition][position : position + limit - len(taken)]
             taken.extend(available)
             self._positions[partition] = position + len(available)
+        if self._topic.allowance is not None:
+            self._topic.allowance -= len(taken)
         return taken
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from tokcap.store import TokenCaptureStore
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.codec import OutgoingMessage, encode_event_messages
 from transports.kafka.dead_letters import dead_letter_path
+from transports.kafka.materializer import Materializer
 from transports.kafka.router import DeadLetter, InboundRouter, LogMessage
 from transports.kafka.timeline import BUFFERED, DEAD_LETTERED, LogApplier
 
@@ -70,6 +71,36 @@ def test_a_chunked_put_is_applied_at_its_last_chunk_and_an_open_group_survives_a
     materialize(topic, tmp_path)
     assert TokenCaptureStore(tmp_path).read_entries("r1") == [make_entry("r1", "c1", tokens=1200)]
     assert PartitionCheckpoint.of_directory(tmp_path, TOPIC, 0).pending_chunk_offsets == []
+    assert dead_letters(tmp_path) == []
+
+
+def test_a_batch_that_reads_nothing_of_a_partition_keeps_that_partitions_open_chunk_groups(
+    tmp_path: Path,
+) -> None:
+    topic = MemoryTopic(TOPIC, partitions=2)
+    messages = chunks_of("r1", "c1", "w")
+    for message in messages[:2]:
+        topic.produce(message.key, message.value, message.headers, partition=1)
+    materialize(topic, tmp_path)
+    assert PartitionCheckpoint.of_directory(tmp_path, TOPIC, 1).pending_chunk_offsets == [0, 1]
+
+    # A restart whose first batch holds one message of partition 0 and none of partition 1.
+    topic.publish(IntentEvent(rollout_id="r0", model_call_id="c0"), partition=0)
+    topic.allowance = 1
+    materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+    materializer.start()
+    try:
+        assert materializer.wait_for(0, 0, 60)
+    finally:
+        materializer.stop()
+    assert PartitionCheckpoint.of_directory(tmp_path, TOPIC, 0).next_offset == 1
+    assert PartitionCheckpoint.of_directory(tmp_path, TOPIC, 1).pending_chunk_offsets == [0, 1]
+
+    topic.allowance = None
+    for message in messages[2:]:
+        topic.produce(message.key, message.value, message.headers, partition=1)
+    materialize(topic, tmp_path)
+    assert TokenCaptureStore(tmp_path).read_entries("r1") == [make_entry("r1", "c1", tokens=1200)]
     assert dead_letters(tmp_path) == []
 
 

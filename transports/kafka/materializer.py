@@ -95,6 +95,7 @@ class _PartitionProgress:
     dead_letters: DeadLetterLog
     replay_below: int
     replay_chunks: set[int]
+    """Chunk offsets of the checkpoint's open groups that have not been read again yet."""
     written: bytes
 
 
@@ -378,7 +379,11 @@ class Materializer:
         """Write every changed checkpoint atomically, then tell waiters what is applied."""
         changed: dict[int, bytes] = {}
         for partition, progress in self._progress.items():
-            progress.checkpoint.pending_chunk_offsets = self._router.open_chunk_offsets(partition)
+            # Chunks of the checkpoint's open groups not re-read yet are still open: a batch that read none
+            # of this partition must not forget them.
+            progress.checkpoint.pending_chunk_offsets = sorted(
+                {*self._router.open_chunk_offsets(partition), *progress.replay_chunks}
+            )
             encoded = progress.checkpoint.encode()
             if encoded != progress.written:
                 changed[partition] = encoded
@@ -403,6 +408,7 @@ class Materializer:
         if offset < progress.replay_below:
             # Processed before the checkpoint; only the chunks of groups open there are needed again.
             if offset in progress.replay_chunks:
+                progress.replay_chunks.discard(offset)
                 self._router.rebuffer(LogMessage.of(message))
             return
         for routed in self._router.route(LogMessage.of(message)):
