@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,43 +28,85 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 PARTITIONS = 3
 
 
-async def write_long_topic(bootstrap: str, topic: str, rollouts: int) -> None:
-    """Publish a long mixed log directly, commands included, without waiting for any materializer."""
-    sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, chunk_bytes=2048)
-    commands = ProducerBridge(bootstrap)
+class TopicWriter:
+    """Writes a log directly: capture events through a sink, commands without waiting for any materializer."""
 
-    async def command(event: Event) -> Delivered:
-        messages = encode_event_messages(event, next_chunk_group=lambda: "unused:0")
-        (delivered,) = await commands.send(topic, messages, what=event.type.value)
-        return delivered
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.topic = topic
+        self.sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, chunk_bytes=2048)
+        self._commands = ProducerBridge(bootstrap)
 
-    async def one_rollout(index: int) -> None:
-        rid = f"crash-{index}"
-        await sink.begin_call(rid, "c0")
-        for call in range(4):
-            await sink.put(make_entry(rid, f"c{call}", tokens=20 + call))
-        await sink.put(make_entry(rid, "big", tokens=1200 + index))
+    async def send(self, *events: Event) -> list[Delivered]:
+        """Produce the events in one batch, so they are adjacent in their partition."""
+        messages = [
+            m for event in events for m in encode_event_messages(event, next_chunk_group=lambda: "u:0")
+        ]
+        return await self._commands.send(self.topic, messages, what="events")
+
+    async def finish(self, rid: str, index: int) -> None:
+        """A chunked put; a dangling intent or an incomplete mark on some rollouts; freeze; a late write on
+        even rollouts; drop version 1; retire some, delete and reuse others."""
+        await self.sink.begin_call(rid, "big")
+        await self.sink.put(make_entry(rid, "big", tokens=1200 + index))
         if index % 3 == 0:
-            await sink.begin_call(rid, "dangling")
+            await self.sink.begin_call(rid, "dangling")
         if index % 4 == 0:
-            await sink.mark_incomplete(rid, "c9", "lost")
-        frozen = await command(FreezeEvent(rollout_id=rid))
+            await self.sink.mark_incomplete(rid, "c9", "lost")
+        (frozen,) = await self.send(FreezeEvent(rollout_id=rid))
         if index % 2 == 0:
-            await sink.put(make_entry(rid, "late"))
-        snapshot_id = f"{topic}:{frozen.partition}:{frozen.offset}"
-        await command(DropEvent(rollout_id=rid, snapshot_id=snapshot_id, version=1))
+            await self.sink.put(make_entry(rid, "late"))
+        snapshot_id = f"{self.topic}:{frozen.partition}:{frozen.offset}"
+        await self.send(DropEvent(rollout_id=rid, snapshot_id=snapshot_id, version=1))
         if index % 5 == 1:
-            await command(RetireEvent(rollout_id=rid))
+            await self.send(RetireEvent(rollout_id=rid))
         if index % 5 == 2:
-            await command(DeleteEvent(rollout_id=rid))
-            await sink.put(make_entry(rid, "reused"))
-            await command(FreezeEvent(rollout_id=rid))
+            await self.send(DeleteEvent(rollout_id=rid))
+            await self.sink.put(make_entry(rid, "reused"))
+            await self.send(FreezeEvent(rollout_id=rid))
 
-    try:
-        await asyncio.gather(*(one_rollout(index) for index in range(rollouts)))
-    finally:
-        await sink.close()
-        commands.close()
+    async def close(self) -> None:
+        await self.sink.close()
+        self._commands.close()
+
+
+def write_rollouts(
+    bootstrap: str, topic: str, rollouts: int, one_rollout: Callable[[TopicWriter, int], Awaitable[None]]
+) -> dict[int, int]:
+    """Write every rollout's events at once, so rollouts interleave in the partitions; return the log's end."""
+
+    async def write() -> None:
+        writer = TopicWriter(bootstrap, topic)
+        try:
+            await asyncio.gather(*(one_rollout(writer, index) for index in range(rollouts)))
+        finally:
+            await writer.close()
+
+    asyncio.run(write())
+    return high_watermarks(bootstrap, topic)
+
+
+async def long_rollout(writer: TopicWriter, index: int) -> None:
+    """Puts, then the shared ending."""
+    rid = f"crash-{index}"
+    sink = writer.sink
+    await sink.begin_call(rid, "c0")
+    for call in range(4):
+        await sink.put(make_entry(rid, f"c{call}", tokens=20 + call))
+    await writer.finish(rid, index)
+
+
+async def lifecycle_rollout(writer: TopicWriter, index: int) -> None:
+    """Intents closed by cancels, adjacent in the partition and apart, then the shared ending: every event kind."""
+    rid = f"life-{index}"
+    sink = writer.sink
+    await sink.begin_call(rid, "c0")
+    await sink.put(make_entry(rid, "c0", tokens=10))
+    await writer.send(
+        IntentEvent(rollout_id=rid, model_call_id="c1"), CancelEvent(rollout_id=rid, model_call_id="c1")
+    )
+    await sink.begin_call(rid, "c2")
+    await sink.cancel_call(rid, "c2")
+    await writer.finish(rid, index)
 
 
 def high_watermarks(bootstrap: str, topic: str) -> dict[int, int]:
@@ -100,10 +143,8 @@ def test_a_materializer_killed_at_random_points_ends_byte_identical_to_a_clean_r
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
     topic = kafka_topic_factory("crash", partitions=PARTITIONS)
-    asyncio.run(write_long_topic(kafka_bootstrap, topic, rollouts=200))
-    end = high_watermarks(kafka_bootstrap, topic)
-    crashed = tmp_path / "crashed"
-    log = tmp_path / "materializer.log"
+    end = write_rollouts(kafka_bootstrap, topic, 200, long_rollout)
+    crashed, log = tmp_path / "crashed", tmp_path / "materializer.log"
     rng = random.Random(11)
     progress_seen: list[dict[int, int]] = []
     total = sum(end.values())
@@ -123,10 +164,7 @@ def test_a_materializer_killed_at_random_points_ends_byte_identical_to_a_clean_r
         if progress_seen[-1] == end:
             break
     assert progress_seen[0] != end, "the first kill must land before the end of the topic"
-    run_to_the_end(kafka_bootstrap, topic, crashed, log, end)
-    clean = tmp_path / "clean"
-    replay_cleanly(kafka_bootstrap, topic, clean)
-    assert directory_contents(crashed) == directory_contents(clean)
+    assert_resumes_as_a_clean_replay(kafka_bootstrap, topic, tmp_path, end)
 
 
 def run_to_the_end(bootstrap: str, topic: str, store_dir: Path, log: Path, end: dict[int, int]) -> None:
@@ -156,63 +194,15 @@ def files_but_locks(store_dir: Path) -> dict[str, bytes]:
     return {name: data for name, data in directory_contents(store_dir).items() if not name.endswith(".lock")}
 
 
-async def write_lifecycle_topic(bootstrap: str, topic: str, rollouts: int) -> None:
-    """Every event kind, for many rollouts at once.
-
-    Intents closed by cancels (adjacent, and apart), chunked puts, dangling intents, incomplete marks,
-    freezes, late writes, drops that succeed and drops that must fail, retires, and deletes followed by
-    reuse of the id.
-    """
-    sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, chunk_bytes=2048)
-    commands = ProducerBridge(bootstrap)
-
-    async def command(event: Event) -> Delivered:
-        messages = encode_event_messages(event, next_chunk_group=lambda: "unused:0")
-        (delivered,) = await commands.send(topic, messages, what=event.type.value)
-        return delivered
-
-    async def intent_then_cancel(rid: str, call_id: str) -> None:
-        """A call that ends before generation, its two events adjacent in the partition (one produce batch)."""
-        pair = [
-            IntentEvent(rollout_id=rid, model_call_id=call_id),
-            CancelEvent(rollout_id=rid, model_call_id=call_id),
-        ]
-        messages = [
-            m for event in pair for m in encode_event_messages(event, next_chunk_group=lambda: "unused:0")
-        ]
-        await commands.send(topic, messages, what="intent and cancel")
-
-    async def one_rollout(index: int) -> None:
-        rid = f"life-{index}"
-        await sink.begin_call(rid, "c0")
-        await sink.put(make_entry(rid, "c0", tokens=10))
-        await intent_then_cancel(rid, "c1")
-        await sink.begin_call(rid, "c2")
-        await sink.cancel_call(rid, "c2")
-        await sink.begin_call(rid, "big")
-        await sink.put(make_entry(rid, "big", tokens=1200 + index))
-        if index % 3 == 0:
-            await sink.begin_call(rid, "dangling")
-        if index % 4 == 0:
-            await sink.mark_incomplete(rid, "c9", "lost")
-        frozen = await command(FreezeEvent(rollout_id=rid))
-        if index % 2 == 0:
-            await sink.put(make_entry(rid, "late"))
-        snapshot_id = f"{topic}:{frozen.partition}:{frozen.offset}"
-        await command(DropEvent(rollout_id=rid, snapshot_id=snapshot_id, version=1))
-        if index % 5 == 1:
-            await command(RetireEvent(rollout_id=rid))
-        if index % 5 == 2:
-            await command(DeleteEvent(rollout_id=rid))
-            await sink.begin_call(rid, "reused")
-            await sink.put(make_entry(rid, "reused", tokens=1500))
-            await command(FreezeEvent(rollout_id=rid))
-
-    try:
-        await asyncio.gather(*(one_rollout(index) for index in range(rollouts)))
-    finally:
-        await sink.close()
-        commands.close()
+def assert_resumes_as_a_clean_replay(bootstrap: str, topic: str, tmp_path: Path, end: dict[int, int]) -> None:
+    """Finish ``tmp_path/crashed`` with one last process; it must equal a replay into an empty directory."""
+    run_to_the_end(bootstrap, topic, tmp_path / "crashed", tmp_path / "materializer.log", end)
+    replay_cleanly(bootstrap, topic, tmp_path / "clean")
+    resumed, replayed = files_but_locks(tmp_path / "crashed"), files_but_locks(tmp_path / "clean")
+    differing = sorted(
+        name for name in resumed.keys() | replayed.keys() if resumed.get(name) != replayed.get(name)
+    )
+    assert differing == [], {name: (resumed.get(name), replayed.get(name)) for name in differing[:3]}
 
 
 KILL_CYCLES = 50
@@ -222,10 +212,8 @@ def test_a_materializer_killed_fifty_times_mid_batch_ends_byte_identical_to_a_cl
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
     topic = kafka_topic_factory("killloop", partitions=PARTITIONS)
-    asyncio.run(write_lifecycle_topic(kafka_bootstrap, topic, rollouts=600))
-    end = high_watermarks(kafka_bootstrap, topic)
-    crashed = tmp_path / "crashed"
-    log = tmp_path / "materializer.log"
+    end = write_rollouts(kafka_bootstrap, topic, 600, lifecycle_rollout)
+    crashed, log = tmp_path / "crashed", tmp_path / "materializer.log"
     kills_before_the_end = 0
     rng = random.Random(50)
     for _ in range(KILL_CYCLES):
@@ -242,11 +230,4 @@ def test_a_materializer_killed_fifty_times_mid_batch_ends_byte_identical_to_a_cl
         assert process.returncode == -signal.SIGKILL, log.read_text()[-3000:]
         kills_before_the_end += checkpointed(crashed, topic) != end
     assert kills_before_the_end > 0, "no kill landed before the end of the topic"
-    run_to_the_end(kafka_bootstrap, topic, crashed, log, end)
-    clean = tmp_path / "clean"
-    replay_cleanly(kafka_bootstrap, topic, clean)
-    resumed, replayed = files_but_locks(crashed), files_but_locks(clean)
-    differing = sorted(
-        name for name in resumed.keys() | replayed.keys() if resumed.get(name) != replayed.get(name)
-    )
-    assert differing == [], {name: (resumed.get(name), replayed.get(name)) for name in differing[:3]}
+    assert_resumes_as_a_clean_replay(kafka_bootstrap, topic, tmp_path, end)

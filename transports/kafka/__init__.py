@@ -39,30 +39,15 @@ __all__ = [
     "validate_topic_name",
 ]
 
-_MODULE_OF = {
-    "Materializer": "materializer",
-    "KafkaTokenSink": "sink",
-    "KafkaTokenSource": "source",
-    **{
-        name: "topics"
-        for name in (
-            "MAX_TOPIC_NAME_LENGTH",
-            "TOPIC_PREFIX",
-            "TopicSettings",
-            "ensure_topic",
-            "resolve_topic",
-            "topic_for_run",
-            "validate_topic_name",
-        )
-    },
-}
+_MODULE_OF = {"Materializer": "materializer", "KafkaTokenSink": "sink", "KafkaTokenSource": "source"}
+"""Where each public name lives; the others are the topic helpers of ``topics``."""
 
 
 def __getattr__(name: str) -> Any:
     """Import the module that defines a public name the first time it is asked for."""
-    module = _MODULE_OF.get(name)
-    if module is None:
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _MODULE_OF.get(name, "topics")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
