@@ -65,6 +65,8 @@ from transports.kafka.router import (
 )
 from transports.kafka.topics import validate_topic_name
 
+# CHECKPOINT_PREFIX, DEAD_LETTER_PREFIX, MATERIALIZER_WRITER and ORPHAN_AFTER_OFFSETS live in their own
+# modules now; they stay importable from here.
 __all__ = [
     "CHECKPOINT_PREFIX",
     "DEAD_LETTER_PREFIX",
