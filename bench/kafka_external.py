@@ -19,7 +19,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from bench.kafka_trial import KafkaTarget, delete_topic
 from bench.load import LoadResult, PreparedWorkload, drive
-from transports.kafka.materializer import CHECKPOINT_PREFIX, PartitionCheckpoint
+from transports.kafka.checkpoint import applied_next_offset
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
 from transports.kafka.topics import ensure_topic
@@ -62,7 +62,7 @@ def _lag(bootstrap: str, topic: str, directory: Path) -> int:
         high = int(consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1])
     finally:
         consumer.close()
-    applied = PartitionCheckpoint.load(directory / f"{CHECKPOINT_PREFIX}0.json", topic, 0).next_offset
+    applied = applied_next_offset(directory, topic, 0)
     return high - applied
 
 

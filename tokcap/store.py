@@ -430,6 +430,11 @@ class TokenCaptureStore:
         state = self._read(rollout_id)
         return state.holds_records or state.retired
 
+    def has_incomplete_mark(self, rollout_id: str, model_call_id: str, reason: str) -> bool:
+        """Whether this exact marker was recorded; guards markers applied without a log position."""
+        wanted = IncompleteMark(model_call_id=model_call_id, reason=reason)
+        return wanted in self._read(rollout_id).incomplete_marks
+
     def reconcile_indexes(self) -> int:
         """Bring every rollout's state up to date with its files; return how many states were rewritten.
 

@@ -9,16 +9,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from store_contract import directory_contents, make_entry
 
-from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, RetireEvent
+from tokcap.events import CancelEvent, DeleteEvent, DropEvent, Event, FreezeEvent, IntentEvent, RetireEvent
 from transports.kafka import KafkaTokenSink, Materializer
+from transports.kafka.checkpoint import applied_next_offset
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
 
@@ -27,43 +28,85 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 PARTITIONS = 3
 
 
-async def write_long_topic(bootstrap: str, topic: str, rollouts: int) -> None:
-    """Publish a long mixed log directly, commands included, without waiting for any materializer."""
-    sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, chunk_bytes=2048)
-    commands = ProducerBridge(bootstrap)
+class TopicWriter:
+    """Writes a log directly: capture events through a sink, commands without waiting for any materializer."""
 
-    async def command(event: Event) -> Delivered:
-        messages = encode_event_messages(event, next_chunk_group=lambda: "unused:0")
-        (delivered,) = await commands.send(topic, messages, what=event.type.value)
-        return delivered
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.topic = topic
+        self.sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, chunk_bytes=2048)
+        self._commands = ProducerBridge(bootstrap)
 
-    async def one_rollout(index: int) -> None:
-        rid = f"crash-{index}"
-        await sink.begin_call(rid, "c0")
-        for call in range(4):
-            await sink.put(make_entry(rid, f"c{call}", tokens=20 + call))
-        await sink.put(make_entry(rid, "big", tokens=1200 + index))
+    async def send(self, *events: Event) -> list[Delivered]:
+        """Produce the events in one batch, so they are adjacent in their partition."""
+        messages = [
+            m for event in events for m in encode_event_messages(event, next_chunk_group=lambda: "u:0")
+        ]
+        return await self._commands.send(self.topic, messages, what="events")
+
+    async def finish(self, rid: str, index: int) -> None:
+        """A chunked put; a dangling intent or an incomplete mark on some rollouts; freeze; a late write on
+        even rollouts; drop version 1; retire some, delete and reuse others."""
+        await self.sink.begin_call(rid, "big")
+        await self.sink.put(make_entry(rid, "big", tokens=1200 + index))
         if index % 3 == 0:
-            await sink.begin_call(rid, "dangling")
+            await self.sink.begin_call(rid, "dangling")
         if index % 4 == 0:
-            await sink.mark_incomplete(rid, "c9", "lost")
-        frozen = await command(FreezeEvent(rollout_id=rid))
+            await self.sink.mark_incomplete(rid, "c9", "lost")
+        (frozen,) = await self.send(FreezeEvent(rollout_id=rid))
         if index % 2 == 0:
-            await sink.put(make_entry(rid, "late"))
-        snapshot_id = f"{topic}:{frozen.partition}:{frozen.offset}"
-        await command(DropEvent(rollout_id=rid, snapshot_id=snapshot_id, version=1))
+            await self.sink.put(make_entry(rid, "late"))
+        snapshot_id = f"{self.topic}:{frozen.partition}:{frozen.offset}"
+        await self.send(DropEvent(rollout_id=rid, snapshot_id=snapshot_id, version=1))
         if index % 5 == 1:
-            await command(RetireEvent(rollout_id=rid))
+            await self.send(RetireEvent(rollout_id=rid))
         if index % 5 == 2:
-            await command(DeleteEvent(rollout_id=rid))
-            await sink.put(make_entry(rid, "reused"))
-            await command(FreezeEvent(rollout_id=rid))
+            await self.send(DeleteEvent(rollout_id=rid))
+            await self.sink.put(make_entry(rid, "reused"))
+            await self.send(FreezeEvent(rollout_id=rid))
 
-    try:
-        await asyncio.gather(*(one_rollout(index) for index in range(rollouts)))
-    finally:
-        await sink.close()
-        commands.close()
+    async def close(self) -> None:
+        await self.sink.close()
+        self._commands.close()
+
+
+def write_rollouts(
+    bootstrap: str, topic: str, rollouts: int, one_rollout: Callable[[TopicWriter, int], Awaitable[None]]
+) -> dict[int, int]:
+    """Write every rollout's events at once, so rollouts interleave in the partitions; return the log's end."""
+
+    async def write() -> None:
+        writer = TopicWriter(bootstrap, topic)
+        try:
+            await asyncio.gather(*(one_rollout(writer, index) for index in range(rollouts)))
+        finally:
+            await writer.close()
+
+    asyncio.run(write())
+    return high_watermarks(bootstrap, topic)
+
+
+async def long_rollout(writer: TopicWriter, index: int) -> None:
+    """Puts, then the shared ending."""
+    rid = f"crash-{index}"
+    sink = writer.sink
+    await sink.begin_call(rid, "c0")
+    for call in range(4):
+        await sink.put(make_entry(rid, f"c{call}", tokens=20 + call))
+    await writer.finish(rid, index)
+
+
+async def lifecycle_rollout(writer: TopicWriter, index: int) -> None:
+    """Intents closed by cancels, adjacent in the partition and apart, then the shared ending: every event kind."""
+    rid = f"life-{index}"
+    sink = writer.sink
+    await sink.begin_call(rid, "c0")
+    await sink.put(make_entry(rid, "c0", tokens=10))
+    await writer.send(
+        IntentEvent(rollout_id=rid, model_call_id="c1"), CancelEvent(rollout_id=rid, model_call_id="c1")
+    )
+    await sink.begin_call(rid, "c2")
+    await sink.cancel_call(rid, "c2")
+    await writer.finish(rid, index)
 
 
 def high_watermarks(bootstrap: str, topic: str) -> dict[int, int]:
@@ -77,13 +120,9 @@ def high_watermarks(bootstrap: str, topic: str) -> dict[int, int]:
         consumer.close()
 
 
-def checkpointed(store_dir: Path) -> dict[int, int]:
-    """The next offset each partition's checkpoint file names (0 when there is none yet)."""
-    result = {}
-    for partition in range(PARTITIONS):
-        path = store_dir / f"kafka-checkpoint-p{partition}.json"
-        result[partition] = orjson.loads(path.read_bytes())["next_offset"] if path.exists() else 0
-    return result
+def checkpointed(store_dir: Path, topic: str) -> dict[int, int]:
+    """The next offset each partition's checkpoint names (0 when there is none yet)."""
+    return {partition: applied_next_offset(store_dir, topic, partition) for partition in range(PARTITIONS)}
 
 
 def start_process(bootstrap: str, topic: str, store_dir: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -104,10 +143,8 @@ def test_a_materializer_killed_at_random_points_ends_byte_identical_to_a_clean_r
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
     topic = kafka_topic_factory("crash", partitions=PARTITIONS)
-    asyncio.run(write_long_topic(kafka_bootstrap, topic, rollouts=200))
-    end = high_watermarks(kafka_bootstrap, topic)
-    crashed = tmp_path / "crashed"
-    log = tmp_path / "materializer.log"
+    end = write_rollouts(kafka_bootstrap, topic, 200, long_rollout)
+    crashed, log = tmp_path / "crashed", tmp_path / "materializer.log"
     rng = random.Random(11)
     progress_seen: list[dict[int, int]] = []
     total = sum(end.values())
@@ -115,32 +152,82 @@ def test_a_materializer_killed_at_random_points_ends_byte_identical_to_a_clean_r
         process = start_process(kafka_bootstrap, topic, crashed, log)
         # Kill at a random point of the remaining log: wait for a random amount of progress, then a random
         # few milliseconds more, so kills land mid-batch and between batches however fast the machine is.
-        already = sum(checkpointed(crashed).values())
+        already = sum(checkpointed(crashed, topic).values())
         target = already + rng.uniform(0.05, 0.5) * (total - already)
         deadline = time.monotonic() + 10
-        while sum(checkpointed(crashed).values()) < target and time.monotonic() < deadline:
+        while sum(checkpointed(crashed, topic).values()) < target and time.monotonic() < deadline:
             time.sleep(0.002)
         time.sleep(rng.uniform(0.0, 0.03))
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        progress_seen.append(checkpointed(crashed))
+        progress_seen.append(checkpointed(crashed, topic))
         if progress_seen[-1] == end:
             break
     assert progress_seen[0] != end, "the first kill must land before the end of the topic"
-    process = start_process(kafka_bootstrap, topic, crashed, log)
+    assert_resumes_as_a_clean_replay(kafka_bootstrap, topic, tmp_path, end)
+
+
+def run_to_the_end(bootstrap: str, topic: str, store_dir: Path, log: Path, end: dict[int, int]) -> None:
+    """Let one last materializer process apply the rest of the log, then stop it cleanly."""
+    process = start_process(bootstrap, topic, store_dir, log)
     deadline = time.monotonic() + 180
-    while checkpointed(crashed) != end and time.monotonic() < deadline and process.poll() is None:
+    while checkpointed(store_dir, topic) != end and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
     assert process.returncode == 0, log.read_text()[-3000:]
-    assert checkpointed(crashed) == end
+    assert checkpointed(store_dir, topic) == end
 
-    clean = tmp_path / "clean"
-    materializer = Materializer(kafka_bootstrap, topic, clean)
+
+def replay_cleanly(bootstrap: str, topic: str, store_dir: Path) -> None:
+    """Replay the whole topic into an empty directory with an in-process materializer that is never killed."""
+    materializer = Materializer(bootstrap, topic, store_dir)
     materializer.start()
     try:
         assert materializer.wait_until_caught_up(180)
     finally:
         materializer.stop()
-    assert directory_contents(crashed) == directory_contents(clean)
+
+
+def files_but_locks(store_dir: Path) -> dict[str, bytes]:
+    """Every file's bytes by name, lock files left out (they hold no state)."""
+    return {name: data for name, data in directory_contents(store_dir).items() if not name.endswith(".lock")}
+
+
+def assert_resumes_as_a_clean_replay(bootstrap: str, topic: str, tmp_path: Path, end: dict[int, int]) -> None:
+    """Finish ``tmp_path/crashed`` with one last process; it must equal a replay into an empty directory."""
+    run_to_the_end(bootstrap, topic, tmp_path / "crashed", tmp_path / "materializer.log", end)
+    replay_cleanly(bootstrap, topic, tmp_path / "clean")
+    resumed, replayed = files_but_locks(tmp_path / "crashed"), files_but_locks(tmp_path / "clean")
+    differing = sorted(
+        name for name in resumed.keys() | replayed.keys() if resumed.get(name) != replayed.get(name)
+    )
+    assert differing == [], {name: (resumed.get(name), replayed.get(name)) for name in differing[:3]}
+
+
+KILL_CYCLES = 50
+
+
+def test_a_materializer_killed_fifty_times_mid_batch_ends_byte_identical_to_a_clean_replay(
+    kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
+) -> None:
+    topic = kafka_topic_factory("killloop", partitions=PARTITIONS)
+    end = write_rollouts(kafka_bootstrap, topic, 600, lifecycle_rollout)
+    crashed, log = tmp_path / "crashed", tmp_path / "materializer.log"
+    kills_before_the_end = 0
+    rng = random.Random(50)
+    for _ in range(KILL_CYCLES):
+        process = start_process(kafka_bootstrap, topic, crashed, log)
+        # Kill once the process has checkpointed one batch of its own, a random moment into the next batch:
+        # inside its deferred-durability block, whose applied events are not yet checkpointed. Any moment
+        # must do; the randomness only spreads the kills over the block.
+        before = checkpointed(crashed, topic)
+        while before != end and checkpointed(crashed, topic) == before and process.poll() is None:
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.2))
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        assert process.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+        kills_before_the_end += checkpointed(crashed, topic) != end
+    assert kills_before_the_end > 0, "no kill landed before the end of the topic"
+    assert_resumes_as_a_clean_replay(kafka_bootstrap, topic, tmp_path, end)

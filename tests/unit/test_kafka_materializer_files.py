@@ -11,7 +11,9 @@ import orjson
 import pytest
 
 from tokcap.errors import MaterializerFailedError
-from transports.kafka.materializer import DeadLetterLog, PartitionCheckpoint, remove_stale_temp_files
+from transports.kafka.checkpoint import PartitionCheckpoint
+from transports.kafka.dead_letters import DeadLetterLog
+from transports.kafka.materializer import remove_stale_temp_files
 
 
 def test_a_checkpoint_round_trips_and_names_where_reading_resumes(tmp_path: Path) -> None:

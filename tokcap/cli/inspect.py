@@ -107,13 +107,12 @@ def describe_store(directory: Path) -> dict[str, Any]:
     """Every rollout of a store, plus the materializer files a Kafka projection leaves there."""
     store = open_existing_store(directory)
     rollouts = [summarize_rollout(store, rollout_id) for rollout_id in store.rollout_ids()]
-    checkpoints = {}
-    dead_letters = {}
-    for path in sorted(directory.glob(f"{KAFKA_FILE_PREFIX}*")):
-        if path.name.startswith("kafka-checkpoint-p"):
-            checkpoints[path.name] = orjson.loads(path.read_bytes())
-        elif path.name.startswith("kafka-dead-letter-p"):
-            dead_letters[path.name] = _json_lines(path)
+    # The transport's own modules name its files; these two import no Kafka client.
+    from transports.kafka.checkpoint import checkpoint_files
+    from transports.kafka.dead_letters import dead_letter_files
+
+    checkpoints = {path.name: orjson.loads(path.read_bytes()) for path in checkpoint_files(directory)}
+    dead_letters = {path.name: _json_lines(path) for path in dead_letter_files(directory)}
     return {
         "store_dir": str(directory),
         "rollouts": [summary.to_dict() for summary in rollouts],

@@ -146,6 +146,7 @@ def _replay_part(
             client_config=client_config,
             timeout_s=timeout_s,
             on_message=lambda partition, offset: progress.advance(task),
+            on_skipped=applier.pass_over,
         ):
             applier.take(message)
             applied += 1

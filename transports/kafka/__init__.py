@@ -2,22 +2,29 @@
 
 ``transports.kafka:KafkaTokenSink`` can be named as the configured sink, with its keyword arguments
 in ``sink_kwargs``. Architecture and guarantees: ``docs`` and the module docstrings here.
+
+The names below load their modules on first use: the checkpoint and dead-letter modules import no
+Kafka client, and ``tokcap inspect`` reads them without the ``kafka`` extra installed.
 """
 
 from __future__ import annotations
 
-from transports.kafka.materializer import Materializer
-from transports.kafka.sink import KafkaTokenSink
-from transports.kafka.source import KafkaTokenSource
-from transports.kafka.topics import (
-    MAX_TOPIC_NAME_LENGTH,
-    TOPIC_PREFIX,
-    TopicSettings,
-    ensure_topic,
-    resolve_topic,
-    topic_for_run,
-    validate_topic_name,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transports.kafka.materializer import Materializer
+    from transports.kafka.sink import KafkaTokenSink
+    from transports.kafka.source import KafkaTokenSource
+    from transports.kafka.topics import (
+        MAX_TOPIC_NAME_LENGTH,
+        TOPIC_PREFIX,
+        TopicSettings,
+        ensure_topic,
+        resolve_topic,
+        topic_for_run,
+        validate_topic_name,
+    )
 
 __all__ = [
     "MAX_TOPIC_NAME_LENGTH",
@@ -31,3 +38,20 @@ __all__ = [
     "topic_for_run",
     "validate_topic_name",
 ]
+
+_MODULE_OF = {"Materializer": "materializer", "KafkaTokenSink": "sink", "KafkaTokenSource": "source"}
+"""Where each public name lives; the others are the topic helpers of ``topics``."""
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines a public name the first time it is asked for."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _MODULE_OF.get(name, "topics")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -37,6 +37,7 @@ __all__ = [
     "ChunkHeader",
     "OutgoingMessage",
     "decode_event_value",
+    "decode_message",
     "encode_event_messages",
     "encode_event_value",
     "headers_to_dict",
@@ -316,6 +317,28 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
     except orjson.JSONDecodeError as exc:
         raise EventDecodeError(f"event is not valid JSON: {exc}") from exc
     return event_from_mapping(raw)
+
+
+def decode_message(key: bytes | None, value: bytes | None, headers: Mapping[str, str]) -> Event:
+    """The event a whole (or reassembled) message carries: the one way from a message to an event.
+
+    The event must name the rollout its key names, or it would be applied to a partition that does not
+    order that rollout. Raise ``EventDecodeError``, or ``NewerSchemaError`` for a newer schema, whose text
+    is the reason to dead-letter the message with.
+    """
+    if value is None:
+        raise EventDecodeError("message has no value")
+    try:
+        event = decode_event_value(value, headers)
+    except NewerSchemaError as exc:
+        raise NewerSchemaError(f"newer schema: {exc}") from exc
+    except EventDecodeError as exc:
+        raise EventDecodeError(f"undecodable event: {exc}") from exc
+    if key is None or key != event.rollout_id.encode():
+        raise EventDecodeError(f"key {key!r} does not match the event's rollout {event.rollout_id!r}")
+    if rollout_of_key(key) is None:
+        raise EventDecodeError(f"invalid rollout id {event.rollout_id!r}")
+    return event
 
 
 def rollout_of_key(key: bytes | None) -> str | None:

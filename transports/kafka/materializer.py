@@ -1,8 +1,9 @@
 """The materializer: applies the run topic's events, in log order, to a local file store.
 
-It reads each assigned partition from its own checkpoint (``kafka-checkpoint-p<N>.json`` in the
-store directory), not from consumer-group offsets, and applies every event through
-``TokenCaptureStore.apply`` with the event's log position.
+It reads each assigned partition from its own checkpoint in the store directory (``checkpoint``),
+not from consumer-group offsets, routes every message through the inbound router (``router``) and
+applies what it decides through ``TokenCaptureStore.apply`` with the event's log position. This module
+holds only that loop and the waits on it.
 
 Exactly-once argument, per partition:
 
@@ -17,8 +18,8 @@ Exactly-once argument, per partition:
   writes exactly the lines a clean run writes.
 
 An event that cannot be decoded, has an unknown type or a newer schema, or a chunk group that can
-never complete, goes to ``kafka-dead-letter-p<N>.jsonl`` with its partition, offset and reason;
-where the key is a valid rollout id that rollout is marked incomplete. Consumption never stalls on one.
+never complete, goes to the partition's dead-letter log (``dead_letters``) with its partition, offset and
+reason; where the key is a valid rollout id that rollout is marked incomplete. Consumption never stalls on one.
 
 Run it in a thread (``start``/``stop``) or as a process::
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import re
@@ -39,35 +39,34 @@ import sys
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from filelock import FileLock, Timeout
 
-from tokcap.durable_io import append_durably, fsync_directory, replace_atomically
-from tokcap.errors import (
-    EventDecodeError,
-    MaterializerFailedError,
-    NewerSchemaError,
-    StoreCorruptionError,
-)
-from tokcap.events import Event, IncompleteEvent, LogPosition
+from tokcap.errors import MaterializerFailedError
 from tokcap.store import ApplyResult, TokenCaptureStore
-from transports.kafka.codec import (
-    ChunkHeader,
-    decode_event_value,
-    headers_to_dict,
-    read_chunk_header,
-    rollout_of_key,
+from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
+from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, DeadLetterLog
+from transports.kafka.router import (
+    MATERIALIZER_WRITER,
+    ORPHAN_AFTER_OFFSETS,
+    ApplyEvent,
+    DeadLetter,
+    InboundRouter,
+    LogMessage,
+    Routed,
+    carry_out,
 )
 from transports.kafka.topics import validate_topic_name
 
+# CHECKPOINT_PREFIX, DEAD_LETTER_PREFIX, MATERIALIZER_WRITER and ORPHAN_AFTER_OFFSETS live in their own
+# modules now; they stay importable from here.
 __all__ = [
     "CHECKPOINT_PREFIX",
     "DEAD_LETTER_PREFIX",
@@ -81,134 +80,25 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "kafka-checkpoint-p"
-"""Checkpoint of partition N: ``kafka-checkpoint-p<N>.json``."""
-
 OWNER_LOCK_PREFIX = "kafka-materializer-p"
 """Lock file held by the one materializer applying partition N into a directory: ``kafka-materializer-p<N>.lock``."""
-
-DEAD_LETTER_PREFIX = "kafka-dead-letter-p"
-"""Dead-letter record of partition N: ``kafka-dead-letter-p<N>.jsonl``."""
-
-MATERIALIZER_WRITER = "tokcap-materializer"
-"""Writer id of the incomplete markers the materializer itself applies."""
-
-ORPHAN_AFTER_OFFSETS = 100_000
-"""A chunk group still open this many offsets after its first chunk will never complete."""
 
 _BATCH_SIZE = 200
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
-_REASON_LIMIT = 600
 _STALE_TEMP = re.compile(r"\.tmp-(\d+)-\d+$")
 
 
 @dataclass
-class PartitionCheckpoint:
-    """How far one partition was applied, and which chunk offsets below that still matter."""
-
-    topic: str
-    partition: int
-    next_offset: int = 0
-    pending_chunk_offsets: list[int] = field(default_factory=list)
-
-    def resume_offset(self) -> int:
-        """Where reading must start: the first open chunk, or the next unprocessed offset."""
-        return min([self.next_offset, *self.pending_chunk_offsets])
-
-    def encode(self) -> bytes:
-        """Sorted-key JSON with a trailing newline, identical in every replay."""
-        return (
-            orjson.dumps(
-                {
-                    "next_offset": self.next_offset,
-                    "partition": self.partition,
-                    "pending_chunk_offsets": sorted(self.pending_chunk_offsets),
-                    "topic": self.topic,
-                },
-                option=orjson.OPT_SORT_KEYS,
-            )
-            + b"\n"
-        )
-
-    @classmethod
-    def load(cls, path: Path, topic: str, partition: int) -> PartitionCheckpoint:
-        """Read a checkpoint; a missing one starts at offset 0, one of another topic is refused."""
-        try:
-            raw = orjson.loads(path.read_bytes())
-        except FileNotFoundError:
-            return cls(topic, partition)
-        except orjson.JSONDecodeError as exc:
-            raise StoreCorruptionError(
-                f"checkpoint {path} is not valid JSON ({exc}); replay into a new directory"
-            ) from exc
-        if raw.get("topic") != topic or raw.get("partition") != partition:
-            raise MaterializerFailedError(
-                f"{path} belongs to topic {raw.get('topic')!r} partition {raw.get('partition')!r}, not {topic!r} "
-                f"partition {partition}; give each topic its own store directory"
-            )
-        return cls(
-            topic, partition, int(raw["next_offset"]), [int(o) for o in raw.get("pending_chunk_offsets", [])]
-        )
-
-
-class DeadLetterLog:
-    """One partition's dead-letter lines; each offset is written at most once."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._offsets: set[int] = set()
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return
-        complete = data[: data.rfind(b"\n") + 1]
-        if len(complete) != len(data):
-            with path.open("r+b") as handle:
-                handle.truncate(len(complete))
-                os.fsync(handle.fileno())
-        for line in complete.splitlines():
-            self._offsets.add(int(orjson.loads(line)["offset"]))
-
-    def record(self, partition: int, offset: int, reason: str, rollout_id: str | None) -> bool:
-        """Append one durable line unless this offset already has one; return whether it was written."""
-        if offset in self._offsets:
-            return False
-        line = orjson.dumps(
-            {
-                "offset": offset,
-                "partition": partition,
-                "reason": reason[:_REASON_LIMIT],
-                "rollout_id": rollout_id,
-            },
-            option=orjson.OPT_SORT_KEYS,
-        )
-        append_durably(self._path, line + b"\n")
-        self._offsets.add(offset)
-        return True
-
-
-@dataclass
-class _OpenChunkGroup:
-    """The chunks of one large event received so far."""
-
-    header: ChunkHeader
-    key: bytes
-    headers: dict[str, str]
-    offsets: list[int]
-    pieces: list[bytes]
-
-
-@dataclass
 class _PartitionProgress:
-    """Runtime state of one partition: its checkpoint, open chunk groups and replay window."""
+    """Runtime state of one partition: its checkpoint, dead letters and replay window."""
 
     checkpoint: PartitionCheckpoint
     dead_letters: DeadLetterLog
-    groups: dict[str, _OpenChunkGroup] = field(default_factory=dict)
-    replay_below: int = 0
-    replay_chunks: set[int] = field(default_factory=set)
-    written: bytes = b""
+    replay_below: int
+    replay_chunks: set[int]
+    """Chunk offsets of the checkpoint's open groups that have not been read again yet."""
+    written: bytes
 
 
 def _resolve_waiter(future: asyncio.Future[None]) -> None:
@@ -246,13 +136,17 @@ class Materializer:
         partitions: Sequence[int] | None = None,
         *,
         consumer_config: Mapping[str, Any] | None = None,
+        consumer_factory: Callable[[dict[str, Any]], Consumer] = Consumer,
     ) -> None:
+        """``consumer_factory`` builds the consumer from its settings; tests pass an in-memory topic double."""
         self._bootstrap = bootstrap_servers
+        self._new_consumer = consumer_factory
         self._topic = validate_topic_name(topic)
         self._store = TokenCaptureStore(store_dir)
         self._requested_partitions = None if partitions is None else sorted(set(partitions))
         self._consumer_config = dict(consumer_config or {})
         self._progress: dict[int, _PartitionProgress] = {}
+        self._router = InboundRouter()
         self._applied_next: dict[int, int] = {}
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
         self._condition = threading.Condition()
@@ -362,7 +256,7 @@ class Materializer:
 
     def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
         """Per assigned partition, the offset after the last message currently in the log."""
-        consumer = Consumer(self._consumer_settings())
+        consumer = self._new_consumer(self._consumer_settings())
         try:
             partitions = self._partitions(consumer, timeout_s)
             return {
@@ -426,7 +320,7 @@ class Materializer:
             self._ready.set()
 
     def _run(self) -> None:
-        consumer = Consumer(self._consumer_settings())
+        consumer = self._new_consumer(self._consumer_settings())
         try:
             with ExitStack() as held:
                 partitions = self._partitions(consumer)
@@ -452,10 +346,10 @@ class Materializer:
     def _consume(self, consumer: Consumer, partitions: list[int]) -> None:
         assignment = []
         for partition in partitions:
-            checkpoint = PartitionCheckpoint.load(self._checkpoint_path(partition), self._topic, partition)
+            checkpoint = PartitionCheckpoint.of_directory(self._store.root, self._topic, partition)
             progress = _PartitionProgress(
                 checkpoint=checkpoint,
-                dead_letters=DeadLetterLog(self._store.root / f"{DEAD_LETTER_PREFIX}{partition}.jsonl"),
+                dead_letters=DeadLetterLog.of_directory(self._store.root, partition),
                 replay_below=checkpoint.next_offset,
                 replay_chunks=set(checkpoint.pending_chunk_offsets),
                 written=checkpoint.encode(),
@@ -483,30 +377,28 @@ class Materializer:
                     self._take(message)
             self._checkpoint()
 
-    def _checkpoint_path(self, partition: int) -> Path:
-        return self._store.root / f"{CHECKPOINT_PREFIX}{partition}.json"
-
     def _checkpoint(self) -> None:
         """Write every changed checkpoint atomically, then tell waiters what is applied."""
-        changed = False
+        changed: dict[int, bytes] = {}
         for partition, progress in self._progress.items():
-            checkpoint = progress.checkpoint
-            checkpoint.pending_chunk_offsets = sorted(o for g in progress.groups.values() for o in g.offsets)
-            encoded = checkpoint.encode()
+            # Chunks of the checkpoint's open groups not re-read yet are still open: a batch that read none
+            # of this partition must not forget them.
+            progress.checkpoint.pending_chunk_offsets = sorted(
+                {*self._router.open_chunk_offsets(partition), *progress.replay_chunks}
+            )
+            encoded = progress.checkpoint.encode()
             if encoded != progress.written:
-                replace_atomically(self._checkpoint_path(partition), encoded, durable=True)
-                progress.written = encoded
-                changed = True
-        if changed:
-            fsync_directory(self._store.root)
+                changed[partition] = encoded
+        write_checkpoints(self._store.root, changed)
         with self._condition:
             for partition, progress in self._progress.items():
+                progress.written = changed.get(partition, progress.written)
                 self._applied_next[partition] = progress.checkpoint.next_offset
             self._condition.notify_all()
             self._wake_async_waiters()
 
     def _take(self, message: Message) -> None:
-        """Route one consumed message: an error, a replayed chunk, a skipped offset or a new event."""
+        """Take one consumed message: an error, a replayed chunk, a skipped offset or a new message to route."""
         error = message.error()
         if error is not None:
             self._on_consumer_error(error)
@@ -516,12 +408,14 @@ class Materializer:
         if progress is None:
             return
         if offset < progress.replay_below:
+            # Processed before the checkpoint; only the chunks of groups open there are needed again.
             if offset in progress.replay_chunks:
-                self._rebuffer_chunk(progress, message, offset)
+                progress.replay_chunks.discard(offset)
+                self._router.rebuffer(LogMessage.of(message))
             return
-        self._process(progress, partition, offset, message)
+        for routed in self._router.route(LogMessage.of(message)):
+            self._carry_out(progress, routed)
         progress.checkpoint.next_offset = offset + 1
-        self._orphan_stale_groups(progress, partition, offset)
 
     def _on_consumer_error(self, error: KafkaError) -> None:
         if error.code() == KafkaError._PARTITION_EOF:
@@ -533,199 +427,25 @@ class Materializer:
             ) from KafkaException(error)
         logger.warning("materializer of topic %s: %s", self._topic, error.str())
 
-    def _rebuffer_chunk(self, progress: _PartitionProgress, message: Message, offset: int) -> None:
-        """Rebuild an open chunk group after a restart; these chunks were already checked once."""
-        headers = headers_to_dict(message.headers())
-        header = read_chunk_header(headers)
-        assert header is not None, f"checkpointed chunk offset {offset} is not a chunk"
-        group = progress.groups.get(header.group)
-        if group is None:
-            progress.groups[header.group] = _OpenChunkGroup(
-                header, message.key() or b"", headers, [offset], [message.value() or b""]
+    def _carry_out(self, progress: _PartitionProgress, routed: Routed) -> None:
+        """Apply one routing decision, remember its verdict, and write the dead-letter line of one that failed."""
+        result = carry_out(self._store, self._topic, routed)
+        if isinstance(routed, DeadLetter):
+            logger.warning(
+                "dead-lettering partition %d offset %d of %s: %s",
+                routed.partition,
+                routed.offset,
+                self._topic,
+                routed.reason,
             )
-        else:
-            group.offsets.append(offset)
-            group.pieces.append(message.value() or b"")
-
-    def _process(self, progress: _PartitionProgress, partition: int, offset: int, message: Message) -> None:
-        """Decode and apply one new message, or dead-letter it."""
-        key = message.key()
-        try:
-            headers = headers_to_dict(message.headers())
-            chunk = read_chunk_header(headers)
-        except EventDecodeError as exc:
-            self._dead_letter(progress, partition, offset, f"undecodable headers: {exc}", key)
-            return
-        if chunk is not None:
-            self._take_chunk(progress, partition, offset, message, headers, chunk)
-            return
-        self._decode_and_apply(progress, partition, offset, key, message.value(), headers)
-
-    def _decode_and_apply(
-        self,
-        progress: _PartitionProgress,
-        partition: int,
-        offset: int,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Mapping[str, str],
-    ) -> None:
-        if value is None:
-            self._dead_letter(progress, partition, offset, "message has no value", key)
-            return
-        try:
-            event = decode_event_value(value, headers)
-        except NewerSchemaError as exc:
-            self._dead_letter(progress, partition, offset, f"newer schema: {exc}", key)
-            return
-        except EventDecodeError as exc:
-            self._dead_letter(progress, partition, offset, f"undecodable event: {exc}", key)
-            return
-        if key is None or key != event.rollout_id.encode():
-            self._dead_letter(
-                progress,
-                partition,
-                offset,
-                f"key {key!r} does not match the event's rollout {event.rollout_id!r}",
-                key,
-            )
-            return
-        if rollout_of_key(key) is None:
-            self._dead_letter(progress, partition, offset, f"invalid rollout id {event.rollout_id!r}", None)
-            return
-        self._apply(event, partition, offset)
-
-    def _apply(self, event: Event, partition: int, offset: int) -> None:
-        result = self._store.apply(event, LogPosition(self._topic, partition, offset))
-        with self._condition:
-            self._results[(partition, offset)] = result
-            while len(self._results) > _RESULTS_KEPT:
-                self._results.popitem(last=False)
-
-    def _take_chunk(
-        self,
-        progress: _PartitionProgress,
-        partition: int,
-        offset: int,
-        message: Message,
-        headers: dict[str, str],
-        chunk: ChunkHeader,
-    ) -> None:
-        """Add a chunk to its group; orphan groups that can no longer complete; apply a completed group."""
-        key = message.key() or b""
-        value = message.value() or b""
-        if chunk.index == 0:
-            for other in list(progress.groups.values()):
-                if other.header.session == chunk.session:
-                    self._orphan(
-                        progress,
-                        partition,
-                        other,
-                        f"a new chunk group {chunk.group} of the same writer began",
-                    )
-            if chunk.group in progress.groups:
-                self._dead_letter(
-                    progress, partition, offset, f"duplicate first chunk of group {chunk.group}", key
-                )
-                return
-            progress.groups[chunk.group] = _OpenChunkGroup(chunk, key, headers, [offset], [value])
-            return
-        group = progress.groups.get(chunk.group)
-        if group is None:
-            self._dead_letter(
-                progress,
-                partition,
-                offset,
-                f"orphaned chunk {chunk.index}/{chunk.count} of group {chunk.group}",
-                key,
-            )
-            return
-        expected = (len(group.pieces), group.header.count, group.header.digest, group.key)
-        if (chunk.index, chunk.count, chunk.digest, key) != expected:
-            self._orphan(
-                progress, partition, group, f"chunk {chunk.index} at offset {offset} does not continue it"
-            )
-            self._dead_letter(
-                progress,
-                partition,
-                offset,
-                f"chunk {chunk.index}/{chunk.count} does not continue group {chunk.group}",
-                key,
-            )
-            return
-        group.offsets.append(offset)
-        group.pieces.append(value)
-        if len(group.pieces) < group.header.count:
-            return
-        del progress.groups[chunk.group]
-        whole = b"".join(group.pieces)
-        if hashlib.sha256(whole).hexdigest() != group.header.digest:
-            self._dead_letter(
-                progress,
-                partition,
-                offset,
-                f"chunk group {chunk.group} reassembles to a different digest",
-                key,
-            )
-            return
-        self._decode_and_apply(progress, partition, offset, group.key, whole, group.headers)
-
-    def _orphan_stale_groups(self, progress: _PartitionProgress, partition: int, offset: int) -> None:
-        for group in list(progress.groups.values()):
-            if offset - group.offsets[0] >= ORPHAN_AFTER_OFFSETS:
-                self._orphan(progress, partition, group, f"still open {ORPHAN_AFTER_OFFSETS} offsets later")
-
-    def _orphan(self, progress: _PartitionProgress, partition: int, group: _OpenChunkGroup, why: str) -> None:
-        """Dead-letter a chunk group that can never complete, and mask its rollout.
-
-        The mark is applied without a log position (the group has no single one), so it is
-        guarded by its reason instead: the same group is never marked twice.
-        """
-        progress.groups.pop(group.header.group, None)
-        reason = (
-            f"orphaned chunk group {group.header.group}: {len(group.pieces)} of {group.header.count} chunks "
-            f"at offsets {group.offsets}; {why}"
-        )
-        rollout_id = rollout_of_key(group.key)
-        if rollout_id is not None and not self._has_incomplete_mark(rollout_id, reason):
-            self._store.apply(
-                IncompleteEvent(rollout_id=rollout_id, writer=MATERIALIZER_WRITER, reason=reason)
-            )
-        progress.dead_letters.record(partition, group.offsets[0], reason, rollout_id)
-
-    def _has_incomplete_mark(self, rollout_id: str, reason: str) -> bool:
-        path = self._store.incomplete_path_for(rollout_id)
-        try:
-            lines = path.read_bytes().splitlines()
-        except FileNotFoundError:
-            return False
-        wanted = {"model_call_id": "", "reason": reason}
-        for line in lines:
-            try:
-                if orjson.loads(line) == wanted:
-                    return True
-            except orjson.JSONDecodeError:
-                continue
-        return False
-
-    def _dead_letter(
-        self, progress: _PartitionProgress, partition: int, offset: int, reason: str, key: bytes | None
-    ) -> None:
-        """Record a message that cannot be applied and mask its rollout where the key names one."""
-        rollout_id = rollout_of_key(key)
-        logger.warning(
-            "dead-lettering partition %d offset %d of %s: %s", partition, offset, self._topic, reason
-        )
-        if rollout_id is not None:
-            mark = IncompleteEvent(
-                rollout_id=rollout_id,
-                writer=MATERIALIZER_WRITER,
-                reason=f"dead-lettered event at partition {partition} offset {offset}: {reason}"[
-                    :_REASON_LIMIT
-                ],
-            )
-            self._apply(mark, partition, offset)
-        progress.dead_letters.record(partition, offset, reason, rollout_id)
+            progress.dead_letters.record(routed.partition, routed.offset, routed.reason, routed.rollout_id)
+        if result is not None and (
+            isinstance(routed, ApplyEvent) or (isinstance(routed, DeadLetter) and routed.positioned)
+        ):
+            with self._condition:
+                self._results[(routed.partition, routed.offset)] = result
+                while len(self._results) > _RESULTS_KEPT:
+                    self._results.popitem(last=False)
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -28,8 +28,9 @@ from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPositio
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
+from transports.kafka.checkpoint import applied_next_offset
 from transports.kafka.codec import encode_event_messages
-from transports.kafka.materializer import CHECKPOINT_PREFIX, Materializer, PartitionCheckpoint
+from transports.kafka.materializer import Materializer
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
 from transports.kafka.sink import default_writer_id
 from transports.kafka.topics import resolve_topic
@@ -50,8 +51,7 @@ class _CheckpointWaiter:
         self._topic = topic
 
     def applied_next(self, partition: int) -> int:
-        path = self._store_dir / f"{CHECKPOINT_PREFIX}{partition}.json"
-        return PartitionCheckpoint.load(path, self._topic, partition).next_offset
+        return applied_next_offset(self._store_dir, self._topic, partition)
 
     async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
         """Poll the checkpoint without holding a thread; ``False`` when the offset is not applied in time."""
@@ -219,10 +219,7 @@ class KafkaTokenSource:
 
     def _records_before_delete(self, events: Sequence[RetireEvent | DeleteEvent]) -> dict[str, bool]:
         """What a delete will find, read before publishing it: the fallback when its own record is overwritten."""
-        found: dict[str, bool] = {}
-        for event in events:
-            found[event.rollout_id] = self._store.holds_anything(event.rollout_id)
-        return found
+        return {event.rollout_id: self._store.holds_anything(event.rollout_id) for event in events}
 
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove the rollouts' records and keep their fences, whatever their state."""

@@ -1,22 +1,22 @@
 """Read a run topic message by message and replay it through the store's apply step, keeping each verdict.
 
 The materializer remembers only recent verdicts; debugging needs the verdict of every event of a rollout,
-however old. ``LogApplier`` takes messages in log order and routes them as the materializer does
-(chunk reassembly, dead-lettering, the incomplete mark of a dead-lettered rollout), then applies each event
-with ``TokenCaptureStore.apply`` at its log position, so every verdict is the one the real apply step takes.
+however old. ``LogApplier`` takes messages in log order through the materializer's own inbound router
+(``router``: chunk reassembly, abandoned chunk groups, the key check, dead-lettering, the incomplete mark of
+a dead-lettered rollout), then applies each event with ``TokenCaptureStore.apply`` at its log position, so
+every verdict is the one the real apply step takes.
 
 Use it on a scratch directory for a rollout's timeline (``tokcap log``) or for a partial replay
 (``tokcap replay --rollout`` or ``--until``). It writes no checkpoint and no dead-letter file: a full replay
 that a materializer will continue belongs to ``Materializer`` itself.
 
-One difference is inherent to reading a single rollout: the materializer abandons an open chunk group when
-the same writer starts another group on another rollout; filtered to one rollout, that cannot be seen, and
-the group is reported as never completed instead.
+Reading a single rollout, pass the other rollouts' messages to ``LogApplier.pass_over`` (``read_log``'s
+``on_skipped``): a writer that starts a chunk group on another rollout abandons its open group on this one,
+and the materializer sees that.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -25,20 +25,21 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from tokcap.errors import EventDecodeError, NewerSchemaError, TransportError
-from tokcap.events import DropEvent, Event, FreezeEvent, IncompleteEvent, LogPosition
+from tokcap.errors import TransportError
+from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import client_settings, watermarks
-from transports.kafka.codec import (
-    HEADER_TYPE,
-    HEADER_WRITER,
-    ChunkHeader,
-    decode_event_value,
-    headers_to_dict,
-    read_chunk_header,
-    rollout_of_key,
+from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER
+from transports.kafka.dead_letters import REASON_LIMIT
+from transports.kafka.router import (
+    ApplyEvent,
+    Buffered,
+    DeadLetter,
+    InboundRouter,
+    LogMessage,
+    Routed,
+    carry_out,
 )
-from transports.kafka.materializer import MATERIALIZER_WRITER
 
 __all__ = [
     "BUFFERED",
@@ -55,26 +56,8 @@ DEAD_LETTERED = "dead-lettered"
 BUFFERED = "buffered"
 """The verdict of a chunk that waits for the rest of its event."""
 
-_REASON_LIMIT = 600
 _BATCH = 500
 _POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class LogMessage:
-    """One message as read from the log."""
-
-    partition: int
-    offset: int
-    timestamp_ms: int | None
-    key: bytes | None
-    headers: tuple[tuple[str, bytes | None], ...]
-    value: bytes | None
-
-    @property
-    def size(self) -> int:
-        """Bytes of key and value, what the message costs on the broker before compression."""
-        return len(self.key or b"") + len(self.value or b"")
 
 
 @dataclass(frozen=True)
@@ -114,12 +97,14 @@ def read_log(
     client_config: Mapping[str, Any] | None = None,
     timeout_s: float = 10.0,
     on_message: Callable[[int, int], None] | None = None,
+    on_skipped: Callable[[LogMessage], object] | None = None,
 ) -> Iterator[LogMessage]:
     """Every message of the topic from the start up to the end (or ``until``), in order within each partition.
 
     ``until`` maps a partition to the first offset not to read; unnamed partitions are read to their end as
     it was when reading began. ``key`` keeps only the messages of that key (one rollout); the others are read
-    and skipped. ``on_message(partition, offset)`` is called for every message read, kept or not.
+    and skipped; ``on_skipped(message)`` is called for each of those (see ``LogApplier.pass_over``).
+    ``on_message(partition, offset)`` is called for every message read, kept or not.
     Raise ``TransportError`` when retention already removed the start of a partition: the run cannot be
     replayed whole.
     """
@@ -178,36 +163,12 @@ def read_log(
                     del pending[partition]
                     consumer.pause([TopicPartition(topic, partition)])
                 if key is not None and message.key() != key:
+                    if on_skipped is not None:
+                        on_skipped(LogMessage.of(message))
                     continue
-                kind, stamp = message.timestamp()
-                yield LogMessage(
-                    partition=partition,
-                    offset=offset,
-                    timestamp_ms=int(stamp) if kind != 0 else None,
-                    key=message.key(),
-                    headers=_header_pairs(message.headers()),
-                    value=message.value(),
-                )
+                yield LogMessage.of(message)
     finally:
         consumer.close()
-
-
-def _header_pairs(
-    headers: Mapping[str, str | bytes | None] | list[tuple[str, str | bytes | None]] | None,
-) -> tuple[tuple[str, bytes | None], ...]:
-    """Headers as ``(name, bytes)`` pairs in their order on the message."""
-    pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
-    return tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
-
-
-@dataclass
-class _OpenGroup:
-    header: ChunkHeader
-    key: bytes
-    headers: dict[str, str]
-    offsets: list[int]
-    pieces: list[bytes]
-    size: int
 
 
 def _drop_detail(event: DropEvent, result: ApplyResult) -> str:
@@ -222,85 +183,63 @@ def _drop_detail(event: DropEvent, result: ApplyResult) -> str:
 
 @dataclass
 class LogApplier:
-    """Applies log messages, in order, to a store and returns the verdict of each one."""
+    """Applies log messages, in order, to a store and returns the verdict of each one.
+
+    Chunk groups that a message makes abandoned get entries of their own (at their first chunk's offset):
+    ``take_all`` returns them with the message's entry, and ``abandoned`` keeps every one.
+    """
 
     store: TokenCaptureStore
     topic: str
-    groups: dict[tuple[int, str], _OpenGroup] = field(default_factory=dict)
+    router: InboundRouter = field(default_factory=InboundRouter)
+    abandoned: list[TimelineEntry] = field(default_factory=list)
 
     def take(self, message: LogMessage) -> TimelineEntry:
         """Route, decode and apply one message; never raises for a bad message, it dead-letters it."""
-        try:
-            headers = headers_to_dict(message.headers)
-            chunk = read_chunk_header(headers)
-        except EventDecodeError as exc:
-            return self._dead_letter(message, {}, f"undecodable headers: {exc}", message.size)
-        if chunk is None:
-            return self._decode_and_apply(message, message.key, message.value, headers, message.size)
-        return self._take_chunk(message, headers, chunk)
+        return next(entry for entry, own in self._take(message) if own)
+
+    def take_all(self, message: LogMessage) -> list[TimelineEntry]:
+        """The message's entry, with those of the chunk groups it makes abandoned, in the order decided."""
+        return [entry for entry, _ in self._take(message)]
+
+    def pass_over(self, message: LogMessage) -> list[TimelineEntry]:
+        """A message of another rollout, read but not applied: the entries of the groups it makes abandoned."""
+        return [self._carry_out(message, routed) for routed in self.router.pass_over(message)]
 
     def unfinished_groups(self) -> list[str]:
         """Chunk groups still waiting for chunks when the log ended."""
-        return sorted(group for _, group in self.groups)
+        return self.router.open_groups()
 
-    def _entry(
-        self, message: LogMessage, headers: Mapping[str, str], size: int, decision: str, **extra: Any
-    ) -> TimelineEntry:
-        return TimelineEntry(
-            partition=message.partition,
-            offset=message.offset,
-            timestamp_ms=message.timestamp_ms,
-            event_type=headers.get(HEADER_TYPE, "?"),
-            model_call_id=extra.pop("model_call_id", ""),
-            writer=headers.get(HEADER_WRITER, ""),
-            size=size,
-            decision=decision,
-            **extra,
+    def _take(self, message: LogMessage) -> list[tuple[TimelineEntry, bool]]:
+        """Each decision's entry, and whether it is the message's own (the others are abandoned groups)."""
+        return [
+            (self._carry_out(message, routed), not _abandons(routed)) for routed in self.router.route(message)
+        ]
+
+    def _carry_out(self, message: LogMessage, routed: Routed) -> TimelineEntry:
+        result = carry_out(self.store, self.topic, routed)
+        if isinstance(routed, ApplyEvent):
+            assert result is not None
+            return self._verdict(message, routed, result)
+        own = not _abandons(routed)
+        entry = TimelineEntry(
+            partition=routed.partition,
+            offset=routed.offset,
+            timestamp_ms=message.timestamp_ms if own else None,
+            event_type=routed.headers.get(HEADER_TYPE, "?"),
+            model_call_id="",
+            writer=routed.headers.get(HEADER_WRITER, ""),
+            size=routed.size,
+            decision=BUFFERED if isinstance(routed, Buffered) else DEAD_LETTERED,
+            detail=routed.detail if isinstance(routed, Buffered) else routed.reason[:REASON_LIMIT],
         )
+        if not own:
+            self.abandoned.append(entry)
+        return entry
 
-    def _apply(self, event: Event, partition: int, offset: int) -> ApplyResult:
-        return self.store.apply(event, LogPosition(self.topic, partition, offset))
-
-    def _dead_letter(
-        self, message: LogMessage, headers: Mapping[str, str], reason: str, size: int
-    ) -> TimelineEntry:
-        """Mask the rollout the key names, at this message's position, as the materializer does."""
-        rollout_id = rollout_of_key(message.key)
-        if rollout_id is not None:
-            mark = IncompleteEvent(
-                rollout_id=rollout_id,
-                writer=MATERIALIZER_WRITER,
-                reason=f"dead-lettered event at partition {message.partition} offset {message.offset}: {reason}"[
-                    :_REASON_LIMIT
-                ],
-            )
-            self._apply(mark, message.partition, message.offset)
-        return self._entry(message, headers, size, DEAD_LETTERED, detail=reason[:_REASON_LIMIT])
-
-    def _decode_and_apply(
-        self,
-        message: LogMessage,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Mapping[str, str],
-        size: int,
-    ) -> TimelineEntry:
-        if value is None:
-            return self._dead_letter(message, headers, "message has no value", size)
-        try:
-            event = decode_event_value(value, headers)
-        except NewerSchemaError as exc:
-            return self._dead_letter(message, headers, f"newer schema: {exc}", size)
-        except EventDecodeError as exc:
-            return self._dead_letter(message, headers, f"undecodable event: {exc}", size)
-        if key is None or key != event.rollout_id.encode():
-            return self._dead_letter(
-                message, headers, f"key {key!r} does not match the event's rollout {event.rollout_id!r}", size
-            )
-        if rollout_of_key(key) is None:
-            reason = f"invalid rollout id {event.rollout_id!r}"
-            return self._entry(message, headers, size, DEAD_LETTERED, detail=reason)
-        result = self._apply(event, message.partition, message.offset)
+    def _verdict(self, message: LogMessage, routed: ApplyEvent, result: ApplyResult) -> TimelineEntry:
+        """What the apply step decided for an event, with the detail a reader of the timeline needs."""
+        event = routed.event
         detail = result.detail
         if isinstance(event, FreezeEvent) and result.outcome is ApplyOutcome.ACCEPTED:
             detail = self._freeze_detail(event.rollout_id)
@@ -309,12 +248,15 @@ class LogApplier:
         elif isinstance(event, IncompleteEvent):
             reason = f"reason: {event.reason or '(none given)'}"
             detail = f"{reason}; {detail}" if detail else reason
-        return self._entry(
-            message,
-            headers,
-            size,
-            result.outcome.value,
+        return TimelineEntry(
+            partition=routed.partition,
+            offset=routed.offset,
+            timestamp_ms=message.timestamp_ms,
+            event_type=routed.headers.get(HEADER_TYPE, "?"),
             model_call_id=result.model_call_id or getattr(event, "model_call_id", ""),
+            writer=routed.headers.get(HEADER_WRITER, ""),
+            size=routed.size,
+            decision=result.outcome.value,
             detail=detail,
             snapshot_id=result.snapshot_id,
             version=result.version,
@@ -329,51 +271,7 @@ class LogApplier:
             return "incomplete: a call was marked lost before the freeze"
         return ""
 
-    def _take_chunk(self, message: LogMessage, headers: dict[str, str], chunk: ChunkHeader) -> TimelineEntry:
-        key = message.key or b""
-        value = message.value or b""
-        slot = (message.partition, chunk.group)
-        if chunk.index == 0:
-            if slot in self.groups:
-                return self._dead_letter(
-                    message, headers, f"duplicate first chunk of group {chunk.group}", message.size
-                )
-            self.groups[slot] = _OpenGroup(chunk, key, headers, [message.offset], [value], message.size)
-            return self._entry(
-                message, headers, message.size, BUFFERED, detail=f"chunk 1/{chunk.count} of {chunk.group}"
-            )
-        group = self.groups.get(slot)
-        if group is None:
-            return self._dead_letter(
-                message,
-                headers,
-                f"orphaned chunk {chunk.index}/{chunk.count} of group {chunk.group}",
-                message.size,
-            )
-        expected = (len(group.pieces), group.header.count, group.header.digest, group.key)
-        if (chunk.index, chunk.count, chunk.digest, key) != expected:
-            del self.groups[slot]
-            return self._dead_letter(
-                message,
-                headers,
-                f"chunk {chunk.index}/{chunk.count} does not continue group {chunk.group}",
-                message.size,
-            )
-        group.offsets.append(message.offset)
-        group.pieces.append(value)
-        group.size += message.size
-        if len(group.pieces) < group.header.count:
-            return self._entry(
-                message,
-                headers,
-                message.size,
-                BUFFERED,
-                detail=f"chunk {chunk.index + 1}/{chunk.count} of {chunk.group}",
-            )
-        del self.groups[slot]
-        whole = b"".join(group.pieces)
-        if hashlib.sha256(whole).hexdigest() != group.header.digest:
-            return self._dead_letter(
-                message, headers, f"chunk group {chunk.group} reassembles to a different digest", group.size
-            )
-        return self._decode_and_apply(message, group.key, whole, group.headers, group.size)
+
+def _abandons(routed: Routed) -> bool:
+    """Whether a decision is an abandoned chunk group rather than the message itself."""
+    return isinstance(routed, DeadLetter) and not routed.positioned

@@ -1,0 +1,111 @@
+"""Materializer checkpoints: how far each partition was applied into a store directory.
+
+This is the only module that knows the checkpoint file names. It imports no Kafka client, so
+``tokcap inspect`` can read checkpoints without the ``kafka`` extra.
+
+A checkpoint holds ``next_offset`` (every offset below it was processed) and the offsets of the chunks of
+chunk groups still open at that point. It is replaced atomically, so a reader sees the old one or the new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from tokcap.durable_io import fsync_directory, replace_atomically
+from tokcap.errors import MaterializerFailedError, StoreCorruptionError
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "PartitionCheckpoint",
+    "applied_next_offset",
+    "checkpoint_files",
+    "checkpoint_path",
+    "write_checkpoints",
+]
+
+CHECKPOINT_PREFIX = "kafka-checkpoint-p"
+"""Checkpoint of partition N: ``kafka-checkpoint-p<N>.json``."""
+
+_SUFFIX = ".json"
+
+
+def checkpoint_path(directory: Path, partition: int) -> Path:
+    """Where partition ``partition``'s checkpoint lives in a store directory."""
+    return directory / f"{CHECKPOINT_PREFIX}{partition}{_SUFFIX}"
+
+
+@dataclass
+class PartitionCheckpoint:
+    """How far one partition was applied, and which chunk offsets below that still matter."""
+
+    topic: str
+    partition: int
+    next_offset: int = 0
+    pending_chunk_offsets: list[int] = field(default_factory=list)
+
+    def resume_offset(self) -> int:
+        """Where reading must start: the first open chunk, or the next unprocessed offset."""
+        return min([self.next_offset, *self.pending_chunk_offsets])
+
+    def encode(self) -> bytes:
+        """Sorted-key JSON with a trailing newline, identical in every replay."""
+        return (
+            orjson.dumps(
+                {
+                    "next_offset": self.next_offset,
+                    "partition": self.partition,
+                    "pending_chunk_offsets": sorted(self.pending_chunk_offsets),
+                    "topic": self.topic,
+                },
+                option=orjson.OPT_SORT_KEYS,
+            )
+            + b"\n"
+        )
+
+    @classmethod
+    def load(cls, path: Path, topic: str, partition: int) -> PartitionCheckpoint:
+        """Read a checkpoint; a missing one starts at offset 0, one of another topic is refused."""
+        try:
+            raw = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            return cls(topic, partition)
+        except orjson.JSONDecodeError as exc:
+            raise StoreCorruptionError(
+                f"checkpoint {path} is not valid JSON ({exc}); replay into a new directory"
+            ) from exc
+        if raw.get("topic") != topic or raw.get("partition") != partition:
+            raise MaterializerFailedError(
+                f"{path} belongs to topic {raw.get('topic')!r} partition {raw.get('partition')!r}, not {topic!r} "
+                f"partition {partition}; give each topic its own store directory"
+            )
+        return cls(
+            topic, partition, int(raw["next_offset"]), [int(o) for o in raw.get("pending_chunk_offsets", [])]
+        )
+
+    @classmethod
+    def of_directory(cls, directory: Path, topic: str, partition: int) -> PartitionCheckpoint:
+        """The checkpoint of one partition in a store directory (offset 0 when there is none yet)."""
+        return cls.load(checkpoint_path(directory, partition), topic, partition)
+
+
+def applied_next_offset(directory: Path, topic: str, partition: int) -> int:
+    """The next offset a directory's materializer will apply in this partition; everything below is applied."""
+    return PartitionCheckpoint.of_directory(directory, topic, partition).next_offset
+
+
+def write_checkpoints(directory: Path, encoded: Mapping[int, bytes]) -> None:
+    """Replace these partitions' checkpoints atomically, then sync the directory once for all of them."""
+    if not encoded:
+        return
+    for partition, data in encoded.items():
+        replace_atomically(checkpoint_path(directory, partition), data, durable=True)
+    fsync_directory(directory)
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """Every checkpoint file of a store directory, sorted by name."""
+    return sorted(directory.glob(f"{CHECKPOINT_PREFIX}*{_SUFFIX}"))

@@ -1,0 +1,353 @@
+"""The inbound router: what each message read from a run topic becomes, in log order.
+
+Both readers of a topic route through here, the materializer and the timeline behind ``tokcap log`` and
+``tokcap replay``, so they cannot disagree about a message. A message becomes one of:
+
+- ``ApplyEvent``: a whole event, or the last chunk of a complete chunk group, to apply at its log position;
+- ``Buffered``: a chunk that waits for the rest of its group;
+- ``DeadLetter``: a message that cannot be applied (undecodable headers or value, unknown type, newer schema,
+  a key that does not name the event's rollout, a chunk that continues no group, a group whose bytes do not
+  match their digest), or a chunk group that can never complete. Where the key names a valid rollout, the
+  dead letter carries the incomplete mark that masks it.
+
+A chunk group can never complete, and is abandoned, when the same writer session starts another group (its
+chunks of one group are contiguous in its output), when a chunk does not continue it, or when it is still
+open ``ORPHAN_AFTER_OFFSETS`` offsets after its first chunk. The router only decides; ``carry_out`` applies
+a decision to a store, and only the materializer writes dead-letter lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokcap.errors import EventDecodeError, NewerSchemaError
+from tokcap.events import Event, IncompleteEvent, LogPosition
+from tokcap.store import ApplyResult, TokenCaptureStore
+from transports.kafka.codec import (
+    ChunkHeader,
+    decode_message,
+    headers_to_dict,
+    read_chunk_header,
+    rollout_of_key,
+)
+from transports.kafka.dead_letters import REASON_LIMIT
+
+if TYPE_CHECKING:
+    from confluent_kafka import Message
+
+__all__ = [
+    "MATERIALIZER_WRITER",
+    "ORPHAN_AFTER_OFFSETS",
+    "ApplyEvent",
+    "Buffered",
+    "DeadLetter",
+    "InboundRouter",
+    "LogMessage",
+    "Routed",
+    "carry_out",
+]
+
+MATERIALIZER_WRITER = "tokcap-materializer"
+"""Writer id of the incomplete markers the materializer itself applies."""
+
+ORPHAN_AFTER_OFFSETS = 100_000
+"""A chunk group still open this many offsets after its first chunk will never complete."""
+
+
+@dataclass(frozen=True)
+class LogMessage:
+    """One message as read from the log."""
+
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    key: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+    value: bytes | None
+
+    @property
+    def size(self) -> int:
+        """Bytes of key and value, what the message costs on the broker before compression."""
+        return len(self.key or b"") + len(self.value or b"")
+
+    @classmethod
+    def of(cls, message: Message) -> LogMessage:
+        """The message a consumer returned, without its error (the caller handled that)."""
+        kind, stamp = message.timestamp()
+        return cls(
+            partition=int(message.partition() or 0),
+            offset=int(message.offset() or 0),
+            timestamp_ms=int(stamp) if kind != 0 else None,
+            key=message.key(),
+            headers=_header_pairs(message.headers()),
+            value=message.value(),
+        )
+
+
+def _header_pairs(
+    headers: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]] | None,
+) -> tuple[tuple[str, bytes | None], ...]:
+    """Headers as ``(name, bytes)`` pairs in their order on the message."""
+    pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
+    return tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
+
+
+@dataclass(frozen=True)
+class ApplyEvent:
+    """Apply ``event`` at this position; ``size`` counts every chunk of a reassembled event."""
+
+    event: Event
+    partition: int
+    offset: int
+    headers: Mapping[str, str]
+    size: int
+
+
+@dataclass(frozen=True)
+class Buffered:
+    """A chunk kept until the rest of its group arrives."""
+
+    partition: int
+    offset: int
+    headers: Mapping[str, str]
+    size: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message, or an abandoned chunk group (at its first chunk's offset), that cannot be applied.
+
+    ``mask`` marks the rollout the key names incomplete. A message's mask is applied at the message's log
+    position; an abandoned group's has no single position (``positioned`` is false), so it is applied
+    without one and guarded by its reason instead.
+    """
+
+    partition: int
+    offset: int
+    headers: Mapping[str, str]
+    size: int
+    reason: str
+    rollout_id: str | None
+    mask: IncompleteEvent | None
+    positioned: bool
+
+
+Routed = ApplyEvent | Buffered | DeadLetter
+"""What one message, or one abandoned group, becomes."""
+
+
+@dataclass
+class _OpenGroup:
+    """The chunks of one large event received so far."""
+
+    header: ChunkHeader
+    key: bytes
+    headers: dict[str, str]
+    offsets: list[int]
+    pieces: list[bytes]
+    size: int
+
+
+@dataclass
+class InboundRouter:
+    """Routes messages partition by partition, holding the chunk groups still open in each."""
+
+    orphan_after_offsets: int = ORPHAN_AFTER_OFFSETS
+    _groups: dict[int, dict[str, _OpenGroup]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ what is open
+
+    def open_chunk_offsets(self, partition: int) -> list[int]:
+        """The offsets of every chunk of the partition's open groups: a resume must read them again."""
+        return sorted(o for group in self._groups.get(partition, {}).values() for o in group.offsets)
+
+    def open_groups(self) -> list[str]:
+        """Chunk groups still waiting for chunks, in every partition."""
+        return sorted(group for groups in self._groups.values() for group in groups)
+
+    # ---------------------------------------------------------------- routing
+
+    def route(self, message: LogMessage) -> list[Routed]:
+        """What the message becomes, preceded and followed by the groups it makes abandoned."""
+        partition, offset = message.partition, message.offset
+        routed: list[Routed]
+        try:
+            headers = headers_to_dict(message.headers)
+            chunk = read_chunk_header(headers)
+        except EventDecodeError as exc:
+            routed = [self._dead_letter(message, {}, message.size, f"undecodable headers: {exc}")]
+        else:
+            if chunk is None:
+                routed = [self._decode(message, message.key, message.value, headers, message.size)]
+            else:
+                routed = self._take_chunk(message, headers, chunk)
+        return routed + self._abandon_stale(partition, offset)
+
+    def pass_over(self, message: LogMessage) -> list[Routed]:
+        """A message read but not routed (another rollout's): it can still make open groups abandoned.
+
+        A reader of one rollout calls this for the others' messages, so it abandons exactly the groups
+        the materializer, which reads them all, abandons.
+        """
+        routed: list[Routed] = []
+        try:
+            chunk = read_chunk_header(headers_to_dict(message.headers))
+        except EventDecodeError:
+            chunk = None
+        if chunk is not None and chunk.index == 0:
+            routed = self._abandon_session(message.partition, chunk)
+        return routed + self._abandon_stale(message.partition, message.offset)
+
+    def rebuffer(self, message: LogMessage) -> None:
+        """Take back a chunk of a group that was open at the checkpoint; it was checked when first read."""
+        headers = headers_to_dict(message.headers)
+        header = read_chunk_header(headers)
+        if header is None:
+            raise EventDecodeError(
+                f"checkpointed chunk offset {message.offset} of partition {message.partition} is not a chunk; "
+                "the checkpoint does not belong to this topic: replay into a new directory"
+            )
+        groups = self._groups.setdefault(message.partition, {})
+        group = groups.get(header.group)
+        if group is None:
+            groups[header.group] = _OpenGroup(
+                header, message.key or b"", headers, [message.offset], [message.value or b""], message.size
+            )
+            return
+        group.offsets.append(message.offset)
+        group.pieces.append(message.value or b"")
+        group.size += message.size
+
+    # ------------------------------------------------------------ the rules
+
+    def _decode(
+        self,
+        message: LogMessage,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Mapping[str, str],
+        size: int,
+    ) -> Routed:
+        try:
+            event = decode_message(key, value, headers)
+        except (EventDecodeError, NewerSchemaError) as exc:
+            return self._dead_letter(message, headers, size, str(exc))
+        return ApplyEvent(event, message.partition, message.offset, headers, size)
+
+    def _take_chunk(self, message: LogMessage, headers: dict[str, str], chunk: ChunkHeader) -> list[Routed]:
+        """Add a chunk to its group; a completed group becomes its event."""
+        key = message.key or b""
+        value = message.value or b""
+        size = message.size
+        groups = self._groups.setdefault(message.partition, {})
+        if chunk.index == 0:
+            # The same session's older group, the same group id included, can no longer complete.
+            abandoned = self._abandon_session(message.partition, chunk)
+            groups[chunk.group] = _OpenGroup(chunk, key, headers, [message.offset], [value], size)
+            return [
+                *abandoned,
+                Buffered(message.partition, message.offset, headers, size, self._progress(chunk)),
+            ]
+        group = groups.get(chunk.group)
+        if group is None:
+            why = f"orphaned chunk {chunk.index}/{chunk.count} of group {chunk.group}"
+            return [self._dead_letter(message, headers, size, why)]
+        expected = (len(group.pieces), group.header.count, group.header.digest, group.key)
+        if (chunk.index, chunk.count, chunk.digest, key) != expected:
+            return [
+                self._abandon(
+                    message.partition,
+                    group,
+                    f"chunk {chunk.index} at offset {message.offset} does not continue it",
+                ),
+                self._dead_letter(
+                    message,
+                    headers,
+                    size,
+                    f"chunk {chunk.index}/{chunk.count} does not continue group {chunk.group}",
+                ),
+            ]
+        group.offsets.append(message.offset)
+        group.pieces.append(value)
+        group.size += size
+        if len(group.pieces) < group.header.count:
+            return [Buffered(message.partition, message.offset, headers, size, self._progress(chunk))]
+        del groups[chunk.group]
+        whole = b"".join(group.pieces)
+        if hashlib.sha256(whole).hexdigest() != group.header.digest:
+            why = f"chunk group {chunk.group} reassembles to a different digest"
+            return [self._dead_letter(message, headers, group.size, why)]
+        return [self._decode(message, group.key, whole, group.headers, group.size)]
+
+    @staticmethod
+    def _progress(chunk: ChunkHeader) -> str:
+        return f"chunk {chunk.index + 1}/{chunk.count} of {chunk.group}"
+
+    def _abandon_session(self, partition: int, chunk: ChunkHeader) -> list[Routed]:
+        """A writer session began a new group: its older open groups in the partition can never complete."""
+        return [
+            self._abandon(partition, group, f"a new chunk group {chunk.group} of the same writer began")
+            for group in list(self._groups.get(partition, {}).values())
+            if group.header.session == chunk.session
+        ]
+
+    def _abandon_stale(self, partition: int, offset: int) -> list[Routed]:
+        return [
+            self._abandon(partition, group, f"still open {self.orphan_after_offsets} offsets later")
+            for group in list(self._groups.get(partition, {}).values())
+            if offset - group.offsets[0] >= self.orphan_after_offsets
+        ]
+
+    def _abandon(self, partition: int, group: _OpenGroup, why: str) -> DeadLetter:
+        """Close a group that can never complete; its rollout is masked without a log position."""
+        self._groups[partition].pop(group.header.group, None)
+        reason = (
+            f"orphaned chunk group {group.header.group}: {len(group.pieces)} of {group.header.count} chunks "
+            f"at offsets {group.offsets}; {why}"
+        )
+        rollout_id = rollout_of_key(group.key)
+        mask = (
+            None
+            if rollout_id is None
+            else IncompleteEvent(rollout_id=rollout_id, writer=MATERIALIZER_WRITER, reason=reason)
+        )
+        return DeadLetter(
+            partition, group.offsets[0], group.headers, group.size, reason, rollout_id, mask, positioned=False
+        )
+
+    @staticmethod
+    def _dead_letter(message: LogMessage, headers: Mapping[str, str], size: int, reason: str) -> DeadLetter:
+        """A message that cannot be applied; the rollout its key names is masked at the message's position."""
+        rollout_id = rollout_of_key(message.key)
+        mask = None
+        if rollout_id is not None:
+            where = f"partition {message.partition} offset {message.offset}"
+            mask = IncompleteEvent(
+                rollout_id=rollout_id,
+                writer=MATERIALIZER_WRITER,
+                reason=f"dead-lettered event at {where}: {reason}"[:REASON_LIMIT],
+            )
+        return DeadLetter(
+            message.partition, message.offset, headers, size, reason, rollout_id, mask, positioned=True
+        )
+
+
+def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResult | None:
+    """Apply a routing decision to a store: the event, or the dead letter's mask; a buffered chunk is nothing yet.
+
+    Return the store's verdict, ``None`` when nothing was applied.
+    """
+    if isinstance(routed, ApplyEvent):
+        return store.apply(routed.event, LogPosition(topic, routed.partition, routed.offset))
+    if isinstance(routed, Buffered) or routed.mask is None:
+        return None
+    if routed.positioned:
+        return store.apply(routed.mask, LogPosition(topic, routed.partition, routed.offset))
+    mask = routed.mask
+    if store.has_incomplete_mark(mask.rollout_id, mask.model_call_id, mask.reason):
+        return None
+    return store.apply(mask)
