@@ -43,6 +43,7 @@ from __future__ import annotations
 
 __all__ = [
     "BrokerUnreachableError",
+    "ChainValidationError",
     "ConfigError",
     "ConflictingEntryError",
     "DeliveryError",
@@ -54,6 +55,7 @@ __all__ = [
     "MaskFractionExceededError",
     "MaterializerFailedError",
     "NewerSchemaError",
+    "PrefixContiguityError",
     "RecordValidationError",
     "RolloutClosedError",
     "RolloutFrozenError",
@@ -62,13 +64,11 @@ __all__ = [
     "StoreCorruptionError",
     "TokcapError",
     "TokenExtractionError",
-    "ChainValidationError",
-    "PrefixContiguityError",
-    "TrajectoryBuildError",
-    "UndeliverableBuilderError",
     "TopicMismatchError",
     "TopicNotFoundError",
+    "TrajectoryBuildError",
     "TransportError",
+    "UndeliverableBuilderError",
     "UnknownBuilderError",
 ]
 
