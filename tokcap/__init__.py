@@ -17,6 +17,8 @@ from tokcap.config import (
     token_id_capture_enabled_for_agent,
 )
 from tokcap.protocols import (
+    IntentTokenSink,
+    RetiringTokenSource,
     RolloutRemovalPayload,
     TokenCaptureSnapshot,
     TokenSink,
@@ -46,6 +48,8 @@ __all__ = [
     "CaptureContext",
     "Chain",
     "ChainLink",
+    "IntentTokenSink",
+    "RetiringTokenSource",
     "RolloutRemovalPayload",
     "TokenCaptureSnapshot",
     "TokenCaptureStore",
