@@ -1,31 +1,35 @@
 """Scripted capture sequences written once, run against every sink/source pair.
 
-A subclass provides ``make_sink_and_source`` (an async context manager yielding a sink with
-``put``/``begin_call``/``cancel_call``/``mark_incomplete`` and a source with
-``freeze``/``drop``/``retire``/``delete``). Each scenario asserts the same expected snapshots,
-so the file store and the Kafka path must agree with each other and with the rules.
+A subclass provides ``make_sink_and_source`` (an async context manager yielding an ``IntentTokenSink``
+and a ``RetiringTokenSource`` sharing one store). Every scenario runs the same steps and the same
+assertions on every pair, so the file store and the Kafka path must agree with each other and with the rules.
 
-Writes that race a freeze or a fence may raise in the file store (it knows at once) and succeed
-in the Kafka path (the log decides later); scenarios tolerate both and compare only what a
-trainer sees: the snapshot, its incompleteness and version, and the drop verdicts.
+One known difference is asserted, not tolerated: a write after a freeze or a retire raises to its writer
+in the file store, while the Kafka sink is told "acknowledged" and the log refuses the write later
+(DESIGN.md: "whatever its sink was told"). Such scenarios check everything a trainer sees first and the
+writer's answer last, raising ``LateWriteAcceptedError``; a transport that differs there marks exactly
+that case ``xfail(strict=True, raises=LateWriteAcceptedError)``, so any other failure still fails.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tokcap.errors import ConflictingEntryError, RolloutFrozenError, RolloutRetiredError
-from tokcap.protocols import TokenCaptureSnapshot
+from tokcap.errors import ConflictingEntryError, RolloutFrozenError, RolloutRetiredError, TokcapError
+from tokcap.protocols import IntentTokenSink, RetiringTokenSource, TokenCaptureSnapshot
 from tokcap.records import TokenEntry
 
-SinkAndSource = tuple[Any, Any]
+SinkAndSource = tuple[IntentTokenSink, RetiringTokenSource]
+Scenario = Callable[[IntentTokenSink, RetiringTokenSource], Awaitable[None]]
+
+
+class LateWriteAcceptedError(AssertionError):
+    """A write after a freeze or a retire was acknowledged to its writer instead of refused."""
 
 
 def make_entry(rollout_id: str, call_id: str, *, tokens: int = 3, salt: int = 0) -> TokenEntry:
@@ -53,11 +57,20 @@ def directory_contents(root: Path) -> dict[str, bytes]:
     }
 
 
-@contextlib.asynccontextmanager
-async def tolerated(*errors: type[BaseException]) -> AsyncIterator[None]:
-    """Run a write whose rejection may be immediate (file store) or decided by the log (Kafka)."""
-    with contextlib.suppress(*errors):
-        yield
+async def refused(write: Awaitable[None], error: type[TokcapError]) -> bool:
+    """Whether the writer was told ``error``; the scenario asserts the answer after the trainer-side checks."""
+    try:
+        await write
+    except error:
+        return True
+    return False
+
+
+def assert_refused_to_the_writer(**answers: bool) -> None:
+    """The Gym contract: "Writing after the rollout is frozen must fail" (and after a retire, too)."""
+    accepted = sorted(name for name, was_refused in answers.items() if not was_refused)
+    if accepted:
+        raise LateWriteAcceptedError(f"late writes acknowledged to their writer: {accepted}")
 
 
 class StoreContract:
@@ -67,7 +80,7 @@ class StoreContract:
         """A fresh, empty sink/source pair sharing one store."""
         raise NotImplementedError
 
-    def run(self, scenario: Callable[[Any, Any], Awaitable[None]]) -> None:
+    def run(self, scenario: Scenario) -> None:
         """Run one scenario on a fresh pair."""
 
         async def body() -> None:
@@ -77,7 +90,7 @@ class StoreContract:
         asyncio.run(body())
 
     def test_freeze_lists_exactly_the_entries_put_before_it_and_is_idempotent(self) -> None:
-        async def scenario(sink: Any, source: Any) -> None:
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
             await sink.put(make_entry("r-freeze", "c1"))
             await sink.put(make_entry("r-freeze", "c2"))
             first = await source.freeze("r-freeze")
@@ -92,13 +105,13 @@ class StoreContract:
         self.run(scenario)
 
     def test_repeated_payload_is_a_noop_and_a_conflicting_payload_masks_the_rollout(self) -> None:
-        async def scenario(sink: Any, source: Any) -> None:
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
             await sink.put(make_entry("r-conflict", "c1"))
             await sink.put(make_entry("r-conflict", "c1"))
             try:
                 await sink.put(make_entry("r-conflict", "c1", salt=5))
             except ConflictingEntryError:
-                await sink.mark_incomplete("r-conflict", "c1", "conflicting payload")
+                await sink.mark_incomplete("r-conflict", "c1")
             snapshot = await source.freeze("r-conflict")
             assert call_ids(snapshot) == ["c1"]
             assert snapshot.entries[0].canonical_json() == make_entry("r-conflict", "c1").canonical_json()
@@ -109,24 +122,23 @@ class StoreContract:
     def test_a_write_after_freeze_is_never_in_the_snapshot_and_keeps_the_stale_one_from_being_dropped(
         self,
     ) -> None:
-        async def scenario(sink: Any, source: Any) -> None:
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
             await sink.put(make_entry("r-late", "c1"))
             frozen = await source.freeze("r-late")
-            async with tolerated(RolloutFrozenError):
-                await sink.put(make_entry("r-late", "c2"))
-            async with tolerated(RolloutFrozenError):
-                await sink.begin_call("r-late", "c3")
+            put_refused = await refused(sink.put(make_entry("r-late", "c2")), RolloutFrozenError)
+            intent_refused = await refused(sink.begin_call("r-late", "c3"), RolloutFrozenError)
             after = await source.freeze("r-late")
             assert call_ids(after) == ["c1"]
             assert after.snapshot_id == frozen.snapshot_id
             assert (frozen.version, after.version) == (2, 4)
             assert await source.drop("r-late", frozen.snapshot_id, frozen.version) is False
             assert await source.drop("r-late", after.snapshot_id, after.version) is True
+            assert_refused_to_the_writer(put_after_freeze=put_refused, intent_after_freeze=intent_refused)
 
         self.run(scenario)
 
     def test_an_intent_without_entry_or_cancel_masks_the_snapshot(self) -> None:
-        async def scenario(sink: Any, source: Any) -> None:
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
             await sink.begin_call("r-intent", "c1")
             await sink.put(make_entry("r-intent", "c1"))
             await sink.begin_call("r-intent", "c2")
@@ -142,11 +154,11 @@ class StoreContract:
         self.run(scenario)
 
     def test_a_late_incomplete_marker_moves_the_version_so_the_racing_drop_fails(self) -> None:
-        async def scenario(sink: Any, source: Any) -> None:
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
             await sink.put(make_entry("r-race", "c1"))
             frozen = await source.freeze("r-race")
             assert frozen.incomplete is False
-            await sink.mark_incomplete("r-race", "c2", "lost after generation")
+            await sink.mark_incomplete("r-race", "c2")
             assert await source.drop("r-race", frozen.snapshot_id, frozen.version) is False
             refrozen = await source.freeze("r-race")
             assert (refrozen.snapshot_id, refrozen.version, refrozen.incomplete) == (
@@ -160,31 +172,31 @@ class StoreContract:
         self.run(scenario)
 
     def test_an_incomplete_marker_before_freeze_masks_the_rollout(self) -> None:
-        async def scenario(sink: Any, source: Any) -> None:
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
             await sink.put(make_entry("r-marked", "c1"))
-            await sink.mark_incomplete("r-marked", "c2", "capture failed")
+            await sink.mark_incomplete("r-marked", "c2")
             snapshot = await source.freeze("r-marked")
             assert (call_ids(snapshot), snapshot.incomplete, snapshot.version) == (["c1"], True, 3)
 
         self.run(scenario)
 
     def test_retire_removes_records_and_its_fence_refuses_late_writes_and_freezes(self) -> None:
-        async def scenario(sink: Any, source: Any) -> None:
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
             await sink.put(make_entry("r-retire", "c1"))
             await source.freeze("r-retire")
             first = await source.retire(["r-retire", "r-never"])
             assert (first.removed, first.not_found) == (("r-retire",), ("r-never",))
-            async with tolerated(RolloutRetiredError):
-                await sink.put(make_entry("r-retire", "c2"))
+            put_refused = await refused(sink.put(make_entry("r-retire", "c2")), RolloutRetiredError)
             with pytest.raises(RolloutRetiredError):
                 await source.freeze("r-retire")
             again = await source.retire(["r-retire"])
             assert (again.removed, again.not_found) == ((), ("r-retire",))
+            assert_refused_to_the_writer(put_after_retire=put_refused)
 
         self.run(scenario)
 
     def test_delete_frees_the_id_for_reuse_with_a_new_snapshot_id(self) -> None:
-        async def scenario(sink: Any, source: Any) -> None:
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
             await sink.put(make_entry("r-reuse", "c1"))
             old = await source.freeze("r-reuse")
             assert await source.drop("r-reuse", old.snapshot_id, old.version) is True

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 __all__ = [
     "BrokerUnreachableError",
+    "ChainValidationError",
     "ConfigError",
     "ConflictingEntryError",
     "DeliveryError",
@@ -55,6 +56,7 @@ __all__ = [
     "MaskFractionExceededError",
     "MaterializerFailedError",
     "NewerSchemaError",
+    "PrefixContiguityError",
     "RecordValidationError",
     "RolloutClosedError",
     "RolloutFrozenError",
@@ -64,13 +66,11 @@ __all__ = [
     "StoreFormatError",
     "TokcapError",
     "TokenExtractionError",
-    "ChainValidationError",
-    "PrefixContiguityError",
-    "TrajectoryBuildError",
-    "UndeliverableBuilderError",
     "TopicMismatchError",
     "TopicNotFoundError",
+    "TrajectoryBuildError",
     "TransportError",
+    "UndeliverableBuilderError",
     "UnknownBuilderError",
 ]
 

@@ -3,18 +3,24 @@
 A ``TokenSink`` receives records where model calls happen.
 A ``TokenSource`` freezes, reads and retires them where trainers build.
 The file store implements both; a transport may implement either.
+Two extensions go beyond Gym's protocols: an ``IntentTokenSink`` also records each call's intent before
+dispatch (so a lost entry masks the rollout), and a ``RetiringTokenSource`` also retires and deletes in batches.
+Both the file store and the Kafka transport implement them; the capture path uses intents when a sink has them.
 This module imports nothing from a server or transport stack.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from tokcap.records import TokenEntry
 
 __all__ = [
+    "IntentTokenSink",
     "LineageResolver",
+    "RetiringTokenSource",
     "RolloutRemovalPayload",
     "TokenCaptureSnapshot",
     "TokenSink",
@@ -125,6 +131,39 @@ class LineageResolver(Protocol):
 
     async def close(self) -> None:
         """Release resources; calling it again is a no-op."""
+        ...
+
+
+@runtime_checkable
+class IntentTokenSink(TokenSink, Protocol):
+    """A sink that also records, before dispatch, that a call is about to generate.
+
+    A call whose intent is recorded but whose entry never arrives (and is not cancelled) makes the
+    rollout's snapshot incomplete, so a lost entry can never go unnoticed.
+    """
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Durably record the call's intent; a failure must stop the call before generation."""
+        ...
+
+    async def cancel_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Close the call's intent when the call ended without generation."""
+        ...
+
+
+@runtime_checkable
+class RetiringTokenSource(TokenSource, Protocol):
+    """A source that also removes whole rollouts in batches, whatever their state.
+
+    ``drop`` retires one exact snapshot; these retire or delete by id, for cleanup after a run or before reuse.
+    """
+
+    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove the rollouts' records and keep their fences, so late writes of those attempts keep failing."""
+        ...
+
+    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove the rollouts' records and fences, so their ids can be reused; deleting again is a no-op."""
         ...
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any, cast
@@ -28,7 +28,7 @@ from typing import Any, cast
 from pydantic import BaseModel
 
 from tokcap.errors import TokenExtractionError
-from tokcap.protocols import TokenSink, installed_token_sink
+from tokcap.protocols import IntentTokenSink, TokenSink, installed_token_sink
 from tokcap.records import TokenEntry, find_token_fields, response_items, strip_token_arrays
 
 __all__ = [
@@ -86,16 +86,10 @@ def _sink_for(context: CaptureContext) -> TokenSink | None:
     return context.token_sink if context.token_sink is not None else installed_token_sink()
 
 
-def _optional_call_method(sink: TokenSink, name: str) -> Callable[[str, str], Awaitable[None]] | None:
-    """A sink's optional ``begin_call``/``cancel_call``; the protocol does not require them."""
-    method = getattr(sink, name, None)
-    return cast("Callable[[str, str], Awaitable[None]]", method) if callable(method) else None
-
-
 async def register_call_intent() -> None:
     """Record, before dispatch, that the current call is about to generate.
 
-    A sink without ``begin_call``, or no context, makes this a no-op.
+    A sink that is not an ``IntentTokenSink`` (no ``begin_call``), or no context, makes this a no-op.
     A failure propagates on purpose: the model call fails before generation and nothing is lost.
     """
     context = current_capture_context()
@@ -104,10 +98,9 @@ async def register_call_intent() -> None:
     sink = _sink_for(context)
     if sink is None:
         return
-    begin_call = _optional_call_method(sink, "begin_call")
-    if begin_call is None:
+    if not isinstance(sink, IntentTokenSink):
         return
-    await begin_call(context.rollout_id, context.model_call_id)
+    await sink.begin_call(context.rollout_id, context.model_call_id)
 
 
 async def cancel_call_intent() -> None:
@@ -121,11 +114,10 @@ async def cancel_call_intent() -> None:
     sink = _sink_for(context)
     if sink is None:
         return
-    cancel_call = _optional_call_method(sink, "cancel_call")
-    if cancel_call is None:
+    if not isinstance(sink, IntentTokenSink):
         return
     try:
-        await cancel_call(context.rollout_id, context.model_call_id)
+        await sink.cancel_call(context.rollout_id, context.model_call_id)
     except Exception:
         logger.exception(
             "could not cancel the intent of call %r of rollout %r; the dangling intent will mask the rollout",

@@ -126,7 +126,7 @@ def test_an_external_source_has_no_in_process_materializer(
     asyncio.run(probe())
 
 
-def test_a_second_materializer_of_the_same_partitions_and_directory_is_refused(
+def test_a_second_materializer_of_the_same_partitions_and_directory_is_refused_until_the_first_stops(
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
     topic = kafka_topic_factory("owners", partitions=2)
@@ -140,5 +140,17 @@ def test_a_second_materializer_of_the_same_partitions_and_directory_is_refused(
     halves = [Materializer(kafka_bootstrap, topic, tmp_path, partitions=[p]) for p in (0, 1)]
     for half in halves:
         half.start()
-    for half in halves:
-        half.stop()
+    try:
+        assert [set(half.applied_offsets()) for half in halves] == [{0}, {1}]
+        for partition in (0, 1):
+            with pytest.raises(MaterializerFailedError, match=f"partition {partition} .*already being"):
+                Materializer(kafka_bootstrap, topic, tmp_path, partitions=[partition]).start()
+    finally:
+        for half in halves:
+            half.stop()
+    whole = Materializer(kafka_bootstrap, topic, tmp_path)
+    whole.start()
+    try:
+        assert set(whole.applied_offsets()) == {0, 1}, "a stopped materializer kept its partitions"
+    finally:
+        whole.stop()

@@ -80,3 +80,17 @@ def test_a_retired_rollout_is_reported_as_retired(tmp_path: Path) -> None:
     detail = tokcap("inspect", str(tmp_path), "r1", "--json").json()
     assert detail["state"] == "retired"
     assert detail["entries"] == [] and detail["verdict"] is None
+
+
+def test_inspect_without_json_prints_one_row_per_rollout_with_its_state_and_mask(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    _conversation(store, "r-open")
+    _conversation(store, "r-lost")
+    store.mark_incomplete_now("r-lost", "c3", "lost after generation")
+    store.freeze_now("r-lost")
+    completed = tokcap("inspect", str(tmp_path))
+    assert completed.returncode == 0, completed.stderr
+    rows = {line.split()[1]: line.split() for line in completed.stdout.splitlines() if "│ r-" in line}
+    assert set(rows) == {"r-open", "r-lost"}
+    assert rows["r-lost"][2:5] == ["│", "frozen", "│"] and "yes" in rows["r-lost"]
+    assert rows["r-open"][2:5] == ["│", "open", "│"] and "yes" not in rows["r-open"]

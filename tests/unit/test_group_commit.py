@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+import tokcap.store
 from tests.factories import make_entry
-from tokcap.group_commit import GroupCommitter
+from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.store import TokenCaptureStore
+from tokcap.write_queue import MAX_BATCH
 
 
 def test_every_waiter_returns_only_after_a_sync_that_started_after_its_write() -> None:
@@ -53,52 +58,100 @@ def test_every_waiter_returns_only_after_a_sync_that_started_after_its_write() -
             starts = [i for i, (k, _) in enumerate(events[:index]) if k == "sync-start" and i > write_at]
             ends = [i for i, (k, _) in enumerate(events[:index]) if k == "sync-end" and i > write_at]
             assert starts and ends, "a writer returned without a sync that began after its write"
-    assert committer.syncs < 160, "writers did not share syncs"
+
+
+def test_writers_that_noted_writes_during_a_sync_share_the_next_one() -> None:
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def gated_sync() -> None:
+        entered.set()
+        assert gate.wait(30), "the test never opened the gate"
+
+    committer = GroupCommitter(gated_sync)
+    first = threading.Thread(target=lambda: (committer.note_write(), committer.wait_durable()))
+    first.start()
+    assert entered.wait(30)
+    noted = [threading.Event() for _ in range(7)]
+
+    def writer(done: threading.Event) -> None:
+        committer.note_write()
+        done.set()
+        committer.wait_durable()
+
+    others = [threading.Thread(target=writer, args=(done,)) for done in noted]
+    for thread in others:
+        thread.start()
+    for done in noted:
+        assert done.wait(30)
+    gate.set()
+    for thread in [first, *others]:
+        thread.join()
+    assert committer.syncs == 2, "the seven writes noted during the first sync did not share the second"
 
 
 def test_a_failed_sync_raises_in_every_writer_it_covered() -> None:
-    release = threading.Event()
-
     def failing_sync() -> None:
-        release.wait(5)
         raise OSError(5, "disk on fire")
 
     committer = GroupCommitter(failing_sync)
     errors: list[BaseException] = []
+    noted = [threading.Event() for _ in range(4)]
+    go = threading.Event()
 
-    def writer() -> None:
+    def writer(done: threading.Event) -> None:
         committer.note_write()
+        done.set()
+        assert go.wait(30)
         try:
             committer.wait_durable()
         except OSError as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=writer) for _ in range(4)]
+    threads = [threading.Thread(target=writer, args=(done,)) for done in noted]
     for thread in threads:
         thread.start()
-    time.sleep(0.1)
-    release.set()
+    for done in noted:
+        assert done.wait(30)
+    go.set()
     for thread in threads:
         thread.join()
     assert len(errors) == 4
+    assert committer.syncs == 1, "one failed sync covered all four writes"
 
 
-def test_a_store_under_concurrent_puts_runs_fewer_syncs_than_puts(tmp_path: Path) -> None:
+def test_a_store_under_concurrent_puts_syncs_once_per_batch_not_once_per_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first put's sync is held until all 200 puts are queued, so the rest run in full batches."""
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def gated_sync_for(directory: Path) -> Callable[[], None]:
+        real_sync = filesystem_sync_for(directory)
+
+        def gated_sync() -> None:
+            entered.set()
+            assert gate.wait(30), "the test never opened the gate"
+            real_sync()
+
+        return gated_sync
+
+    monkeypatch.setattr(tokcap.store, "filesystem_sync_for", gated_sync_for)
     store = TokenCaptureStore(tmp_path)
-    barrier = threading.Barrier(8)
 
-    def writer(worker: int) -> None:
-        barrier.wait()
-        for n in range(25):
-            store.append(make_entry(f"r{worker}", f"c{n}"))
+    async def main() -> None:
+        first = asyncio.ensure_future(store.put(make_entry("r0", "c0")))
+        assert await asyncio.to_thread(entered.wait, 30)
+        rest = [asyncio.ensure_future(store.put(make_entry(f"r{n % 8}", f"c{n}"))) for n in range(1, 200)]
+        await asyncio.sleep(0)  # one pass of the loop: every put above has queued its operation
+        gate.set()
+        await asyncio.gather(first, *rest)
+        await store.close()
 
-    threads = [threading.Thread(target=writer, args=(w,)) for w in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    asyncio.run(main())
     assert sum(len(store.read_entries(f"r{w}")) for w in range(8)) == 200
-    assert 0 < store.commit_stats["syncs"] <= 200
+    assert store.commit_stats["syncs"] == 1 + math.ceil(199 / MAX_BATCH)
 
 
 def test_a_failed_sync_fails_the_put_that_depended_on_it(tmp_path: Path) -> None:

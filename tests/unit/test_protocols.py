@@ -11,6 +11,8 @@ import pytest
 from factories import make_entry
 
 from tokcap.protocols import (
+    IntentTokenSink,
+    RetiringTokenSource,
     RolloutRemovalPayload,
     TokenCaptureSnapshot,
     TokenSink,
@@ -53,6 +55,50 @@ def test_the_file_store_satisfies_both_the_sink_and_the_source_protocol(tmp_path
     store = TokenCaptureStore(tmp_path)
     assert isinstance(store, TokenSink)
     assert isinstance(store, TokenSource)
+
+
+def test_the_file_store_satisfies_the_intent_and_retiring_extensions(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    assert isinstance(store, IntentTokenSink)
+    assert isinstance(store, RetiringTokenSource)
+
+
+def test_the_kafka_sink_tracks_intents_and_the_kafka_source_retires(tmp_path: Path) -> None:
+    """Neither constructor contacts the broker (the source waits on an external materializer here)."""
+    kafka = pytest.importorskip("transports.kafka")
+    unreachable = "127.0.0.1:9"
+    sink = kafka.KafkaTokenSink(bootstrap_servers=unreachable, topic="tokcap-protocol-check")
+    source = kafka.KafkaTokenSource(
+        bootstrap_servers=unreachable,
+        topic="tokcap-protocol-check",
+        store_dir=tmp_path,
+        external_materializer=True,
+    )
+    try:
+        assert isinstance(sink, IntentTokenSink)
+        assert isinstance(source, RetiringTokenSource)
+    finally:
+        asyncio.run(sink.close())
+        asyncio.run(source.close())
+
+
+def test_a_plain_sink_or_source_is_not_mistaken_for_an_extension(tmp_path: Path) -> None:
+    class PlainSink:
+        async def put(self, entry: TokenEntry) -> None:
+            del entry
+
+        async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+            del rollout_id, model_call_id
+
+        async def close(self) -> None:
+            return None
+
+    class PlainSource(_SourceWithoutDrop):
+        async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+            return True
+
+    assert isinstance(PlainSink(), TokenSink) and not isinstance(PlainSink(), IntentTokenSink)
+    assert isinstance(PlainSource(), TokenSource) and not isinstance(PlainSource(), RetiringTokenSource)
 
 
 def test_a_sink_without_mark_incomplete_does_not_satisfy_the_sink_protocol() -> None:

@@ -1,33 +1,45 @@
-"""Every tokcap module declares its public surface completely in ``__all__``.
+"""Every module of both packages (``tokcap`` and ``transports``) declares its public surface in ``__all__``.
 
 A public name is one a module binds at top level (def, class or assignment) without a leading underscore.
 Type variables are exempt: they are typing plumbing, not API a caller imports.
 Names a module imports from elsewhere are not its own; listing them in ``__all__`` is a re-export and allowed.
+``__all__`` is kept in ruff's isort-style order (RUF022), so a new name has one right place and diffs stay small.
+Both packages ship ``py.typed``, in the source tree and in the built wheel.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 import tokcap
+import transports
 
-_PACKAGE_DIR = Path(tokcap.__file__).resolve().parent
+_PACKAGE_DIRS = [Path(tokcap.__file__).resolve().parent, Path(transports.__file__).resolve().parent]
+_PROJECT_DIR = _PACKAGE_DIRS[0].parent
 
 
 def _module_name(path: Path) -> str:
-    relative = path.relative_to(_PACKAGE_DIR.parent).with_suffix("")
+    relative = path.relative_to(_PROJECT_DIR).with_suffix("")
     parts = list(relative.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-_MODULE_PATHS = sorted(_PACKAGE_DIR.rglob("*.py"))
+_MODULE_PATHS = sorted(path for package in _PACKAGE_DIRS for path in package.rglob("*.py"))
 _MODULES = {_module_name(path): path for path in _MODULE_PATHS}
+
+_UNSORTED_UNTIL_THE_STORE_SPLIT: set[str] = set()
+"""Modules another branch is rewriting; their ``__all__`` is sorted there, and this entry then goes."""
 
 
 _TYPE_VARIABLE_FACTORIES = frozenset({"TypeVar", "ParamSpec", "TypeVarTuple"})
@@ -56,8 +68,81 @@ def defined_public_names(source: str) -> set[str]:
     return {name for name in names if not name.startswith("_")}
 
 
-def test_the_scan_sees_the_core_modules() -> None:
+def test_the_scan_sees_the_core_modules_and_the_kafka_transport() -> None:
     assert {"tokcap", "tokcap.config", "tokcap.records", "tokcap.protocols", "tokcap.store"} <= set(_MODULES)
+    assert {"transports", "transports.kafka", "transports.kafka.sink", "transports.kafka.source"} <= set(
+        _MODULES
+    )
+
+
+def _natural(name: str) -> list[int | str]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def isort_style_key(name: str) -> tuple[int, list[int | str]]:
+    """RUF022's order: SCREAMING_SNAKE_CASE constants, then CamelCase classes, then the rest; natural within."""
+    if name.isupper() and len(name) > 1:
+        kind = 0
+    elif name[:1].isupper():
+        kind = 1
+    else:
+        kind = 2
+    return kind, _natural(name)
+
+
+def test_the_sort_key_puts_constants_then_classes_then_functions_in_natural_order() -> None:
+    names = ["make", "Thing", "MAX_2", "Other", "MAX_10", "_private", "alpha"]
+    assert sorted(names, key=isort_style_key) == [
+        "MAX_2",
+        "MAX_10",
+        "Other",
+        "Thing",
+        "_private",
+        "alpha",
+        "make",
+    ]
+
+
+@pytest.mark.parametrize(
+    "module_name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True, reason="tokcap.store is being rewritten on the lead's branch; sorted there"
+            ),
+        )
+        if name in _UNSORTED_UNTIL_THE_STORE_SPLIT
+        else name
+        for name in sorted(_MODULES)
+    ],
+)
+def test_every_modules_all_is_sorted(module_name: str) -> None:
+    names = list(getattr(importlib.import_module(module_name), "__all__", ()))
+    assert names == sorted(names, key=isort_style_key), f"{module_name}.__all__ is not in isort-style order"
+
+
+@pytest.mark.parametrize("package_dir", _PACKAGE_DIRS, ids=lambda path: path.name)
+def test_each_package_marks_itself_typed(package_dir: Path) -> None:
+    assert (package_dir / "py.typed").is_file()
+
+
+def test_the_built_wheel_ships_py_typed_for_both_packages(tmp_path: Path) -> None:
+    """Built from a copy, so the check leaves no build/ or egg-info in the working tree."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(_PROJECT_DIR / name, source / name)
+    for package in _PACKAGE_DIRS:
+        shutil.copytree(package, source / package.name, ignore=shutil.ignore_patterns("__pycache__"))
+    wheels = tmp_path / "wheels"
+    command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
+    command += ["--disable-pip-version-check", "--wheel-dir", str(wheels), str(source)]
+    subprocess.run(command, check=True, capture_output=True)
+    (wheel,) = wheels.glob("tokcap-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"tokcap/py.typed", "transports/py.typed"} <= names
+    assert "transports/kafka/source.py" in names
 
 
 def test_the_public_name_scan_finds_defs_classes_and_assignments_but_not_imports_or_private_names() -> None:

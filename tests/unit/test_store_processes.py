@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -56,19 +55,37 @@ def test_processes_writing_the_same_and_different_rollouts_lose_and_tear_nothing
     assert len(TokenCaptureStore(tmp_path).read_entries("shared")) == 30 + 30 + 60
 
 
-@pytest.mark.parametrize("kill_after_s", [0.3, 0.7, 1.1])
+def _read_acks(worker: subprocess.Popen[str], count: int) -> list[tuple[str, str]]:
+    """Block until the worker has reported ``count`` acknowledged entries (or ended early)."""
+    assert worker.stdout is not None
+    acknowledged: list[tuple[str, str]] = []
+    while len(acknowledged) < count:
+        line = worker.stdout.readline()
+        if not line:
+            break
+        rollout_id, call_id = line.split()
+        acknowledged.append((rollout_id, call_id))
+    return acknowledged
+
+
+@pytest.mark.parametrize("acks_before_kill", [1, 20, 60])
 def test_a_writer_killed_mid_put_leaves_every_acknowledged_entry_readable(
-    tmp_path: Path, kill_after_s: float
+    tmp_path: Path, acks_before_kill: int
 ) -> None:
+    """Each writer is killed after it reported this many acknowledgements, while it is writing more."""
     workers = [_spawn(tmp_path, f"w{n}", ["r1", "r2"], 100_000, prompt_len=3000) for n in range(2)]
-    time.sleep(kill_after_s)
+    acknowledged: list[tuple[str, str]] = []
+    for worker in workers:
+        before_kill = _read_acks(worker, acks_before_kill)
+        assert len(before_kill) == acks_before_kill, "a writer ended before acknowledging enough entries"
+        acknowledged += before_kill
     for worker in workers:
         os.kill(worker.pid, signal.SIGKILL)
-    acknowledged: list[tuple[str, str]] = []
     for worker in workers:
         out, _ = worker.communicate(timeout=60)
         assert worker.returncode == -signal.SIGKILL
         acknowledged += [tuple(line.split()) for line in out.splitlines()]  # type: ignore[misc]
+    assert len(acknowledged) >= 2 * acks_before_kill
     _assert_store_holds(tmp_path, acknowledged)
     store = TokenCaptureStore(tmp_path)
     for rollout_id in ("r1", "r2"):

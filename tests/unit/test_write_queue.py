@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,29 @@ class Recorder:
         if self.failing_barrier:
             raise OSError(5, "sync failed")
 
-    def op(self, name: str, delay: float = 0.0) -> str:
-        time.sleep(delay)
+    def op(self, name: str) -> str:
         with self.lock:
             self.events.append(name)
         return name
+
+    def held_op(self, name: str, running: threading.Event, release: threading.Event) -> str:
+        """An operation that says when it runs and finishes only when the test releases it."""
+        running.set()
+        assert release.wait(30), "the test never released the held operation"
+        return self.op(name)
+
+
+async def queue_behind_a_held_operation(
+    queue: WriteQueue, recorder: Recorder, submit_rest: Callable[[], list[asyncio.Future[Any]]]
+) -> None:
+    """Hold the writer thread in a first operation while ``submit_rest`` queues more, then let it go."""
+    running, release = threading.Event(), threading.Event()
+    held = asyncio.ensure_future(queue.submit(recorder.held_op, "held", running, release))
+    assert await asyncio.to_thread(running.wait, 30)
+    rest = submit_rest()
+    await asyncio.sleep(0)  # one pass of the loop: every submit above has queued its operation
+    release.set()
+    await asyncio.gather(held, *rest)
 
 
 def test_every_operation_completes_only_after_a_barrier_that_followed_it() -> None:
@@ -51,14 +70,17 @@ def test_every_operation_completes_only_after_a_barrier_that_followed_it() -> No
             completed.append((name, len(recorder.events)))
 
     async def main() -> None:
-        await asyncio.gather(*(one(f"op{n}") for n in range(100)))
+        await queue_behind_a_held_operation(
+            queue, recorder, lambda: [asyncio.ensure_future(one(f"op{n}")) for n in range(100)]
+        )
 
     asyncio.run(main())
     queue.close()
+    assert len(completed) == 100
     for name, seen in completed:
         ran_at = recorder.events.index(name)
         assert "barrier" in recorder.events[ran_at:seen], f"{name} completed before a barrier covered it"
-    assert recorder.events.count("barrier") < 100
+    assert recorder.events.count("barrier") == 1 + math.ceil(100 / MAX_BATCH), "queued operations not batched"
     assert queue.batches == recorder.events.count("barrier")
 
 
@@ -101,19 +123,20 @@ def test_an_urgent_operation_runs_before_queued_ones_in_a_batch_of_its_own() -> 
     recorder = Recorder()
     queue = WriteQueue(recorder.run, recorder.barrier, name="test-writer")
 
-    async def main() -> None:
-        first = asyncio.ensure_future(queue.submit(recorder.op, "slow", 0.2))
-        await asyncio.sleep(0.05)
-        rest = [asyncio.ensure_future(queue.submit(recorder.op, f"w{n}")) for n in range(MAX_BATCH * 2)]
-        await asyncio.sleep(0.01)
-        urgent = asyncio.ensure_future(queue.submit(recorder.op, "freeze", urgent=True))
-        await asyncio.gather(first, urgent, *rest)
+    def submit_rest() -> list[asyncio.Future[Any]]:
+        writes = [asyncio.ensure_future(queue.submit(recorder.op, f"w{n}")) for n in range(MAX_BATCH * 2)]
+        return [*writes, asyncio.ensure_future(queue.submit(recorder.op, "freeze", urgent=True))]
 
-    asyncio.run(main())
+    asyncio.run(queue_behind_a_held_operation(queue, recorder, submit_rest))
     queue.close()
     events = recorder.events
-    assert events[:3] == ["slow", "barrier", "freeze"]
-    assert events[3] == "barrier"
+    assert events[:4] == ["held", "barrier", "freeze", "barrier"]
+    assert events[4:] == [
+        *[f"w{n}" for n in range(MAX_BATCH)],
+        "barrier",
+        *[f"w{n}" for n in range(MAX_BATCH, 2 * MAX_BATCH)],
+        "barrier",
+    ]
 
 
 def test_close_finishes_queued_work_and_a_later_submit_restarts_the_thread(tmp_path: Path) -> None:

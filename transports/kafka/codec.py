@@ -34,6 +34,16 @@ from tokcap.rollout_ids import validate_rollout_id
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "ENCODING_JSON",
+    "ENCODING_PACKED",
+    "HEADER_CHUNK_COUNT",
+    "HEADER_CHUNK_DIGEST",
+    "HEADER_CHUNK_GROUP",
+    "HEADER_CHUNK_INDEX",
+    "HEADER_ENCODING",
+    "HEADER_SCHEMA",
+    "HEADER_TYPE",
+    "HEADER_WRITER",
     "ChunkHeader",
     "OutgoingMessage",
     "decode_event_value",

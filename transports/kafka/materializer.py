@@ -73,9 +73,12 @@ __all__ = [
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
     "OWNER_LOCK_PREFIX",
+    "DeadLetterLog",
     "Materializer",
     "PartitionCheckpoint",
+    "logger",
     "main",
+    "remove_stale_temp_files",
 ]
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,13 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from tokcap.errors import ConfigError, DeliveryError, DeliveryTimeoutError, TransportError
 from transports.kafka.codec import OutgoingMessage
 
-__all__ = ["DEFAULT_DELIVERY_TIMEOUT_S", "Delivered", "ProducerBridge", "delivery_error"]
+__all__ = [
+    "DEFAULT_DELIVERY_TIMEOUT_S",
+    "Delivered",
+    "ProducerBridge",
+    "delivery_error",
+    "logger",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,12 @@ from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
 from transports.kafka.topics import resolve_topic
 
-__all__ = ["DEFAULT_REMEMBERED_CALLS", "KafkaTokenSink", "default_writer_id"]
+__all__ = [
+    "DEFAULT_REMEMBERED_CALLS",
+    "KafkaTokenSink",
+    "default_writer_id",
+    "logger",
+]
 
 logger = logging.getLogger(__name__)
 
