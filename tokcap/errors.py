@@ -33,6 +33,7 @@ Error tree::
         ├── DeliveryTimeoutError
         ├── TopicMismatchError
         ├── MaterializerFailedError
+        │   └── MaterializerOwnedElsewhereError
         ├── BrokerUnreachableError
         └── TopicNotFoundError
 
@@ -55,6 +56,7 @@ __all__ = [
     "InvalidRolloutIdError",
     "MaskFractionExceededError",
     "MaterializerFailedError",
+    "MaterializerOwnedElsewhereError",
     "NewerSchemaError",
     "PrefixContiguityError",
     "RecordValidationError",
@@ -182,6 +184,10 @@ class PrefixContiguityError(TrajectoryBuildError):
 
 class MaterializerFailedError(TransportError):
     """The materializer stopped on an error it must not skip (a damaged store, a truncated topic)."""
+
+
+class MaterializerOwnedElsewhereError(MaterializerFailedError):
+    """Another materializer already applies a partition into this directory; a source then follows it."""
 
 
 class InjectedFaultError(TokcapError, RuntimeError):

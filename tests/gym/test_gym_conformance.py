@@ -54,11 +54,6 @@ def test_the_kafka_transport_passes_every_check_of_gyms_conformance_kit_with_a_d
 
 
 @pytest.mark.kafka
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 11 item 6: a second KafkaTokenSource on one directory is refused ('already being materialized')",
-)
 def test_the_kafka_transport_passes_gyms_conformance_kit_with_every_source_on_one_directory(
     gym: GymModules, kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
 ) -> None:

@@ -49,7 +49,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from filelock import FileLock, Timeout
 
-from tokcap.errors import MaterializerFailedError
+from tokcap.errors import MaterializerFailedError, MaterializerOwnedElsewhereError
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, DeadLetterLog
@@ -305,6 +305,8 @@ class Materializer:
         return sorted(metadata.partitions)
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._failure, MaterializerOwnedElsewhereError):
+            raise self._failure
         if self._failure is not None:
             raise MaterializerFailedError(
                 f"the materializer of topic {self._topic!r} stopped: {self._failure}"
@@ -314,7 +316,10 @@ class Materializer:
         try:
             self._run()
         except BaseException as exc:
-            logger.exception("materializer of topic %s failed", self._topic)
+            if isinstance(exc, MaterializerOwnedElsewhereError):
+                logger.info("%s", exc)
+            else:
+                logger.exception("materializer of topic %s failed", self._topic)
             with self._condition:
                 self._failure = exc
                 self._condition.notify_all()
@@ -340,7 +345,7 @@ class Materializer:
         try:
             lock.acquire()
         except Timeout as exc:
-            raise MaterializerFailedError(
+            raise MaterializerOwnedElsewhereError(
                 f"partition {partition} of {self._topic!r} is already being materialized into {self._store.root} "
                 "by another process; stop it, or give this materializer other partitions or another directory"
             ) from exc

@@ -4,9 +4,11 @@ Each command is published to the run topic keyed by its rollout, so it lands aft
 of that rollout acknowledged before it. The source then waits until its materializer has applied
 the command's offset and answers with what the store decided there.
 
-The materializer runs in a thread of the source's process by default.
-With ``external_materializer=True`` another process (``tokcap materialize``) feeds the same directory;
-the source then waits on that process's checkpoint files and reads verdicts back from the store.
+The materializer runs in a thread of the source's process by default, shared by every source of the
+process on the same directory and topic. When another process already materializes the directory, the
+source follows that process's checkpoint files and reads verdicts back from the store, and becomes the
+owner itself if that process goes away. With ``external_materializer=True`` the source only ever follows
+(``tokcap materialize`` feeds the directory).
 Verdicts are then read from the rollout's state, which records the position and the outcome of the last
 retire or delete applied to it. Only when a later event of the same rollout has already overwritten a
 delete's record does the ``removed``/``not_found`` split fall back to what the store held just before the
@@ -32,6 +34,7 @@ from transports.kafka.checkpoint import applied_next_offset
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.materializer import Materializer
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
+from transports.kafka.shared_materializers import shared_materializers
 from transports.kafka.sink import default_writer_id
 from transports.kafka.topics import resolve_topic
 
@@ -41,6 +44,9 @@ DEFAULT_APPLY_TIMEOUT_S = 30.0
 """How long a command waits for the materializer to apply it."""
 
 _CHECKPOINT_POLL_S = 0.01
+
+_OWNER_CHECK_S = 1.0
+"""How long a following source waits on the owner's checkpoint before checking that the owner still runs."""
 
 
 class _CheckpointWaiter:
@@ -95,23 +101,21 @@ class KafkaTokenSource:
                 raise ConfigError(
                     f"the materializer writes {materializer.store.root}, not this source's store_dir {store_dir}"
                 )
-        self._owns_materializer = materializer is None and not external_materializer
+        self._shares_materializer = materializer is None and not external_materializer
         self._materializer: Materializer | None = materializer
-        if self._owns_materializer:
-            self._materializer = Materializer(
-                bootstrap_servers, self._topic, store_dir, consumer_config=consumer_config
-            )
+        self._materializer_settings = (bootstrap_servers, self._topic, store_dir, consumer_config)
+        if self._shares_materializer:
+            self._materializer = shared_materializers.acquire(*self._materializer_settings)
         self._store = (
             self._materializer.store if self._materializer is not None else TokenCaptureStore(store_dir)
         )
-        self._external = _CheckpointWaiter(Path(store_dir), self._topic) if external_materializer else None
+        follows = self._materializer is None
+        self._external = _CheckpointWaiter(Path(store_dir), self._topic) if follows else None
         self._timeout_s = timeout_s
         self._writer_id = writer_id or default_writer_id()
         self._bridge = ProducerBridge(
             bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
         )
-        if self._owns_materializer and self._materializer is not None:
-            self._materializer.start()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -148,11 +152,21 @@ class KafkaTokenSource:
         return result, LogPosition(self._topic, delivered.partition, delivered.offset)
 
     async def _wait_applied(self, delivered: Delivered, rollout_id: str, what: str) -> None:
-        if self._materializer is not None:
-            applied = await self._materializer.applied(delivered.partition, delivered.offset, self._timeout_s)
-        else:
+        deadline = time.monotonic() + self._timeout_s
+        applied = False
+        while not applied:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self._materializer is not None:
+                applied = await self._materializer.applied(delivered.partition, delivered.offset, left)
+                break
             assert self._external is not None
-            applied = await self._external.applied(delivered.partition, delivered.offset, self._timeout_s)
+            applied = await self._external.applied(
+                delivered.partition, delivered.offset, min(left, _OWNER_CHECK_S)
+            )
+            if not applied and self._shares_materializer:
+                await asyncio.to_thread(self._take_over_if_owner_left)
         if not applied:
             raise DeliveryTimeoutError(
                 f"{what} of rollout {rollout_id!r} was written at partition {delivered.partition} offset "
@@ -160,6 +174,12 @@ class KafkaTokenSource:
                 "check that the materializer is running and keeping up",
                 rollout_id=rollout_id,
             )
+
+    def _take_over_if_owner_left(self) -> None:
+        """A followed owner that stopped applying may have gone; become the owner if the directory is free."""
+        materializer = shared_materializers.acquire(*self._materializer_settings)
+        if materializer is not None:
+            self._materializer, self._external = materializer, None
 
     def _rederive(self, event: Event, delivered: Delivered) -> ApplyResult:
         """Rebuild a verdict from the state when no in-process materializer remembers the result."""
@@ -236,13 +256,13 @@ class KafkaTokenSource:
         )
 
     async def close(self) -> None:
-        """Stop the producer and the materializer this source started; calling it again is a no-op."""
+        """Stop the producer and hand the shared materializer back (the last source stops it); idempotent."""
         if self._closed:
             return
         self._closed = True
         await asyncio.to_thread(self._bridge.close)
-        if self._owns_materializer and self._materializer is not None:
-            await asyncio.to_thread(self._materializer.stop)
+        if self._shares_materializer and self._materializer is not None:
+            await asyncio.to_thread(shared_materializers.release, self._materializer)
 
 
 def _commands_are_never_chunked() -> str:
