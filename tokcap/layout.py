@@ -5,7 +5,7 @@ Per rollout, in one directory:
 - ``<id>.tokens.jsonl``: one canonical JSON line per accepted entry (keys sorted).
 - ``<id>.tokens.state.json``: the ``RolloutState`` in Gym's layout, the commit record of the other files;
   once retired it is the fence that refuses late writers, kept until ``delete``.
-- ``<id>.tokens.intents``: one line per dispatched call, its call id (cancels live in the state).
+- ``<id>.tokens.intents``: one line per dispatched call, its call id; a cancel is the call id after a NUL.
 - ``<id>.tokens.incomplete``: one line per marker, the lost call's id (reasons live in the state).
 - ``<id>.tokens.lock``: the per-rollout ``flock`` target shared with Gym's store; never removed.
 

@@ -30,6 +30,7 @@ import orjson
 from tokcap.errors import NewerSchemaError, RecordValidationError, StoreCorruptionError, StoreFormatError
 from tokcap.layout import RolloutPaths
 from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
+from tokcap.rules import CANCEL_PREFIX
 from tokcap.state import UPGRADE_STEP, IncompleteMark, IntentOp, RolloutState
 
 __all__ = [
@@ -236,14 +237,17 @@ def _fold_entries(path: Path, state: RolloutState, cuts: list[Repair], remembere
 
 
 def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
-    """Each intent line is a call id (Gym's format); cancels live in the state and come before these lines."""
+    """Each intent line is a call id (Gym's format); a cancel is the call id after ``CANCEL_PREFIX``."""
     intents = dict(state.intents)
 
     def fold(line: bytes) -> None:
         call_id = _call_id_of_side_line(line, "intent")
+        op = IntentOp.INTENT
+        if call_id.startswith(CANCEL_PREFIX):
+            call_id, op = call_id[len(CANCEL_PREFIX) :], IntentOp.CANCEL
         if not call_id:
             raise RecordValidationError("intent line names no call")
-        intents[call_id] = IntentOp.INTENT
+        intents[call_id] = op
 
     consumed, lines = _parse_tail(path, state.intents_size, state, cuts, fold)
     state.intents = intents
@@ -275,4 +279,4 @@ def _call_id_of_side_line(line: bytes, what: str) -> str:
         raise RecordValidationError(f"{what} line is not UTF-8: {exc}") from exc
     if text.startswith("{"):
         raise StoreFormatError(f"the {what} file holds a JSON line: {UPGRADE_STEP}")
-    return text.strip()
+    return text.strip(" \t\r")

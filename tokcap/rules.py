@@ -22,7 +22,7 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - A drop retires the rollout only while it is frozen in exactly that snapshot and version.
 - A retire retires whatever the state; the retired state is the fence, durable before any record is removed.
 - A delete forgets the rollout; applied from a log it leaves an empty state holding the verdict.
-- A cancel has no line in Gym's intents file: it lives in the state, durably.
+- A cancel is a line of the intents file Gym reads as an intent that never got an entry (Gym masks; tokcap knows).
 - The position of every applied event is recorded once, in the state the decision returns.
 """
 
@@ -48,6 +48,7 @@ from tokcap.records import entry_digest
 from tokcap.state import FreezeAnswer, IncompleteMark, IntentOp, Lifecycle, Rejection, RolloutState
 
 __all__ = [
+    "CANCEL_PREFIX",
     "AppendEntry",
     "AppendIncompleteMark",
     "AppendIntent",
@@ -59,6 +60,7 @@ __all__ = [
     "RemoveRecords",
     "RemoveState",
     "WriteState",
+    "cancel_line",
     "decide",
     "intent_line",
     "mark_line",
@@ -107,7 +109,7 @@ class AppendEntry:
 
 @dataclass(frozen=True)
 class AppendIntent:
-    """Append one intent line (the call id, as Gym writes it) to ``<id>.tokens.intents`` at byte ``start``."""
+    """Append one intent or cancel line to ``<id>.tokens.intents`` at byte ``start``."""
 
     line: bytes
     start: int
@@ -126,10 +128,12 @@ class WriteState:
     """Replace the state file with the decision's state.
 
     A durable write must be synced before the caller returns; an index-only one may lag,
-    because recovery rebuilds it from the file tails.
+    because recovery rebuilds it from the file tails. ``state``, when given, is written instead of the
+    decision's state (a tombstone that stands while the files of a delete are removed).
     """
 
     durable: bool
+    state: RolloutState | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,18 @@ class Decision:
 def intent_line(model_call_id: str) -> bytes:
     """The stored line of one intent: the call id, as Gym writes it."""
     return model_call_id.encode() + b"\n"
+
+
+CANCEL_PREFIX = "\x00"
+"""Starts a cancel line; no call id can start with it (NUL is refused in call ids)."""
+
+
+def cancel_line(model_call_id: str) -> bytes:
+    """The stored line of one cancel: an id Gym reads as one more intent that never got an entry.
+
+    Gym 0.7.0 has no cancel; to Gym such a line dangles, so Gym masks the rollout (never the reverse).
+    """
+    return (CANCEL_PREFIX + model_call_id).encode() + b"\n"
 
 
 def mark_line(model_call_id: str) -> bytes:
@@ -330,12 +346,10 @@ def _intent_op(
     if not state.is_open:
         return _rejected_late(state, event_type, call_id, position)
     state.intents = {**state.intents, call_id: op}
-    verdict = ApplyResult(ApplyOutcome.ACCEPTED, event_type, state.rollout_id, call_id)
-    if op is IntentOp.CANCEL:
-        return Decision(state, verdict, (WriteState(durable=True),))
-    line = intent_line(call_id)
+    line = intent_line(call_id) if op is IntentOp.INTENT else cancel_line(call_id)
     append = AppendIntent(line, state.intents_size)
     state.intents_size += len(line)
+    verdict = ApplyResult(ApplyOutcome.ACCEPTED, event_type, state.rollout_id, call_id)
     return Decision(state, verdict, (append, WriteState(durable=False)))
 
 
@@ -480,5 +494,6 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
             RolloutState(rollout_id=state.rollout_id), verdict, effects, sync_even_if_unchanged=True
         )
     tombstone = state.model_copy()
-    retiring = _retired(tombstone)
-    return Decision(tombstone, verdict, (*retiring, RemoveState()), sync_even_if_unchanged=True)
+    _retired(tombstone)
+    effects = (WriteState(durable=True, state=tombstone), Barrier(), RemoveRecords(), RemoveState())
+    return Decision(RolloutState(rollout_id=state.rollout_id), verdict, effects, sync_even_if_unchanged=True)

@@ -110,6 +110,9 @@ _Result = TypeVar("_Result")
 _REMEMBERED_PATHS = 65_536
 """How many validated rollout file sets a store remembers."""
 
+_REMEMBERED_STATES = 4_096
+"""How many recovered rollout states a store keeps, to skip parsing a state file no one changed."""
+
 _REMEMBERED_LINES = 65_536
 """How many appended lines' call ids a store remembers to re-index its lagging tails without parsing them."""
 
@@ -141,6 +144,7 @@ class TokenCaptureStore:
         self._rollout_locks = RolloutLocks()
         self._call_ids_of_written_lines: dict[str, str] = {}
         self._paths: dict[str, RolloutPaths] = {}
+        self._recovered_states: dict[str, tuple[_FilesIdentity, Recovered]] = {}
 
     @property
     def commit_stats(self) -> dict[str, int]:
@@ -215,6 +219,9 @@ class TokenCaptureStore:
                 paths = self._paths_of(rollout_id)
                 with self._rollout_locks.hold(paths.lock):
                     self._replace_state_file(paths, states[rollout_id])
+                    self._remember_state(
+                        rollout_id, _files_identity(paths), Recovered(states[rollout_id], (), 0, True)
+                    )
             self._commit.note_write()
             self._barrier()
 
@@ -261,16 +268,34 @@ class TokenCaptureStore:
     def _recovered(self, paths: RolloutPaths, *, replaying: bool, writing: bool) -> Recovered:
         """The rollout's state; a writer also carries out the repairs recovery asks for.
 
-        Inside a deferred block the state the block keeps in memory is the truth.
+        Inside a deferred block the state the block keeps in memory is the truth. Otherwise a state this
+        store recovered or wrote is reused while the rollout's files are exactly as it left them, so an
+        operation costs a few ``stat`` calls, not a parse of a state that grows with the rollout.
         """
         if self._deferral.active:
             kept = self._deferral.states.get(paths.rollout_id)
             if kept is not None:
                 return Recovered(kept, (), 0, True)
+        identity = _files_identity(paths)
+        cached = self._recovered_states.get(paths.rollout_id)
+        if cached is not None and cached[0] == identity and (cached[1].lagging_lines == 0 or not replaying):
+            return cached[1]
         recovered = recover(paths, replaying=replaying, remembered_lines=self._call_ids_of_written_lines)
         if writing:
             self._repair(paths, recovered)
+            if recovered.repairs:
+                identity = _files_identity(paths)
+                recovered = Recovered(
+                    recovered.state, (), recovered.lagging_lines, recovered.state_file_exists
+                )
+        if not recovered.repairs:
+            self._remember_state(paths.rollout_id, identity, recovered)
         return recovered
+
+    def _remember_state(self, rollout_id: str, identity: _FilesIdentity, recovered: Recovered) -> None:
+        if len(self._recovered_states) >= _REMEMBERED_STATES:
+            self._recovered_states.clear()
+        self._recovered_states[rollout_id] = (identity, recovered)
 
     def _repair(self, paths: RolloutPaths, recovered: Recovered) -> None:
         for repair in recovered.repairs:
@@ -304,15 +329,22 @@ class TokenCaptureStore:
         new_snapshot_id = uuid.uuid4().hex if position is None and isinstance(event, FreezeEvent) else ""
         decision = decide(recovered.state, event, position, new_snapshot_id=new_snapshot_id)
         if decision.changed:
-            self._carry_out(paths, decision, recovered, fence_only=fence_only)
+            state_written = self._carry_out(paths, decision, recovered, fence_only=fence_only)
+            if not self._deferral.active and not fence_only:
+                lagging = 0 if state_written else recovered.lagging_lines + 1
+                exists = state_written or (recovered.state_file_exists and paths.state.exists())
+                after = Recovered(decision.state, (), lagging, exists)
+                self._remember_state(paths.rollout_id, _files_identity(paths), after)
         return decision
 
     def _carry_out(
         self, paths: RolloutPaths, decision: Decision, recovered: Recovered, *, fence_only: bool
-    ) -> None:
+    ) -> bool:
+        """Carry out the decision's effects in order; return whether the state file now holds its state."""
         state = decision.state
         deferred = self._deferral.active
         rollout_id = paths.rollout_id
+        state_written = False
         for effect in decision.effects:
             if isinstance(effect, AppendEntry):
                 self._append(paths.entries, effect.line, effect.start, rollout_id)
@@ -321,16 +353,20 @@ class TokenCaptureStore:
                 self._append(paths.intents, effect.line, effect.start, rollout_id)
             elif isinstance(effect, AppendIncompleteMark):
                 self._append(paths.incomplete, effect.line, effect.start, rollout_id)
+            elif isinstance(effect, WriteState) and effect.state is not None:
+                self._replace_state_file(paths, effect.state)
+                self._commit.note_write()
             elif isinstance(effect, WriteState):
                 if deferred:
                     self._deferral.dirty.add(rollout_id)
                 elif effect.durable or state.last_position is not None or self._index_write_due(recovered):
                     self._replace_state_file(paths, state)
+                    state_written = True
                     if effect.durable:
                         self._commit.note_write()
             elif isinstance(effect, Barrier):
                 if fence_only:
-                    return
+                    return state_written
                 if deferred and rollout_id in self._deferral.dirty:
                     self._deferral.dirty.discard(rollout_id)
                     self._replace_state_file(paths, state)
@@ -340,8 +376,10 @@ class TokenCaptureStore:
                 self._remove_records(paths)
             elif isinstance(effect, RemoveState):
                 self._remove(paths.state)
+                state_written = False
         if deferred:
             self._deferral.states[rollout_id] = state
+        return state_written
 
     def _index_write_due(self, recovered: Recovered) -> bool:
         """An index-only change of the file store is written every few lines, or when there is no state file."""
@@ -668,6 +706,25 @@ def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
     if directory is None:
         return None
     return TokenCaptureStore(directory)
+
+
+_FilesIdentity = tuple[tuple[int, int, int, int] | None, int, int, int]
+"""What a cached state was recovered from: the state file's inode, size, mtime and ctime, and the side files' sizes."""
+
+
+def _stat_of(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _files_identity(paths: RolloutPaths) -> _FilesIdentity:
+    """Enough to tell that no one changed a rollout's files since a state was cached (a rename changes the inode)."""
+    state = _stat_of(paths.state)
+    sizes = [stat.st_size if (stat := _stat_of(path)) is not None else -1 for path in paths.records]
+    state_key = None if state is None else (state.st_ino, state.st_size, state.st_mtime_ns, state.st_ctime_ns)
+    return (state_key, sizes[0], sizes[1], sizes[2])
 
 
 def _removal_payload(ids: Sequence[str], removed: dict[str, bool]) -> RolloutRemovalPayload:

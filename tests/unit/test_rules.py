@@ -138,10 +138,9 @@ def test_an_intent_after_a_cancel_is_recorded_again_and_a_repeat_is_not() -> Non
     ]
     state, decisions = _run(events)
     appends = [d.effects[0] for d in decisions if d.effects and isinstance(d.effects[0], AppendIntent)]
-    assert [(a.line, a.start) for a in appends] == [(b"a\n", 0), (b"a\n", 2)]
-    assert decisions[1].effects == (WriteState(durable=True),)
+    assert [(a.line, a.start) for a in appends] == [(b"a\n", 0), (b"\x00a\n", 2), (b"a\n", 5)]
     assert decisions[3].verdict.outcome is ApplyOutcome.NOOP
-    assert state.intents == {"a": IntentOp.INTENT} and state.intents_size == 4
+    assert state.intents == {"a": IntentOp.INTENT} and state.intents_size == 7
 
 
 def test_a_conflicting_put_marks_the_rollout_incomplete_and_appends_no_entry() -> None:
@@ -212,8 +211,10 @@ def test_a_delete_leaves_a_verdict_or_a_fence_before_removing_files() -> None:
     assert logged.state.is_pristine and logged.state.removed_records is True
     assert logged.state.last_position == _at(5).to_dict()
     unlogged = decide(state, DeleteEvent(rollout_id=RID), None)
-    assert unlogged.effects == (WriteState(durable=True), Barrier(), RemoveRecords(), RemoveState())
-    assert unlogged.state.retired and unlogged.sync_even_if_unchanged
+    tombstone, *rest = unlogged.effects
+    assert isinstance(tombstone, WriteState) and tombstone.state is not None and tombstone.state.retired
+    assert rest == [Barrier(), RemoveRecords(), RemoveState()]
+    assert unlogged.state.is_pristine and unlogged.sync_even_if_unchanged
     never_written = decide(RolloutState(rollout_id=RID), DeleteEvent(rollout_id=RID), None)
     assert (
         never_written.effects == (RemoveRecords(), RemoveState()) and never_written.verdict.removed is False
