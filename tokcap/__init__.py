@@ -16,7 +16,12 @@ from tokcap.config import (
     token_id_capture_config,
     token_id_capture_enabled_for_agent,
 )
-from tokcap.consumer import trajectories_from_source
+from tokcap.consumer import (
+    clear_token_captures_for_rollouts,
+    token_id_capture_dirs_from_config,
+    trajectories_for_rollout,
+    trajectories_from_source,
+)
 from tokcap.projection import (
     assert_prefix_contiguity,
     project_chain_to_output_items,
@@ -72,6 +77,9 @@ __all__ = [
     "project_main_chain_response",
     "stamp_lineage",
     "trajectories_from_source",
+    "trajectories_for_rollout",
+    "clear_token_captures_for_rollouts",
+    "token_id_capture_dirs_from_config",
     "BuildOutput",
     "CaptureContext",
     "Chain",
