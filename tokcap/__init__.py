@@ -16,7 +16,12 @@ from tokcap.config import (
     token_id_capture_config,
     token_id_capture_enabled_for_agent,
 )
-from tokcap.consumer import trajectories_from_source
+from tokcap.consumer import (
+    clear_token_captures_for_rollouts,
+    token_id_capture_dirs_from_config,
+    trajectories_for_rollout,
+    trajectories_from_source,
+)
 from tokcap.projection import (
     assert_prefix_contiguity,
     project_chain_to_output_items,
@@ -82,6 +87,7 @@ __all__ = [
     "TokenSource",
     "assert_prefix_contiguity",
     "capture_tokens",
+    "clear_token_captures_for_rollouts",
     "commit_entry",
     "compute_digest",
     "cumulative_tokens",
@@ -103,7 +109,9 @@ __all__ = [
     "set_token_sink",
     "stamp_lineage",
     "token_id_capture_config",
+    "token_id_capture_dirs_from_config",
     "token_id_capture_enabled_for_agent",
+    "trajectories_for_rollout",
     "trajectories_from_source",
     "validate_rollout_id",
     "validate_rollout_ids",

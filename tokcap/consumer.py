@@ -10,26 +10,37 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tokcap.builder import BUILDERS, PER_REQUEST, BuildOutput, run_builder
+from tokcap.config import token_id_capture_config
 from tokcap.errors import MaskFractionExceededError, UndeliverableBuilderError, UnknownBuilderError
 from tokcap.projection import assert_prefix_contiguity, project_main_chain_response
 from tokcap.protocols import TokenCaptureSnapshot, TokenSource
 from tokcap.records import TokenEntry
+from tokcap.store import TokenCaptureStore
 
 __all__ = [
+    "ROLLOUT_ID_KEY",
     "MaskFractionGuard",
     "MaskReason",
     "TrajectoryResult",
     "check_single_response_builder",
+    "clear_token_captures_for_rollouts",
     "logger",
+    "rollout_id_from_record",
+    "token_id_capture_dirs_from_config",
+    "trajectories_for_rollout",
     "trajectories_from_source",
 ]
 
 logger = logging.getLogger(__name__)
+
+ROLLOUT_ID_KEY = "_ng_rollout_id"
+"""Gym's top-level record key for the rollout id."""
 
 
 class MaskReason(enum.StrEnum):
@@ -197,15 +208,41 @@ async def trajectories_from_source(
     which anchors the main chain; without one, every retry and extra chain masks the rollout.
     """
     check_single_response_builder(builder)
-    reasons: list[str] = []
-    errors: list[str] = []
     try:
         snapshot: TokenCaptureSnapshot | None = await source.freeze(rollout_id)
+        freeze_error: Exception | None = None
     except Exception as exc:
         logger.exception("could not freeze rollout %r; masking it", rollout_id)
-        snapshot = None
+        snapshot, freeze_error = None, exc
+    return _trajectory(
+        rollout_id,
+        snapshot,
+        freeze_error,
+        builder,
+        model,
+        _terminal_call_id(
+            snapshot.entries if snapshot is not None else (),
+            verified_response,
+            explicit_terminal_call_id,
+            declared_response_id,
+        ),
+    )
+
+
+def _trajectory(
+    rollout_id: str,
+    snapshot: TokenCaptureSnapshot | None,
+    freeze_error: Exception | None,
+    builder: str,
+    model: str,
+    terminal: str | None,
+) -> TrajectoryResult:
+    """Build, project and check a frozen snapshot (``None`` when the freeze failed with ``freeze_error``)."""
+    reasons: list[str] = []
+    errors: list[str] = []
+    if snapshot is None:
         reasons.append(MaskReason.FREEZE_FAILED)
-        errors.append(f"{type(exc).__name__}: {exc}")
+        errors.append(f"{type(freeze_error).__name__}: {freeze_error}")
     build: BuildOutput | None = None
     response: dict[str, Any] | None = None
     if snapshot is not None:
@@ -215,9 +252,6 @@ async def trajectories_from_source(
             reasons.append(MaskReason.EMPTY)
         else:
             try:
-                terminal = _terminal_call_id(
-                    snapshot.entries, verified_response, explicit_terminal_call_id, declared_response_id
-                )
                 build = run_builder(snapshot.entries, builder, terminal_call_id=terminal)
                 reasons.extend(_reasons_from_build(build))
                 main = build.main_chain
@@ -249,6 +283,65 @@ async def trajectories_from_source(
         build=build,
         metrics=_metrics(snapshot, build, [str(reason) for reason in reasons], errors),
     )
+
+
+def rollout_id_from_record(record: Mapping[str, Any]) -> str | None:
+    """A record's rollout id: a non-empty string under Gym's ``_ng_rollout_id``, else under ``rollout_id``."""
+    for key in (ROLLOUT_ID_KEY, "rollout_id"):
+        value = record.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def token_id_capture_dirs_from_config(global_config_dict: Any) -> list[Path]:
+    """Gym's helper: the file-store directory to read, or none when capture is off or a sink owns the records."""
+    config = token_id_capture_config(global_config_dict)
+    directory = config.resolved_dir()
+    if not config.enabled or config.token_id_capture.sink is not None or directory is None:
+        return []
+    return [directory]
+
+
+def clear_token_captures_for_rollouts(
+    records: Sequence[Mapping[str, Any]], token_capture_dirs: Sequence[str | Path]
+) -> None:
+    """Gym's helper: delete the records of rollouts about to be dispatched, so a reused id starts empty.
+
+    Pass only records ready for dispatch, with any retry suffix already in their rollout id.
+    """
+    rollout_ids = sorted({rid for rid in (rollout_id_from_record(record) for record in records) if rid})
+    for directory in token_capture_dirs:
+        TokenCaptureStore(directory).delete_now(rollout_ids)
+
+
+def trajectories_for_rollout(
+    rollout_id: str,
+    token_capture_dirs: Sequence[str | Path],
+    *,
+    builder: str = "prefix_merging",
+    model: str = "",
+    verified_response: Mapping[str, Any] | None = None,
+    explicit_terminal_call_id: str | None = None,
+) -> TrajectoryResult | None:
+    """Gym's helper: ``trajectories_from_source`` over the first file-store directory, synchronously.
+
+    Return ``None`` when no directory is configured.
+    """
+    if not token_capture_dirs:
+        return None
+    check_single_response_builder(builder)
+    store = TokenCaptureStore(token_capture_dirs[0])
+    try:
+        snapshot: TokenCaptureSnapshot | None = store.freeze_now(rollout_id)
+        freeze_error: Exception | None = None
+    except Exception as exc:
+        logger.exception("could not freeze rollout %r; masking it", rollout_id)
+        snapshot, freeze_error = None, exc
+    terminal = _terminal_call_id(
+        snapshot.entries if snapshot is not None else (), verified_response, explicit_terminal_call_id, None
+    )
+    return _trajectory(rollout_id, snapshot, freeze_error, builder, model, terminal)
 
 
 class MaskFractionGuard:

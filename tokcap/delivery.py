@@ -24,9 +24,11 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from tokcap.consumer import (
+    ROLLOUT_ID_KEY,
     MaskReason,
     TrajectoryResult,
     check_single_response_builder,
+    rollout_id_from_record,
     trajectories_from_source,
 )
 from tokcap.errors import InvalidInputError
@@ -59,9 +61,6 @@ TOKEN_CAPTURE_KEY = "_ng_token_capture"
 TOKEN_CAPTURE_METRICS_KEY = TOKEN_CAPTURE_KEY
 """tokcap 0.1's name for ``TOKEN_CAPTURE_KEY``; the key itself is now Gym's."""
 
-ROLLOUT_ID_KEY = "_ng_rollout_id"
-"""Gym's top-level record key for the rollout id."""
-
 TERMINAL_CALL_KEY = "_ng_terminal_model_call_id"
 """Gym's record key naming the model call the harness kept as its final answer."""
 
@@ -70,15 +69,6 @@ TERMINAL_RESPONSE_ID_KEY = "terminal_response_id"
 
 RolloutIdLocator = Callable[[Mapping[str, Any]], str | None]
 """Finds a record's rollout id; returns ``None`` when the record has none."""
-
-
-def rollout_id_from_record(record: Mapping[str, Any]) -> str | None:
-    """The default locator: a non-empty string under Gym's ``_ng_rollout_id``, else under ``rollout_id``."""
-    for key in (ROLLOUT_ID_KEY, "rollout_id"):
-        value = record.get(key)
-        if isinstance(value, str) and value:
-            return value
-    return None
 
 
 def rollout_carries_token_ids(result: Mapping[str, Any]) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from gym_rollouts import Rollout, drive, tool_use_rollout, with_lost_call, without_snapshot_identity
-from gym_wheel import GymModules
+from gym_wheel import GymModules, needs_gym_build_sink
 
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 
@@ -133,3 +133,46 @@ def test_gyms_delivery_over_kafka_masks_a_lost_call_and_retires_a_clean_rollout(
     assert lost_result["_ng_token_capture"]["capture_incomplete"] is True
     assert retired is True
     assert kept is False
+
+
+@needs_gym_build_sink
+def test_a_gym_user_with_the_documented_kafka_block_gets_single_call_rollouts_delivered_and_multi_call_masked(
+    gym: GymModules, kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    block = {
+        "token_id_capture": {
+            "enabled": True,
+            "sink": "transports.kafka:KafkaTokenSink",
+            "sink_kwargs": {"bootstrap_servers": kafka_bootstrap, "topic": kafka_topic},
+            "allow_unresolved_continuations": True,
+            "rebuild_response": False,
+        }
+    }
+    single = tool_use_rollout("kafka-docs-single", retry_last=False)
+    single.calls[:] = single.calls[:1]
+    multi = tool_use_rollout("kafka-docs-multi", retry_last=False)
+    single_result, multi_result = single.result(), multi.result()
+
+    async def run() -> None:
+        config = gym.config.token_id_capture_config(block)
+        sink = config.build_sink()
+        assert config.build_lineage_store() is None
+        try:
+            await drive(gym, single, sink, None)
+            await drive(gym, multi, sink, None)
+        finally:
+            await sink.close()
+        source = KafkaTokenSource(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path)
+        try:
+            await gym.delivery.finalize_rollout_token_capture(single_result, source)
+            with pytest.warns(UserWarning, match="masking"):
+                await gym.delivery.finalize_rollout_token_capture(multi_result, source)
+        finally:
+            await source.close()
+
+    asyncio.run(run())
+    assert "mask_sample" not in single_result
+    assert single_result["response"]["output"][0]["generation_token_ids"] == [101, 102, 103]
+    # Without a lineage store every continuation is unresolved, and Gym masks the rollout.
+    assert multi_result["mask_sample"] is True
+    assert multi_result["_ng_token_capture"]["unresolved_parent_calls"] == 2

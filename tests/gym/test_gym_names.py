@@ -51,6 +51,9 @@ SHARED_TOP_LEVEL = [
     "run_builder",
     "assert_prefix_contiguity",
     "trajectories_from_source",
+    "trajectories_for_rollout",
+    "clear_token_captures_for_rollouts",
+    "token_id_capture_dirs_from_config",
 ]
 
 # (tokcap module, Gym module, function): Gym's parameters must be accepted under the same names and order.
@@ -67,6 +70,9 @@ SIGNATURES = [
     ("tokcap.projection", "builder", "project_main_chain_response"),
     ("tokcap.projection", "builder", "assert_prefix_contiguity"),
     ("tokcap.consumer", "consumer", "trajectories_from_source"),
+    ("tokcap.consumer", "consumer", "trajectories_for_rollout"),
+    ("tokcap.consumer", "consumer", "clear_token_captures_for_rollouts"),
+    ("tokcap.consumer", "consumer", "token_id_capture_dirs_from_config"),
     ("tokcap.delivery", "delivery", "finalize_rollout_token_capture"),
     ("tokcap.delivery", "delivery", "retire_rollout_token_capture"),
     ("tokcap.delivery", "delivery", "capture_build_can_retire"),

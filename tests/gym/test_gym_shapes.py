@@ -160,3 +160,51 @@ def test_a_declared_terminal_that_no_call_served_masks_the_rollout(gym: GymModul
     assert built["mask_sample"] is True
     assert record["mask_sample"] is True
     assert "terminal-not-delivered" in record["_ng_token_capture"]["mask_reasons"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"token_id_capture": {"enabled": True, "dir": "/var/tokcap"}},
+        {"token_id_capture": {"enabled": True}, "model_call_capture_dir": "/var/tokcap"},
+        {"token_id_capture": {"enabled": False, "dir": "/var/tokcap"}},
+        {
+            "token_id_capture": {
+                "enabled": True,
+                "sink": "a.b:C",
+                "lineage_store": "a.b:L",
+                "dir": "/var/tokcap",
+            }
+        },
+    ],
+)
+def test_the_capture_dirs_of_a_config_are_the_ones_gym_reads(gym: GymModules, config: dict[str, Any]) -> None:
+    from tokcap.consumer import token_id_capture_dirs_from_config
+
+    assert token_id_capture_dirs_from_config(config) == gym.consumer.token_id_capture_dirs_from_config(config)
+
+
+def test_the_synchronous_file_store_helpers_build_and_clear_like_gyms(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    from tokcap.consumer import clear_token_captures_for_rollouts, trajectories_for_rollout
+
+    rollout = tool_use_rollout("shapes-5")
+
+    async def capture() -> None:
+        store = TokenCaptureStore(tmp_path)
+        lineage = gym.lineage.FileLineageStore(tmp_path)
+        try:
+            await drive(gym, rollout, store, lineage)
+        finally:
+            await lineage.close()
+            await store.close()
+
+    asyncio.run(capture())
+    assert trajectories_for_rollout(rollout.rollout_id, []) is None
+    built = trajectories_for_rollout(rollout.rollout_id, [tmp_path], verified_response=rollout.final_response)
+    assert built is not None
+    assert built["mask_sample"] is False
+    gym.builder.assert_prefix_contiguity(built["rebuilt_response"])
+    clear_token_captures_for_rollouts([rollout.result()], [tmp_path])
+    assert not TokenCaptureStore(tmp_path).read_entries(rollout.rollout_id)
