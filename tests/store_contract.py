@@ -20,7 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from tokcap.errors import ConflictingEntryError, RolloutFrozenError, RolloutRetiredError, TokcapError
+from tokcap.errors import (
+    ConflictingEntryError,
+    InvalidInputError,
+    RolloutFrozenError,
+    RolloutRetiredError,
+    TokcapError,
+)
 from tokcap.protocols import IntentTokenSink, RetiringTokenSource, TokenCaptureSnapshot
 from tokcap.records import TokenEntry
 
@@ -206,5 +212,49 @@ class StoreContract:
             new = await source.freeze("r-reuse")
             assert (call_ids(new), new.version, new.incomplete) == (["c9"], 2, False)
             assert new.snapshot_id != old.snapshot_id
+
+        self.run(scenario)
+
+    def test_input_no_reader_could_read_back_is_refused_naming_the_call_and_field_and_nothing_is_written(
+        self,
+    ) -> None:
+        rid = "r-input"
+
+        def entry(call_id: str, **fields: object) -> TokenEntry:
+            return make_entry(rid, call_id).model_copy(update=fields)
+
+        bad_entries = [
+            ("created_at", entry("nan-time", created_at=float("nan"))),
+            ("output_items", entry("nan-item", output_items=[{"type": "x", "score": float("inf")}])),
+            ("prompt_token_ids", entry("too-big", prompt_token_ids=[1, 2**64])),
+            ("generation_token_ids", entry("negative", generation_token_ids=[-1, 8])),
+            ("model_call_id", entry("nul\x00call")),
+            ("model_call_id", entry("x" * 2000)),
+        ]
+        extra = TokenEntry.model_validate(
+            {**make_entry(rid, "nan-extra").model_dump(), "extra_score": float("inf")}
+        )
+        bad_entries.append(("extra_score", extra))
+        bad_call_ids = ["", "new\nline", "nul\x00", "y" * 2000]
+
+        async def scenario(sink: IntentTokenSink, source: RetiringTokenSource) -> None:
+            for field, bad in bad_entries:
+                with pytest.raises(InvalidInputError, match=field) as refused_put:
+                    await sink.put(bad)
+                assert refused_put.value.rollout_id == rid
+            for call_id in bad_call_ids:
+                with pytest.raises(InvalidInputError, match="model_call_id"):
+                    await sink.begin_call(rid, call_id)
+                with pytest.raises(InvalidInputError, match="model_call_id"):
+                    await sink.cancel_call(rid, call_id)
+            with pytest.raises(InvalidInputError, match="control character"):
+                await sink.mark_incomplete(rid, "lost\ncall")
+            widest = entry(
+                "wide-ids", prompt_token_ids=[0, 2**63, 2**64 - 1], generation_token_ids=[2**63 + 5, 1]
+            )
+            await sink.put(widest)
+            snapshot = await source.freeze(rid)
+            assert (call_ids(snapshot), snapshot.incomplete) == (["wide-ids"], False)
+            assert snapshot.entries[0].canonical_json() == widest.canonical_json()
 
         self.run(scenario)

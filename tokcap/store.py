@@ -50,6 +50,7 @@ from tokcap.events import (
     RetireEvent,
 )
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
+from tokcap.input_rules import check_call_id, check_storable
 from tokcap.layout import (
     ENTRIES_SUFFIX,
     INCOMPLETE_SUFFIX,
@@ -578,19 +579,22 @@ class TokenCaptureStore:
 
     def append(self, entry: TokenEntry) -> None:
         """Idempotently append one entry and sync it before returning; a Gym entry is taken as is."""
-        entry = as_token_entry(entry)
+        entry = check_storable(as_token_entry(entry))
         self._raise_for(self.apply(PutEvent(rollout_id=entry.rollout_id, entry=entry)))
 
     def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record that a call is about to be dispatched; a lost entry then masks the rollout."""
+        check_call_id(rollout_id, model_call_id)
         self._raise_for(self.apply(IntentEvent(rollout_id=rollout_id, model_call_id=model_call_id)))
 
     def cancel_call_now(self, rollout_id: str, model_call_id: str) -> None:
         """Durably close an intent whose call ended without generation."""
+        check_call_id(rollout_id, model_call_id)
         self._raise_for(self.apply(CancelEvent(rollout_id=rollout_id, model_call_id=model_call_id)))
 
     def mark_incomplete_now(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
         """Durably record that a call was lost."""
+        check_call_id(rollout_id, model_call_id, may_be_empty=True)
         self._raise_for(
             self.apply(IncompleteEvent(rollout_id=rollout_id, model_call_id=model_call_id, reason=reason))
         )

@@ -72,7 +72,7 @@ ENCODING_PACKED = "packed"
 
 _PACKED_MAGIC = b"TKP1"
 _ARRAY_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-_TYPECODES = {"<i4": "i", "<i8": "q", "<f8": "d"}
+_TYPECODES = {"<i4": "i", "<i8": "q", "<u8": "Q", "<f8": "d"}
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -104,8 +104,9 @@ def _packed_ids(values: list[int]) -> tuple[str, bytes]:
     """Pack ids in the narrowest dtype that holds them all; an id beyond 64 bits is refused.
 
     Building the array checks the range itself, which is cheaper than scanning for the minimum and maximum.
+    Ids in [2**63, 2**64) (which Gym's digest accepts) go unsigned.
     """
-    for dtype in ("<i4", "<i8"):
+    for dtype in ("<i4", "<i8", "<u8"):
         try:
             return dtype, _pack_array(values, dtype)
         except OverflowError:

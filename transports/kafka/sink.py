@@ -22,6 +22,7 @@ from typing import Any
 
 from tokcap.errors import ConfigError, ConflictingEntryError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
+from tokcap.input_rules import check_call_id, check_storable
 from tokcap.records import TokenEntry, as_token_entry
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
@@ -148,7 +149,7 @@ class KafkaTokenSink:
 
     async def put(self, entry: TokenEntry) -> None:
         """Publish a call's entry and return once the broker acknowledged it; a Gym entry is taken as is."""
-        entry = as_token_entry(entry)
+        entry = check_storable(as_token_entry(entry))
         rollout_id = validate_rollout_id(entry.rollout_id)
         call_id = entry.model_call_id
         digest = entry.payload_digest()
@@ -168,19 +169,19 @@ class KafkaTokenSink:
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Publish a call's intent before dispatch; a failure here stops the call before generation."""
-        validate_rollout_id(rollout_id)
+        check_call_id(rollout_id, model_call_id)
         event = IntentEvent(rollout_id=rollout_id, writer=self._writer_id, model_call_id=model_call_id)
         await self._publish(event, what=f"intent of call {model_call_id!r} of rollout {rollout_id!r}")
 
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> None:
         """Publish that a call ended without generation, closing its intent."""
-        validate_rollout_id(rollout_id)
+        check_call_id(rollout_id, model_call_id)
         event = CancelEvent(rollout_id=rollout_id, writer=self._writer_id, model_call_id=model_call_id)
         await self._publish(event, what=f"cancel of call {model_call_id!r} of rollout {rollout_id!r}")
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
         """Publish that a call of the rollout failed to capture, so the rollout is masked."""
-        validate_rollout_id(rollout_id)
+        check_call_id(rollout_id, model_call_id, may_be_empty=True)
         event = IncompleteEvent(
             rollout_id=rollout_id, writer=self._writer_id, model_call_id=model_call_id, reason=reason
         )
