@@ -47,7 +47,7 @@ from types import FrameType
 from typing import Any
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from filelock import FileLock, Timeout
 
 from tokcap.durable_io import append_durably, fsync_directory, replace_atomically
@@ -59,6 +59,8 @@ from tokcap.errors import (
 )
 from tokcap.events import Event, IncompleteEvent, LogPosition
 from tokcap.store import ApplyResult, TokenCaptureStore
+from transports.kafka.admin import list_topics
+from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
 from transports.kafka.codec import (
     ChunkHeader,
     decode_event_value,
@@ -252,6 +254,8 @@ class Materializer:
         self._store = TokenCaptureStore(store_dir)
         self._requested_partitions = None if partitions is None else sorted(set(partitions))
         self._consumer_config = dict(consumer_config or {})
+        self._client = ClientContext(bootstrap_servers, self._consumer_config)
+        self._watch = AuthenticationWatch(self._client)
         self._progress: dict[int, _PartitionProgress] = {}
         self._applied_next: dict[int, int] = {}
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
@@ -362,7 +366,7 @@ class Materializer:
 
     def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
         """Per assigned partition, the offset after the last message currently in the log."""
-        consumer = Consumer(self._consumer_settings())
+        consumer = build_client(Consumer, self._consumer_settings(), self._client, "consumer")
         try:
             partitions = self._partitions(consumer, timeout_s)
             return {
@@ -387,20 +391,23 @@ class Materializer:
     # --------------------------------------------------------------- the loop
 
     def _consumer_settings(self) -> dict[str, Any]:
-        return {
-            "fetch.wait.max.ms": 100,
-            **self._consumer_config,
-            "bootstrap.servers": self._bootstrap,
-            "group.id": f"tokcap-materializer-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "error",
-        }
+        return self._client.settings(
+            {
+                "group.id": f"tokcap-materializer-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "error",
+                "error_cb": self._watch,
+            },
+            defaults={"fetch.wait.max.ms": 100},
+        )
 
     def _partitions(self, consumer: Consumer, timeout_s: float = 30.0) -> list[int]:
         if self._requested_partitions is not None:
             return list(self._requested_partitions)
-        metadata = consumer.list_topics(topic=self._topic, timeout=timeout_s).topics.get(self._topic)
+        metadata = list_topics(consumer, self._watch, self._client, timeout_s, self._topic).topics.get(
+            self._topic
+        )
         if metadata is None or metadata.error is not None or not metadata.partitions:
             raise MaterializerFailedError(
                 f"topic {self._topic!r} has no readable partitions ({metadata and metadata.error}); create it first"
@@ -426,7 +433,7 @@ class Materializer:
             self._ready.set()
 
     def _run(self) -> None:
-        consumer = Consumer(self._consumer_settings())
+        consumer = build_client(Consumer, self._consumer_settings(), self._client, "consumer")
         try:
             with ExitStack() as held:
                 partitions = self._partitions(consumer)
@@ -475,6 +482,7 @@ class Materializer:
             # Wait for one message, then take what is already fetched: consume(n, t) alone blocks until n
             # messages or t, which delays every freeze by up to t whenever fewer than n messages arrive.
             messages = consumer.consume(1, _POLL_TIMEOUT_S)
+            self._watch.raise_if_failed()
             if messages:
                 messages.extend(consumer.consume(_BATCH_SIZE - 1, 0))
             # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
@@ -524,14 +532,9 @@ class Materializer:
         self._orphan_stale_groups(progress, partition, offset)
 
     def _on_consumer_error(self, error: KafkaError) -> None:
-        if error.code() == KafkaError._PARTITION_EOF:
-            return
-        if error.fatal() or error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
-            raise MaterializerFailedError(
-                f"cannot keep reading topic {self._topic!r}: {error.str()}. If the log was truncated by retention, "
-                "the projection cannot be rebuilt; replay into a new directory from a complete topic"
-            ) from KafkaException(error)
-        logger.warning("materializer of topic %s: %s", self._topic, error.str())
+        failure = read_error(error, topic=self._topic, context=self._client)
+        if failure is not None:
+            raise failure
 
     def _rebuffer_chunk(self, progress: _PartitionProgress, message: Message, offset: int) -> None:
         """Rebuild an open chunk group after a restart; these chunks were already checked once."""
