@@ -24,7 +24,7 @@ from transports.kafka.client_errors import (
     scrubbed_cause,
 )
 from transports.kafka.client_log import LIBRDKAFKA_LOGGER
-from transports.kafka.topics import validate_topic_name
+from transports.kafka.topics import KEEP_WHOLE_RUN, validate_topic_name
 
 __all__ = [
     "DURABILITY_CONFIGS",
@@ -161,12 +161,27 @@ class TopicDescription:
         """Whether every partition still holds offset 0; otherwise retention removed part of the run."""
         return all(p.low_offset == 0 for p in self.partitions)
 
+    @property
+    def warnings(self) -> list[str]:
+        """What threatens a full replay of the run: finite retention, or a start already deleted."""
+        found: list[str] = []
+        retention = self.configs.get("retention.ms")
+        if retention is not None and retention != KEEP_WHOLE_RUN:
+            found.append(
+                f"retention.ms={retention}: the broker deletes events older than {int(retention) / 3_600_000:g} h, "
+                "after which the run cannot be replayed; set retention.ms=-1 to keep the whole run"
+            )
+        if not self.replayable_from_start:
+            found.append("retention removed the start of the run; a full replay is no longer possible")
+        return found
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly form for ``--json``."""
         return {
             "topic": self.topic,
             "messages": self.messages,
             "replayable_from_start": self.replayable_from_start,
+            "warnings": self.warnings,
             "partitions": [
                 {
                     "partition": p.partition,
