@@ -35,7 +35,9 @@ def test_creating_a_compacted_run_topic_is_refused_with_one_line(
     assert_one_line_error(tokcap("topic", "describe", *base), "does not exist")
 
 
-def test_a_run_topic_keeps_the_whole_run_unless_a_retention_is_given(kafka_bootstrap: str, run_id: str) -> None:
+def test_a_run_topic_keeps_the_whole_run_unless_a_retention_is_given(
+    kafka_bootstrap: str, run_id: str
+) -> None:
     base = ("--bootstrap", kafka_bootstrap, "--run", run_id)
     created = tokcap("topic", "create", *base, "--json")
     assert created.returncode == 0, created.stderr
