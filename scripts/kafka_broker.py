@@ -1,5 +1,10 @@
 """Local single-node Apache Kafka broker (KRaft, broker+controller) built from Maven Central jars.
 
+``start --secure`` makes it a secured broker instead: one SASL_SSL listener (SCRAM-SHA-512) with a
+throwaway CA and broker certificate made with openssl, the StandardAuthorizer (ACLs, nothing allowed
+unless granted) and three SCRAM users written into the storage at format time. ``security.json`` in the
+state dir then names the CA file and the users' passwords for tests and local runs.
+
 Tests and local runs need a real broker on machines without Docker. This module fetches the
 broker jars once into a cache, formats a KRaft data dir, starts the JVM on 127.0.0.1 with free
 ports and can stop and restart it on the same ports and data dir. It uses the standard library
@@ -13,8 +18,10 @@ import argparse
 import base64
 import contextlib
 import fcntl
+import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -31,6 +38,8 @@ KAFKA_VERSION = "4.1.1"
 LOG4J_VERSION = "2.24.3"
 DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
 HEAP_OPTS = ("-Xms128m", "-Xmx512m")
+SECURE_HEAP_OPTS = ("-Xms64m", "-Xmx256m")
+"""A secured broker runs next to the session's plain one: a smaller heap keeps both within CI's memory."""
 
 ENV_STATE_DIR = "TOKCAP_KAFKA_STATE_DIR"
 ENV_CACHE_DIR = "TOKCAP_KAFKA_CACHE_DIR"
@@ -50,6 +59,11 @@ SERVER_LOG = "server.log"
 STDOUT_LOG = "stdout.log"
 LOCK_FILE = ".lock"
 OWNER_FILE = "owner.pid"
+SECURITY_FILE = "security.json"
+TLS_DIR = "tls"
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+SECURE_USERS = ("admin", "writer", "trainer")
+"""SCRAM users of a secured broker: ``admin`` is a super user; the others get only the ACLs a test grants."""
 
 
 class BrokerError(RuntimeError):
@@ -254,7 +268,103 @@ def new_cluster_id() -> str:
             return cid
 
 
-def server_properties(state_dir: Path, broker_port: int, controller_port: int) -> str:
+def _openssl(*args: str, cwd: Path) -> None:
+    try:
+        proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise BrokerError(f"cannot run openssl (needed for --secure): {exc}") from exc
+    if proc.returncode != 0:
+        raise BrokerError(f"openssl {args[0]} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def make_certificates(directory: Path, keystore_password: str) -> None:
+    """A throwaway CA and a broker certificate for 127.0.0.1/localhost signed by it, as a PKCS12 keystore.
+
+    Everything lives two days: it only has to outlast one test session.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "2", "-subj", "/CN=tokcap throwaway test CA", cwd=directory,
+    )  # fmt: skip
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "broker.key", "-out", "broker.csr",
+        "-subj", "/CN=localhost", cwd=directory,
+    )  # fmt: skip
+    (directory / "broker.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl(
+        "x509", "-req", "-in", "broker.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "broker.pem", "-days", "2", "-extfile", "broker.ext", cwd=directory,
+    )  # fmt: skip
+    _openssl(
+        "pkcs12", "-export", "-in", "broker.pem", "-inkey", "broker.key", "-certfile", "ca.pem",
+        "-name", "broker", "-out", "broker.p12", "-passout", f"pass:{keystore_password}", cwd=directory,
+    )  # fmt: skip
+
+
+def _new_security(state_dir: Path) -> dict[str, object]:
+    """Fresh certificates and passwords for a secured broker, recorded in ``security.json``."""
+    tls = state_dir / TLS_DIR
+    shutil.rmtree(tls, ignore_errors=True)
+    keystore_password = secrets.token_urlsafe(16)
+    make_certificates(tls, keystore_password)
+    security: dict[str, object] = {
+        "mechanism": SCRAM_MECHANISM,
+        "ca_location": str(tls / "ca.pem"),
+        "keystore_location": str(tls / "broker.p12"),
+        "keystore_password": keystore_password,
+        "users": {name: secrets.token_urlsafe(16) for name in SECURE_USERS},
+    }
+    path = state_dir / SECURITY_FILE
+    path.write_text(json.dumps(security, indent=2) + "\n")
+    path.chmod(0o600)
+    return security
+
+
+def read_security(state_dir: Path) -> dict[str, object] | None:
+    """The CA file and users of a secured broker's state dir, or None for a plain broker."""
+    try:
+        loaded = json.loads((state_dir / SECURITY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _secure_properties(props: dict[str, str], broker_port: int, security: dict[str, object]) -> None:
+    """Turn the client listener into SASL_SSL with SCRAM, and deny everything not granted by an ACL."""
+    users = security["users"]
+    assert isinstance(users, dict)
+    jaas = (
+        'org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" '
+        f'password="{users["admin"]}";'
+    )
+    props.update(
+        {
+            "listeners": f"SASL_SSL://127.0.0.1:{broker_port},CONTROLLER://127.0.0.1:"
+            + props["controller.quorum.voters"].rsplit(":", 1)[1],
+            "advertised.listeners": f"SASL_SSL://127.0.0.1:{broker_port}",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL",
+            "inter.broker.listener.name": "SASL_SSL",
+            "sasl.enabled.mechanisms": SCRAM_MECHANISM,
+            "sasl.mechanism.inter.broker.protocol": SCRAM_MECHANISM,
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": jaas,
+            "ssl.keystore.type": "PKCS12",
+            "ssl.keystore.location": str(security["keystore_location"]),
+            "ssl.keystore.password": str(security["keystore_password"]),
+            "ssl.key.password": str(security["keystore_password"]),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(security["ca_location"]),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            # The controller listener is plaintext on loopback; its principal is ANONYMOUS.
+            "super.users": "User:admin;User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found": "false",
+        }
+    )
+
+
+def server_properties(
+    state_dir: Path, broker_port: int, controller_port: int, security: dict[str, object] | None = None
+) -> str:
     """Single-node combined broker+controller settings; internal topics sized for one node."""
     props = {
         "process.roles": "broker,controller",
@@ -283,6 +393,8 @@ def server_properties(state_dir: Path, broker_port: int, controller_port: int) -
         "num.io.threads": "4",
         "num.recovery.threads.per.data.dir": "1",
     }
+    if security is not None:
+        _secure_properties(props, broker_port, security)
     lines = ["# Written by scripts/kafka-broker; regenerated on a fresh start, kept on --reuse."]
     lines += [f"{k}={v}" for k, v in props.items()]
     return "\n".join(lines) + "\n"
@@ -464,12 +576,26 @@ def status(state_dir: Path | None = None) -> BrokerStatus:
     bootstrap: str | None = None
     with contextlib.suppress(OSError):
         bootstrap = (sd / BOOTSTRAP_FILE).read_text().strip() or None
-    ok = running and bootstrap is not None and answers(bootstrap)
+    # A secured listener does not answer a plaintext ApiVersions request; an open port must do.
+    if read_security(sd) is not None:
+        ok = running and bootstrap is not None and _port_open(int(bootstrap.rsplit(":", 1)[1]))
+    else:
+        ok = running and bootstrap is not None and answers(bootstrap)
     return BrokerStatus(sd, pid if running else None, running, ok, bootstrap if running else None)
 
 
 def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
-    """Format the KRaft data dir once; a formatted dir is kept across restarts."""
+    """Format the KRaft data dir once; a formatted dir is kept across restarts.
+
+    A secured broker's SCRAM users are written into the metadata here, so the broker can log in to itself.
+    """
+    security = read_security(state_dir)
+    scram: list[str] = []
+    if security is not None:
+        users = security["users"]
+        assert isinstance(users, dict)
+        for name, password in users.items():
+            scram += ["--add-scram", f"{SCRAM_MECHANISM}=[name={name},password={password}]"]
     cmd = [
         java,
         "-Xmx256m",
@@ -483,6 +609,7 @@ def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
         new_cluster_id(),
         "-c",
         str(state_dir / PROPERTIES_FILE),
+        *scram,
     ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -501,8 +628,12 @@ def start(
     cache_dir: Path | None = None,
     timeout: float = START_TIMEOUT_S,
     owner_pid: int | None = None,
+    secure: bool = False,
 ) -> str:
     """Start the broker and return its bootstrap ``127.0.0.1:PORT`` once it accepts connections.
+
+    ``secure=True`` (for a fresh start) makes it the secured broker of the module docstring; a restart
+    keeps whatever the state dir was.
 
     If a broker of this state dir is already running, its bootstrap is returned unchanged.
     ``reuse=True`` keeps the ports and data of the previous run (a restart); otherwise the data
@@ -524,9 +655,11 @@ def start(
         else:
             for name in (DATA_DIR, LOGS_DIR):
                 shutil.rmtree(sd / name, ignore_errors=True)
+            (sd / SECURITY_FILE).unlink(missing_ok=True)
+            security = _new_security(sd) if secure else None
             broker_port = free_port()
             controller_port = free_port(frozenset({broker_port}))
-            props_path.write_text(server_properties(sd, broker_port, controller_port))
+            props_path.write_text(server_properties(sd, broker_port, controller_port, security))
         (sd / LOGS_DIR).mkdir(parents=True, exist_ok=True)
         (sd / LOG4J_FILE).write_text(log4j2_properties(sd))
         (sd / BOOTSTRAP_FILE).unlink(missing_ok=True)
@@ -535,7 +668,7 @@ def start(
         bootstrap = f"127.0.0.1:{broker_port}"
         cmd = [
             java,
-            *HEAP_OPTS,
+            *(SECURE_HEAP_OPTS if read_security(sd) is not None else HEAP_OPTS),
             "-XX:+UseG1GC",
             "-XX:MaxGCPauseMillis=20",
             "-Djava.awt.headless=true",
@@ -582,7 +715,7 @@ def _wait_port(bootstrap: str, pid: int | None, state_dir: Path, timeout: float)
     while time.monotonic() < deadline:
         if pid is not None and not _is_our_broker(pid, state_dir):
             return False
-        if _port_open(port) and answers(bootstrap):
+        if _port_open(port) and (read_security(state_dir) is not None or answers(bootstrap)):
             return True
         time.sleep(0.1)
     return False
@@ -694,6 +827,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         timeout=args.timeout,
         owner_pid=args.owner_pid,
+        secure=args.secure,
     )
     print(bootstrap)
     print(f"kafka broker ready at {bootstrap} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
@@ -757,6 +891,11 @@ def main(argv: list[str] | None = None) -> int:
     p_start.add_argument("--timeout", type=float, default=START_TIMEOUT_S)
     p_start.add_argument(
         "--owner-pid", type=int, default=None, help="process owning this broker; `prune` stops it once gone"
+    )
+    p_start.add_argument(
+        "--secure",
+        action="store_true",
+        help="SASL_SSL listener (SCRAM-SHA-512, throwaway CA), ACL authorizer; credentials in security.json",
     )
     p_start.set_defaults(func=_cmd_start)
     sub.add_parser("stop", help="stop the broker (SIGTERM, SIGKILL fallback)").set_defaults(func=_cmd_stop)
