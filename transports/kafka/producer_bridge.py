@@ -238,7 +238,10 @@ class ProducerBridge:
         if self._closed:
             return 0
         self._closed = True
-        remaining = int(self._producer.flush(self._delivery_timeout_s if timeout_s is None else timeout_s))
+        wait_s = self._delivery_timeout_s if timeout_s is None else timeout_s
+        if self._watch.failure is not None:
+            wait_s = 0.0  # refused by the broker: nothing queued can be delivered, and its senders already failed
+        remaining = int(self._producer.flush(wait_s))
         self._stopping.set()
         self._poller.join()
         if remaining:
