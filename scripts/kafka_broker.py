@@ -5,6 +5,10 @@ throwaway CA and broker certificate made with openssl, the StandardAuthorizer (A
 unless granted) and three SCRAM users written into the storage at format time. ``security.json`` in the
 state dir then names the CA file and the users' passwords for tests and local runs.
 
+``cluster start`` starts three combined broker+controller nodes on 127.0.0.1 instead (replication
+factor 3, ``min.insync.replicas=2``, a 256 MiB heap each), in ``node-1`` … ``node-3`` under the state dir;
+each node can be killed and started again on its own ports and data, to test leader loss.
+
 Tests and local runs need a real broker on machines without Docker. This module fetches the
 broker jars once into a cache, formats a KRaft data dir, starts the JVM on 127.0.0.1 with free
 ports and can stop and restart it on the same ports and data dir. It uses the standard library
@@ -584,7 +588,7 @@ def status(state_dir: Path | None = None) -> BrokerStatus:
     return BrokerStatus(sd, pid if running else None, running, ok, bootstrap if running else None)
 
 
-def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
+def _storage_format(java: str, libs: Path, state_dir: Path, cluster_id: str | None = None) -> None:
     """Format the KRaft data dir once; a formatted dir is kept across restarts.
 
     A secured broker's SCRAM users are written into the metadata here, so the broker can log in to itself.
@@ -606,7 +610,7 @@ def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
         "format",
         "--ignore-formatted",
         "-t",
-        new_cluster_id(),
+        cluster_id or new_cluster_id(),
         "-c",
         str(state_dir / PROPERTIES_FILE),
         *scram,
@@ -807,6 +811,167 @@ def tail_log(state_dir: Path | None = None, lines: int = 50) -> str:
     return "\n".join(chunks) if chunks else f"(no broker logs in {sd / LOGS_DIR})"
 
 
+# ---------------------------------------------------------------------------- cluster
+
+CLUSTER_NODES = 3
+CLUSTER_HEAP_OPTS = ("-Xms64m", "-Xmx256m")
+CLUSTER_FILE = "cluster.json"
+
+
+def cluster_properties(node_dir: Path, node: int, ports: dict[int, tuple[int, int]]) -> str:
+    """One node of a three-node KRaft cluster: every node is a voter; internal topics replicated 3 / ISR 2."""
+    voters = ",".join(f"{n}@127.0.0.1:{controller}" for n, (_, controller) in sorted(ports.items()))
+    broker_port, controller_port = ports[node]
+    text = server_properties(node_dir, broker_port, controller_port)
+    props = read_properties_text(text)
+    props.update(
+        {
+            "node.id": str(node),
+            "controller.quorum.voters": voters,
+            "default.replication.factor": "3",
+            "min.insync.replicas": "2",
+            "offsets.topic.replication.factor": "3",
+            "transaction.state.log.replication.factor": "3",
+            "transaction.state.log.min.isr": "2",
+            "share.coordinator.state.topic.replication.factor": "3",
+            "share.coordinator.state.topic.min.isr": "2",
+            "unclean.leader.election.enable": "false",
+            "log.cleaner.dedupe.buffer.size": str(8 * 1024 * 1024),
+            # Fail over fast: a killed node's partitions move once its session with the controller lapses.
+            "broker.session.timeout.ms": "3000",
+            "broker.heartbeat.interval.ms": "500",
+            "replica.lag.time.max.ms": "5000",
+        }
+    )
+    lines = ["# Written by scripts/kafka-broker cluster start."] + [f"{k}={v}" for k, v in props.items()]
+    return "\n".join(lines) + "\n"
+
+
+def node_dir(state_dir: Path, node: int) -> Path:
+    """The state dir of one cluster node."""
+    return state_dir / f"node-{node}"
+
+
+def _launch(node_sd: Path, java: str, libs: Path, heap: tuple[str, ...]) -> subprocess.Popen[bytes]:
+    """Start one broker JVM in the background and record its pid; the caller waits for readiness."""
+    cmd = [
+        java,
+        *heap,
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:TieredStopAtLevel=1",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={node_sd / LOG4J_FILE}",
+        f"-Dkafka.logs.dir={node_sd / LOGS_DIR}",
+        "-cp",
+        f"{libs}/*",
+        "kafka.Kafka",
+        str(node_sd / PROPERTIES_FILE),
+    ]
+    (node_sd / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    with open(node_sd / LOGS_DIR / STDOUT_LOG, "ab") as out:
+        try:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=node_sd,
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:
+            raise BrokerError(f"cannot run {java}: {exc}") from exc
+    _CHILDREN[proc.pid] = proc
+    (node_sd / PID_FILE).write_text(f"{proc.pid}\n")
+    return proc
+
+
+def _cluster_bootstrap(state_dir: Path) -> str:
+    ports = json.loads((state_dir / CLUSTER_FILE).read_text())["ports"]
+    return ",".join(f"127.0.0.1:{broker}" for broker, _ in ports.values())
+
+
+def cluster_start(
+    state_dir: Path,
+    *,
+    cache_dir: Path | None = None,
+    timeout: float = START_TIMEOUT_S,
+    owner_pid: int | None = None,
+) -> str:
+    """Start a fresh three-node cluster and return its bootstrap list once every node answers."""
+    sd = state_dir.resolve()
+    with _locked(sd):
+        libs = fetch(cache_dir, quiet=True)
+        java = _java()
+        taken: set[int] = set()
+        ports: dict[int, tuple[int, int]] = {}
+        for node in range(1, CLUSTER_NODES + 1):
+            broker = free_port(frozenset(taken))
+            taken.add(broker)
+            controller = free_port(frozenset(taken))
+            taken.add(controller)
+            ports[node] = (broker, controller)
+        cluster_id = new_cluster_id()
+        (sd / CLUSTER_FILE).write_text(json.dumps({"cluster_id": cluster_id, "ports": ports}) + "\n")
+        if owner_pid is not None:
+            (sd / OWNER_FILE).write_text(f"{owner_pid}\n")
+        for node in ports:
+            nd = node_dir(sd, node)
+            shutil.rmtree(nd, ignore_errors=True)
+            (nd / LOGS_DIR).mkdir(parents=True)
+            (nd / PROPERTIES_FILE).write_text(cluster_properties(nd, node, ports))
+            (nd / LOG4J_FILE).write_text(log4j2_properties(nd))
+            _storage_format(java, libs, nd, cluster_id)
+        for node in ports:
+            _launch(node_dir(sd, node), java, libs, CLUSTER_HEAP_OPTS)
+    for node in ports:
+        cluster_start_node(sd, node, timeout=timeout, launch=False)
+    return _cluster_bootstrap(sd)
+
+
+def cluster_start_node(
+    state_dir: Path, node: int, *, timeout: float = START_TIMEOUT_S, launch: bool = True
+) -> str:
+    """Start one stopped node again on its ports and data; return its address once it answers."""
+    sd = state_dir.resolve()
+    nd = node_dir(sd, node)
+    if launch:
+        pid = _read_pid(nd)
+        if pid is None or not _is_our_broker(pid, nd):
+            _launch(nd, _java(), libs_dir(), CLUSTER_HEAP_OPTS)
+    pid = _read_pid(nd)
+    address = f"127.0.0.1:{_ports_from_properties(nd / PROPERTIES_FILE)[0]}"
+    if not _wait_port(address, pid, nd, timeout):
+        raise BrokerError(f"cluster node {node} did not become ready at {address}\n{tail_log(nd, 40)}")
+    return address
+
+
+def cluster_kill_node(state_dir: Path, node: int) -> None:
+    """SIGKILL one node, as a crash would: no clean shutdown, no leadership handed over."""
+    nd = node_dir(state_dir.resolve(), node)
+    pid = _read_pid(nd)
+    if pid is None or not _is_our_broker(pid, nd):
+        return
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid, nd, STOP_TIMEOUT_S)
+    child = _CHILDREN.pop(pid, None)
+    if child is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
+
+
+def cluster_stop(state_dir: Path) -> None:
+    """Stop every node of the cluster (SIGTERM, SIGKILL after a short wait: the data is thrown away)."""
+    sd = state_dir.resolve()
+    for node in range(1, CLUSTER_NODES + 1):
+        nd = node_dir(sd, node)
+        pid = _read_pid(nd)
+        if pid is not None:
+            _terminate(pid, nd, 10.0)
+        (nd / PID_FILE).unlink(missing_ok=True)
+
+
+def node_port(state_dir: Path, node: int) -> int:
+    """The client port of one node."""
+    return _ports_from_properties(node_dir(state_dir.resolve(), node) / PROPERTIES_FILE)[0]
+
+
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -861,6 +1026,16 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    """CLI: start or stop the three-node cluster in the state dir."""
+    sd = args.state_dir or default_state_dir()
+    if args.action == "start":
+        print(cluster_start(sd, cache_dir=args.cache_dir, owner_pid=args.owner_pid))
+    else:
+        cluster_stop(sd)
+    return 0
+
+
 def _cmd_logs(args: argparse.Namespace) -> int:
     """CLI: print the tail of the broker log."""
     print(tail_log(args.state_dir, args.lines))
@@ -906,6 +1081,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "prune", help="stop and delete sub-dirs of the state dir whose --owner-pid process is gone"
     ).set_defaults(func=_cmd_prune)
+    p_cluster = sub.add_parser("cluster", help="start or stop a three-node KRaft cluster (RF 3, min ISR 2)")
+    p_cluster.add_argument("action", choices=["start", "stop"])
+    p_cluster.add_argument("--owner-pid", type=int, default=None)
+    p_cluster.set_defaults(func=_cmd_cluster)
     p_logs = sub.add_parser("logs", help="print the tail of the broker log")
     p_logs.add_argument("-n", "--lines", type=int, default=50)
     p_logs.set_defaults(func=_cmd_logs)

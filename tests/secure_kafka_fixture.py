@@ -1,7 +1,7 @@
 """A secured Kafka broker for the tests that need one: SASL_SSL with SCRAM-SHA-512, TLS verified, ACLs.
 
-The session fixture ``secure_kafka`` starts it with ``scripts/kafka-broker start --secure`` in a private
-state dir (so CI needs nothing prepared), and stops and deletes it at the end. Its three users are
+The module fixture ``secure_kafka`` starts it with ``scripts/kafka-broker start --secure`` in a private
+state dir (so CI needs nothing prepared), and stops and deletes it after the module. Its three users are
 ``admin`` (a super user), ``writer`` and ``trainer``, which get only the ACLs a test grants them.
 """
 
@@ -100,9 +100,9 @@ class SecureKafka:
             future.result(timeout=30)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def secure_kafka() -> Iterator[SecureKafka]:
-    """The session's secured broker, started here and stopped at the end."""
+    """A secured broker for one test module, started here and stopped after the module's last test."""
     module = load_broker_module()
     root = Path(module.default_state_dir())
     module.prune_orphans(root)
