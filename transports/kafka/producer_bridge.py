@@ -29,6 +29,7 @@ from transports.kafka.client_errors import (
     delivery_error,
     scrubbed_cause,
 )
+from transports.kafka.client_log import ClientLog
 from transports.kafka.codec import OutgoingMessage
 
 __all__ = ["DEFAULT_DELIVERY_TIMEOUT_S", "Delivered", "ProducerBridge"]
@@ -107,6 +108,8 @@ class ProducerBridge:
         self._delivery_timeout_s = delivery_timeout_s
         self._context = ClientContext(bootstrap_servers, extra)
         self._watch = AuthenticationWatch(self._context, also=self._on_error)
+        # librdkafka reports the same connection error on every retry: log it rate-limited and scrubbed.
+        self._error_log = ClientLog(self._context.redactor, target=logger)
         self._config: dict[str, Any] = self._context.settings(
             fixed={
                 **_ENFORCED,
@@ -139,7 +142,7 @@ class ProducerBridge:
         """Client-level errors: a refused login fails every waiting send, a fatal one retires the producer."""
         refused = authentication_failure(error, self._context)
         if refused is not None:
-            logger.error("kafka producer: %s", refused)
+            self._error_log.log(logging.ERROR, "kafka producer: %s", refused)
             with self._produce_lock:
                 waiting, self._waiting = self._waiting, set()
             for loop, future in waiting:
@@ -151,7 +154,7 @@ class ProducerBridge:
                 "kafka producer hit a fatal error and will be recreated: %s", self._context.scrub(error.str())
             )
         else:
-            logger.warning("kafka producer: %s", self._context.scrub(error.str()))
+            self._error_log.log(logging.WARNING, "kafka producer: %s", error.str())
 
     def _poll_forever(self) -> None:
         while not self._stopping.is_set():
@@ -240,7 +243,9 @@ class ProducerBridge:
         self._closed = True
         wait_s = self._delivery_timeout_s if timeout_s is None else timeout_s
         if self._watch.failure is not None:
-            wait_s = 0.0  # refused by the broker: nothing queued can be delivered, and its senders already failed
+            wait_s = (
+                0.0  # refused by the broker: nothing queued can be delivered, and its senders already failed
+            )
         remaining = int(self._producer.flush(wait_s))
         self._stopping.set()
         self._poller.join()
