@@ -182,11 +182,6 @@ def authentication_failure(error: KafkaError, context: ClientContext) -> Transpo
     """The tokcap error for a refused login or TLS handshake, or ``None`` when ``error`` is neither."""
     code = error.code()
     sentence = _sentence(error, context)
-    if code in _AUTHENTICATION_CODES and "SSL" not in sentence[:40]:
-        return BrokerAuthenticationError(
-            f"the broker at {context.bootstrap} refused the login with SASL mechanism {context.mechanism} "
-            f"({sentence}); check sasl.username and sasl.password and that the user exists on the broker"
-        )
     if (
         code == KafkaError._SSL
         or "SSL handshake failed" in sentence
@@ -196,6 +191,11 @@ def authentication_failure(error: KafkaError, context: ClientContext) -> Transpo
             f"the TLS handshake with the broker at {context.bootstrap} failed ({sentence}); check that "
             "ssl.ca.location names the CA that signed the broker's certificate and that the certificate "
             "names the host in the bootstrap address"
+        )
+    if code in _AUTHENTICATION_CODES:
+        return BrokerAuthenticationError(
+            f"the broker at {context.bootstrap} refused the login with SASL mechanism {context.mechanism} "
+            f"({sentence}); check sasl.username and sasl.password and that the user exists on the broker"
         )
     return None
 
