@@ -139,7 +139,7 @@ def test_a_wrong_password_is_one_line_from_the_cli_naming_broker_and_mechanism(
         assert "SCRAM-SHA-512" in line and wrong not in completed.stderr + completed.stdout
 
 
-def test_a_wrong_password_stops_the_materializer_with_a_clear_error(
+def test_a_wrong_password_stops_the_materializer_and_the_source_with_a_clear_error(
     secure_kafka: SecureKafka, run_topic: tuple[str, str], tmp_path: Path
 ) -> None:
     _, topic = run_topic
@@ -151,6 +151,15 @@ def test_a_wrong_password_stops_the_materializer_with_a_clear_error(
     )
     with pytest.raises(TokcapError, match="refused the login with SASL mechanism SCRAM-SHA-512"):
         materializer.start()
+    with pytest.raises(TokcapError, match="refused the login with SASL mechanism SCRAM-SHA-512"):
+        KafkaTokenSource(
+            bootstrap_servers=secure_kafka.bootstrap,
+            topic=topic,
+            store_dir=tmp_path / "source",
+            delivery_timeout_s=DELIVERY_TIMEOUT_S,
+            producer_config=secure_kafka.config("trainer", password="nope"),
+            consumer_config=secure_kafka.config("trainer", password="nope"),
+        )
 
 
 def test_an_untrusted_broker_certificate_fails_fast_and_clearly(
