@@ -41,9 +41,10 @@ async def main(bootstrap: str, run_id: str, writer: str, delivery_timeout_s: flo
             number += 1
             for call in range(CALLS):
                 call_id = f"c{call}"
-                started = time.monotonic()
                 try:
+                    started = time.monotonic()
                     await sink.begin_call(rollout, call_id)
+                    started = time.monotonic()  # each send is bounded on its own; time the one that fails
                     await sink.put(make_entry(rollout, call_id, prompt=[number, call], generation=[7]))
                 except TokcapError as exc:
                     report(
