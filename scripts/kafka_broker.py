@@ -1,5 +1,14 @@
 """Local single-node Apache Kafka broker (KRaft, broker+controller) built from Maven Central jars.
 
+``start --secure`` makes it a secured broker instead: one SASL_SSL listener (SCRAM-SHA-512) with a
+throwaway CA and broker certificate made with openssl, the StandardAuthorizer (ACLs, nothing allowed
+unless granted) and three SCRAM users written into the storage at format time. ``security.json`` in the
+state dir then names the CA file and the users' passwords for tests and local runs.
+
+``cluster start`` starts three combined broker+controller nodes on 127.0.0.1 instead (replication
+factor 3, ``min.insync.replicas=2``, a 256 MiB heap each), in ``node-1`` … ``node-3`` under the state dir;
+each node can be killed and started again on its own ports and data, to test leader loss.
+
 Tests and local runs need a real broker on machines without Docker. This module fetches the
 broker jars once into a cache, formats a KRaft data dir, starts the JVM on 127.0.0.1 with free
 ports and can stop and restart it on the same ports and data dir. It uses the standard library
@@ -13,8 +22,10 @@ import argparse
 import base64
 import contextlib
 import fcntl
+import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -31,6 +42,8 @@ KAFKA_VERSION = "4.1.1"
 LOG4J_VERSION = "2.24.3"
 DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
 HEAP_OPTS = ("-Xms128m", "-Xmx512m")
+SECURE_HEAP_OPTS = ("-Xms64m", "-Xmx256m")
+"""A secured broker runs next to the session's plain one: a smaller heap keeps both within CI's memory."""
 
 ENV_STATE_DIR = "TOKCAP_KAFKA_STATE_DIR"
 ENV_CACHE_DIR = "TOKCAP_KAFKA_CACHE_DIR"
@@ -50,6 +63,11 @@ SERVER_LOG = "server.log"
 STDOUT_LOG = "stdout.log"
 LOCK_FILE = ".lock"
 OWNER_FILE = "owner.pid"
+SECURITY_FILE = "security.json"
+TLS_DIR = "tls"
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+SECURE_USERS = ("admin", "writer", "trainer")
+"""SCRAM users of a secured broker: ``admin`` is a super user; the others get only the ACLs a test grants."""
 
 
 class BrokerError(RuntimeError):
@@ -254,7 +272,103 @@ def new_cluster_id() -> str:
             return cid
 
 
-def server_properties(state_dir: Path, broker_port: int, controller_port: int) -> str:
+def _openssl(*args: str, cwd: Path) -> None:
+    try:
+        proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise BrokerError(f"cannot run openssl (needed for --secure): {exc}") from exc
+    if proc.returncode != 0:
+        raise BrokerError(f"openssl {args[0]} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def make_certificates(directory: Path, keystore_password: str) -> None:
+    """A throwaway CA and a broker certificate for 127.0.0.1/localhost signed by it, as a PKCS12 keystore.
+
+    Everything lives two days: it only has to outlast one test session.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "2", "-subj", "/CN=tokcap throwaway test CA", cwd=directory,
+    )  # fmt: skip
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "broker.key", "-out", "broker.csr",
+        "-subj", "/CN=localhost", cwd=directory,
+    )  # fmt: skip
+    (directory / "broker.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl(
+        "x509", "-req", "-in", "broker.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "broker.pem", "-days", "2", "-extfile", "broker.ext", cwd=directory,
+    )  # fmt: skip
+    _openssl(
+        "pkcs12", "-export", "-in", "broker.pem", "-inkey", "broker.key", "-certfile", "ca.pem",
+        "-name", "broker", "-out", "broker.p12", "-passout", f"pass:{keystore_password}", cwd=directory,
+    )  # fmt: skip
+
+
+def _new_security(state_dir: Path) -> dict[str, object]:
+    """Fresh certificates and passwords for a secured broker, recorded in ``security.json``."""
+    tls = state_dir / TLS_DIR
+    shutil.rmtree(tls, ignore_errors=True)
+    keystore_password = secrets.token_urlsafe(16)
+    make_certificates(tls, keystore_password)
+    security: dict[str, object] = {
+        "mechanism": SCRAM_MECHANISM,
+        "ca_location": str(tls / "ca.pem"),
+        "keystore_location": str(tls / "broker.p12"),
+        "keystore_password": keystore_password,
+        "users": {name: secrets.token_urlsafe(16) for name in SECURE_USERS},
+    }
+    path = state_dir / SECURITY_FILE
+    path.write_text(json.dumps(security, indent=2) + "\n")
+    path.chmod(0o600)
+    return security
+
+
+def read_security(state_dir: Path) -> dict[str, object] | None:
+    """The CA file and users of a secured broker's state dir, or None for a plain broker."""
+    try:
+        loaded = json.loads((state_dir / SECURITY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _secure_properties(props: dict[str, str], broker_port: int, security: dict[str, object]) -> None:
+    """Turn the client listener into SASL_SSL with SCRAM, and deny everything not granted by an ACL."""
+    users = security["users"]
+    assert isinstance(users, dict)
+    jaas = (
+        'org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" '
+        f'password="{users["admin"]}";'
+    )
+    props.update(
+        {
+            "listeners": f"SASL_SSL://127.0.0.1:{broker_port},CONTROLLER://127.0.0.1:"
+            + props["controller.quorum.voters"].rsplit(":", 1)[1],
+            "advertised.listeners": f"SASL_SSL://127.0.0.1:{broker_port}",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL",
+            "inter.broker.listener.name": "SASL_SSL",
+            "sasl.enabled.mechanisms": SCRAM_MECHANISM,
+            "sasl.mechanism.inter.broker.protocol": SCRAM_MECHANISM,
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": jaas,
+            "ssl.keystore.type": "PKCS12",
+            "ssl.keystore.location": str(security["keystore_location"]),
+            "ssl.keystore.password": str(security["keystore_password"]),
+            "ssl.key.password": str(security["keystore_password"]),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(security["ca_location"]),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            # The controller listener is plaintext on loopback; its principal is ANONYMOUS.
+            "super.users": "User:admin;User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found": "false",
+        }
+    )
+
+
+def server_properties(
+    state_dir: Path, broker_port: int, controller_port: int, security: dict[str, object] | None = None
+) -> str:
     """Single-node combined broker+controller settings; internal topics sized for one node."""
     props = {
         "process.roles": "broker,controller",
@@ -283,6 +397,8 @@ def server_properties(state_dir: Path, broker_port: int, controller_port: int) -
         "num.io.threads": "4",
         "num.recovery.threads.per.data.dir": "1",
     }
+    if security is not None:
+        _secure_properties(props, broker_port, security)
     lines = ["# Written by scripts/kafka-broker; regenerated on a fresh start, kept on --reuse."]
     lines += [f"{k}={v}" for k, v in props.items()]
     return "\n".join(lines) + "\n"
@@ -464,12 +580,26 @@ def status(state_dir: Path | None = None) -> BrokerStatus:
     bootstrap: str | None = None
     with contextlib.suppress(OSError):
         bootstrap = (sd / BOOTSTRAP_FILE).read_text().strip() or None
-    ok = running and bootstrap is not None and answers(bootstrap)
+    # A secured listener does not answer a plaintext ApiVersions request; an open port must do.
+    if read_security(sd) is not None:
+        ok = running and bootstrap is not None and _port_open(int(bootstrap.rsplit(":", 1)[1]))
+    else:
+        ok = running and bootstrap is not None and answers(bootstrap)
     return BrokerStatus(sd, pid if running else None, running, ok, bootstrap if running else None)
 
 
-def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
-    """Format the KRaft data dir once; a formatted dir is kept across restarts."""
+def _storage_format(java: str, libs: Path, state_dir: Path, cluster_id: str | None = None) -> None:
+    """Format the KRaft data dir once; a formatted dir is kept across restarts.
+
+    A secured broker's SCRAM users are written into the metadata here, so the broker can log in to itself.
+    """
+    security = read_security(state_dir)
+    scram: list[str] = []
+    if security is not None:
+        users = security["users"]
+        assert isinstance(users, dict)
+        for name, password in users.items():
+            scram += ["--add-scram", f"{SCRAM_MECHANISM}=[name={name},password={password}]"]
     cmd = [
         java,
         "-Xmx256m",
@@ -480,9 +610,10 @@ def _storage_format(java: str, libs: Path, state_dir: Path) -> None:
         "format",
         "--ignore-formatted",
         "-t",
-        new_cluster_id(),
+        cluster_id or new_cluster_id(),
         "-c",
         str(state_dir / PROPERTIES_FILE),
+        *scram,
     ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -501,8 +632,12 @@ def start(
     cache_dir: Path | None = None,
     timeout: float = START_TIMEOUT_S,
     owner_pid: int | None = None,
+    secure: bool = False,
 ) -> str:
     """Start the broker and return its bootstrap ``127.0.0.1:PORT`` once it accepts connections.
+
+    ``secure=True`` (for a fresh start) makes it the secured broker of the module docstring; a restart
+    keeps whatever the state dir was.
 
     If a broker of this state dir is already running, its bootstrap is returned unchanged.
     ``reuse=True`` keeps the ports and data of the previous run (a restart); otherwise the data
@@ -524,9 +659,11 @@ def start(
         else:
             for name in (DATA_DIR, LOGS_DIR):
                 shutil.rmtree(sd / name, ignore_errors=True)
+            (sd / SECURITY_FILE).unlink(missing_ok=True)
+            security = _new_security(sd) if secure else None
             broker_port = free_port()
             controller_port = free_port(frozenset({broker_port}))
-            props_path.write_text(server_properties(sd, broker_port, controller_port))
+            props_path.write_text(server_properties(sd, broker_port, controller_port, security))
         (sd / LOGS_DIR).mkdir(parents=True, exist_ok=True)
         (sd / LOG4J_FILE).write_text(log4j2_properties(sd))
         (sd / BOOTSTRAP_FILE).unlink(missing_ok=True)
@@ -535,7 +672,7 @@ def start(
         bootstrap = f"127.0.0.1:{broker_port}"
         cmd = [
             java,
-            *HEAP_OPTS,
+            *(SECURE_HEAP_OPTS if read_security(sd) is not None else HEAP_OPTS),
             "-XX:+UseG1GC",
             "-XX:MaxGCPauseMillis=20",
             "-Djava.awt.headless=true",
@@ -582,7 +719,7 @@ def _wait_port(bootstrap: str, pid: int | None, state_dir: Path, timeout: float)
     while time.monotonic() < deadline:
         if pid is not None and not _is_our_broker(pid, state_dir):
             return False
-        if _port_open(port) and answers(bootstrap):
+        if _port_open(port) and (read_security(state_dir) is not None or answers(bootstrap)):
             return True
         time.sleep(0.1)
     return False
@@ -674,6 +811,167 @@ def tail_log(state_dir: Path | None = None, lines: int = 50) -> str:
     return "\n".join(chunks) if chunks else f"(no broker logs in {sd / LOGS_DIR})"
 
 
+# ---------------------------------------------------------------------------- cluster
+
+CLUSTER_NODES = 3
+CLUSTER_HEAP_OPTS = ("-Xms64m", "-Xmx256m")
+CLUSTER_FILE = "cluster.json"
+
+
+def cluster_properties(node_dir: Path, node: int, ports: dict[int, tuple[int, int]]) -> str:
+    """One node of a three-node KRaft cluster: every node is a voter; internal topics replicated 3 / ISR 2."""
+    voters = ",".join(f"{n}@127.0.0.1:{controller}" for n, (_, controller) in sorted(ports.items()))
+    broker_port, controller_port = ports[node]
+    text = server_properties(node_dir, broker_port, controller_port)
+    props = read_properties_text(text)
+    props.update(
+        {
+            "node.id": str(node),
+            "controller.quorum.voters": voters,
+            "default.replication.factor": "3",
+            "min.insync.replicas": "2",
+            "offsets.topic.replication.factor": "3",
+            "transaction.state.log.replication.factor": "3",
+            "transaction.state.log.min.isr": "2",
+            "share.coordinator.state.topic.replication.factor": "3",
+            "share.coordinator.state.topic.min.isr": "2",
+            "unclean.leader.election.enable": "false",
+            "log.cleaner.dedupe.buffer.size": str(8 * 1024 * 1024),
+            # Fail over fast: a killed node's partitions move once its session with the controller lapses.
+            "broker.session.timeout.ms": "3000",
+            "broker.heartbeat.interval.ms": "500",
+            "replica.lag.time.max.ms": "5000",
+        }
+    )
+    lines = ["# Written by scripts/kafka-broker cluster start."] + [f"{k}={v}" for k, v in props.items()]
+    return "\n".join(lines) + "\n"
+
+
+def node_dir(state_dir: Path, node: int) -> Path:
+    """The state dir of one cluster node."""
+    return state_dir / f"node-{node}"
+
+
+def _launch(node_sd: Path, java: str, libs: Path, heap: tuple[str, ...]) -> subprocess.Popen[bytes]:
+    """Start one broker JVM in the background and record its pid; the caller waits for readiness."""
+    cmd = [
+        java,
+        *heap,
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:TieredStopAtLevel=1",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={node_sd / LOG4J_FILE}",
+        f"-Dkafka.logs.dir={node_sd / LOGS_DIR}",
+        "-cp",
+        f"{libs}/*",
+        "kafka.Kafka",
+        str(node_sd / PROPERTIES_FILE),
+    ]
+    (node_sd / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    with open(node_sd / LOGS_DIR / STDOUT_LOG, "ab") as out:
+        try:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=node_sd,
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:
+            raise BrokerError(f"cannot run {java}: {exc}") from exc
+    _CHILDREN[proc.pid] = proc
+    (node_sd / PID_FILE).write_text(f"{proc.pid}\n")
+    return proc
+
+
+def _cluster_bootstrap(state_dir: Path) -> str:
+    ports = json.loads((state_dir / CLUSTER_FILE).read_text())["ports"]
+    return ",".join(f"127.0.0.1:{broker}" for broker, _ in ports.values())
+
+
+def cluster_start(
+    state_dir: Path,
+    *,
+    cache_dir: Path | None = None,
+    timeout: float = START_TIMEOUT_S,
+    owner_pid: int | None = None,
+) -> str:
+    """Start a fresh three-node cluster and return its bootstrap list once every node answers."""
+    sd = state_dir.resolve()
+    with _locked(sd):
+        libs = fetch(cache_dir, quiet=True)
+        java = _java()
+        taken: set[int] = set()
+        ports: dict[int, tuple[int, int]] = {}
+        for node in range(1, CLUSTER_NODES + 1):
+            broker = free_port(frozenset(taken))
+            taken.add(broker)
+            controller = free_port(frozenset(taken))
+            taken.add(controller)
+            ports[node] = (broker, controller)
+        cluster_id = new_cluster_id()
+        (sd / CLUSTER_FILE).write_text(json.dumps({"cluster_id": cluster_id, "ports": ports}) + "\n")
+        if owner_pid is not None:
+            (sd / OWNER_FILE).write_text(f"{owner_pid}\n")
+        for node in ports:
+            nd = node_dir(sd, node)
+            shutil.rmtree(nd, ignore_errors=True)
+            (nd / LOGS_DIR).mkdir(parents=True)
+            (nd / PROPERTIES_FILE).write_text(cluster_properties(nd, node, ports))
+            (nd / LOG4J_FILE).write_text(log4j2_properties(nd))
+            _storage_format(java, libs, nd, cluster_id)
+        for node in ports:
+            _launch(node_dir(sd, node), java, libs, CLUSTER_HEAP_OPTS)
+    for node in ports:
+        cluster_start_node(sd, node, timeout=timeout, launch=False)
+    return _cluster_bootstrap(sd)
+
+
+def cluster_start_node(
+    state_dir: Path, node: int, *, timeout: float = START_TIMEOUT_S, launch: bool = True
+) -> str:
+    """Start one stopped node again on its ports and data; return its address once it answers."""
+    sd = state_dir.resolve()
+    nd = node_dir(sd, node)
+    if launch:
+        pid = _read_pid(nd)
+        if pid is None or not _is_our_broker(pid, nd):
+            _launch(nd, _java(), libs_dir(), CLUSTER_HEAP_OPTS)
+    pid = _read_pid(nd)
+    address = f"127.0.0.1:{_ports_from_properties(nd / PROPERTIES_FILE)[0]}"
+    if not _wait_port(address, pid, nd, timeout):
+        raise BrokerError(f"cluster node {node} did not become ready at {address}\n{tail_log(nd, 40)}")
+    return address
+
+
+def cluster_kill_node(state_dir: Path, node: int) -> None:
+    """SIGKILL one node, as a crash would: no clean shutdown, no leadership handed over."""
+    nd = node_dir(state_dir.resolve(), node)
+    pid = _read_pid(nd)
+    if pid is None or not _is_our_broker(pid, nd):
+        return
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid, nd, STOP_TIMEOUT_S)
+    child = _CHILDREN.pop(pid, None)
+    if child is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
+
+
+def cluster_stop(state_dir: Path) -> None:
+    """Stop every node of the cluster (SIGTERM, SIGKILL after a short wait: the data is thrown away)."""
+    sd = state_dir.resolve()
+    for node in range(1, CLUSTER_NODES + 1):
+        nd = node_dir(sd, node)
+        pid = _read_pid(nd)
+        if pid is not None:
+            _terminate(pid, nd, 10.0)
+        (nd / PID_FILE).unlink(missing_ok=True)
+
+
+def node_port(state_dir: Path, node: int) -> int:
+    """The client port of one node."""
+    return _ports_from_properties(node_dir(state_dir.resolve(), node) / PROPERTIES_FILE)[0]
+
+
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -694,6 +992,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         timeout=args.timeout,
         owner_pid=args.owner_pid,
+        secure=args.secure,
     )
     print(bootstrap)
     print(f"kafka broker ready at {bootstrap} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
@@ -724,6 +1023,16 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     """CLI: stop and remove private broker dirs of dead test runs."""
     for path in prune_orphans(args.state_dir):
         print(f"removed orphaned broker dir {path}", file=sys.stderr)
+    return 0
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    """CLI: start or stop the three-node cluster in the state dir."""
+    sd = args.state_dir or default_state_dir()
+    if args.action == "start":
+        print(cluster_start(sd, cache_dir=args.cache_dir, owner_pid=args.owner_pid))
+    else:
+        cluster_stop(sd)
     return 0
 
 
@@ -758,6 +1067,11 @@ def main(argv: list[str] | None = None) -> int:
     p_start.add_argument(
         "--owner-pid", type=int, default=None, help="process owning this broker; `prune` stops it once gone"
     )
+    p_start.add_argument(
+        "--secure",
+        action="store_true",
+        help="SASL_SSL listener (SCRAM-SHA-512, throwaway CA), ACL authorizer; credentials in security.json",
+    )
     p_start.set_defaults(func=_cmd_start)
     sub.add_parser("stop", help="stop the broker (SIGTERM, SIGKILL fallback)").set_defaults(func=_cmd_stop)
     p_restart = sub.add_parser("restart", help="stop, then start on the same ports and data dir")
@@ -767,6 +1081,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "prune", help="stop and delete sub-dirs of the state dir whose --owner-pid process is gone"
     ).set_defaults(func=_cmd_prune)
+    p_cluster = sub.add_parser("cluster", help="start or stop a three-node KRaft cluster (RF 3, min ISR 2)")
+    p_cluster.add_argument("action", choices=["start", "stop"])
+    p_cluster.add_argument("--owner-pid", type=int, default=None)
+    p_cluster.set_defaults(func=_cmd_cluster)
     p_logs = sub.add_parser("logs", help="print the tail of the broker log")
     p_logs.add_argument("-n", "--lines", type=int, default=50)
     p_logs.set_defaults(func=_cmd_logs)

@@ -8,4 +8,4 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-pytest_plugins = ["kafka_broker_fixture", "gym_wheel"]
+pytest_plugins = ["kafka_broker_fixture", "gym_wheel", "secure_kafka_fixture"]

@@ -35,7 +35,13 @@ Error tree::
         ├── MaterializerFailedError
         │   └── MaterializerOwnedElsewhereError
         ├── BrokerUnreachableError
+        ├── BrokerAuthenticationError
+        │   └── BrokerTlsError
+        ├── BrokerAuthorizationError
         └── TopicNotFoundError
+
+Kafka client errors are translated into this tree in one place, ``transports.kafka.client_errors``;
+an invalid client setting (``-X``, ``producer_config``) becomes a ``ConfigError`` there.
 
 Errors carry the rollout id and the model call id where one applies, so a
 log line names the exact turn that was lost.
@@ -44,6 +50,9 @@ log line names the exact turn that was lost.
 from __future__ import annotations
 
 __all__ = [
+    "BrokerAuthenticationError",
+    "BrokerAuthorizationError",
+    "BrokerTlsError",
     "BrokerUnreachableError",
     "ChainValidationError",
     "ConfigError",
@@ -200,3 +209,15 @@ class BrokerUnreachableError(TransportError):
 
 class TopicNotFoundError(TransportError):
     """The run topic does not exist on the broker; create it, or check the run id."""
+
+
+class BrokerAuthenticationError(TransportError):
+    """The broker refused the client's login; retrying with the same credentials cannot succeed."""
+
+
+class BrokerTlsError(BrokerAuthenticationError):
+    """The TLS handshake with the broker failed: an untrusted or mismatched certificate."""
+
+
+class BrokerAuthorizationError(TransportError):
+    """The broker's ACLs do not allow this principal the operation; grant the role's ACLs."""

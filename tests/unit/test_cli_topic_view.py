@@ -10,6 +10,9 @@ from rich.console import Console
 from tokcap.cli.topic import render_description
 
 
+LOST_START_WARNING = "retention removed the start of the run; a full replay is no longer possible"
+
+
 def _described(*, under_replicated: bool, replayable: bool) -> dict[str, Any]:
     return {
         "topic": "tokcap.exp-7",
@@ -27,6 +30,7 @@ def _described(*, under_replicated: bool, replayable: bool) -> dict[str, Any]:
         ],
         "configs": {"min.insync.replicas": "2", "retention.ms": None},
         "replayable_from_start": replayable,
+        "warnings": [] if replayable else [LOST_START_WARNING],
     }
 
 

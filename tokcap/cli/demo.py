@@ -510,14 +510,13 @@ def run_demo_over_kafka(
     The run topic must not exist yet, so the demo never mixes with an earlier run.
     """
     from transports.kafka import KafkaTokenSink, KafkaTokenSource, TopicSettings, ensure_topic, topic_for_run
-    from transports.kafka.admin import probe_broker, route_client_logs
+    from transports.kafka.admin import probe_broker
 
     if servers < 1:
         raise InvalidInputError(f"--servers must be at least 1, got {servers}")
     topic = topic_for_run(run_id)
     probe_broker(bootstrap, timeout_s=broker_timeout_s)
-    quiet = route_client_logs()
-    if not ensure_topic(bootstrap, topic, TopicSettings(partitions=partitions), admin_config=quiet):
+    if not ensure_topic(bootstrap, topic, TopicSettings(partitions=partitions)):
         raise InvalidInputError(
             f"topic {topic!r} already exists; pick a new --run (the demo writes a fresh run), "
             f"or delete it with `tokcap topic delete --run {run_id} --bootstrap {bootstrap}`"
@@ -530,7 +529,6 @@ def run_demo_over_kafka(
                     bootstrap_servers=bootstrap,
                     run_id=run_id,
                     writer_id=f"demo-server-{number}",
-                    producer_config=quiet,
                 )
                 for number in range(servers)
             ]
@@ -539,8 +537,6 @@ def run_demo_over_kafka(
                 run_id=run_id,
                 store_dir=store_dir.path,
                 writer_id="demo-trainer",
-                producer_config=quiet,
-                consumer_config=quiet,
             )
             try:
                 return await run_workload(settings, lambda index: sinks[index % servers], source, on_progress)

@@ -65,7 +65,7 @@ def run_materializer(
     chosen = parse_partitions(partitions)
     client_config = parse_key_values(client_options, "-X")
     from transports.kafka import Materializer
-    from transports.kafka.admin import probe_broker, route_client_logs, watermarks
+    from transports.kafka.admin import probe_broker, watermarks
 
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
     marks = watermarks(bootstrap, name, client_config=client_config, timeout_s=timeout_s)
@@ -78,9 +78,7 @@ def run_materializer(
         marks = {p: marks[p] for p in chosen}
     target = {p: high for p, (_, high) in marks.items()}
     directory.mkdir(parents=True, exist_ok=True)
-    materializer = Materializer(
-        bootstrap, name, directory, chosen, consumer_config=route_client_logs(client_config)
-    )
+    materializer = Materializer(bootstrap, name, directory, chosen, consumer_config=client_config)
     stop = threading.Event()
     console.print(f"materializing {name} into {directory} (partitions {sorted(marks)}); Ctrl-C stops cleanly")
     with stop_on_signals(stop):

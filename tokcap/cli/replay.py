@@ -95,10 +95,9 @@ def _replay_whole(
 ) -> int:
     """Run a materializer until it applied every offset the log held at the start, then stop it cleanly."""
     from transports.kafka import Materializer
-    from transports.kafka.admin import route_client_logs
 
     total = sum(high for _, high in marks.values())
-    materializer = Materializer(bootstrap, topic, directory, consumer_config=route_client_logs(client_config))
+    materializer = Materializer(bootstrap, topic, directory, consumer_config=client_config)
     with make_progress(show_progress) as progress:
         task = progress.add_task("replaying", total=total)
         materializer.start()

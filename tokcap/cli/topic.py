@@ -29,22 +29,20 @@ def create_topic(
     name = resolve_run_topic(run_id, topic)
     topic_config = parse_key_values(config, "--config")
     client_config = parse_key_values(client_options, "-X")
-    from transports.kafka.admin import probe_broker, route_client_logs
+    from transports.kafka.admin import probe_broker
     from transports.kafka.topics import TopicSettings, ensure_topic
 
-    probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
     settings = TopicSettings(
         partitions=partitions, replication_factor=replication_factor, config=topic_config
     )
-    created = ensure_topic(
-        bootstrap, name, settings, admin_config=route_client_logs(client_config), timeout_s=timeout_s
-    )
+    probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
+    created = ensure_topic(bootstrap, name, settings, admin_config=client_config, timeout_s=timeout_s)
     return {
         "topic": name,
         "created": created,
         "partitions": partitions,
         "replication_factor": replication_factor,
-        "config": topic_config,
+        "config": settings.topic_config,
     }
 
 
@@ -110,5 +108,5 @@ def render_description(description: dict[str, Any], console: Console) -> None:
     console.print(table)
     for key, value in description["configs"].items():
         console.print(f"{key} = {value if value is not None else '(not reported)'}")
-    if not description["replayable_from_start"]:
-        console.print("warning: retention removed the start of the run; a full replay is no longer possible")
+    for warning in description["warnings"]:
+        console.print(f"warning: {warning}")

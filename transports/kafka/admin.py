@@ -1,13 +1,12 @@
 """What an operator asks the broker: is it there, what does the run topic look like, delete it.
 
-Every librdkafka failure is translated here into a tokcap error with a message that says what to check,
-so command-line tools print one clear line instead of a ``KafkaException``.
-librdkafka's own log lines go to the Python logger ``transports.kafka.librdkafka`` instead of stderr.
+librdkafka failures become tokcap errors through ``transports.kafka.client_errors``, so command-line tools
+print one clear line instead of a ``KafkaException``; a refused login or TLS handshake ends a wait at once.
 """
 
 from __future__ import annotations
 
-import logging
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,24 +15,28 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
-from tokcap.errors import BrokerUnreachableError, TopicNotFoundError, TransportError
-from transports.kafka.topics import validate_topic_name
+from tokcap.errors import TopicNotFoundError
+from transports.kafka.client_errors import (
+    AuthenticationWatch,
+    ClientContext,
+    build_client,
+    request_error,
+    scrubbed_cause,
+)
+from transports.kafka.client_log import LIBRDKAFKA_LOGGER
+from transports.kafka.topics import KEEP_WHOLE_RUN, validate_topic_name
 
 __all__ = [
     "DURABILITY_CONFIGS",
     "LIBRDKAFKA_LOGGER",
     "PartitionDescription",
     "TopicDescription",
-    "client_settings",
     "delete_topic",
     "describe_topic",
+    "list_topics",
     "probe_broker",
-    "route_client_logs",
     "watermarks",
 ]
-
-LIBRDKAFKA_LOGGER = logging.getLogger("transports.kafka.librdkafka")
-"""Where librdkafka's log lines go; they would otherwise be printed straight to stderr."""
 
 DURABILITY_CONFIGS: tuple[str, ...] = (
     "cleanup.policy",
@@ -48,59 +51,78 @@ DURABILITY_CONFIGS: tuple[str, ...] = (
 """Topic configs that decide whether a run can be replayed; ``describe_topic`` reports them."""
 
 
-def route_client_logs(client_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The caller's client settings with librdkafka's log lines sent to ``LIBRDKAFKA_LOGGER``."""
-    return {"logger": LIBRDKAFKA_LOGGER, **dict(client_config or {})}
+_METADATA_SLICE_S = 0.5
+"""How often a metadata wait checks whether the broker refused the login meanwhile."""
 
 
-def client_settings(bootstrap_servers: str, client_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A client configuration: the caller's settings (security, timeouts), the bootstrap, and log routing."""
-    return {**route_client_logs(client_config), "bootstrap.servers": bootstrap_servers}
+def _admin(context: ClientContext, watch: AuthenticationWatch | None = None) -> AdminClient:
+    fixed = {} if watch is None else {"error_cb": watch}
+    return build_client(AdminClient, context.settings(fixed), context, "admin client")
 
 
-def _reason(exc: BaseException) -> str:
-    """librdkafka's own sentence for an error, without the ``KafkaError{...}`` wrapping."""
-    error = exc.args[0] if exc.args else None
-    return error.str() if isinstance(error, KafkaError) else str(exc)
+def list_topics(
+    client: AdminClient | Consumer,
+    watch: AuthenticationWatch,
+    context: ClientContext,
+    timeout_s: float,
+    topic: str | None = None,
+) -> Any:
+    """The cluster metadata, waiting in short slices so a refused login ends the wait within a second.
+
+    librdkafka reports a refused login only to the error callback, which runs from ``poll``; a single
+    ``list_topics(timeout)`` would wait the whole timeout and then only say that no broker answered.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        watch.raise_if_failed()
+        remaining = deadline - time.monotonic()
+        try:
+            if topic is None:
+                return client.list_topics(timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
+            return client.list_topics(topic=topic, timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            retryable = isinstance(error, KafkaError) and error.code() in (
+                KafkaError._TIMED_OUT,
+                KafkaError._TRANSPORT,
+            )
+            client.poll(0)
+            watch.raise_if_failed()
+            if not retryable or time.monotonic() >= deadline:
+                raise request_error(
+                    exc, doing="read the cluster metadata", context=context, timeout_s=timeout_s
+                ) from scrubbed_cause(exc, context)
 
 
-def _unreachable(bootstrap_servers: str, timeout_s: float, exc: BaseException) -> BrokerUnreachableError:
-    return BrokerUnreachableError(
-        f"no Kafka broker answered at {bootstrap_servers} within {timeout_s:g} s ({_reason(exc)}); check the "
-        "address, that the broker is running, and the security settings passed with -X"
-    )
-
-
-def _admin(bootstrap_servers: str, client_config: Mapping[str, Any] | None) -> AdminClient:
-    return AdminClient(client_settings(bootstrap_servers, client_config))
-
-
-def _topic_metadata(admin: AdminClient, bootstrap_servers: str, topic: str, timeout_s: float) -> Any:
+def _topic_metadata(
+    admin: AdminClient, watch: AuthenticationWatch, context: ClientContext, topic: str, timeout_s: float
+) -> Any:
     """The topic's metadata from a listing of every topic; asking for one topic by name could create it."""
-    try:
-        topics = admin.list_topics(timeout=timeout_s).topics
-    except KafkaException as exc:
-        raise _unreachable(bootstrap_servers, timeout_s, exc) from exc
-    metadata = topics.get(topic)
+    metadata = list_topics(admin, watch, context, timeout_s).topics.get(topic)
     if metadata is None:
         raise TopicNotFoundError(
-            f"topic {topic!r} does not exist on {bootstrap_servers}; check the run id, or create it with "
+            f"topic {topic!r} does not exist on {context.bootstrap}; check the run id, or create it with "
             "`tokcap topic create`"
         )
     if metadata.error is not None:
-        raise TransportError(f"the metadata of topic {topic!r} could not be read: {metadata.error}")
+        cause = KafkaException(metadata.error)
+        raise request_error(
+            cause, doing=f"describe topic {topic!r}", context=context, timeout_s=timeout_s, topic=topic
+        ) from scrubbed_cause(cause, context)
     return metadata
 
 
 def probe_broker(
     bootstrap_servers: str, *, client_config: Mapping[str, Any] | None = None, timeout_s: float = 10.0
 ) -> int:
-    """Ask the cluster for its metadata; return how many brokers answered, or raise ``BrokerUnreachableError``."""
-    admin = _admin(bootstrap_servers, client_config)
-    try:
-        metadata = admin.list_topics(timeout=timeout_s)
-    except KafkaException as exc:
-        raise _unreachable(bootstrap_servers, timeout_s, exc) from exc
+    """Ask the cluster for its metadata; return how many brokers answered.
+
+    Raises ``BrokerUnreachableError`` when none answers in time, ``BrokerAuthenticationError`` (or its
+    ``BrokerTlsError``) as soon as the broker refuses the login or the handshake.
+    """
+    context = ClientContext(bootstrap_servers, dict(client_config or {}))
+    watch = AuthenticationWatch(context)
+    metadata = list_topics(_admin(context, watch), watch, context, timeout_s)
     return len(metadata.brokers)
 
 
@@ -139,12 +161,27 @@ class TopicDescription:
         """Whether every partition still holds offset 0; otherwise retention removed part of the run."""
         return all(p.low_offset == 0 for p in self.partitions)
 
+    @property
+    def warnings(self) -> list[str]:
+        """What threatens a full replay of the run: finite retention, or a start already deleted."""
+        found: list[str] = []
+        retention = self.configs.get("retention.ms")
+        if retention is not None and retention != KEEP_WHOLE_RUN:
+            found.append(
+                f"retention.ms={retention}: the broker deletes events older than {int(retention) / 3_600_000:g} h, "
+                "after which the run cannot be replayed; set retention.ms=-1 to keep the whole run"
+            )
+        if not self.replayable_from_start:
+            found.append("retention removed the start of the run; a full replay is no longer possible")
+        return found
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly form for ``--json``."""
         return {
             "topic": self.topic,
             "messages": self.messages,
             "replayable_from_start": self.replayable_from_start,
+            "warnings": self.warnings,
             "partitions": [
                 {
                     "partition": p.partition,
@@ -170,14 +207,13 @@ def watermarks(
 ) -> dict[int, tuple[int, int]]:
     """Per partition of an existing topic, the first offset still held and the offset after the last message."""
     validate_topic_name(topic)
-    metadata = _topic_metadata(_admin(bootstrap_servers, client_config), bootstrap_servers, topic, timeout_s)
-    consumer = Consumer(
-        {
-            **client_settings(bootstrap_servers, client_config),
-            "group.id": f"tokcap-admin-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-        }
+    context = ClientContext(bootstrap_servers, dict(client_config or {}))
+    watch = AuthenticationWatch(context)
+    metadata = _topic_metadata(_admin(context, watch), watch, context, topic, timeout_s)
+    settings = context.settings(
+        {"group.id": f"tokcap-admin-{uuid.uuid4().hex}", "enable.auto.commit": False, "error_cb": watch}
     )
+    consumer = build_client(Consumer, settings, context, "consumer")
     try:
         result: dict[int, tuple[int, int]] = {}
         for partition in sorted(metadata.partitions):
@@ -185,7 +221,13 @@ def watermarks(
             result[partition] = (int(low), int(high))
         return result
     except KafkaException as exc:
-        raise _unreachable(bootstrap_servers, timeout_s, exc) from exc
+        raise request_error(
+            exc,
+            doing=f"read the offsets of topic {topic!r}",
+            context=context,
+            timeout_s=timeout_s,
+            topic=topic,
+        ) from scrubbed_cause(exc, context)
     finally:
         consumer.close()
 
@@ -199,8 +241,10 @@ def describe_topic(
 ) -> TopicDescription:
     """Partitions, replicas, in-sync replicas, offsets and the durability configs of a topic."""
     validate_topic_name(topic)
-    admin = _admin(bootstrap_servers, client_config)
-    metadata = _topic_metadata(admin, bootstrap_servers, topic, timeout_s)
+    context = ClientContext(bootstrap_servers, dict(client_config or {}))
+    watch = AuthenticationWatch(context)
+    admin = _admin(context, watch)
+    metadata = _topic_metadata(admin, watch, context, topic, timeout_s)
     offsets = watermarks(bootstrap_servers, topic, client_config=client_config, timeout_s=timeout_s)
     resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
     try:
@@ -208,7 +252,13 @@ def describe_topic(
             timeout=timeout_s
         )
     except KafkaException as exc:
-        raise TransportError(f"could not read the configs of topic {topic!r}: {_reason(exc)}") from exc
+        raise request_error(
+            exc,
+            doing=f"read the configs of topic {topic!r}",
+            context=context,
+            timeout_s=timeout_s,
+            topic=topic,
+        ) from scrubbed_cause(exc, context)
     configs = {key: (described[key].value if key in described else None) for key in DURABILITY_CONFIGS}
     partitions = tuple(
         PartitionDescription(
@@ -233,15 +283,14 @@ def delete_topic(
 ) -> None:
     """Delete a topic; raise ``TopicNotFoundError`` when there is none to delete."""
     validate_topic_name(topic)
-    admin = _admin(bootstrap_servers, client_config)
-    _topic_metadata(admin, bootstrap_servers, topic, timeout_s)
+    context = ClientContext(bootstrap_servers, dict(client_config or {}))
+    watch = AuthenticationWatch(context)
+    admin = _admin(context, watch)
+    _topic_metadata(admin, watch, context, topic, timeout_s)
     future = admin.delete_topics([topic], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
     try:
         future.result(timeout=timeout_s)
     except KafkaException as exc:
-        error = exc.args[0] if exc.args else None
-        if isinstance(error, KafkaError) and error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
-            raise TopicNotFoundError(f"topic {topic!r} does not exist on {bootstrap_servers}") from exc
-        raise TransportError(
-            f"could not delete topic {topic!r} on {bootstrap_servers}: {_reason(exc)}"
-        ) from exc
+        raise request_error(
+            exc, doing=f"delete topic {topic!r}", context=context, timeout_s=timeout_s, topic=topic
+        ) from scrubbed_cause(exc, context)

@@ -46,12 +46,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from filelock import FileLock, Timeout
 
 from tokcap.errors import MaterializerFailedError, MaterializerOwnedElsewhereError
 from tokcap.store import ApplyResult, TokenCaptureStore
+from transports.kafka.admin import list_topics
 from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
+from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, DeadLetterLog
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
@@ -148,6 +150,8 @@ class Materializer:
         self._store = TokenCaptureStore(store_dir)
         self._requested_partitions = None if partitions is None else sorted(set(partitions))
         self._consumer_config = dict(consumer_config or {})
+        self._client = ClientContext(bootstrap_servers, self._consumer_config)
+        self._watch = AuthenticationWatch(self._client)
         self._progress: dict[int, _PartitionProgress] = {}
         self._router = InboundRouter()
         self._applied_next: dict[int, int] = {}
@@ -259,7 +263,7 @@ class Materializer:
 
     def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
         """Per assigned partition, the offset after the last message currently in the log."""
-        consumer = self._new_consumer(self._consumer_settings())
+        consumer = build_client(self._new_consumer, self._consumer_settings(), self._client, "consumer")
         try:
             partitions = self._partitions(consumer, timeout_s)
             return {
@@ -284,20 +288,23 @@ class Materializer:
     # --------------------------------------------------------------- the loop
 
     def _consumer_settings(self) -> dict[str, Any]:
-        return {
-            "fetch.wait.max.ms": 100,
-            **self._consumer_config,
-            "bootstrap.servers": self._bootstrap,
-            "group.id": f"tokcap-materializer-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "error",
-        }
+        return self._client.settings(
+            {
+                "group.id": f"tokcap-materializer-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "error",
+                "error_cb": self._watch,
+            },
+            defaults={"fetch.wait.max.ms": 100},
+        )
 
     def _partitions(self, consumer: Consumer, timeout_s: float = 30.0) -> list[int]:
         if self._requested_partitions is not None:
             return list(self._requested_partitions)
-        metadata = consumer.list_topics(topic=self._topic, timeout=timeout_s).topics.get(self._topic)
+        metadata = list_topics(consumer, self._watch, self._client, timeout_s, self._topic).topics.get(
+            self._topic
+        )
         if metadata is None or metadata.error is not None or not metadata.partitions:
             raise MaterializerFailedError(
                 f"topic {self._topic!r} has no readable partitions ({metadata and metadata.error}); create it first"
@@ -328,7 +335,7 @@ class Materializer:
             self._ready.set()
 
     def _run(self) -> None:
-        consumer = self._new_consumer(self._consumer_settings())
+        consumer = build_client(self._new_consumer, self._consumer_settings(), self._client, "consumer")
         try:
             with ExitStack() as held:
                 partitions = self._partitions(consumer)
@@ -377,6 +384,7 @@ class Materializer:
             # Wait for one message, then take what is already fetched: consume(n, t) alone blocks until n
             # messages or t, which delays every freeze by up to t whenever fewer than n messages arrive.
             messages = consumer.consume(1, _POLL_TIMEOUT_S)
+            self._watch.raise_if_failed()
             if messages:
                 messages.extend(consumer.consume(_BATCH_SIZE - 1, 0))
             # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
@@ -426,14 +434,9 @@ class Materializer:
         progress.checkpoint.next_offset = offset + 1
 
     def _on_consumer_error(self, error: KafkaError) -> None:
-        if error.code() == KafkaError._PARTITION_EOF:
-            return
-        if error.fatal() or error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
-            raise MaterializerFailedError(
-                f"cannot keep reading topic {self._topic!r}: {error.str()}. If the log was truncated by retention, "
-                "the projection cannot be rebuilt; replay into a new directory from a complete topic"
-            ) from KafkaException(error)
-        logger.warning("materializer of topic %s: %s", self._topic, error.str())
+        failure = read_error(error, topic=self._topic, context=self._client)
+        if failure is not None:
+            raise failure
 
     def _carry_out(self, progress: _PartitionProgress, routed: Routed) -> None:
         """Apply one routing decision, remember its verdict, and write the dead-letter line of one that failed."""

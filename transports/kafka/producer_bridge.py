@@ -3,12 +3,14 @@
 librdkafka reports deliveries from ``poll()``; a background thread polls, and each report
 resolves its future on the owning event loop with ``call_soon_threadsafe``.
 Awaiting callers therefore never block the loop, and many concurrent sends share batches.
-Every librdkafka failure becomes a tokcap transport error in ``delivery_error`` and nowhere else.
+Failures are translated by ``transports.kafka.client_errors``. A refused login or TLS handshake fails every
+waiting send at once, instead of after ``delivery_timeout_s``, since retrying cannot help.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -18,7 +20,16 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from tokcap.errors import ConfigError, DeliveryError, DeliveryTimeoutError, TransportError
+from tokcap.errors import ConfigError, DeliveryError, DeliveryTimeoutError
+from transports.kafka.client_errors import (
+    AuthenticationWatch,
+    ClientContext,
+    authentication_failure,
+    build_client,
+    delivery_error,
+    scrubbed_cause,
+)
+from transports.kafka.client_log import ClientLog
 from transports.kafka.codec import OutgoingMessage
 
 __all__ = [
@@ -51,22 +62,6 @@ class Delivered:
 
     partition: int
     offset: int
-
-
-def delivery_error(error: KafkaError, *, what: str, topic: str) -> TransportError:
-    """The one translation of a librdkafka error into a tokcap error; the caller raises it ``from`` the original."""
-    code = error.code()
-    if code == KafkaError._MSG_TIMED_OUT:
-        return DeliveryTimeoutError(
-            f"{what} was not acknowledged by the broker for topic {topic!r} in time ({error.str()}); "
-            "check that the broker is reachable, or raise delivery_timeout_s"
-        )
-    if code == KafkaError.MSG_SIZE_TOO_LARGE:
-        return DeliveryError(f"{what} is larger than the broker accepts for topic {topic!r} ({error.str()})")
-    if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
-        return DeliveryError(f"topic {topic!r} does not exist ({error.str()}); create it before writing")
-    fatal = " (fatal: the producer will be recreated)" if error.fatal() else ""
-    return DeliveryError(f"{what} failed for topic {topic!r}: {error.name()}: {error.str()}{fatal}")
 
 
 def _resolve(
@@ -117,17 +112,22 @@ class ProducerBridge:
         if any(key in extra for key in _TIMEOUT_KEYS):
             raise ConfigError("set the delivery bound with delivery_timeout_s, not producer_config")
         self._delivery_timeout_s = delivery_timeout_s
-        self._config: dict[str, Any] = {
-            **_DEFAULTS,
-            **extra,
-            **_ENFORCED,
-            "bootstrap.servers": bootstrap_servers,
-            "message.timeout.ms": int(delivery_timeout_s * 1000),
-            "error_cb": self._on_error,
-        }
+        self._context = ClientContext(bootstrap_servers, extra)
+        self._watch = AuthenticationWatch(self._context, also=self._on_error)
+        # librdkafka reports the same connection error on every retry: log it rate-limited and scrubbed.
+        self._error_log = ClientLog(self._context.redactor, target=logger)
+        self._config: dict[str, Any] = self._context.settings(
+            fixed={
+                **_ENFORCED,
+                "message.timeout.ms": int(delivery_timeout_s * 1000),
+                "error_cb": self._watch,
+            },
+            defaults=_DEFAULTS,
+        )
         self._produce_lock = threading.Lock()
         self._fatal: KafkaError | None = None
-        self._producer = Producer(self._config)
+        self._waiting: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[Delivered]]] = set()
+        self._producer = build_client(Producer, self._config, self._context, "producer")
         self._stopping = threading.Event()
         self._closed = False
         self._poller = threading.Thread(
@@ -140,13 +140,27 @@ class ProducerBridge:
         """The bound on one acknowledgement."""
         return self._delivery_timeout_s
 
+    def __repr__(self) -> str:
+        """Names the broker only: producer settings may hold credentials."""
+        return f"ProducerBridge(bootstrap={self._context.bootstrap!r})"
+
     def _on_error(self, error: KafkaError) -> None:
-        """Client-level errors: transient ones are logged, a fatal one retires the producer."""
-        if error.fatal():
+        """Client-level errors: a refused login fails every waiting send, a fatal one retires the producer."""
+        refused = authentication_failure(error, self._context)
+        if refused is not None:
+            self._error_log.log(logging.ERROR, "kafka producer: %s", refused)
+            with self._produce_lock:
+                waiting, self._waiting = self._waiting, set()
+            for loop, future in waiting:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_resolve, future, error, None)
+        elif error.fatal():
             self._fatal = error
-            logger.error("kafka producer hit a fatal error and will be recreated: %s", error.str())
+            logger.error(
+                "kafka producer hit a fatal error and will be recreated: %s", self._context.scrub(error.str())
+            )
         else:
-            logger.warning("kafka producer: %s", error.str())
+            self._error_log.log(logging.WARNING, "kafka producer: %s", error.str())
 
     def _poll_forever(self) -> None:
         while not self._stopping.is_set():
@@ -154,12 +168,15 @@ class ProducerBridge:
             try:
                 producer.poll(0.1)
             except KafkaException as exc:
-                logger.error("kafka producer poll failed: %s", exc)
+                logger.error("kafka producer poll failed: %s", self._context.scrub(str(exc)))
 
     def _producer_for_send(self) -> Producer:
         """The live producer; a producer that hit a fatal error is replaced first (its messages already failed)."""
         if self._fatal is not None:
-            old, self._producer = self._producer, Producer(self._config)
+            old, self._producer = (
+                self._producer,
+                build_client(Producer, self._config, self._context, "producer"),
+            )
             self._fatal = None
             old.flush(0)
         return self._producer
@@ -174,6 +191,8 @@ class ProducerBridge:
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Delivered]] = []
         with self._produce_lock:
+            # Checked under the lock that _on_error takes: a send either sees the failure or is failed by it.
+            self._watch.raise_if_failed()
             producer = self._producer_for_send()
             for message in messages:
                 future: asyncio.Future[Delivered] = loop.create_future()
@@ -190,33 +209,50 @@ class ProducerBridge:
                         f"{what} cannot be queued: the local producer queue is full; the broker is not keeping up"
                     ) from exc
                 except KafkaException as exc:
-                    raise delivery_error(exc.args[0], what=what, topic=topic) from exc
+                    error = exc.args[0]
+                    translated = delivery_error(error, what=what, topic=topic, context=self._context)
+                    raise translated from scrubbed_cause(error, self._context)
                 futures.append(future)
+                self._waiting.add((loop, future))
         try:
             outcomes = await asyncio.wait_for(
                 asyncio.gather(*futures, return_exceptions=True),
                 timeout=self._delivery_timeout_s + _ANSWER_GRACE_S,
             )
         except TimeoutError as exc:
+            self._forget(loop, futures)
             raise DeliveryTimeoutError(
                 f"{what} got no delivery report within {self._delivery_timeout_s + _ANSWER_GRACE_S:.0f} s "
                 f"for topic {topic!r}"
             ) from exc
+        self._forget(loop, futures)
         delivered: list[Delivered] = []
         for outcome in outcomes:
             if isinstance(outcome, KafkaException):
-                raise delivery_error(outcome.args[0], what=what, topic=topic) from outcome
+                error = outcome.args[0]
+                translated = delivery_error(error, what=what, topic=topic, context=self._context)
+                raise translated from scrubbed_cause(error, self._context)
             if isinstance(outcome, BaseException):
                 raise outcome
             delivered.append(outcome)
         return delivered
+
+    def _forget(self, loop: asyncio.AbstractEventLoop, futures: Sequence[asyncio.Future[Delivered]]) -> None:
+        with self._produce_lock:
+            for future in futures:
+                self._waiting.discard((loop, future))
 
     def close(self, timeout_s: float | None = None) -> int:
         """Flush, stop polling and return how many messages were still undelivered; idempotent."""
         if self._closed:
             return 0
         self._closed = True
-        remaining = int(self._producer.flush(self._delivery_timeout_s if timeout_s is None else timeout_s))
+        wait_s = self._delivery_timeout_s if timeout_s is None else timeout_s
+        if self._watch.failure is not None:
+            wait_s = (
+                0.0  # refused by the broker: nothing queued can be delivered, and its senders already failed
+            )
+        remaining = int(self._producer.flush(wait_s))
         self._stopping.set()
         self._poller.join()
         if remaining:

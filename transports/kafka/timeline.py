@@ -23,12 +23,20 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 from tokcap.errors import TransportError
 from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
-from transports.kafka.admin import client_settings, watermarks
+from transports.kafka.admin import watermarks
+from transports.kafka.client_errors import (
+    AuthenticationWatch,
+    ClientContext,
+    build_client,
+    read_error,
+    request_error,
+    scrubbed_cause,
+)
 from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.router import (
@@ -81,11 +89,13 @@ class TimelineEntry:
         return dict(self.__dict__)
 
 
-def _messages_of(consumer: Consumer, timeout_s: float) -> list[Message]:
+def _messages_of(consumer: Consumer, timeout_s: float, context: ClientContext) -> list[Message]:
     try:
         return list(consumer.consume(_BATCH, min(timeout_s, _POLL_S)))
     except KafkaException as exc:
-        raise TransportError(f"reading the log failed: {exc}") from exc
+        raise request_error(
+            exc, doing="read the log", context=context, timeout_s=timeout_s
+        ) from scrubbed_cause(exc, context)
 
 
 def read_log(
@@ -125,21 +135,25 @@ def read_log(
             raise TransportError(f"topic {topic!r} has no partition {unknown[0]} (it has {sorted(marks)})")
     if not ends:
         return
-    consumer = Consumer(
+    context = ClientContext(bootstrap_servers, dict(client_config or {}))
+    watch = AuthenticationWatch(context)
+    settings = context.settings(
         {
-            **client_settings(bootstrap_servers, client_config),
             "group.id": f"tokcap-reader-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             "auto.offset.reset": "error",
+            "error_cb": watch,
         }
     )
+    consumer = build_client(Consumer, settings, context, "consumer")
     try:
         consumer.assign([TopicPartition(topic, partition, 0) for partition in sorted(ends)])
         pending = dict(ends)
         last_progress = time.monotonic()
         while pending:
-            messages = _messages_of(consumer, timeout_s)
+            messages = _messages_of(consumer, timeout_s, context)
+            watch.raise_if_failed()
             if messages:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > max(timeout_s, 30.0):
@@ -150,9 +164,10 @@ def read_log(
             for message in messages:
                 error = message.error()
                 if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        continue
-                    raise TransportError(f"reading {topic!r} failed: {error.str()}")
+                    failure = read_error(error, topic=topic, context=context)
+                    if failure is not None:
+                        raise failure
+                    continue
                 partition, offset = int(message.partition() or 0), int(message.offset() or 0)
                 stop_at = pending.get(partition)
                 if stop_at is None or offset >= stop_at:

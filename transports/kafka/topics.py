@@ -6,6 +6,10 @@ so a run id must use those characters and leave room for the prefix.
 Creating a topic that already exists succeeds only when the existing topic has the requested
 partition count, replication factor and configs; anything else raises ``TopicMismatchError``,
 because silently writing to a differently configured topic could lose durability guarantees.
+
+A run topic is the only complete record of the run, so two settings are decided here: compaction is
+refused (it keeps only the last message per key, and every event of a rollout shares its key), and the
+topic keeps every message (``retention.ms=-1``) unless the caller gives a retention.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
 
 from tokcap.errors import ConfigError, TopicMismatchError, TransportError
+from transports.kafka.client_errors import ClientContext, build_client, request_error, scrubbed_cause
 
 __all__ = [
+    "KEEP_WHOLE_RUN",
     "MAX_TOPIC_NAME_LENGTH",
     "TOPIC_PREFIX",
     "TopicSettings",
@@ -35,6 +41,9 @@ TOPIC_PREFIX = "tokcap."
 
 MAX_TOPIC_NAME_LENGTH = 249
 """Kafka's own limit on topic name length."""
+
+KEEP_WHOLE_RUN = "-1"
+"""The ``retention.ms`` a run topic gets unless one is given: the broker never deletes the run's events."""
 
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -94,10 +103,23 @@ class TopicSettings:
             raise ConfigError(f"partitions must be at least 1, got {self.partitions}")
         if self.replication_factor < 1:
             raise ConfigError(f"replication_factor must be at least 1, got {self.replication_factor}")
+        policy = str(self.config.get("cleanup.policy", "delete"))
+        if "compact" in policy.lower():
+            raise ConfigError(
+                f"cleanup.policy={policy} is refused: compaction keeps only the last event of each rollout "
+                "(they share one key) and destroys the run's history; use cleanup.policy=delete"
+            )
+
+    @property
+    def topic_config(self) -> dict[str, str]:
+        """The topic-level configs to create the topic with: the caller's, and no deletion by age unless given."""
+        config = {key: str(value) for key, value in self.config.items()}
+        config.setdefault("retention.ms", KEEP_WHOLE_RUN)
+        return config
 
 
-def _admin(bootstrap_servers: str, admin_config: Mapping[str, Any] | None) -> AdminClient:
-    return AdminClient({**dict(admin_config or {}), "bootstrap.servers": bootstrap_servers})
+def _admin(context: ClientContext) -> AdminClient:
+    return build_client(AdminClient, context.settings(), context, "admin client")
 
 
 def _existing_mismatches(
@@ -116,12 +138,13 @@ def _existing_mismatches(
     replicas = {len(p.replicas) for p in metadata.partitions.values()}
     if replicas != {settings.replication_factor}:
         problems.append(f"replication factor {sorted(replicas)} (requested {settings.replication_factor})")
-    if settings.config:
+    wanted_config = settings.topic_config
+    if wanted_config:
         resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
         described = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(
             timeout=timeout_s
         )
-        for key, wanted in sorted(settings.config.items()):
+        for key, wanted in sorted(wanted_config.items()):
             entry = described.get(key)
             actual = None if entry is None else entry.value
             if actual != str(wanted):
@@ -143,12 +166,13 @@ def ensure_topic(
     """
     validate_topic_name(topic)
     wanted = settings or TopicSettings()
-    admin = _admin(bootstrap_servers, admin_config)
+    context = ClientContext(bootstrap_servers, dict(admin_config or {}))
+    admin = _admin(context)
     new_topic = NewTopic(
         topic,
         num_partitions=wanted.partitions,
         replication_factor=wanted.replication_factor,
-        config={key: str(value) for key, value in wanted.config.items()},
+        config=wanted.topic_config,
     )
     future = admin.create_topics([new_topic], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
     try:
@@ -156,8 +180,15 @@ def ensure_topic(
     except KafkaException as exc:
         error = exc.args[0] if exc.args else None
         if not (isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS):
-            raise TransportError(f"could not create topic {topic!r} on {bootstrap_servers}: {exc}") from exc
-        problems = _existing_mismatches(admin, topic, wanted, timeout_s)
+            raise request_error(
+                exc, doing=f"create topic {topic!r}", context=context, timeout_s=timeout_s
+            ) from scrubbed_cause(exc, context)
+        try:
+            problems = _existing_mismatches(admin, topic, wanted, timeout_s)
+        except KafkaException as inner:
+            raise request_error(
+                inner, doing=f"check the settings of topic {topic!r}", context=context, timeout_s=timeout_s
+            ) from scrubbed_cause(inner, context)
         if problems:
             raise TopicMismatchError(
                 f"topic {topic!r} already exists with different settings: {'; '.join(problems)}. "

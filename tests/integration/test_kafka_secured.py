@@ -1,0 +1,221 @@
+"""Against a SASL_SSL broker with ACLs: the capture path works with the right credentials, fails fast and
+clearly with wrong ones, and a writer cannot do more than write."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cli_helpers import Completed, tokcap
+from factories import make_entry
+from kafka_broker_fixture import load_broker_module
+from secure_kafka_fixture import SecureKafka
+
+from tokcap.errors import BrokerAuthenticationError, BrokerTlsError, TokcapError
+from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
+
+pytestmark = pytest.mark.kafka
+
+DELIVERY_TIMEOUT_S = 60.0
+"""Long on purpose: a refused login must fail far sooner than the delivery bound, not by waiting it out."""
+
+WRITER_OPERATIONS = ("WRITE", "DESCRIBE")
+TRAINER_OPERATIONS = ("READ", "WRITE", "DESCRIBE")
+
+
+def assert_one_line_error(completed: Completed, fragment: str) -> str:
+    assert completed.returncode == 1, completed.stdout
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1, completed.stderr
+    assert lines[0].startswith("tokcap: error: ") and fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def run_topic(secure_kafka: SecureKafka) -> tuple[str, str]:
+    """A run created by the admin through the CLI, writable by ``writer`` and usable by ``trainer``."""
+    run = secure_kafka.new_run()
+    created = tokcap(
+        "topic", "create", "--bootstrap", secure_kafka.bootstrap, "--run", run, *secure_kafka.options("admin")
+    )
+    assert created.returncode == 0, created.stderr
+    topic = f"tokcap.{run}"
+    secure_kafka.grant("writer", topic, WRITER_OPERATIONS)
+    secure_kafka.grant("trainer", topic, TRAINER_OPERATIONS)
+    return run, topic
+
+
+def test_the_whole_path_works_with_the_right_credentials_and_tls_verified(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str], tmp_path: Path
+) -> None:
+    run, _ = run_topic
+
+    async def capture_and_freeze() -> Any:
+        sink = KafkaTokenSink(
+            bootstrap_servers=secure_kafka.bootstrap,
+            run_id=run,
+            producer_config=secure_kafka.config("writer"),
+        )
+        source = KafkaTokenSource(
+            bootstrap_servers=secure_kafka.bootstrap,
+            run_id=run,
+            store_dir=tmp_path / "store",
+            producer_config=secure_kafka.config("trainer"),
+            consumer_config=secure_kafka.config("trainer"),
+        )
+        try:
+            await sink.begin_call("r1", "c1")
+            await sink.put(make_entry("r1", "c1"))
+            return await source.freeze("r1")
+        finally:
+            await sink.close()
+            await source.close()
+
+    snapshot = asyncio.run(capture_and_freeze())
+    assert [e.model_call_id for e in snapshot.entries] == ["c1"] and not snapshot.incomplete
+
+    base = ("--bootstrap", secure_kafka.bootstrap, "--run", run)
+    timeline = tokcap("log", *base, "--rollout", "r1", "--json", *secure_kafka.options("trainer"))
+    assert timeline.returncode == 0, timeline.stderr
+    assert [row["event_type"] for row in json.loads(timeline.stdout)["events"]][:3] == [
+        "intent",
+        "put",
+        "freeze",
+    ]
+    projected = tmp_path / "projected"
+    materialized = tokcap(
+        "materialize", *base, "--dir", str(projected), "--until-caught-up", *secure_kafka.options("trainer")
+    )
+    assert materialized.returncode == 0, materialized.stderr
+    described = tokcap("topic", "describe", *base, "--json", *secure_kafka.options("admin"))
+    assert described.returncode == 0, described.stderr
+    assert described.json()["messages"] == 3
+
+
+def test_a_wrong_password_fails_the_sink_at_once_naming_broker_and_mechanism(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str]
+) -> None:
+    run, _ = run_topic
+    wrong = "not-the-writers-password"
+
+    async def put() -> float:
+        sink = KafkaTokenSink(
+            bootstrap_servers=secure_kafka.bootstrap,
+            run_id=run,
+            delivery_timeout_s=DELIVERY_TIMEOUT_S,
+            producer_config=secure_kafka.config("writer", password=wrong),
+        )
+        started = time.monotonic()
+        try:
+            with pytest.raises(BrokerAuthenticationError) as caught:
+                await sink.put(make_entry("r1", "c1"))
+            return time.monotonic() - started
+        finally:
+            await sink.close()
+            shown = "".join(traceback.format_exception(caught.value))
+            assert wrong not in shown
+            assert secure_kafka.bootstrap in str(caught.value) and "SCRAM-SHA-512" in str(caught.value)
+
+    assert asyncio.run(put()) < DELIVERY_TIMEOUT_S
+
+
+def test_a_wrong_password_is_one_line_from_the_cli_naming_broker_and_mechanism(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str]
+) -> None:
+    run, _ = run_topic
+    wrong = "not-the-trainers-password"
+    for command in (("topic", "describe"), ("log", "--rollout", "r1"), ("materialize", "--until-caught-up")):
+        extra = ("--dir", "unused") if command[0] == "materialize" else ()
+        completed = tokcap(
+            *command, *extra, "--bootstrap", secure_kafka.bootstrap, "--run", run, "--timeout", "60",
+            *secure_kafka.options("trainer", password=wrong),
+        )  # fmt: skip
+        line = assert_one_line_error(completed, f"the broker at {secure_kafka.bootstrap} refused the login")
+        assert "SCRAM-SHA-512" in line and wrong not in completed.stderr + completed.stdout
+
+
+def test_a_wrong_password_stops_the_materializer_and_the_source_with_a_clear_error(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str], tmp_path: Path
+) -> None:
+    _, topic = run_topic
+    materializer = Materializer(
+        secure_kafka.bootstrap,
+        topic,
+        tmp_path,
+        consumer_config=secure_kafka.config("trainer", password="nope"),
+    )
+    with pytest.raises(TokcapError, match="refused the login with SASL mechanism SCRAM-SHA-512"):
+        materializer.start()
+    with pytest.raises(TokcapError, match="refused the login with SASL mechanism SCRAM-SHA-512"):
+        KafkaTokenSource(
+            bootstrap_servers=secure_kafka.bootstrap,
+            topic=topic,
+            store_dir=tmp_path / "source",
+            delivery_timeout_s=DELIVERY_TIMEOUT_S,
+            producer_config=secure_kafka.config("trainer", password="nope"),
+            consumer_config=secure_kafka.config("trainer", password="nope"),
+        )
+
+
+def test_an_untrusted_broker_certificate_fails_fast_and_clearly(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str], tmp_path: Path
+) -> None:
+    run, _ = run_topic
+    load_broker_module().make_certificates(tmp_path / "other-ca", "unused-password")
+    other_ca = str(tmp_path / "other-ca" / "ca.pem")
+
+    async def put() -> float:
+        sink = KafkaTokenSink(
+            bootstrap_servers=secure_kafka.bootstrap,
+            run_id=run,
+            delivery_timeout_s=DELIVERY_TIMEOUT_S,
+            producer_config=secure_kafka.config("writer", ca_location=other_ca),
+        )
+        started = time.monotonic()
+        try:
+            with pytest.raises(BrokerTlsError, match="TLS handshake with the broker at"):
+                await sink.put(make_entry("r1", "c1"))
+            return time.monotonic() - started
+        finally:
+            await sink.close()
+
+    assert asyncio.run(put()) < DELIVERY_TIMEOUT_S
+    completed = tokcap(
+        "topic", "describe", "--bootstrap", secure_kafka.bootstrap, "--run", run, "--timeout", "60",
+        *secure_kafka.options("admin", ca_location=other_ca),
+    )  # fmt: skip
+    assert_one_line_error(completed, "certificate verify failed")
+
+
+def test_a_writer_allowed_only_to_write_its_run_topic_cannot_read_or_delete_it(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str], tmp_path: Path
+) -> None:
+    run, topic = run_topic
+
+    async def put() -> None:
+        sink = KafkaTokenSink(
+            bootstrap_servers=secure_kafka.bootstrap,
+            run_id=run,
+            producer_config=secure_kafka.config("writer"),
+        )
+        try:
+            await sink.put(make_entry("r1", "c1"))
+        finally:
+            await sink.close()
+
+    asyncio.run(put())
+    base = ("--bootstrap", secure_kafka.bootstrap, "--run", run, *secure_kafka.options("writer"))
+    assert_one_line_error(tokcap("log", *base, "--rollout", "r1"), "does not allow this principal to read")
+    assert_one_line_error(
+        tokcap("topic", "delete", *base, "--yes"), f"does not allow this principal to delete topic {topic!r}"
+    )
+    still_there = tokcap(
+        "topic", "describe", "--bootstrap", secure_kafka.bootstrap, "--run", run, "--json",
+        *secure_kafka.options("admin"),
+    )  # fmt: skip
+    assert still_there.returncode == 0 and still_there.json()["messages"] == 1
