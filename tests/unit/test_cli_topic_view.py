@@ -9,7 +9,6 @@ from rich.console import Console
 
 from tokcap.cli.topic import render_description
 
-
 LOST_START_WARNING = "retention removed the start of the run; a full replay is no longer possible"
 
 
