@@ -3,20 +3,60 @@
 Each helper does one thing the crash-safety argument relies on, so a reader
 can check the argument step by step: append and fsync, replace atomically,
 make a rename or removal durable with a directory fsync.
+
+No helper follows a symbolic link: a link planted in the store could make it write or truncate a file
+outside it. Every failed write leaves the target as it was or with a torn tail the next writer cuts, and
+leaves no temporary file behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import threading
 from pathlib import Path
+
+from tokcap.errors import StoreCorruptionError
 
 __all__ = [
     "append_durably",
     "fsync_directory",
+    "open_no_follow",
+    "read_no_follow",
     "remove_if_exists",
+    "remove_stale_temp_files",
     "replace_atomically",
     "temp_path_for",
+    "truncate_no_follow",
 ]
+
+_STALE_TEMP = re.compile(r"\.tmp-(\d+)-\d+$")
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` that refuses a symbolic link with a clear error instead of following it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreCorruptionError(
+                f"{path} is a symbolic link; tokcap never follows links in its store directory (it could write "
+                "outside it). Remove the link and restore the real file"
+            ) from exc
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
+
+
+def read_no_follow(path: Path) -> bytes | None:
+    """A whole file's bytes, ``None`` when it does not exist; a link is refused."""
+    try:
+        fd = open_no_follow(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
 
 
 def append_durably(path: Path, data: bytes, *, durable: bool = True) -> int:
@@ -24,45 +64,63 @@ def append_durably(path: Path, data: bytes, *, durable: bool = True) -> int:
 
     One ``write`` on an ``O_APPEND`` descriptor keeps concurrent appenders from interleaving.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         start = os.fstat(fd).st_size
         view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        if durable:
-            os.fsync(fd)
+        try:
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if durable:
+                os.fsync(fd)
+        except OSError as exc:
+            exc.filename = exc.filename or str(path)
+            raise
         return start
+    finally:
+        os.close(fd)
+
+
+def truncate_no_follow(path: Path, size: int) -> None:
+    """Cut a file back to ``size`` bytes and sync it; a link is refused."""
+    fd = open_no_follow(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def temp_path_for(path: Path) -> Path:
     """A temporary sibling unique to this process and thread, so concurrent writers never share one."""
-    import threading
-
     return path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
 
 
 def replace_atomically(path: Path, data: bytes, *, durable: bool) -> None:
     """Write a whole file through a temporary sibling and rename it over the target.
 
-    Readers see the old or the new content, never a mix.
+    Readers see the old or the new content, never a mix. A failed write removes the temporary file.
     With ``durable`` the content is fsynced before the rename; the directory is synced by the caller.
+    Renaming over a symbolic link replaces the link, never the file it points to.
     """
     tmp = temp_path_for(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        exc.filename = exc.filename or str(path)
+        raise
 
 
 def fsync_directory(directory: Path) -> None:
@@ -75,9 +133,27 @@ def fsync_directory(directory: Path) -> None:
 
 
 def remove_if_exists(path: Path) -> bool:
-    """Remove a file; return whether it existed."""
+    """Remove a file (a link itself, never its target); return whether it existed."""
     try:
         path.unlink()
     except FileNotFoundError:
         return False
     return True
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Remove temporary files left by killed processes; a live process's temporary file is kept."""
+    removed: list[Path] = []
+    for path in directory.iterdir():
+        match = _STALE_TEMP.search(path.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        except PermissionError:
+            continue
+    return removed

@@ -23,6 +23,7 @@ Error tree::
     │   └── RolloutRetiredError
     ├── StoreCorruptionError (RuntimeError)
     ├── StoreFormatError (RuntimeError)
+    ├── StoreWriteError (OSError)
     ├── MaskFractionExceededError (RuntimeError)
     ├── InjectedFaultError (RuntimeError)
     ├── TrajectoryBuildError (RuntimeError)
@@ -75,6 +76,7 @@ __all__ = [
     "SinkConfigError",
     "StoreCorruptionError",
     "StoreFormatError",
+    "StoreWriteError",
     "TokcapError",
     "TokenExtractionError",
     "TopicMismatchError",
@@ -153,6 +155,15 @@ class StoreCorruptionError(TokcapError, RuntimeError):
 
 class StoreFormatError(TokcapError, RuntimeError):
     """A store file is in a directory format this version does not read; the message names the upgrade step."""
+
+
+class StoreWriteError(TokcapError, OSError):
+    """Writing or syncing a store file failed (a full disk, an I/O error): the message names the operation,
+    the rollout and the file. Nothing of the operation was acknowledged; the files stay readable."""
+
+    def __str__(self) -> str:
+        """The whole message, not ``OSError``'s errno and file name alone."""
+        return str(self.args[0]) if self.args else super().__str__()
 
 
 class MaskFractionExceededError(TokcapError, RuntimeError):

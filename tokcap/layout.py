@@ -17,10 +17,14 @@ Nothing outside this module spells a file name; transports and tools ask the sto
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokcap.errors import InvalidRolloutIdError
 from tokcap.rollout_ids import validate_rollout_id
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ENTRIES_SUFFIX",
@@ -31,6 +35,7 @@ __all__ = [
     "RECORD_SUFFIXES",
     "STATE_SUFFIX",
     "RolloutPaths",
+    "logger",
     "rollout_ids_in",
 ]
 
@@ -81,12 +86,20 @@ class RolloutPaths:
 
 
 def rollout_ids_in(root: Path) -> list[str]:
-    """Every rollout id that has a state, entries, intents, marker or fence in ``root``, sorted."""
+    """Every rollout id that has a state, entries, intents, marker or fence in ``root``, sorted.
+
+    A file whose name is no valid rollout id (``a b.tokens.jsonl``, say) is not tokcap's: it is skipped with a
+    warning, so one foreign file never fails a listing of the whole directory.
+    """
     ids: set[str] = set()
     for path in root.iterdir():
         name = path.name
         for suffix in _LISTED_SUFFIXES:
             if name.endswith(suffix):
-                ids.add(name[: -len(suffix)])
+                candidate = name[: -len(suffix)]
+                try:
+                    ids.add(validate_rollout_id(candidate))
+                except InvalidRolloutIdError as exc:
+                    logger.warning("skipping %s: not a tokcap rollout file (%s)", path, exc)
                 break
     return sorted(ids)

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokcap.durable_io import open_no_follow
+
 __all__ = ["RolloutLocks"]
 
 
@@ -69,7 +71,7 @@ class RolloutLocks:
     @staticmethod
     def _lock_file(path: str) -> int:
         """Open the lock file (never removed, so every locker shares one inode) and wait for its ``flock``."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_no_follow(Path(path), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except BaseException:

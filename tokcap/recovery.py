@@ -21,12 +21,14 @@ Recovery only reads. Writers carry out the repairs under the rollout's lock; rea
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
+from tokcap.durable_io import open_no_follow, read_no_follow
 from tokcap.errors import NewerSchemaError, RecordValidationError, StoreCorruptionError, StoreFormatError
 from tokcap.layout import RolloutPaths
 from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
@@ -69,18 +71,17 @@ class Recovered:
     state_file_exists: bool
 
 
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
 def _size(path: Path) -> int:
     try:
-        return os.stat(path).st_size
+        found = os.lstat(path)
     except FileNotFoundError:
         return 0
+    if stat.S_ISLNK(found.st_mode):
+        raise StoreCorruptionError(
+            f"{path} is a symbolic link; tokcap never follows links in its store directory (it could write "
+            "outside it). Remove the link and restore the real file"
+        )
+    return found.st_size
 
 
 def recover(paths: RolloutPaths, *, replaying: bool, remembered_lines: dict[str, str]) -> Recovered:
@@ -90,7 +91,7 @@ def recover(paths: RolloutPaths, *, replaying: bool, remembered_lines: dict[str,
     ``remembered_lines`` maps the sha256 of lines this process appended to their call ids, so a lagging
     tail is hashed instead of parsed.
     """
-    state_bytes = _read(paths.state)
+    state_bytes = read_no_follow(paths.state)
     if os.path.lexists(paths.fence):
         raise StoreFormatError(f"{paths.fence}: {UPGRADE_STEP}", rollout_id=paths.rollout_id)
     if state_bytes is None:
@@ -145,7 +146,7 @@ def _tails(
 
 def _complete_lines(path: Path, start: int) -> tuple[list[bytes], bool]:
     """The complete lines past ``start``, and whether a torn final line follows them."""
-    with path.open("rb") as handle:
+    with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as handle:
         handle.seek(start)
         tail = handle.read()
     pieces = tail.split(b"\n")

@@ -29,13 +29,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tokcap.durable_io import append_durably, remove_if_exists, replace_atomically
+from tokcap.durable_io import (
+    append_durably,
+    open_no_follow,
+    remove_if_exists,
+    remove_stale_temp_files,
+    replace_atomically,
+    truncate_no_follow,
+)
 from tokcap.errors import (
     ConflictingEntryError,
     InvalidInputError,
     RolloutFrozenError,
     RolloutRetiredError,
     StoreCorruptionError,
+    StoreWriteError,
 )
 from tokcap.events import (
     CancelEvent,
@@ -139,6 +147,7 @@ class TokenCaptureStore:
     def __init__(self, root: str | Path) -> None:
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(self._root)
         self._commit = GroupCommitter(filesystem_sync_for(self._root))
         self._deferral = _Deferral()
         self._writes = WriteQueue(self._run_without_own_barrier, self._barrier, name="tokcap-store-writer")
@@ -311,9 +320,7 @@ class TokenCaptureStore:
         if cut.size == 0:
             remove_if_exists(cut.path)
         else:
-            with cut.path.open("r+b") as handle:
-                handle.truncate(cut.size)
-                os.fsync(handle.fileno())
+            truncate_no_follow(cut.path, cut.size)
         self._commit.note_write()
 
     # --------------------------------------------------------- carrying out
@@ -427,8 +434,9 @@ class TokenCaptureStore:
         With a log position, an event at or before the rollout's last applied position is skipped,
         so a resumed projection never applies anything twice.
         Rejections are returned, never raised; the file store's methods raise them to their callers.
+        A failed write or sync raises ``StoreWriteError`` naming the operation, the rollout and the file.
         """
-        with self._locked(event.rollout_id) as paths:
+        with self._locked(event.rollout_id) as paths, _write_errors_named(event):
             decision = self._apply_locked(paths, event, position)
             self._end_of_operation(forced=decision.sync_even_if_unchanged)
             return decision.verdict
@@ -442,7 +450,7 @@ class TokenCaptureStore:
     def _entries_of(self, paths: RolloutPaths, state: RolloutState) -> list[TokenEntry]:
         if state.retired or state.indexed_size == 0:
             return []
-        with paths.entries.open("rb") as handle:
+        with os.fdopen(open_no_follow(paths.entries, os.O_RDONLY), "rb") as handle:
             data = handle.read(state.indexed_size)
         return [TokenEntry.from_json(line) for line in data.split(b"\n") if line]
 
@@ -604,7 +612,7 @@ class TokenCaptureStore:
     def freeze_now(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze one rollout and return its stable snapshot; freezing again returns the same snapshot."""
         event = FreezeEvent(rollout_id=validate_rollout_id(rollout_id))
-        with self._locked(rollout_id) as paths:
+        with self._locked(rollout_id) as paths, _write_errors_named(event):
             decision = self._apply_locked(paths, event, None)
             self._raise_for(decision.verdict)
             self._barrier()
@@ -651,10 +659,12 @@ class TokenCaptureStore:
             return RolloutRemovalPayload()
         removed: dict[str, bool] = {}
         for rollout_id in ids:
-            with self._locked(rollout_id) as paths:
-                decision = self._apply_locked(paths, DeleteEvent(rollout_id=rollout_id), None)
+            delete = DeleteEvent(rollout_id=rollout_id)
+            with self._locked(rollout_id) as paths, _write_errors_named(delete):
+                decision = self._apply_locked(paths, delete, None)
                 removed[rollout_id] = bool(decision.verdict.removed)
-        self._forced_barrier()
+        with _write_errors_named(DeleteEvent(rollout_id=ids[0])):
+            self._forced_barrier()
         return _removal_payload(ids, removed)
 
     # --------------------------------------------------------- async surface
@@ -729,6 +739,30 @@ def _files_identity(paths: RolloutPaths) -> _FilesIdentity:
     sizes = [stat.st_size if (stat := _stat_of(path)) is not None else -1 for path in paths.records]
     state_key = None if state is None else (state.st_ino, state.st_size, state.st_mtime_ns, state.st_ctime_ns)
     return (state_key, sizes[0], sizes[1], sizes[2])
+
+
+@contextmanager
+def _write_errors_named(event: Event) -> Iterator[None]:
+    """Turn an operating-system error of one operation into a tokcap error that says what failed where."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, StoreWriteError):
+            raise
+        call_id = getattr(event, "model_call_id", "") or (
+            event.entry.model_call_id if isinstance(event, PutEvent) else ""
+        )
+        call = f" call {call_id!r}" if call_id else ""
+        where = exc.filename or "the store directory (sync)"
+        error = StoreWriteError(
+            f"{event.type.value} of rollout {event.rollout_id!r}{call} failed writing {where}: "
+            f"{exc.strerror or exc}; nothing of it was acknowledged and the files stay readable. "
+            "Free space or fix the device, then retry",
+            rollout_id=event.rollout_id,
+            model_call_id=call_id or None,
+        )
+        error.errno, error.filename = exc.errno, exc.filename
+        raise error from exc
 
 
 def _removal_payload(ids: Sequence[str], removed: dict[str, bool]) -> RolloutRemovalPayload:

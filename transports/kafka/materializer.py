@@ -32,8 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
-import re
 import signal
 import sys
 import threading
@@ -49,6 +47,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from filelock import FileLock, Timeout
 
+from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import MaterializerFailedError, MaterializerOwnedElsewhereError
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import list_topics
@@ -91,7 +90,6 @@ OWNER_LOCK_PREFIX = "kafka-materializer-p"
 _BATCH_SIZE = 200
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
-_STALE_TEMP = re.compile(r"\.tmp-(\d+)-\d+$")
 
 
 @dataclass
@@ -110,24 +108,6 @@ def _resolve_waiter(future: asyncio.Future[None]) -> None:
     """Runs on the waiter's loop: wake it unless it already gave up."""
     if not future.done():
         future.set_result(None)
-
-
-def remove_stale_temp_files(directory: Path) -> list[Path]:
-    """Remove temporary files left by killed processes; a live process's temporary file is kept."""
-    removed: list[Path] = []
-    for path in directory.iterdir():
-        match = _STALE_TEMP.search(path.name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed.append(path)
-        except PermissionError:
-            continue
-    return removed
 
 
 class Materializer:
