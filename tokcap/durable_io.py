@@ -34,7 +34,7 @@ __all__ = [
 _STALE_TEMP = re.compile(r"\.tmp-(\d+)-\d+$")
 
 
-def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+def open_no_follow(path: str | Path, flags: int, mode: int = 0o644) -> int:
     """``os.open`` that refuses a symbolic link with a clear error instead of following it."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW, mode)

@@ -71,7 +71,7 @@ class RolloutLocks:
     @staticmethod
     def _lock_file(path: str) -> int:
         """Open the lock file (never removed, so every locker shares one inode) and wait for its ``flock``."""
-        fd = open_no_follow(Path(path), os.O_RDWR | os.O_CREAT)
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except BaseException:

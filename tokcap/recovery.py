@@ -239,7 +239,7 @@ def _fold_entries(path: Path, state: RolloutState, cuts: list[Repair], remembere
 
 def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
     """Each intent line is a call id (Gym's format); a cancel is the call id after ``CANCEL_PREFIX``."""
-    intents = dict(state.intents)
+    intents = state.intents.mutate()
 
     def fold(line: bytes) -> None:
         call_id = _call_id_of_side_line(line, "intent")
@@ -251,7 +251,7 @@ def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
         intents[call_id] = op
 
     consumed, lines = _parse_tail(path, state.intents_size, state, cuts, fold)
-    state.intents = intents
+    state.intents = intents.finish()
     state.intents_size += consumed
     return lines
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from immutables import Map
+
 from tokcap.events import (
     CancelEvent,
     DeleteEvent,
@@ -345,7 +347,7 @@ def _intent_op(
         return _unchanged(state, verdict, position)
     if not state.is_open:
         return _rejected_late(state, event_type, call_id, position)
-    state.intents = {**state.intents, call_id: op}
+    state.intents = state.intents.set(call_id, op)
     line = intent_line(call_id) if op is IntentOp.INTENT else cancel_line(call_id)
     append = AppendIntent(line, state.intents_size)
     state.intents_size += len(line)
@@ -423,7 +425,7 @@ def _retired(state: RolloutState) -> tuple[Effect, ...]:
     state.advance(Lifecycle.RETIRED)
     state.entry_digests = {}
     state.indexed_size = 0
-    state.intents = {}
+    state.intents = Map()
     state.intents_size = 0
     state.incomplete_marks = []
     state.incomplete_size = 0

@@ -21,10 +21,20 @@ or cut and applied again (a projection resuming from its log), see ``tokcap.reco
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from immutables import Map
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictInt,
+    ValidationError,
+)
 
 from tokcap.errors import NewerSchemaError, StoreCorruptionError, StoreFormatError
 from tokcap.events import LogPosition
@@ -35,6 +45,7 @@ __all__ = [
     "FreezeAnswer",
     "IncompleteMark",
     "IntentOp",
+    "IntentOps",
     "Lifecycle",
     "Rejection",
     "RolloutState",
@@ -119,10 +130,23 @@ class _TokcapPart(BaseModel):
     removed_records: bool | None = None
 
 
+def _intent_map(value: Any) -> Map[str, IntentOp]:
+    if isinstance(value, Map):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"intents must be a mapping of call id to intent or cancel, got {type(value).__name__}"
+        )
+    return Map({str(call_id): IntentOp(op) for call_id, op in value.items()})
+
+
+IntentOps = Annotated[Map[str, IntentOp], BeforeValidator(_intent_map), PlainSerializer(dict)]
+
+
 class RolloutState(BaseModel):
     """Everything the store knows about a rollout besides its entry lines."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     schema_version: StrictInt = STATE_SCHEMA_VERSION
     rollout_id: str
@@ -136,7 +160,8 @@ class RolloutState(BaseModel):
     indexed_size: StrictInt = 0
     dangling_intents: list[str] = Field(default_factory=list)
     rejections: list[Rejection] = Field(default_factory=list)
-    intents: dict[str, IntentOp] = Field(default_factory=dict)
+    intents: IntentOps = Field(default_factory=Map)
+    """The last operation of each call: a persistent map, so recording one costs the same however many there are."""
     intents_size: StrictInt = 0
     incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
     incomplete_size: StrictInt = 0
@@ -206,18 +231,23 @@ class RolloutState(BaseModel):
             self.last_position = position.to_dict()
 
     def encode(self) -> bytes:
-        """Gym's layout: sorted keys, compact, one trailing newline, so replays produce identical bytes."""
-        tokcap_part = _TokcapPart(
-            dangling_intents=self.dangling_intents,
-            rejections=self.rejections,
-            intents=self.intents,
-            intents_size=self.intents_size,
-            incomplete_marks=self.incomplete_marks,
-            incomplete_size=self.incomplete_size,
-            freeze_answers=self.freeze_answers,
-            last_position=self.last_position,
-            removed_records=self.removed_records,
-        )
+        """Gym's layout: sorted keys, compact, one trailing newline, so replays produce identical bytes.
+
+        The dict is built by hand and handed to orjson (which writes enums as their values): pydantic's dump
+        of a state holding thousands of calls was most of the cost of a write.
+        """
+        tokcap_part = {
+            "dangling_intents": self.dangling_intents,
+            "freeze_answers": [answer.model_dump() for answer in self.freeze_answers],
+            "incomplete_marks": [mark.model_dump() for mark in self.incomplete_marks],
+            "incomplete_size": self.incomplete_size,
+            "intents": dict(self.intents),
+            "intents_size": self.intents_size,
+            "last_position": self.last_position,
+            "rejections": [rejection.model_dump() for rejection in self.rejections],
+            "removed_records": self.removed_records,
+            "schema_version": STATE_SCHEMA_VERSION,
+        }
         document: dict[str, Any] = {
             **self.foreign_keys,
             "entry_digests": self.entry_digests,
@@ -227,7 +257,7 @@ class RolloutState(BaseModel):
             "retired": self.retired,
             "snapshot_id": self.snapshot_id or "",
             "version": self.version,
-            _TOKCAP_KEY: tokcap_part.model_dump(mode="json"),
+            _TOKCAP_KEY: tokcap_part,
         }
         return orjson.dumps(document, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE)
 

@@ -140,7 +140,7 @@ def test_an_intent_after_a_cancel_is_recorded_again_and_a_repeat_is_not() -> Non
     appends = [d.effects[0] for d in decisions if d.effects and isinstance(d.effects[0], AppendIntent)]
     assert [(a.line, a.start) for a in appends] == [(b"a\n", 0), (b"\x00a\n", 2), (b"a\n", 5)]
     assert decisions[3].verdict.outcome is ApplyOutcome.NOOP
-    assert state.intents == {"a": IntentOp.INTENT} and state.intents_size == 7
+    assert dict(state.intents) == {"a": IntentOp.INTENT} and state.intents_size == 7
 
 
 def test_a_conflicting_put_marks_the_rollout_incomplete_and_appends_no_entry() -> None:
