@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -249,6 +250,14 @@ class StoreContract:
                     await sink.cancel_call(rid, call_id)
             with pytest.raises(InvalidInputError, match="control character"):
                 await sink.mark_incomplete(rid, "lost\ncall")
+            as_string = {
+                **make_entry(rid, "string-log-prob").model_dump(mode="json"),
+                "generation_log_probs": ["-0.5", 1],
+            }
+            as_bytes = {**make_entry(rid, "bytes-id").model_dump(mode="json"), "rollout_id": rid.encode()}
+            for raw, field in ((as_string, "generation_log_probs"), (as_bytes, "rollout_id")):
+                with pytest.raises(InvalidInputError, match=field):
+                    await sink.put(cast(Any, raw))
             widest = entry(
                 "wide-ids", prompt_token_ids=[0, 2**63, 2**64 - 1], generation_token_ids=[2**63 + 5, 1]
             )

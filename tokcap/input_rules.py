@@ -9,6 +9,10 @@ field, raised before any byte is written or sent. docs/events.md lists where thi
 - Token ids are integers in [0, 2**64): Gym's digest encodes them as unsigned 64-bit numbers.
 - Every float of a record (timestamps, log probs, anything in its items or extra fields) is finite:
   NaN and infinity would be stored as JSON ``null`` and the line could not be read back.
+- A record given as a mapping carries its values as they will be read back: ids as ``str``, token ids as
+  ``int``, log probs and ``created_at`` as numbers. A ``bytes`` id or a log prob written as the string
+  ``"-0.5"`` would be silently converted, so it is refused. (A ``TokenEntry`` object was already
+  validated when it was built.)
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tokcap.errors import InvalidInputError, RecordValidationError
-from tokcap.records import TokenEntry
+from tokcap.records import TokenEntry, as_token_entry
 from tokcap.rollout_ids import validate_rollout_id
 
-__all__ = ["MAX_CALL_ID_LENGTH", "MAX_TOKEN_ID", "check_call_id", "check_storable"]
+__all__ = ["MAX_CALL_ID_LENGTH", "MAX_TOKEN_ID", "accept_entry", "check_call_id", "check_storable"]
 
 MAX_CALL_ID_LENGTH = 1024
 """Longest accepted model call id; ids are stored on every line that names the call."""
@@ -60,6 +64,41 @@ def check_call_id(rollout_id: str, model_call_id: object, *, may_be_empty: bool 
             model_call_id=model_call_id[:80],
         )
     return model_call_id
+
+
+def accept_entry(entry: object) -> TokenEntry:
+    """The one door of every sink: a tokcap or Gym ``TokenEntry`` or a mapping, checked and ready to store."""
+    if isinstance(entry, Mapping):
+        _check_raw_types(entry)
+    return check_storable(as_token_entry(entry))
+
+
+def _check_raw_types(raw: Mapping[str, Any]) -> None:
+    rollout_id = raw.get("rollout_id")
+    call_id = raw.get("model_call_id")
+    where = f"rollout {rollout_id!r} call {call_id!r}"
+    named = {
+        "rollout_id": rollout_id if isinstance(rollout_id, str) else None,
+        "model_call_id": call_id if isinstance(call_id, str) else None,
+    }
+    for field in ("rollout_id", "model_call_id"):
+        if not isinstance(raw.get(field), str):
+            raise RecordValidationError(
+                f"{where}: {field} must be a str, got {type(raw.get(field)).__name__}; nothing was written",
+                **named,
+            )
+    for field in ("prompt_token_ids", "generation_token_ids"):
+        values = raw.get(field)
+        if isinstance(values, list) and any(type(value) is not int for value in values):
+            raise RecordValidationError(f"{where}: {field} must hold ints only; nothing was written", **named)
+    numbers: list[Any] = list(raw.get("generation_log_probs") or [])
+    if "created_at" in raw:
+        numbers.append(raw["created_at"])
+    if any(isinstance(value, bool) or not isinstance(value, int | float) for value in numbers):
+        raise RecordValidationError(
+            f"{where}: generation_log_probs and created_at must be numbers, not strings; nothing was written",
+            **named,
+        )
 
 
 def check_storable(entry: TokenEntry) -> TokenEntry:

@@ -58,7 +58,7 @@ from tokcap.events import (
     RetireEvent,
 )
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
-from tokcap.input_rules import check_call_id, check_storable
+from tokcap.input_rules import accept_entry, check_call_id
 from tokcap.layout import (
     ENTRIES_SUFFIX,
     INCOMPLETE_SUFFIX,
@@ -70,7 +70,7 @@ from tokcap.layout import (
 )
 from tokcap.locks import RolloutLocks
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
-from tokcap.records import TokenEntry, as_token_entry
+from tokcap.records import TokenEntry
 from tokcap.recovery import CutTail, FinishRetire, Recovered, recover
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.rules import (
@@ -587,7 +587,7 @@ class TokenCaptureStore:
 
     def append(self, entry: TokenEntry) -> None:
         """Idempotently append one entry and sync it before returning; a Gym entry is taken as is."""
-        entry = check_storable(as_token_entry(entry))
+        entry = accept_entry(entry)
         self._raise_for(self.apply(PutEvent(rollout_id=entry.rollout_id, entry=entry)))
 
     def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:

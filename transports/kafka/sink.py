@@ -22,8 +22,8 @@ from typing import Any
 
 from tokcap.errors import ConfigError, ConflictingEntryError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
-from tokcap.input_rules import check_call_id, check_storable
-from tokcap.records import TokenEntry, as_token_entry
+from tokcap.input_rules import accept_entry, check_call_id
+from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
@@ -149,7 +149,7 @@ class KafkaTokenSink:
 
     async def put(self, entry: TokenEntry) -> None:
         """Publish a call's entry and return once the broker acknowledged it; a Gym entry is taken as is."""
-        entry = check_storable(as_token_entry(entry))
+        entry = accept_entry(entry)
         rollout_id = validate_rollout_id(entry.rollout_id)
         call_id = entry.model_call_id
         digest = entry.payload_digest()
