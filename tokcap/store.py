@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from tokcap.durable_io import (
     append_durably,
     open_no_follow,
+    read_no_follow,
     remove_if_exists,
     remove_stale_temp_files,
     replace_atomically,
@@ -722,23 +723,29 @@ def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
     return TokenCaptureStore(directory)
 
 
-_FilesIdentity = tuple[tuple[int, int, int, int] | None, int, int, int]
-"""What a cached state was recovered from: the state file's inode, size, mtime and ctime, and the side files' sizes."""
+_FilesIdentity = tuple[bytes | None, int, int, int]
+"""What a cached state was recovered from: the state file's bytes and the side files' sizes.
+
+The bytes, not the inode and times: a rename can reuse an inode within one timestamp tick, and comparing a
+few kilobytes costs far less than parsing them.
+"""
 
 
-def _stat_of(path: Path) -> os.stat_result | None:
+def _size_of(path: Path) -> int:
     try:
-        return os.lstat(path)
+        return os.lstat(path).st_size
     except FileNotFoundError:
-        return None
+        return -1
 
 
 def _files_identity(paths: RolloutPaths) -> _FilesIdentity:
-    """Enough to tell that no one changed a rollout's files since a state was cached (a rename changes the inode)."""
-    state = _stat_of(paths.state)
-    sizes = [stat.st_size if (stat := _stat_of(path)) is not None else -1 for path in paths.records]
-    state_key = None if state is None else (state.st_ino, state.st_size, state.st_mtime_ns, state.st_ctime_ns)
-    return (state_key, sizes[0], sizes[1], sizes[2])
+    """Enough to tell that no one changed a rollout's files since a state was cached."""
+    return (
+        read_no_follow(paths.state),
+        _size_of(paths.entries),
+        _size_of(paths.intents),
+        _size_of(paths.incomplete),
+    )
 
 
 @contextmanager
