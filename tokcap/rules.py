@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from immutables import Map
 
+from tokcap.errors import InvalidInputError
 from tokcap.events import (
     CancelEvent,
     DeleteEvent,
@@ -240,7 +241,7 @@ def decide(
         return _retire(new, position)
     if isinstance(event, DeleteEvent):
         return _delete(state, position)
-    raise TypeError(f"no rule applies events of type {type(event).__name__}")
+    raise InvalidInputError(f"no rule applies events of type {type(event).__name__}")
 
 
 def _unchanged(state: RolloutState, verdict: ApplyResult, position: LogPosition | None) -> Decision:
