@@ -24,7 +24,15 @@ import enum
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    ValidationError,
+    model_serializer,
+)
 
 from tokcap.errors import NewerSchemaError, StoreCorruptionError, StoreFormatError
 from tokcap.events import LogPosition
@@ -70,12 +78,24 @@ class IntentOp(enum.StrEnum):
 
 
 class IncompleteMark(BaseModel):
-    """One reason the rollout is masked: which call was lost and why."""
+    """One reason the rollout is masked: which call was lost and why.
+
+    ``marker_id`` names a marker a sink may send more than once (a spilled marker forwarded again after a
+    lost acknowledgement); it is written only when set, so marks without one keep their bytes.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_call_id: str = ""
     reason: str = ""
+    marker_id: str = ""
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_marker_id(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not self.marker_id:
+            data.pop("marker_id", None)
+        return data
 
 
 class FreezeAnswer(BaseModel):
