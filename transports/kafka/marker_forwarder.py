@@ -18,7 +18,7 @@ from tokcap.errors import TransportError
 from tokcap.events import IncompleteEvent
 from transports.kafka.marker_spill import MarkerSpill
 
-__all__ = ["FIRST_RETRY_S", "LAST_RETRY_S", "MarkerForwarder", "logger"]
+__all__ = ["FIRST_RETRY_S", "LAST_RETRY_S", "MarkerForwarder", "Send", "logger"]
 
 logger = logging.getLogger(__name__)
 
