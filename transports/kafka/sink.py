@@ -217,6 +217,7 @@ class KafkaTokenSink:
         )
         self._forwarder.claim(event.marker_id)
         spilled: SpilledMarker | None = None
+        acknowledged = False
         try:
             try:
                 spilled = await asyncio.to_thread(self._spill.write, event)
@@ -236,12 +237,13 @@ class KafkaTokenSink:
                     "%s is kept in %s until the broker answers: %s", what, self._spill.directory, exc
                 )
                 return
+            acknowledged = True
             if spilled is not None:
                 self._spill.remove(spilled)
-                spilled = None
         finally:
             self._forwarder.release(event.marker_id)
-            if spilled is not None:
+            if not acknowledged:
+                # Sent or not, spilled or still being written (a cancelled caller): the forwarder looks.
                 self._forwarder.wake()
 
     async def _forward(self, event: IncompleteEvent) -> None:
