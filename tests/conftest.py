@@ -3,9 +3,20 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # tests/ is not a package; put it on sys.path so the plugin imports the same way under any layout.
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 pytest_plugins = ["kafka_broker_fixture", "gym_wheel", "secure_kafka_fixture"]
+
+
+@pytest.fixture(autouse=True)
+def _private_marker_spill(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's Kafka sinks (and the processes it starts) spill markers into a directory of their own.
+
+    Without it, a marker one test left spilled on a topic name would be forwarded by a later test's sink.
+    """
+    monkeypatch.setenv("TOKCAP_SPILL_DIR", str(tmp_path_factory.mktemp("marker-spill")))

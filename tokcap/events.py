@@ -16,13 +16,24 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry
 
 __all__ = [
     "EVENT_SCHEMA_VERSION",
+    "MARKER_ID_PATTERN",
     "CancelEvent",
     "DeleteEvent",
     "DropEvent",
@@ -96,12 +107,29 @@ class PutEvent(_EventBase):
         return self
 
 
+MARKER_ID_PATTERN = r"^[A-Za-z0-9._:-]{0,128}$"
+"""A marker id: short, printable and safe in a file name."""
+
+
 class IncompleteEvent(_EventBase):
-    """A call failed to capture; the rollout must be masked."""
+    """A call failed to capture; the rollout must be masked.
+
+    ``marker_id``, when set, names this marker uniquely: a sink that may send it twice (it spilled the
+    marker while the broker was down and forwards it later) sets it, and the apply step applies a marker
+    id once. It is encoded only when set, so markers without one keep their canonical bytes.
+    """
 
     type: Literal[EventType.INCOMPLETE] = EventType.INCOMPLETE
     model_call_id: str = ""
     reason: str = ""
+    marker_id: str = Field(default="", pattern=MARKER_ID_PATTERN)
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_marker_id(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not self.marker_id:
+            data.pop("marker_id", None)
+        return data
 
 
 class FreezeEvent(_EventBase):

@@ -14,6 +14,7 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - An intent or cancel that repeats the call's last recorded operation is a no-op.
 - An intent, cancel or put after the freeze is rejected, recorded as evidence and moves the version.
 - An incomplete marker is accepted even after the freeze, and every one moves the version.
+- An incomplete marker whose marker id was applied already is a no-op (a spilled marker forwarded twice).
 - The version counts as Gym's does: one per accepted entry, per marker, per conflicting put, and the first freeze.
 - Every event but delete is refused by a retired rollout's fence.
 - A freeze records the calls whose intent has no entry and no cancel; they make the snapshot incomplete.
@@ -360,7 +361,20 @@ def _incomplete(state: RolloutState, event: IncompleteEvent, position: LogPositi
     call_id = event.model_call_id
     if state.retired:
         return _unchanged(state, _refused_by_fence(state, EventType.INCOMPLETE, call_id), position)
-    marks = _with_mark(state, IncompleteMark(model_call_id=call_id, reason=event.reason))
+    if event.marker_id and any(mark.marker_id == event.marker_id for mark in state.incomplete_marks):
+        verdict = ApplyResult(
+            ApplyOutcome.NOOP,
+            EventType.INCOMPLETE,
+            state.rollout_id,
+            call_id,
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            detail=f"marker {event.marker_id} already applied",
+        )
+        return _unchanged(state, verdict, position)
+    marks = _with_mark(
+        state, IncompleteMark(model_call_id=call_id, reason=event.reason, marker_id=event.marker_id)
+    )
     late = not state.is_open
     verdict = ApplyResult(
         ApplyOutcome.ACCEPTED,

@@ -32,8 +32,10 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    SerializerFunctionWrapHandler,
     StrictInt,
     ValidationError,
+    model_serializer,
 )
 
 from tokcap.errors import NewerSchemaError, StoreCorruptionError, StoreFormatError
@@ -81,12 +83,24 @@ class IntentOp(enum.StrEnum):
 
 
 class IncompleteMark(BaseModel):
-    """One reason the rollout is masked: which call was lost and why."""
+    """One reason the rollout is masked: which call was lost and why.
+
+    ``marker_id`` names a marker a sink may send more than once (a spilled marker forwarded again after a
+    lost acknowledgement); it is written only when set, so marks without one keep their bytes.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_call_id: str = ""
     reason: str = ""
+    marker_id: str = ""
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_marker_id(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not self.marker_id:
+            data.pop("marker_id", None)
+        return data
 
 
 class FreezeAnswer(BaseModel):

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import orjson
 import pytest
+from cli_helpers import tokcap
 from confluent_kafka import Producer
 from store_contract import make_entry
 
-from tokcap.events import EVENT_SCHEMA_VERSION, FreezeEvent, encode_event
+from tokcap.events import EVENT_SCHEMA_VERSION, FreezeEvent, PutEvent, encode_event
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
+from transports.kafka.codec import encode_event_messages
 
 pytestmark = pytest.mark.kafka
 
@@ -90,3 +92,54 @@ def test_poison_messages_are_dead_lettered_with_reasons_and_consumption_goes_on(
     assert "newer" in lines[2]["reason"]
     assert "orphaned chunk" in lines[3]["reason"]
     assert not (tmp_path / "r-other.tokens.state.json").exists()
+
+
+def test_a_freeze_while_a_put_is_half_written_in_chunks_answers_an_incomplete_snapshot(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    messages = encode_event_messages(
+        PutEvent(rollout_id="r-half", entry=make_entry("r-half", "c1", tokens=1200)),
+        chunk_bytes=2048,
+        next_chunk_group=lambda: "killed-writer:0",
+    )
+    assert len(messages) >= 3
+    produce_raw(kafka_bootstrap, kafka_topic, [(m.key, m.value, m.headers) for m in messages[:1]])
+
+    async def scenario() -> None:
+        source = KafkaTokenSource(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path)
+        try:
+            snapshot = await source.freeze("r-half")
+            assert (list(snapshot.entries), snapshot.incomplete) == ([], True)
+        finally:
+            await source.close()
+
+    asyncio.run(scenario())
+    (line,) = [
+        orjson.loads(line) for line in (tmp_path / "kafka-dead-letter-p0.jsonl").read_bytes().splitlines()
+    ]
+    assert (line["offset"], line["rollout_id"]) == (0, "r-half")
+    assert "its rollout was frozen at offset 1 first" in line["reason"]
+
+
+def test_tokcap_materialize_reports_each_dead_letter_in_one_line(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    produce_raw(
+        kafka_bootstrap,
+        kafka_topic,
+        [
+            (b"r-garbage", b"\x00not json", []),
+            (b"r-ok", encode_event(FreezeEvent(rollout_id="r-ok")), []),
+            (b"r-late", b"half", [("tokcap.chunk.group", b"g:1")]),
+        ],
+    )
+    completed = tokcap(
+        "materialize", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic, "--dir", str(tmp_path),
+        "--until-caught-up",
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    reported = [line for line in completed.stderr.splitlines() if line.startswith("dead letter: ")]
+    assert len(reported) == 2, completed.stderr
+    assert reported[0].startswith("dead letter: partition 0 offset 0 rollout r-garbage: ")
+    assert "not valid JSON" in reported[0]
+    assert reported[1].startswith("dead letter: partition 0 offset 2 rollout r-late: ")

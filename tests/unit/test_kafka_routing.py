@@ -14,11 +14,11 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import make_entry
 
-from tokcap.events import EVENT_SCHEMA_VERSION, FreezeEvent, IntentEvent, PutEvent, encode_event
+from tokcap.events import EVENT_SCHEMA_VERSION, DeleteEvent, FreezeEvent, IntentEvent, PutEvent, encode_event
 from tokcap.store import TokenCaptureStore
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.codec import OutgoingMessage, encode_event_messages
-from transports.kafka.dead_letters import dead_letter_path
+from transports.kafka.dead_letters import DeadLetterLine, dead_letter_path
 from transports.kafka.materializer import Materializer
 from transports.kafka.router import DeadLetter, InboundRouter, LogMessage
 from transports.kafka.timeline import BUFFERED, DEAD_LETTERED, LogApplier
@@ -308,3 +308,84 @@ def test_a_materializer_resumed_from_an_older_checkpoint_writes_nothing_twice(tm
     materialize(topic, resumed)
     clean = {p.name: p.read_bytes() for p in sorted((tmp_path / "clean").iterdir())}
     assert {p.name: p.read_bytes() for p in sorted(resumed.iterdir())} == clean
+
+
+def frozen_while_open_log() -> MemoryTopic:
+    """r1's head chunk, r1 frozen, the rest of its chunks after the cut; r2's group stays open across it."""
+    topic = MemoryTopic(TOPIC)
+    r1 = chunks_of("r1", "c1", "w", 0)
+    r2 = chunks_of("r2", "c1", "v", 0)
+    produce(topic, r1[:1] + r2[:1])
+    topic.publish(FreezeEvent(rollout_id="r1"))
+    produce(topic, r1[1:] + r2[1:])
+    return topic
+
+
+def test_a_freeze_while_a_chunk_group_of_its_rollout_is_open_answers_an_incomplete_snapshot(
+    tmp_path: Path,
+) -> None:
+    topic = frozen_while_open_log()
+    materialize(topic, tmp_path)
+    store = TokenCaptureStore(tmp_path)
+    (answer,) = store.read_state("r1").freeze_answers
+    assert answer.incomplete and store.read_entries("r1") == []
+    lines = dead_letters(tmp_path)
+    assert (lines[0]["offset"], lines[0]["rollout_id"]) == (0, "r1")
+    assert "its rollout was frozen at offset 2 first" in str(lines[0]["reason"])
+    assert all("orphaned chunk" in str(line["reason"]) for line in lines[1:])
+    assert [line["rollout_id"] for line in lines] == ["r1"] * len(lines)
+    assert not store.is_incomplete("r2") and len(store.read_entries("r2")) == 1
+
+
+def test_a_freeze_abandons_the_open_group_in_the_timeline_as_in_the_materializer(tmp_path: Path) -> None:
+    topic = frozen_while_open_log()
+    materialize(topic, tmp_path / "materialized")
+    one = LogApplier(TokenCaptureStore(tmp_path / "r1"), TOPIC)
+    for message in topic.messages():
+        if message.key() == b"r1":
+            one.take_all(message.as_log_message())
+        else:
+            one.pass_over(message.as_log_message())
+    assert rollout_files(tmp_path / "r1") == rollout_files(tmp_path / "materialized", "r1")
+    assert [entry.offset for entry in one.abandoned] == [0]
+
+
+def test_a_materializer_resumed_at_any_checkpoint_around_a_freeze_that_abandoned_a_group_ends_identical(
+    tmp_path: Path,
+) -> None:
+    topic = frozen_while_open_log()
+    # The rollout id is deleted and reused after the abandoning freeze: a resume that decides the
+    # abandonment again must not mask the new rollout.
+    topic.publish(DeleteEvent(rollout_id="r1"))
+    topic.publish(PutEvent(rollout_id="r1", entry=make_entry("r1", "again")))
+    materialize(topic, tmp_path / "clean")
+    clean = {p.name: p.read_bytes() for p in sorted((tmp_path / "clean").iterdir())}
+    assert not TokenCaptureStore(tmp_path / "clean").is_incomplete("r1")
+    for name, checkpoint in {
+        "start": PartitionCheckpoint(TOPIC, 0),
+        "head-chunks-read": PartitionCheckpoint(TOPIC, 0, next_offset=2, pending_chunk_offsets=[0, 1]),
+    }.items():
+        resumed = tmp_path / name
+        materialize(topic, resumed)
+        checkpoint_path(resumed, 0).write_bytes(checkpoint.encode())
+        materialize(topic, resumed)
+        assert {p.name: p.read_bytes() for p in sorted(resumed.iterdir())} == clean, name
+
+
+def test_the_materializer_reports_each_dead_letter_once_as_it_writes_it(tmp_path: Path) -> None:
+    topic = frozen_while_open_log()
+    reported: list[DeadLetterLine] = []
+    for _ in range(2):
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, on_dead_letter=reported.append
+        )
+        materializer.start()
+        try:
+            assert materializer.wait_until_caught_up(60)
+        finally:
+            materializer.stop()
+    written = dead_letters(tmp_path)
+    assert [(line.partition, line.offset, line.rollout_id) for line in reported] == [
+        (line["partition"], line["offset"], line["rollout_id"]) for line in written
+    ]
+    assert reported[0].describe().startswith("partition 0 offset 0 rollout r1: orphaned chunk group w:0")

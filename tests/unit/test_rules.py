@@ -22,6 +22,8 @@ from tokcap.events import (
     LogPosition,
     PutEvent,
     RetireEvent,
+    decode_event,
+    encode_event,
 )
 from tokcap.rules import (
     AppendEntry,
@@ -180,6 +182,32 @@ def test_every_incomplete_marker_is_a_line_and_moves_the_version_even_after_the_
     assert decisions[4].verdict.outcome is ApplyOutcome.ACCEPTED
     assert state.version == 5 and state.incomplete
     assert state.incomplete_size == 6 and len(state.incomplete_marks) == 1
+
+
+def test_a_marker_id_is_applied_once_however_often_the_marker_is_forwarded() -> None:
+    spilled = IncompleteEvent(rollout_id=RID, model_call_id="a", reason="lost", marker_id="s1-0")
+    other = IncompleteEvent(rollout_id=RID, model_call_id="a", reason="lost", marker_id="s1-1")
+    state, decisions = _run([spilled, spilled, FreezeEvent(rollout_id=RID), spilled, other])
+    assert [d.verdict.outcome for d in decisions] == [
+        ApplyOutcome.ACCEPTED,
+        ApplyOutcome.NOOP,
+        ApplyOutcome.ACCEPTED,
+        ApplyOutcome.NOOP,
+        ApplyOutcome.ACCEPTED,
+    ]
+    assert decisions[1].effects == (WriteState(durable=False),)
+    assert state.version == 3 and state.incomplete_size == 4
+    assert [mark.marker_id for mark in state.incomplete_marks] == ["s1-0", "s1-1"]
+
+
+def test_a_marker_without_an_id_encodes_as_before_and_its_state_mark_too() -> None:
+    marker = IncompleteEvent(rollout_id=RID, model_call_id="a", reason="lost")
+    assert b"marker_id" not in encode_event(marker)
+    state, _ = _run([marker])
+    assert b"marker_id" not in state.encode()
+    state, _ = _run([marker.model_copy(update={"marker_id": "s1-0"})])
+    assert b'"marker_id":"s1-0"' in state.encode()
+    assert decode_event(encode_event(marker.model_copy(update={"marker_id": "s1-0"}))).marker_id == "s1-0"  # type: ignore[union-attr]
 
 
 def test_a_stale_drop_keeps_everything_and_an_exact_one_fences_before_removing() -> None:

@@ -1,12 +1,14 @@
 """``tokcap materialize``: the long-running service that projects a run topic into a store directory.
 
 Run one per node that needs snapshots, each on its own directory. It reports, per partition, how far it
-has applied and how far behind the log's end it is. SIGINT or SIGTERM stops it after the current batch,
+has applied and how far behind the log's end it is, and every message it dead-letters (one line each:
+partition, offset, rollout, reason). SIGINT or SIGTERM stops it after the current batch,
 with the checkpoint written, so a restart resumes exactly where it stopped.
 """
 
 from __future__ import annotations
 
+import queue
 import signal
 import threading
 import time
@@ -78,7 +80,21 @@ def run_materializer(
         marks = {p: marks[p] for p in chosen}
     target = {p: high for p, (_, high) in marks.items()}
     directory.mkdir(parents=True, exist_ok=True)
-    materializer = Materializer(bootstrap, name, directory, chosen, consumer_config=client_config)
+    dead_letters: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    materializer = Materializer(
+        bootstrap,
+        name,
+        directory,
+        chosen,
+        consumer_config=client_config,
+        on_dead_letter=dead_letters.put,
+    )
+
+    def report_dead_letters() -> None:
+        # Printed here, not on the materializer's thread, so the lines never interleave with the lag report.
+        while not dead_letters.empty():
+            console.print(f"dead letter: {dead_letters.get().describe()}", markup=False, soft_wrap=True)
+
     stop = threading.Event()
     console.print(f"materializing {name} into {directory} (partitions {sorted(marks)}); Ctrl-C stops cleanly")
     with stop_on_signals(stop):
@@ -87,6 +103,7 @@ def run_materializer(
             next_report = 0.0
             while not stop.is_set():
                 materializer.wait_for(0 if chosen is None else chosen[0], -1, 0)
+                report_dead_letters()
                 applied = materializer.applied_offsets()
                 if until_caught_up and all(applied.get(p, 0) >= end for p, end in target.items()):
                     break
@@ -98,6 +115,7 @@ def run_materializer(
                 stop.wait(0.2)
         finally:
             materializer.stop()
+            report_dead_letters()
     applied = materializer.applied_offsets()
     console.print(f"stopped; checkpoint written: {format_lag(applied, target)}")
     return {"topic": name, "store_dir": str(directory), "applied_offsets": applied}

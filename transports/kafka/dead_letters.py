@@ -10,13 +10,21 @@ exactly the lines a clean run writes.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
 from tokcap.durable_io import append_durably
 
-__all__ = ["DEAD_LETTER_PREFIX", "REASON_LIMIT", "DeadLetterLog", "dead_letter_files", "dead_letter_path"]
+__all__ = [
+    "DEAD_LETTER_PREFIX",
+    "REASON_LIMIT",
+    "DeadLetterLine",
+    "DeadLetterLog",
+    "dead_letter_files",
+    "dead_letter_path",
+]
 
 DEAD_LETTER_PREFIX = "kafka-dead-letter-p"
 """Dead-letter record of partition N: ``kafka-dead-letter-p<N>.jsonl``."""
@@ -30,6 +38,22 @@ _SUFFIX = ".jsonl"
 def dead_letter_path(directory: Path, partition: int) -> Path:
     """Where partition ``partition``'s dead letters live in a store directory."""
     return directory / f"{DEAD_LETTER_PREFIX}{partition}{_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class DeadLetterLine:
+    """One dead-letter line as written: where the message was, the rollout its key names, and why."""
+
+    partition: int
+    offset: int
+    rollout_id: str | None
+    reason: str
+
+    def describe(self) -> str:
+        """One line for an operator: ``partition 0 offset 12 rollout r1: <reason>``."""
+        return (
+            f"partition {self.partition} offset {self.offset} rollout {self.rollout_id or '-'}: {self.reason}"
+        )
 
 
 class DeadLetterLog:

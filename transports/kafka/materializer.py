@@ -53,7 +53,7 @@ from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import list_topics
 from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
 from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
-from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, DeadLetterLog
+from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
@@ -122,9 +122,15 @@ class Materializer:
         *,
         consumer_config: Mapping[str, Any] | None = None,
         consumer_factory: Callable[[dict[str, Any]], Consumer] = Consumer,
+        on_dead_letter: Callable[[DeadLetterLine], object] | None = None,
     ) -> None:
-        """``consumer_factory`` builds the consumer from its settings; tests pass an in-memory topic double."""
+        """``consumer_factory`` builds the consumer from its settings; tests pass an in-memory topic double.
+
+        ``on_dead_letter`` is called, on the materializer's thread, with each dead-letter line once it is
+        written (``tokcap materialize`` prints them); it must not block.
+        """
         self._bootstrap = bootstrap_servers
+        self._on_dead_letter = on_dead_letter
         self._new_consumer = consumer_factory
         self._topic = validate_topic_name(topic)
         self._store = TokenCaptureStore(store_dir)
@@ -429,7 +435,15 @@ class Materializer:
                 self._topic,
                 routed.reason,
             )
-            progress.dead_letters.record(routed.partition, routed.offset, routed.reason, routed.rollout_id)
+            written = progress.dead_letters.record(
+                routed.partition, routed.offset, routed.reason, routed.rollout_id
+            )
+            if written and self._on_dead_letter is not None:
+                self._on_dead_letter(
+                    DeadLetterLine(
+                        routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
+                    )
+                )
         if result is not None and (
             isinstance(routed, ApplyEvent) or (isinstance(routed, DeadLetter) and routed.positioned)
         ):

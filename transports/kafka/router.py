@@ -11,9 +11,11 @@ Both readers of a topic route through here, the materializer and the timeline be
   dead letter carries the incomplete mark that masks it.
 
 A chunk group can never complete, and is abandoned, when the same writer session starts another group (its
-chunks of one group are contiguous in its output), when a chunk does not continue it, or when it is still
-open ``ORPHAN_AFTER_OFFSETS`` offsets after its first chunk. The router only decides; ``carry_out`` applies
-a decision to a store, and only the materializer writes dead-letter lines.
+chunks of one group are contiguous in its output), when a chunk does not continue it, when its rollout is
+frozen first, or when it is still open ``ORPHAN_AFTER_OFFSETS`` offsets after its first chunk. A freeze
+abandons its rollout's open groups before it applies: whatever completes after the cut is never part of
+the snapshot, so a snapshot taken while a group is open must be masked, not returned complete. The router
+only decides; ``carry_out`` applies a decision to a store, and only the materializer writes dead-letter lines.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
-from tokcap.events import Event, IncompleteEvent, LogPosition
+from tokcap.events import Event, FreezeEvent, IncompleteEvent, LogPosition
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.codec import (
     ChunkHeader,
@@ -123,7 +125,8 @@ class DeadLetter:
 
     ``mask`` marks the rollout the key names incomplete. A message's mask is applied at the message's log
     position; an abandoned group's has no single position (``positioned`` is false), so it is applied
-    without one and guarded by its reason instead.
+    without one and guarded instead: by its reason, and by ``decided_at``, the offset of the message whose
+    routing abandoned the group (a rollout already applied past it had the mask applied before).
     """
 
     partition: int
@@ -134,6 +137,7 @@ class DeadLetter:
     rollout_id: str | None
     mask: IncompleteEvent | None
     positioned: bool
+    decided_at: int = -1
 
 
 Routed = ApplyEvent | Buffered | DeadLetter
@@ -173,7 +177,6 @@ class InboundRouter:
 
     def route(self, message: LogMessage) -> list[Routed]:
         """What the message becomes, preceded and followed by the groups it makes abandoned."""
-        partition, offset = message.partition, message.offset
         routed: list[Routed]
         try:
             headers = headers_to_dict(message.headers)
@@ -185,7 +188,7 @@ class InboundRouter:
                 routed = [self._decode(message, message.key, message.value, headers, message.size)]
             else:
                 routed = self._take_chunk(message, headers, chunk)
-        return routed + self._abandon_stale(partition, offset)
+        return self._abandon_before_freeze(message, routed) + self._abandon_stale(message)
 
     def pass_over(self, message: LogMessage) -> list[Routed]:
         """A message read but not routed (another rollout's): it can still make open groups abandoned.
@@ -199,8 +202,8 @@ class InboundRouter:
         except EventDecodeError:
             chunk = None
         if chunk is not None and chunk.index == 0:
-            routed = self._abandon_session(message.partition, chunk)
-        return routed + self._abandon_stale(message.partition, message.offset)
+            routed = self._abandon_session(message, chunk)
+        return routed + self._abandon_stale(message)
 
     def rebuffer(self, message: LogMessage) -> None:
         """Take back a chunk of a group that was open at the checkpoint; it was checked when first read."""
@@ -246,7 +249,7 @@ class InboundRouter:
         groups = self._groups.setdefault(message.partition, {})
         if chunk.index == 0:
             # The same session's older group, the same group id included, can no longer complete.
-            abandoned = self._abandon_session(message.partition, chunk)
+            abandoned = self._abandon_session(message, chunk)
             groups[chunk.group] = _OpenGroup(chunk, key, headers, [message.offset], [value], size)
             return [
                 *abandoned,
@@ -260,9 +263,7 @@ class InboundRouter:
         if (chunk.index, chunk.count, chunk.digest, key) != expected:
             return [
                 self._abandon(
-                    message.partition,
-                    group,
-                    f"chunk {chunk.index} at offset {message.offset} does not continue it",
+                    message, group, f"chunk {chunk.index} at offset {message.offset} does not continue it"
                 ),
                 self._dead_letter(
                     message,
@@ -287,23 +288,41 @@ class InboundRouter:
     def _progress(chunk: ChunkHeader) -> str:
         return f"chunk {chunk.index + 1}/{chunk.count} of {chunk.group}"
 
-    def _abandon_session(self, partition: int, chunk: ChunkHeader) -> list[Routed]:
+    def _abandon_session(self, message: LogMessage, chunk: ChunkHeader) -> list[Routed]:
         """A writer session began a new group: its older open groups in the partition can never complete."""
         return [
-            self._abandon(partition, group, f"a new chunk group {chunk.group} of the same writer began")
-            for group in list(self._groups.get(partition, {}).values())
+            self._abandon(message, group, f"a new chunk group {chunk.group} of the same writer began")
+            for group in list(self._groups.get(message.partition, {}).values())
             if group.header.session == chunk.session
         ]
 
-    def _abandon_stale(self, partition: int, offset: int) -> list[Routed]:
+    def _abandon_before_freeze(self, message: LogMessage, routed: list[Routed]) -> list[Routed]:
+        """A freeze first abandons its rollout's open groups: a group completing after the cut is never applied.
+
+        Their masks go before the freeze, so the snapshot it answers is incomplete.
+        """
+        decided: list[Routed] = []
+        for item in routed:
+            if isinstance(item, ApplyEvent) and isinstance(item.event, FreezeEvent):
+                rollout_id = item.event.rollout_id
+                decided.extend(
+                    self._abandon(message, group, f"its rollout was frozen at offset {message.offset} first")
+                    for group in list(self._groups.get(message.partition, {}).values())
+                    if rollout_of_key(group.key) == rollout_id
+                )
+            decided.append(item)
+        return decided
+
+    def _abandon_stale(self, message: LogMessage) -> list[Routed]:
         return [
-            self._abandon(partition, group, f"still open {self.orphan_after_offsets} offsets later")
-            for group in list(self._groups.get(partition, {}).values())
-            if offset - group.offsets[0] >= self.orphan_after_offsets
+            self._abandon(message, group, f"still open {self.orphan_after_offsets} offsets later")
+            for group in list(self._groups.get(message.partition, {}).values())
+            if message.offset - group.offsets[0] >= self.orphan_after_offsets
         ]
 
-    def _abandon(self, partition: int, group: _OpenGroup, why: str) -> DeadLetter:
-        """Close a group that can never complete; its rollout is masked without a log position."""
+    def _abandon(self, message: LogMessage, group: _OpenGroup, why: str) -> DeadLetter:
+        """Close a group that can never complete, decided while routing ``message``; its rollout is masked."""
+        partition = message.partition
         self._groups[partition].pop(group.header.group, None)
         reason = (
             f"orphaned chunk group {group.header.group}: {len(group.pieces)} of {group.header.count} chunks "
@@ -316,7 +335,15 @@ class InboundRouter:
             else IncompleteEvent(rollout_id=rollout_id, writer=MATERIALIZER_WRITER, reason=reason)
         )
         return DeadLetter(
-            partition, group.offsets[0], group.headers, group.size, reason, rollout_id, mask, positioned=False
+            partition,
+            group.offsets[0],
+            group.headers,
+            group.size,
+            reason,
+            rollout_id,
+            mask,
+            positioned=False,
+            decided_at=message.offset,
         )
 
     @staticmethod
@@ -348,6 +375,11 @@ def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResu
     if routed.positioned:
         return store.apply(routed.mask, LogPosition(topic, routed.partition, routed.offset))
     mask = routed.mask
+    # A resumed materializer decides again; the rollout already went past that point, or holds the mark.
+    if store.read_state(mask.rollout_id).already_applied(
+        LogPosition(topic, routed.partition, routed.decided_at)
+    ):
+        return None
     if store.has_incomplete_mark(mask.rollout_id, mask.model_call_id, mask.reason):
         return None
     return store.apply(mask)

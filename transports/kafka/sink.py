@@ -5,6 +5,13 @@ Build it from keyword arguments, so a config can name ``transports.kafka:KafkaTo
 idempotent producer), and fails within ``delivery_timeout_s`` when the broker is unreachable.
 The sink refuses at once a payload that conflicts with one it already wrote for the same call;
 conflicts between processes are decided by the materializer, which fails closed.
+
+``mark_incomplete`` is more available than ``put``: each marker is written to a local durable spill
+(``marker_spill``) before it is sent, and stays there until the broker acknowledged it. When the broker cannot
+be reached, ``mark_incomplete`` still returns once the marker is spilled, and the sink forwards it when the
+broker answers again (``marker_forwarder``); a sink starting on the same spill directory forwards the markers
+a crashed process left. Each marker carries an id the apply step applies once, so forwarding it again after a
+lost acknowledgement changes nothing.
 """
 
 from __future__ import annotations
@@ -18,14 +25,17 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from tokcap.errors import ConfigError, ConflictingEntryError
+from tokcap.errors import ConfigError, ConflictingEntryError, DeliveryError, TransportError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
 from tokcap.input_rules import accept_entry, check_call_id
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.marker_forwarder import MarkerForwarder
+from transports.kafka.marker_spill import MarkerSpill, MarkerSpillError, SpilledMarker, default_spill_dir
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
 from transports.kafka.topics import resolve_topic
 
@@ -64,7 +74,12 @@ class KafkaTokenSink:
         producer_config: Mapping[str, Any] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         remembered_calls: int = DEFAULT_REMEMBERED_CALLS,
+        spill_dir: str | Path | None = None,
     ) -> None:
+        """``spill_dir`` keeps incomplete markers the broker has not acknowledged yet, one sub-directory per
+        topic (default ``$TOKCAP_SPILL_DIR``, else ``~/.cache/tokcap/spill``); use a local disk that outlives
+        the process, shared by the sinks of one node so a new sink forwards what a crashed one left.
+        """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
         if chunk_bytes < 1024:
@@ -83,12 +98,17 @@ class KafkaTokenSink:
             bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
         )
         self._closed = False
+        self._marker_sequence = itertools.count()
+        self._spill = MarkerSpill(Path(spill_dir or default_spill_dir()) / self._topic, self._session)
+        self._forwarder = MarkerForwarder(self._spill, self._forward)
         logger.info(
             "kafka token sink writing to topic %s on %s as %s",
             self._topic,
             bootstrap_servers,
             self._writer_id,
         )
+        if self._spill.adopt_dead_sessions():
+            self._forwarder.wake()
 
     def __repr__(self) -> str:
         """Names the topic and writer only: producer settings may hold credentials."""
@@ -180,18 +200,78 @@ class KafkaTokenSink:
         await self._publish(event, what=f"cancel of call {model_call_id!r} of rollout {rollout_id!r}")
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
-        """Publish that a call of the rollout failed to capture, so the rollout is masked."""
+        """Record that a call of the rollout failed to capture, so the rollout is masked.
+
+        Returns once the broker acknowledged the marker, or, when it cannot be reached, once the marker is
+        durable in the local spill (it is forwarded when the broker answers). Raises only when neither worked.
+        """
         check_call_id(rollout_id, model_call_id, may_be_empty=True)
+        what = f"incomplete marker of call {model_call_id!r} of rollout {rollout_id!r}"
+        if self._closed:
+            raise DeliveryError(f"{what} cannot be sent: the sink is closed")
         event = IncompleteEvent(
-            rollout_id=rollout_id, writer=self._writer_id, model_call_id=model_call_id, reason=reason
+            rollout_id=rollout_id,
+            writer=self._writer_id,
+            model_call_id=model_call_id,
+            reason=reason,
+            marker_id=f"{self._session}-{next(self._marker_sequence)}",
         )
-        await self._publish(
-            event, what=f"incomplete marker of call {model_call_id!r} of rollout {rollout_id!r}"
-        )
+        self._forwarder.claim(event.marker_id)
+        spilled: SpilledMarker | None = None
+        acknowledged = False
+        try:
+            try:
+                spilled = await asyncio.to_thread(self._spill.write, event)
+            except MarkerSpillError as exc:
+                spill_error: MarkerSpillError | None = exc
+                logger.warning("%s is sent without a spill: %s", what, exc)
+            else:
+                spill_error = None
+            try:
+                await self._publish(event, what=what)
+            except TransportError as exc:
+                if spilled is None:
+                    raise DeliveryError(
+                        f"{what} could not be sent ({exc}) nor kept in the local spill ({spill_error})"
+                    ) from exc
+                logger.warning(
+                    "%s is kept in %s until the broker answers: %s", what, self._spill.directory, exc
+                )
+                return
+            acknowledged = True
+            if spilled is not None:
+                self._spill.remove(spilled)
+        finally:
+            self._forwarder.release(event.marker_id)
+            if not acknowledged:
+                # Sent or not, spilled or still being written (a cancelled caller): the forwarder looks.
+                self._forwarder.wake()
+
+    async def _forward(self, event: IncompleteEvent) -> None:
+        """Send one spilled marker as it was written (its writer may be a sink that is gone)."""
+        what = f"spilled incomplete marker {event.marker_id} of rollout {event.rollout_id!r}"
+        await self._publish(event, what=what)
+
+    @property
+    def spilled_markers(self) -> int:
+        """How many incomplete markers wait in the local spill for the broker's acknowledgement."""
+        return len(self._spill.pending())
+
+    async def forward_spilled(self) -> int:
+        """Try to forward every spilled marker now; return how many are still waiting (0 once all are in the log)."""
+        return await asyncio.to_thread(self._forwarder.forward_pending)
 
     async def close(self) -> None:
-        """Flush pending events and stop the producer; calling it again is a no-op."""
+        """Forward what is spilled if the broker answers, flush, stop the producer; calling it again is a no-op.
+
+        Markers the broker does not take stay spilled; the next sink on this topic and spill directory
+        forwards them.
+        """
         if self._closed:
             return
         self._closed = True
+        await asyncio.to_thread(self._forwarder.stop, self._bridge.delivery_timeout_s + 10)
+        if self._spill.pending():
+            await self.forward_spilled()
+        self._spill.close()
         await asyncio.to_thread(self._bridge.close)
