@@ -28,7 +28,7 @@ Error tree::
     ├── InjectedFaultError (RuntimeError)
     ├── TrajectoryBuildError (RuntimeError)
     │   ├── ChainValidationError
-    │   └── PrefixContiguityError
+    │   └── PrefixContiguityError (also AssertionError)
     └── TransportError (RuntimeError)
         ├── DeliveryError
         ├── DeliveryTimeoutError
@@ -198,8 +198,11 @@ class ChainValidationError(TrajectoryBuildError):
     """A built chain breaks its own invariant: a link's prompt does not extend the previous link."""
 
 
-class PrefixContiguityError(TrajectoryBuildError):
-    """A projected response's token arrays do not concatenate to the chain's full sequence."""
+class PrefixContiguityError(TrajectoryBuildError, AssertionError):
+    """A projected response's token arrays do not concatenate to the chain's full sequence.
+
+    It is also an ``AssertionError``, which is what Gym's ``assert_prefix_contiguity`` raises and its callers catch.
+    """
 
 
 class MaterializerFailedError(TransportError):

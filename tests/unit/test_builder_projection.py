@@ -154,3 +154,9 @@ def test_a_token_item_without_generated_tokens_fails_the_contiguity_check() -> N
     item = {"prompt_token_ids": [1], "generation_token_ids": [], "generation_log_probs": []}
     with pytest.raises(PrefixContiguityError, match="no generated token"):
         assert_prefix_contiguity({"output": [item]})
+
+
+def test_a_contiguity_failure_is_the_assertion_error_gyms_callers_catch() -> None:
+    item = {"prompt_token_ids": [1], "generation_token_ids": [], "generation_log_probs": []}
+    with pytest.raises(AssertionError):
+        assert_prefix_contiguity({"output": [item]})
