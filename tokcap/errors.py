@@ -29,6 +29,7 @@ Error tree::
     ├── TrajectoryBuildError (RuntimeError)
     │   ├── ChainValidationError
     │   └── PrefixContiguityError
+    ├── LineageLookupError (RuntimeError)
     └── TransportError (RuntimeError)
         ├── DeliveryError
         ├── DeliveryTimeoutError
@@ -64,6 +65,7 @@ __all__ = [
     "InjectedFaultError",
     "InvalidInputError",
     "InvalidRolloutIdError",
+    "LineageLookupError",
     "MaskFractionExceededError",
     "MaterializerFailedError",
     "MaterializerOwnedElsewhereError",
@@ -200,6 +202,10 @@ class ChainValidationError(TrajectoryBuildError):
 
 class PrefixContiguityError(TrajectoryBuildError):
     """A projected response's token arrays do not concatenate to the chain's full sequence."""
+
+
+class LineageLookupError(TokcapError, RuntimeError):
+    """A proven parent's tokens could not be rebuilt or failed their digest; the request is left unresolved."""
 
 
 class MaterializerFailedError(TransportError):
