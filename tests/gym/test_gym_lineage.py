@@ -76,7 +76,8 @@ def test_tokcaps_fingerprint_and_context_digest_equal_gyms_for_every_dialect(
 
 
 @pytest.mark.parametrize(
-    "arguments", [None, "", ' {"b":1, "a":2} ', "not json", {"z": [1, {"y": 2}]}, "[1,2]"]
+    "arguments",
+    [None, "", ' {"b":1, "a":2} ', "not json", " not json either ", {"z": [1, {"y": 2}]}, "[1,2]"],
 )
 def test_tool_arguments_are_canonicalized_as_gym_does(gym: GymModules, arguments: Any) -> None:
     theirs = _gym_fingerprint(gym)
