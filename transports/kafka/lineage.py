@@ -27,7 +27,9 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +105,50 @@ def partition_for(rollout_id: str, partitions: int, partitioner: str = "consiste
     raise ConfigError(f"partitioner {partitioner!r} is not one of {', '.join(PARTITIONERS)}")
 
 
+class _SharedQuestion:
+    """One broker question answering every caller that arrived before it was sent.
+
+    A caller that finds a question in flight waits for it to finish and then for the next one, which is
+    sent after the caller arrived: no answer is older than the call it answers (read-your-writes), and
+    many concurrent callers cost two round trips rather than one queued round trip each.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._asking = False
+        self._sent = 0
+        self._answered = 0
+        self._answer: tuple[int, int] = (0, 0)
+        self._failure: BaseException | None = None
+
+    def ask(self, question: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+        """The answer of a question sent after this call began (this caller's, or a concurrent caller's)."""
+        with self._condition:
+            wanted = self._sent + 1
+            while self._answered < wanted:
+                if self._asking:
+                    self._condition.wait()
+                    continue
+                self._asking = True
+                self._sent += 1
+                number = self._sent
+                self._condition.release()
+                answer: tuple[int, int] = (0, 0)
+                failure: BaseException | None = None
+                try:
+                    answer = question()
+                except BaseException as exc:
+                    failure = exc
+                finally:
+                    self._condition.acquire()
+                    self._asking = False
+                    self._answered, self._answer, self._failure = number, answer, failure
+                    self._condition.notify_all()
+            if self._failure is not None:
+                raise self._failure
+            return self._answer
+
+
 @dataclass
 class _StoredPut:
     """One put's undecoded value, decoded only if its call is on a proven parent's chain."""
@@ -147,6 +193,7 @@ class KafkaLineageResolver:
         consumer_config: Mapping[str, Any] | None = None,
         partitioner: str = "consistent_random",
         timeout_s: float = 10.0,
+        threads: int = 32,
     ) -> None:
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
@@ -157,6 +204,8 @@ class KafkaLineageResolver:
             )
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {threads}")
         self._topic = resolve_topic(run_id, topic)
         self._partitioner = partitioner
         self._timeout_s = timeout_s
@@ -176,8 +225,10 @@ class KafkaLineageResolver:
         self._lock = threading.Lock()
         self._partitions: int | None = None
         self._next: dict[int, int] = {}
+        self._ends: defaultdict[int, _SharedQuestion] = defaultdict(_SharedQuestion)
         self._rollouts: dict[str, _RolloutLog] = {}
         self._chunks: dict[str, list[bytes]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokcap-lineage")
         self._closed = False
 
     def __repr__(self) -> str:
@@ -193,7 +244,11 @@ class KafkaLineageResolver:
         """Return ROOT, RESOLVED with the proven parent's cumulative tokens, or UNRESOLVED with a reason."""
         if not assistant_fingerprint(request_items):
             return LineageResolution(ParentResolutionStatus.ROOT)
-        return await asyncio.to_thread(self.resolve_now, rollout_id, request_items)
+        # Its own threads: a call mostly waits on the broker, and the default pool (a few threads) would queue
+        # concurrent rollouts' calls behind each other.
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.resolve_now, rollout_id, request_items
+        )
 
     def resolve_now(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
         """The blocking form of ``resolve``."""
@@ -202,13 +257,20 @@ class KafkaLineageResolver:
         with self._lock:
             if self._closed:
                 raise TransportError(f"{self!r} is closed; build a new resolver")
-            self._catch_up(self._partition_of(rollout_id))
+            partition = self._partition_of(rollout_id)
+        # The end of the partition is asked outside the lock, and concurrent calls share one question.
+        low, high = self._ends[partition].ask(lambda: self._end_of(partition))
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"{self!r} is closed; build a new resolver")
+            self._catch_up(partition, low, high)
             log = self._rollouts.get(rollout_id) or _RolloutLog()
             status, node, reason = log.index.decide(request_items)
-            if node is None:
-                return resolution_of(status, None, reason)
-            tokens = materialize_tokens(node, log.index, lambda ids: [self._entry_of(log, i) for i in ids])
-            return resolution_of(status, node, reason, tokens)
+        if node is None:
+            return resolution_of(status, None, reason)
+        # Decoding the winner's arrays needs no lock: a rollout's recorded calls are only ever added to.
+        tokens = materialize_tokens(node, log.index, lambda ids: [self._entry_of(log, i) for i in ids])
+        return resolution_of(status, node, reason, tokens)
 
     def is_process_shared(self) -> bool:
         """True: every worker reads the same topic."""
@@ -223,6 +285,7 @@ class KafkaLineageResolver:
             self._rollouts.clear()
             self._chunks.clear()
         await asyncio.to_thread(self._consumer.close)
+        self._executor.shutdown(wait=False)
 
     # ------------------------------------------------------------------ reading the log
 
@@ -235,8 +298,8 @@ class KafkaLineageResolver:
             self._partitions = len(described.partitions)
         return partition_for(rollout_id, self._partitions, self._partitioner)
 
-    def _catch_up(self, partition: int) -> None:
-        """Read the partition up to its end as of now."""
+    def _end_of(self, partition: int) -> tuple[int, int]:
+        """The partition's first held offset and the offset after its last message, asked of the broker now."""
         where = TopicPartition(self._topic, partition)
         try:
             low, high = self._consumer.get_watermark_offsets(where, timeout=self._timeout_s, cached=False)
@@ -247,6 +310,10 @@ class KafkaLineageResolver:
                 context=self._context,
                 timeout_s=self._timeout_s,
             ) from None
+        return int(low), int(high)
+
+    def _catch_up(self, partition: int, low: int, high: int) -> None:
+        """Read the partition up to ``high``, its end as of the call."""
         if partition not in self._next:
             self._next[partition] = int(low)
             self._consumer.incremental_assign([TopicPartition(self._topic, partition, int(low))])
