@@ -264,6 +264,11 @@ class KafkaLineageResolver:
             if self._closed:
                 raise TransportError(f"{self!r} is closed; build a new resolver")
             self._catch_up(partition, low, high)
+        return self._answer(rollout_id, request_items)
+
+    def _answer(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
+        """The decision over what has been read of the log so far."""
+        with self._lock:
             log = self._rollouts.get(rollout_id) or _RolloutLog()
             status, node, reason = log.index.decide(request_items)
         if node is None:
