@@ -29,6 +29,7 @@ Error tree::
     ├── TrajectoryBuildError (RuntimeError)
     │   ├── ChainValidationError
     │   └── PrefixContiguityError (also AssertionError)
+    ├── LineageLookupError (RuntimeError)
     └── TransportError (RuntimeError)
         ├── DeliveryError
         ├── DeliveryTimeoutError
@@ -64,6 +65,7 @@ __all__ = [
     "InjectedFaultError",
     "InvalidInputError",
     "InvalidRolloutIdError",
+    "LineageLookupError",
     "MaskFractionExceededError",
     "MaterializerFailedError",
     "MaterializerOwnedElsewhereError",
@@ -203,6 +205,10 @@ class PrefixContiguityError(TrajectoryBuildError, AssertionError):
 
     It is also an ``AssertionError``, which is what Gym's ``assert_prefix_contiguity`` raises and its callers catch.
     """
+
+
+class LineageLookupError(TokcapError, RuntimeError):
+    """A proven parent's tokens could not be rebuilt or failed their digest; the request is left unresolved."""
 
 
 class MaterializerFailedError(TransportError):

@@ -252,7 +252,9 @@ def as_token_entry(entry: Any) -> TokenEntry:
         return TokenEntry.from_mapping(dict(entry))
     dump = getattr(entry, "model_dump", None)
     if callable(dump):
-        return TokenEntry.from_mapping(dump(mode="json"))
+        # Gym's middleware stamps the resolver's status as given; tokcap's resolvers give tokcap's enum, which
+        # Gym's serializer renders as its value after a warning. The value is validated here again.
+        return TokenEntry.from_mapping(dump(mode="json", warnings=False))
     raise RecordValidationError(
         f"cannot store a {type(entry).__name__} as a token entry; pass a TokenEntry (tokcap's or Gym's) or a dict"
     )

@@ -1,10 +1,12 @@
 """The request-scoped capture path: who is calling, and where its tokens go.
 
 Middleware opens a ``CaptureContext`` for one model call with ``set_token_sink``.
-Before dispatch, ``register_call_intent`` records the call's intent, so a call whose entry never
-arrives masks the rollout at freeze.
-After generation, ``capture_tokens`` (response side) or ``commit_entry`` (engine side) stores the
-call's ``TokenEntry``.
+Before dispatch, ``resolve_parent`` decides once which recorded call the request continues (through the
+context's lineage resolver, else the installed one), and ``register_call_intent`` records the call's
+intent, so a call whose entry never arrives masks the rollout at freeze.
+After generation, ``capture_tokens`` (response side) or ``commit_entry`` (engine side) stamps the
+call's ``TokenEntry`` with that decision (``stamp_lineage``) and with its own lookup metadata
+(``stamp_continuation``), as Gym's middleware does, and stores it; so lineage needs no Gym.
 
 Failure chain:
 
@@ -28,8 +30,23 @@ from typing import Any, cast
 from pydantic import BaseModel
 
 from tokcap.errors import TokenExtractionError
-from tokcap.protocols import IntentTokenSink, TokenSink, installed_token_sink
-from tokcap.records import TokenEntry, find_token_fields, response_items, strip_token_arrays
+from tokcap.fingerprint import assistant_fingerprint
+from tokcap.lineage import LineageResolution, stamp_continuation
+from tokcap.protocols import (
+    IntentTokenSink,
+    LineageResolver,
+    TokenSink,
+    installed_lineage_store,
+    installed_token_sink,
+)
+from tokcap.records import (
+    ParentResolutionStatus,
+    TokenEntry,
+    find_token_fields,
+    response_items,
+    stamp_lineage,
+    strip_token_arrays,
+)
 
 __all__ = [
     "CaptureContext",
@@ -40,7 +57,10 @@ __all__ = [
     "logger",
     "register_call_intent",
     "reset_token_sink",
+    "resolve_parent",
     "set_token_sink",
+    "stamp_continuation",
+    "stamp_lineage",
     "token_entry_from_response",
 ]
 
@@ -54,6 +74,9 @@ class CaptureContext:
     ``token_sink=None`` means another process stages the records and only the identity travels;
     the process-installed sink, if any, is used instead.
     ``committed`` turns true after the call's entry was stored, so a second capture is a no-op.
+    ``lineage_store=None`` uses the process-installed resolver, if any.
+    ``parent_resolution`` is the one decision ``resolve_parent`` made before dispatch; capture reuses it.
+    ``request_items`` are the request as the harness sent it, kept by ``resolve_parent`` for stamping.
     """
 
     rollout_id: str
@@ -61,6 +84,21 @@ class CaptureContext:
     token_sink: TokenSink | None
     model: str = ""
     committed: bool = False
+    lineage_store: LineageResolver | None = None
+    parent_resolution: LineageResolution | None = None
+    request_items: list[Any] | None = None
+
+    @property
+    def parent_call_id(self) -> str | None:
+        """The proven parent's call id, once resolved."""
+        match = self.parent_resolution.match if self.parent_resolution is not None else None
+        return match.model_call_id if match is not None else None
+
+    @property
+    def parent_tokens(self) -> list[int]:
+        """The proven parent's cumulative tokens (the prefix this call's prompt extends), else empty."""
+        match = self.parent_resolution.match if self.parent_resolution is not None else None
+        return list(match.cumulative_token_ids) if match is not None else []
 
 
 _CURRENT_CONTEXT: ContextVar[CaptureContext | None] = ContextVar("tokcap_capture_context", default=None)
@@ -84,6 +122,59 @@ def current_capture_context() -> CaptureContext | None:
 def _sink_for(context: CaptureContext) -> TokenSink | None:
     """A context's own sink wins over the process-installed sink."""
     return context.token_sink if context.token_sink is not None else installed_token_sink()
+
+
+def _resolver_for(context: CaptureContext) -> LineageResolver | None:
+    """A context's own resolver wins over the process-installed one."""
+    return context.lineage_store if context.lineage_store is not None else installed_lineage_store()
+
+
+async def resolve_parent(request_messages: list[Any] | None) -> None:
+    """Decide, once and before dispatch, which recorded call this request continues.
+
+    The decision lands on the context (``parent_resolution``): ROOT for a request with no model-written
+    turn, else the resolver's answer; UNRESOLVED with reason ``resolver_unavailable`` when there is no
+    resolver, or ``lookup_error`` when it failed (logged). Never raises: UNRESOLVED is always safe,
+    because the builder masks what it cannot prove rather than train on a guessed prefix.
+    Untagged traffic (no context) or no request is a no-op.
+    """
+    context = current_capture_context()
+    if context is None or request_messages is None:
+        return
+    context.request_items = list(request_messages)
+    try:
+        resolver = _resolver_for(context)
+        if not assistant_fingerprint(request_messages):
+            context.parent_resolution = LineageResolution(ParentResolutionStatus.ROOT)
+        elif resolver is None:
+            context.parent_resolution = LineageResolution(
+                ParentResolutionStatus.UNRESOLVED, reason="resolver_unavailable"
+            )
+        else:
+            context.parent_resolution = await resolver.resolve(context.rollout_id, list(request_messages))
+    except Exception:
+        logger.warning(
+            "could not resolve the parent of call %r of rollout %r; it is recorded as unresolved",
+            context.model_call_id,
+            context.rollout_id,
+            exc_info=True,
+        )
+        context.parent_resolution = LineageResolution(
+            ParentResolutionStatus.UNRESOLVED, reason="lookup_error"
+        )
+
+
+def _stamp(context: CaptureContext, entry: TokenEntry, resolution: LineageResolution | None) -> None:
+    """Stamp the parent decision (``not_attempted`` when none was made) on the entry, as Gym's commit does."""
+    if resolution is None:
+        resolution = LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="not_attempted")
+    match = resolution.match
+    stamp_lineage(
+        entry,
+        match.model_call_id if match is not None else None,
+        parent_resolution=ParentResolutionStatus(resolution.status.value),
+    )
+    entry.parent_resolution_reason = resolution.reason or ""
 
 
 async def register_call_intent() -> None:
@@ -168,6 +259,8 @@ def token_entry_from_response(context: CaptureContext, response: Any) -> TokenEn
         routed_experts=fields.routed_experts,
         output_items=kept_items,
         token_item_index=token_item_index,
+        # The served payload's own id, as Gym records it; never minted.
+        response_id=str(payload.get("id") or "") or None,
         created_at=time.time(),
     )
 
@@ -201,9 +294,12 @@ async def _mark_call_lost(context: CaptureContext, sink: TokenSink, reason: str)
         )
 
 
-async def _put_entry(context: CaptureContext, sink: TokenSink, entry: TokenEntry) -> bool:
-    """Store the entry; on failure mark the rollout incomplete. Return whether the entry was stored."""
+async def _put_entry(
+    context: CaptureContext, sink: TokenSink, entry: TokenEntry, resolution: LineageResolution | None
+) -> bool:
+    """Stamp and store the entry; on failure mark the rollout incomplete. Return whether it was stored."""
     try:
+        _stamp(context, entry, resolution)
         await sink.put(entry)
     except Exception as exc:
         await _mark_call_lost(context, sink, f"put failed: {type(exc).__name__}: {exc}")
@@ -221,9 +317,12 @@ def _uncommitted_call() -> tuple[CaptureContext, TokenSink] | None:
     return None if sink is None else (context, sink)
 
 
-async def capture_tokens(response: Any) -> TokenEntry | None:
+async def capture_tokens(response: Any, request_messages: list[Any] | None = None) -> TokenEntry | None:
     """Store the current call's tokens from its model response; return the stored entry, else ``None``.
 
+    The entry gets the parent decision made before dispatch (resolved here if ``resolve_parent`` was
+    skipped and ``request_messages`` is given) and the continuation stamp of its request
+    (``request_messages``, else the request ``resolve_parent`` saw), so the next call can find it.
     A response with no token ids, an unsupported type or a build error marks the rollout incomplete.
     Nothing happens without a context, without a sink, or when the call was already committed.
     This never raises into the model call.
@@ -240,11 +339,24 @@ async def capture_tokens(response: Any) -> TokenEntry | None:
     if entry is None:
         await _mark_call_lost(context, sink, "the response carries no token ids")
         return None
-    return entry if await _put_entry(context, sink, entry) else None
+    if context.parent_resolution is None and request_messages is not None:
+        await resolve_parent(request_messages)
+    request = request_messages if request_messages is not None else context.request_items
+    try:
+        if request is not None:
+            stamp_continuation(entry, list(request))
+    except Exception as exc:
+        await _mark_call_lost(context, sink, f"could not stamp the entry: {type(exc).__name__}: {exc}")
+        return None
+    return entry if await _put_entry(context, sink, entry, context.parent_resolution) else None
 
 
-async def commit_entry(entry: TokenEntry) -> bool:
+async def commit_entry(entry: TokenEntry, *, parent_resolution: LineageResolution | None = None) -> bool:
     """Store an entry built engine-side, which already has the arrays; return whether it was stored.
+
+    The entry is stamped with ``parent_resolution``, else the context's pre-dispatch decision, else
+    UNRESOLVED ``not_attempted``. As in Gym, a caller outside ``capture_tokens`` runs
+    ``stamp_continuation`` itself; an entry without it cannot be found as a parent.
 
     An entry whose rollout id or call id differs from the context's marks the context's rollout incomplete.
     Nothing happens without a context, without a sink, or when the call was already committed.
@@ -261,4 +373,4 @@ async def commit_entry(entry: TokenEntry) -> bool:
             f"the entry names rollout {entry.rollout_id!r} call {entry.model_call_id!r}, not the context's",
         )
         return False
-    return await _put_entry(context, sink, entry)
+    return await _put_entry(context, sink, entry, parent_resolution or context.parent_resolution)

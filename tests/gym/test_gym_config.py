@@ -13,7 +13,9 @@ from pydantic import ValidationError
 
 from tokcap.config import token_id_capture_config
 from tokcap.errors import ConfigError
+from tokcap.lineage import FileLineageResolver
 from tokcap.store import TokenCaptureStore
+from transports.kafka.lineage import KafkaLineageResolver
 
 REPO = Path(__file__).resolve().parents[2]
 _FENCE = re.compile(r"```ya?ml\n(.*?)```", re.DOTALL)
@@ -76,6 +78,12 @@ BLOCKS: dict[str, dict[str, Any]] = {
         sink="transports.kafka:KafkaTokenSink",
         lineage_store="x.y:Resolver",
         lineage_store_kwargs={"a": 1},
+    ),
+    "custom sink with tokcap's kafka resolver": _block(
+        enabled=True,
+        sink="transports.kafka:KafkaTokenSink",
+        lineage_store="transports.kafka.lineage:KafkaLineageResolver",
+        lineage_store_kwargs={"bootstrap_servers": "127.0.0.1:9"},
     ),
     "custom sink, unresolved allowed": _block(
         enabled=True, sink="transports.kafka:KafkaTokenSink", allow_unresolved_continuations=True
@@ -156,15 +164,54 @@ def test_gyms_build_sink_builds_the_kafka_sink_from_the_documented_block(gym: Gy
         _block(
             enabled=True,
             sink="transports.kafka:KafkaTokenSink",
-            allow_unresolved_continuations=True,
             sink_kwargs={"bootstrap_servers": "127.0.0.1:9", "run_id": "gym-config", "delivery_timeout_s": 1},
+            lineage_store="transports.kafka.lineage:KafkaLineageResolver",
+            lineage_store_kwargs={"bootstrap_servers": "127.0.0.1:9", "run_id": "gym-config"},
         )
     )
     sink = config.build_sink()
+    lineage = config.build_lineage_store()
     try:
         assert isinstance(sink, KafkaTokenSink)
         assert isinstance(sink, gym.protocols.TokenSink)
+        assert isinstance(lineage, KafkaLineageResolver)
+        assert isinstance(lineage, gym.protocols.LineageResolver)
     finally:
         import asyncio
 
         asyncio.run(sink.close())
+        asyncio.run(lineage.close())
+
+
+@pytest.mark.parametrize(
+    ("target", "kwargs", "expected"),
+    [
+        ("tokcap.lineage:FileLineageResolver", {"root": "DIR"}, FileLineageResolver),
+        (
+            "transports.kafka.lineage:KafkaLineageResolver",
+            {"bootstrap_servers": "127.0.0.1:9", "run_id": "config"},
+            KafkaLineageResolver,
+        ),
+    ],
+)
+def test_tokcaps_config_builds_tokcaps_resolvers_named_in_the_block_and_they_satisfy_gyms_protocol(
+    gym: GymModules, tmp_path: Path, target: str, kwargs: dict[str, Any], expected: type
+) -> None:
+    kwargs = {key: str(tmp_path) if value == "DIR" else value for key, value in kwargs.items()}
+    config = token_id_capture_config(
+        _block(
+            enabled=True,
+            sink="transports.kafka:KafkaTokenSink",
+            lineage_store=target,
+            lineage_store_kwargs=kwargs,
+        )
+    )
+    lineage = config.build_lineage_store()
+    try:
+        assert isinstance(lineage, expected)
+        assert isinstance(lineage, gym.protocols.LineageResolver)
+        assert lineage.is_process_shared() is True
+    finally:
+        import asyncio
+
+        asyncio.run(lineage.close())

@@ -13,6 +13,7 @@ import yaml
 from gym_rollouts import drive, tool_use_rollout
 from gym_wheel import GymModules, needs_gym_build_sink
 
+from tokcap.lineage import FileLineageResolver
 from tokcap.store import TokenCaptureStore
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "gym.md"
@@ -64,14 +65,14 @@ def test_the_trainer_snippet_rebuilds_and_retires_a_rollout_gym_captured_into_to
 
 
 @needs_gym_build_sink
-def test_the_server_snippet_builds_tokcaps_sink_and_gyms_lineage_store_from_the_documented_block(
+def test_the_server_snippet_builds_tokcaps_sink_and_tokcaps_lineage_resolver_from_the_documented_block(
     gym: GymModules, tmp_path: Path
 ) -> None:
     file_store_block = _blocks("yaml", tmp_path)[0]
     namespace: dict[str, Any] = {"global_config": yaml.safe_load(file_store_block)}
     _run(_blocks("python", tmp_path)[0], namespace)
     assert isinstance(namespace["sink"], TokenCaptureStore)
-    assert isinstance(namespace["lineage"], gym.lineage.FileLineageStore)
+    assert isinstance(namespace["lineage"], FileLineageResolver)
     record = _capture(gym, namespace["sink"], namespace["lineage"], "docs-2")
     trainer: dict[str, Any] = {"record": record}
     _run(_blocks("python", tmp_path)[1], trainer)

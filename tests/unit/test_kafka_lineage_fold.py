@@ -1,0 +1,157 @@
+"""How the Kafka lineage resolver folds a rollout's log, without a broker: events are handed to it directly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import transports.kafka.lineage as kafka_lineage
+from tokcap.events import DeleteEvent, Event, FreezeEvent, PutEvent, RetireEvent
+from tokcap.lineage import stamp_continuation
+from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
+from transports.kafka.codec import HEADER_ENCODING, HEADER_TYPE, encode_event_value
+from transports.kafka.lineage import KafkaLineageResolver
+
+REQUEST = [{"role": "user", "content": "hi"}]
+
+
+def _next_request(text: str) -> list[dict[str, Any]]:
+    return [*REQUEST, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+
+
+def _put(call_id: str, text: str, prompt: list[int], log_prob: float = -0.5) -> PutEvent:
+    entry = TokenEntry(
+        rollout_id="r",
+        model_call_id=call_id,
+        prompt_token_ids=prompt,
+        generation_token_ids=[7, 8],
+        generation_log_probs=[log_prob, -0.25],
+        output_items=[{"role": "assistant", "content": text}],
+    )
+    stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
+    stamp_continuation(entry, REQUEST)
+    return PutEvent(rollout_id="r", entry=entry)
+
+
+@pytest.fixture
+def resolver() -> Iterator[KafkaLineageResolver]:
+    # No broker is contacted: the consumer connects only when used, and events are folded by hand.
+    made = KafkaLineageResolver(bootstrap_servers="127.0.0.1:9", topic="fold")
+    yield made
+    asyncio.run(made.close())
+
+
+def _feed(resolver: KafkaLineageResolver, *events: Event) -> None:
+    for event in events:
+        encoding, value = encode_event_value(event)
+        resolver._fold(event.rollout_id, value, {HEADER_TYPE: event.type.value, HEADER_ENCODING: encoding})
+
+
+def _status(resolver: KafkaLineageResolver, text: str) -> tuple[str, str | None]:
+    resolution = resolver._answer("r", _next_request(text))
+    return str(resolution.status.value), resolution.match.model_call_id if resolution.match else None
+
+
+def test_a_put_read_from_the_log_resolves_with_its_cumulative_tokens(resolver: KafkaLineageResolver) -> None:
+    _feed(resolver, _put("c1", "one", [1, 2]))
+    resolution = resolver._answer("r", _next_request("one"))
+    assert resolution.match is not None
+    assert (resolution.match.model_call_id, resolution.match.cumulative_token_ids) == ("c1", (1, 2, 7, 8))
+
+
+def test_a_put_after_the_freeze_is_not_a_candidate(resolver: KafkaLineageResolver) -> None:
+    _feed(resolver, FreezeEvent(rollout_id="r"), _put("c1", "one", [1]))
+    assert _status(resolver, "one") == ("unresolved", None)
+
+
+def test_a_retire_forgets_the_calls_and_a_delete_starts_the_rollout_afresh(
+    resolver: KafkaLineageResolver,
+) -> None:
+    _feed(resolver, _put("c1", "one", [1]), RetireEvent(rollout_id="r"), _put("c2", "two", [1]))
+    assert _status(resolver, "one") == ("unresolved", None)
+    assert _status(resolver, "two") == ("unresolved", None)
+    _feed(resolver, DeleteEvent(rollout_id="r"), _put("c3", "three", [1]))
+    assert _status(resolver, "three") == ("resolved", "c3")
+
+
+def test_one_call_id_put_twice_with_different_tokens_is_no_candidate(resolver: KafkaLineageResolver) -> None:
+    _feed(resolver, _put("c1", "one", [1]), _put("c1", "one", [2]))
+    assert _status(resolver, "one") == ("unresolved", None)
+
+
+def test_one_call_id_put_twice_with_different_log_probs_only_is_no_candidate(
+    resolver: KafkaLineageResolver,
+) -> None:
+    # The heads are equal (same tokens, so the same digest); only the packed arrays differ.
+    _feed(resolver, _put("c1", "one", [1]), _put("c1", "one", [1], log_prob=-0.75))
+    assert _status(resolver, "one") == ("unresolved", None)
+
+
+def test_the_same_put_read_twice_is_one_candidate(resolver: KafkaLineageResolver) -> None:
+    _feed(resolver, _put("c1", "one", [1]), _put("c1", "one", [1]))
+    assert _status(resolver, "one") == ("resolved", "c1")
+
+
+def test_only_the_proven_parents_token_arrays_are_decoded(
+    resolver: KafkaLineageResolver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _feed(resolver, *(_put(f"c{n}", f"text {n}", [n]) for n in range(20)))
+    decoded: list[str] = []
+    real = kafka_lineage.decode_event_value
+
+    def counting(value: bytes, headers: dict[str, str]) -> Event:
+        event = real(value, headers)
+        decoded.append(event.entry.model_call_id if isinstance(event, PutEvent) else "")
+        return event
+
+    monkeypatch.setattr(kafka_lineage, "decode_event_value", counting)
+    assert _status(resolver, "text 7") == ("resolved", "c7")
+    assert decoded == ["c7"]
+
+
+def _until(condition: Any) -> None:
+    """Wait for an observable state (never for time to pass), failing after 30 s."""
+    done = threading.Event()
+    for _ in range(30_000):
+        if condition():
+            return
+        done.wait(0.001)
+    raise AssertionError("the expected state was never reached")
+
+
+def test_a_caller_arriving_while_a_question_is_in_flight_gets_the_answer_of_a_later_question() -> None:
+    shared = kafka_lineage._SharedQuestion()
+    release_first = threading.Event()
+    asked: list[int] = []
+
+    def question() -> tuple[int, int]:
+        asked.append(len(asked) + 1)
+        if len(asked) == 1:
+            release_first.wait(30)
+        return (0, len(asked))
+
+    answers: dict[str, tuple[int, int]] = {}
+    first = threading.Thread(target=lambda: answers.update(first=shared.ask(question)))
+    first.start()
+    _until(lambda: asked)  # the first question is in flight
+    second = threading.Thread(target=lambda: answers.update(second=shared.ask(question)))
+    second.start()
+    _until(lambda: shared._condition._waiters)  # the second caller waits
+    release_first.set()
+    first.join(30)
+    second.join(30)
+    assert answers == {"first": (0, 1), "second": (0, 2)}
+
+
+def test_a_failed_question_fails_every_caller_it_answers() -> None:
+    shared = kafka_lineage._SharedQuestion()
+
+    def question() -> tuple[int, int]:
+        raise OSError("broker gone")
+
+    with pytest.raises(OSError, match="broker gone"):
+        shared.ask(question)

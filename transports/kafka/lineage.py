@@ -1,0 +1,414 @@
+"""Gym's ``LineageResolver`` over a run topic: request-time parent lookup straight from the Kafka log.
+
+A rollout's events are keyed by its id, so they all sit, in order, in one partition.
+Before answering, ``resolve`` reads that partition up to its end as of the call (its high watermark,
+asked of the broker each time), so any ``put`` acknowledged before the call is seen: read-your-writes
+per rollout, on any node, including a resolver built after the put.
+
+Only the JSON head of each packed put is parsed (call id, fingerprint, context digest, lengths, digest,
+parent link); the token arrays are kept as the undecoded bytes that arrived and are decoded for the one
+proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire.
+
+The log is folded the way the materializer applies it, as far as lineage needs: puts after a freeze
+are ignored (the store refuses them), a drop or retire forgets the rollout's calls (a later continuation
+is unresolved, which is always safe), and a delete starts the rollout afresh.
+State is kept for every rollout seen and not retired, so memory follows the live rollouts.
+
+Nameable in the config block as ``lineage_store: transports.kafka.lineage:KafkaLineageResolver`` with
+``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+
+from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, TransportError
+from tokcap.events import PutEvent
+from tokcap.fingerprint import assistant_fingerprint
+from tokcap.lineage import LineageIndex, LineageNode, LineageResolution, materialize_tokens, resolution_of
+from tokcap.records import ParentResolutionStatus, TokenEntry
+from transports.kafka.admin import list_topics
+from transports.kafka.client_errors import (
+    AuthenticationWatch,
+    ClientContext,
+    build_client,
+    read_error,
+    request_error,
+)
+from transports.kafka.codec import (
+    ENCODING_JSON,
+    ENCODING_PACKED,
+    HEADER_ENCODING,
+    HEADER_TYPE,
+    decode_event_value,
+    headers_to_dict,
+    read_chunk_header,
+    rollout_of_key,
+)
+from transports.kafka.topics import resolve_topic
+
+__all__ = ["PARTITIONERS", "KafkaLineageResolver", "partition_for"]
+
+PARTITIONERS = ("consistent_random", "consistent", "murmur2_random", "murmur2")
+"""The key partitioners the resolver can mirror; it must use the one the sinks' producers use."""
+
+_PACKED_MAGIC = b"TKP1"
+_FORGETTING_EVENTS = frozenset({"drop", "retire"})
+
+
+def _murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (the Java client's partitioner hash), seed 0x9747b28c."""
+    m, r = 0x5BD1E995, 24
+    length = len(data)
+    h = (0x9747B28C ^ length) & 0xFFFFFFFF
+    whole = length - length % 4
+    for (k,) in struct.iter_unpack("<I", data[:whole]):
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> r
+        k = (k * m) & 0xFFFFFFFF
+        h = ((h * m) & 0xFFFFFFFF) ^ k
+    tail = data[whole:]
+    if len(tail) >= 3:
+        h ^= tail[2] << 16
+    if len(tail) >= 2:
+        h ^= tail[1] << 8
+    if tail:
+        h ^= tail[0]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h
+
+
+def partition_for(rollout_id: str, partitions: int, partitioner: str = "consistent_random") -> int:
+    """The partition a producer with this partitioner sends the rollout's (non-empty) key to."""
+    key = rollout_id.encode()
+    if partitioner in ("consistent_random", "consistent"):
+        return zlib.crc32(key) % partitions
+    if partitioner in ("murmur2_random", "murmur2"):
+        return (_murmur2(key) & 0x7FFFFFFF) % partitions
+    raise ConfigError(f"partitioner {partitioner!r} is not one of {', '.join(PARTITIONERS)}")
+
+
+class _SharedQuestion:
+    """One broker question answering every caller that arrived before it was sent.
+
+    A caller that finds a question in flight waits for it to finish and then for the next one, which is
+    sent after the caller arrived: no answer is older than the call it answers (read-your-writes), and
+    many concurrent callers cost two round trips rather than one queued round trip each.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._asking = False
+        self._sent = 0
+        self._answered = 0
+        self._answer: tuple[int, int] = (0, 0)
+        self._failure: BaseException | None = None
+
+    def ask(self, question: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+        """The answer of a question sent after this call began (this caller's, or a concurrent caller's)."""
+        with self._condition:
+            wanted = self._sent + 1
+            while self._answered < wanted:
+                if self._asking:
+                    self._condition.wait()
+                    continue
+                self._asking = True
+                self._sent += 1
+                number = self._sent
+                self._condition.release()
+                answer: tuple[int, int] = (0, 0)
+                failure: BaseException | None = None
+                try:
+                    answer = question()
+                except BaseException as exc:
+                    failure = exc
+                finally:
+                    self._condition.acquire()
+                    self._asking = False
+                    self._answered, self._answer, self._failure = number, answer, failure
+                    self._condition.notify_all()
+            if self._failure is not None:
+                raise self._failure
+            return self._answer
+
+
+@dataclass
+class _StoredPut:
+    """One put's undecoded value, decoded only if its call is on a proven parent's chain."""
+
+    value: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class _RolloutLog:
+    """What the log says about one rollout's calls so far."""
+
+    index: LineageIndex = field(default_factory=LineageIndex)
+    puts: dict[str, _StoredPut] = field(default_factory=dict)
+    frozen: bool = False
+    retired: bool = False
+
+
+def _packed_head(value: bytes) -> tuple[dict[str, Any], int, int]:
+    """The entry fields of a packed put without its arrays, its prompt+generation count, and the head's end."""
+    if len(value) < 8 or value[:4] != _PACKED_MAGIC:
+        raise EventDecodeError("packed put value does not start with the TKP1 magic")
+    (length,) = struct.unpack_from("<I", value, 4)
+    head = orjson.loads(value[8 : 8 + length])
+    entry, arrays = head.get("entry"), head.get("arrays")
+    if not isinstance(entry, dict) or not isinstance(arrays, list):
+        raise EventDecodeError("packed put head has no entry or no array descriptors")
+    counts = {d.get("field"): d.get("count") for d in arrays if isinstance(d, dict)}
+    tokens = int(counts.get("prompt_token_ids") or 0) + int(counts.get("generation_token_ids") or 0)
+    return entry, tokens, 8 + length
+
+
+class KafkaLineageResolver:
+    """Resolves each request's parent from the run topic, with Gym 0.7.0's decisions and hashes."""
+
+    def __init__(
+        self,
+        *,
+        bootstrap_servers: str,
+        run_id: str | None = None,
+        topic: str | None = None,
+        consumer_config: Mapping[str, Any] | None = None,
+        partitioner: str = "consistent_random",
+        timeout_s: float = 10.0,
+        threads: int = 32,
+    ) -> None:
+        if not bootstrap_servers:
+            raise ConfigError("bootstrap_servers must name at least one broker")
+        if partitioner not in PARTITIONERS:
+            raise ConfigError(
+                f"partitioner {partitioner!r} is not one of {', '.join(PARTITIONERS)}; "
+                "use the producer_config 'partitioner' of the sinks writing the topic"
+            )
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {threads}")
+        self._topic = resolve_topic(run_id, topic)
+        self._partitioner = partitioner
+        self._timeout_s = timeout_s
+        self._context = ClientContext(bootstrap_servers, dict(consumer_config or {}))
+        self._watch = AuthenticationWatch(self._context)
+        settings = self._context.settings(
+            {
+                "group.id": f"tokcap-lineage-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "earliest",
+                "error_cb": self._watch,
+            },
+            defaults={"fetch.wait.max.ms": 10},
+        )
+        self._consumer: Consumer = build_client(Consumer, settings, self._context, "consumer")
+        self._lock = threading.Lock()
+        self._partitions: int | None = None
+        self._next: dict[int, int] = {}
+        self._ends: defaultdict[int, _SharedQuestion] = defaultdict(_SharedQuestion)
+        self._rollouts: dict[str, _RolloutLog] = {}
+        self._chunks: dict[str, list[bytes]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokcap-lineage")
+        self._closed = False
+
+    def __repr__(self) -> str:
+        """Names the topic only: consumer settings may hold credentials."""
+        return f"KafkaLineageResolver(topic={self._topic!r})"
+
+    @property
+    def topic(self) -> str:
+        """The run topic this resolver reads."""
+        return self._topic
+
+    async def resolve(self, rollout_id: str, request_items: list[dict[str, Any]]) -> LineageResolution:
+        """Return ROOT, RESOLVED with the proven parent's cumulative tokens, or UNRESOLVED with a reason."""
+        if not assistant_fingerprint(request_items):
+            return LineageResolution(ParentResolutionStatus.ROOT)
+        # Its own threads: a call mostly waits on the broker, and the default pool (a few threads) would queue
+        # concurrent rollouts' calls behind each other.
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.resolve_now, rollout_id, request_items
+        )
+
+    def resolve_now(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
+        """The blocking form of ``resolve``."""
+        if not assistant_fingerprint(request_items):
+            return LineageResolution(ParentResolutionStatus.ROOT)
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"{self!r} is closed; build a new resolver")
+            partition = self._partition_of(rollout_id)
+        # The end of the partition is asked outside the lock, and concurrent calls share one question.
+        low, high = self._ends[partition].ask(lambda: self._end_of(partition))
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"{self!r} is closed; build a new resolver")
+            self._catch_up(partition, low, high)
+        return self._answer(rollout_id, request_items)
+
+    def _answer(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
+        """The decision over what has been read of the log so far."""
+        with self._lock:
+            log = self._rollouts.get(rollout_id) or _RolloutLog()
+            status, node, reason = log.index.decide(request_items)
+        if node is None:
+            return resolution_of(status, None, reason)
+        # Decoding the winner's arrays needs no lock: a rollout's recorded calls are only ever added to.
+        tokens = materialize_tokens(node, log.index, lambda ids: [self._entry_of(log, i) for i in ids])
+        return resolution_of(status, node, reason, tokens)
+
+    def is_process_shared(self) -> bool:
+        """True: every worker reads the same topic."""
+        return True
+
+    async def close(self) -> None:
+        """Close the consumer; calling it again is a no-op."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._rollouts.clear()
+            self._chunks.clear()
+        await asyncio.to_thread(self._consumer.close)
+        self._executor.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ reading the log
+
+    def _partition_of(self, rollout_id: str) -> int:
+        if self._partitions is None:
+            metadata = list_topics(self._consumer, self._watch, self._context, self._timeout_s, self._topic)
+            described = metadata.topics.get(self._topic)
+            if described is None or described.error is not None or not described.partitions:
+                raise TransportError(f"topic {self._topic!r} has no readable partitions; create it first")
+            self._partitions = len(described.partitions)
+        return partition_for(rollout_id, self._partitions, self._partitioner)
+
+    def _end_of(self, partition: int) -> tuple[int, int]:
+        """The partition's first held offset and the offset after its last message, asked of the broker now."""
+        where = TopicPartition(self._topic, partition)
+        try:
+            low, high = self._consumer.get_watermark_offsets(where, timeout=self._timeout_s, cached=False)
+        except KafkaException as exc:
+            raise request_error(
+                exc,
+                doing=f"read the end of {self._topic!r}",
+                context=self._context,
+                timeout_s=self._timeout_s,
+            ) from None
+        return int(low), int(high)
+
+    def _catch_up(self, partition: int, low: int, high: int) -> None:
+        """Read the partition up to ``high``, its end as of the call."""
+        if partition not in self._next:
+            self._next[partition] = int(low)
+            self._consumer.incremental_assign([TopicPartition(self._topic, partition, int(low))])
+        deadline = time.monotonic() + self._timeout_s
+        while self._next[partition] < high:
+            self._watch.raise_if_failed()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportError(
+                    f"could not read partition {partition} of {self._topic!r} up to offset {high} within "
+                    f"{self._timeout_s:g} s (at {self._next[partition]}); is the broker reachable?"
+                )
+            messages = self._consumer.consume(1, min(remaining, 0.5))
+            if messages:
+                messages.extend(self._consumer.consume(500, 0))
+            for message in messages:
+                self._take(message)
+
+    def _take(self, message: Message) -> None:
+        error = message.error()
+        if error is not None:
+            failure = read_error(error, topic=self._topic, context=self._context)
+            if failure is not None:
+                raise failure
+            return
+        partition, offset = message.partition(), message.offset()
+        if partition is None or offset is None or offset < self._next.get(partition, 0):
+            return
+        self._next[partition] = offset + 1
+        rollout_id = rollout_of_key(message.key())
+        value = message.value()
+        if rollout_id is None or value is None:
+            return
+        try:
+            headers = headers_to_dict(message.headers())
+            chunk = read_chunk_header(headers)
+            if chunk is not None:
+                parts = self._chunks.setdefault(chunk.group, [])
+                if chunk.index != len(parts):
+                    self._chunks.pop(chunk.group, None)
+                    return
+                parts.append(value)
+                if len(parts) < chunk.count:
+                    return
+                value = b"".join(self._chunks.pop(chunk.group))
+                if hashlib.sha256(value).hexdigest() != chunk.digest:
+                    return
+            self._fold(rollout_id, value, headers)
+        except (EventDecodeError, orjson.JSONDecodeError, ValueError, KeyError, TypeError):
+            # The materializer dead-letters what it cannot decode; for lineage it is simply not a candidate.
+            return
+
+    def _fold(self, rollout_id: str, value: bytes, headers: dict[str, str]) -> None:
+        kind = headers.get(HEADER_TYPE, "")
+        if kind == "delete":
+            self._rollouts.pop(rollout_id, None)
+            return
+        log = self._rollouts.setdefault(rollout_id, _RolloutLog())
+        if kind in _FORGETTING_EVENTS:
+            self._rollouts[rollout_id] = _RolloutLog(frozen=True, retired=True)
+        elif kind == "freeze":
+            log.frozen = True
+        elif kind == "put" and not log.frozen:
+            self._index_put(log, rollout_id, value, headers)
+
+    def _index_put(self, log: _RolloutLog, rollout_id: str, value: bytes, headers: dict[str, str]) -> None:
+        encoding = headers.get(HEADER_ENCODING, ENCODING_JSON)
+        if encoding == ENCODING_PACKED:
+            entry, token_count, head_end = _packed_head(value)
+            payload = hashlib.sha256(orjson.dumps(entry, option=orjson.OPT_SORT_KEYS) + value[head_end:])
+        else:
+            event = decode_event_value(value, headers)
+            if not isinstance(event, PutEvent):
+                return
+            entry = dict(event.entry.__dict__)
+            token_count = len(event.entry.prompt_token_ids) + len(event.entry.generation_token_ids)
+            payload = hashlib.sha256(event.entry.canonical_json())
+        if entry.get("rollout_id") != rollout_id:
+            return
+        node = LineageNode.from_fields(entry, token_count=token_count, payload=payload.hexdigest())
+        if node is None:
+            return
+        log.index.add(node)
+        log.puts.setdefault(node.call_id, _StoredPut(value, headers))
+
+    def _entry_of(self, log: _RolloutLog, call_id: str) -> TokenEntry:
+        stored = log.puts.get(call_id)
+        if stored is None:
+            raise LineageLookupError(f"call {call_id} is indexed but its record was not kept")
+        event = decode_event_value(stored.value, stored.headers)
+        if not isinstance(event, PutEvent):
+            raise LineageLookupError(f"the record kept for call {call_id} is not a put")
+        return event.entry
