@@ -219,3 +219,62 @@ def test_a_writer_allowed_only_to_write_its_run_topic_cannot_read_or_delete_it(
         *secure_kafka.options("admin"),
     )  # fmt: skip
     assert still_there.returncode == 0 and still_there.json()["messages"] == 1
+
+
+def test_the_lineage_resolver_links_calls_over_the_secured_broker_with_read_rights(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str], tmp_path: Path
+) -> None:
+    from tokcap import sink as capture
+    from transports.kafka.lineage import KafkaLineageResolver
+
+    run, _ = run_topic
+    first = [{"role": "user", "content": "hi"}]
+    second = [*first, {"role": "assistant", "content": "one"}, {"role": "user", "content": "more"}]
+
+    def response(text: str, prompt: list[int], generation: list[int]) -> dict[str, Any]:
+        message = {
+            "role": "assistant",
+            "content": text,
+            "prompt_token_ids": prompt,
+            "generation_token_ids": generation,
+            "generation_log_probs": [-0.5] * len(generation),
+        }
+        return {"id": f"resp-{text}", "choices": [{"message": message}]}
+
+    async def two_calls() -> dict[str, tuple[str | None, str | None]]:
+        sink = KafkaTokenSink(
+            bootstrap_servers=secure_kafka.bootstrap,
+            run_id=run,
+            producer_config=secure_kafka.config("writer"),
+        )
+        resolver = KafkaLineageResolver(
+            bootstrap_servers=secure_kafka.bootstrap,
+            run_id=run,
+            consumer_config=secure_kafka.config("trainer"),
+        )
+        source = KafkaTokenSource(
+            bootstrap_servers=secure_kafka.bootstrap,
+            run_id=run,
+            store_dir=tmp_path / "store",
+            producer_config=secure_kafka.config("trainer"),
+            consumer_config=secure_kafka.config("trainer"),
+        )
+        try:
+            for call_id, request, answer in (
+                ("c1", first, response("one", [1, 2], [3])),
+                ("c2", second, response("two", [1, 2, 3, 4], [5])),
+            ):
+                token = capture.set_token_sink(
+                    capture.CaptureContext("r-lineage", call_id, sink, lineage_store=resolver)
+                )
+                try:
+                    await capture.resolve_parent(request)
+                    await capture.capture_tokens(answer)
+                finally:
+                    capture.reset_token_sink(token)
+            snapshot = await source.freeze("r-lineage")
+            return {e.model_call_id: (e.parent_resolution, e.parent_call_id) for e in snapshot.entries}
+        finally:
+            await asyncio.gather(sink.close(), resolver.close(), source.close())
+
+    assert asyncio.run(two_calls()) == {"c1": ("root", None), "c2": ("resolved", "c1")}
