@@ -102,3 +102,15 @@ def chat_completions_payload(*messages: Mapping[str, Any]) -> dict[str, Any]:
             for index, message in enumerate(messages)
         ],
     }
+
+
+def chat_response(text: str, prompt: list[int], generation: list[int]) -> dict[str, Any]:
+    """A Chat Completions response whose assistant message carries its token arrays (log probs -0.5)."""
+    message = {
+        "role": "assistant",
+        "content": text,
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generation,
+        "generation_log_probs": [-0.5] * len(generation),
+    }
+    return {"id": f"resp-{text}", "choices": [{"message": message}]}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from cli_helpers import Completed, tokcap
-from factories import make_entry
+from factories import chat_response, make_entry
 from kafka_broker_fixture import load_broker_module
 from secure_kafka_fixture import SecureKafka
 
@@ -36,6 +36,24 @@ def assert_one_line_error(completed: Completed, fragment: str) -> str:
     return lines[0]
 
 
+def writer_sink(secure_kafka: SecureKafka, run: str) -> KafkaTokenSink:
+    """A model server's sink, logged in as the write-only ``writer``."""
+    return KafkaTokenSink(
+        bootstrap_servers=secure_kafka.bootstrap, run_id=run, producer_config=secure_kafka.config("writer")
+    )
+
+
+def trainer_source(secure_kafka: SecureKafka, run: str, store_dir: Path) -> KafkaTokenSource:
+    """The trainer's source, logged in as ``trainer`` for both its producer and its materializer."""
+    return KafkaTokenSource(
+        bootstrap_servers=secure_kafka.bootstrap,
+        run_id=run,
+        store_dir=store_dir,
+        producer_config=secure_kafka.config("trainer"),
+        consumer_config=secure_kafka.config("trainer"),
+    )
+
+
 @pytest.fixture
 def run_topic(secure_kafka: SecureKafka) -> tuple[str, str]:
     """A run created by the admin through the CLI, writable by ``writer`` and usable by ``trainer``."""
@@ -56,18 +74,8 @@ def test_the_whole_path_works_with_the_right_credentials_and_tls_verified(
     run, _ = run_topic
 
     async def capture_and_freeze() -> Any:
-        sink = KafkaTokenSink(
-            bootstrap_servers=secure_kafka.bootstrap,
-            run_id=run,
-            producer_config=secure_kafka.config("writer"),
-        )
-        source = KafkaTokenSource(
-            bootstrap_servers=secure_kafka.bootstrap,
-            run_id=run,
-            store_dir=tmp_path / "store",
-            producer_config=secure_kafka.config("trainer"),
-            consumer_config=secure_kafka.config("trainer"),
-        )
+        sink = writer_sink(secure_kafka, run)
+        source = trainer_source(secure_kafka, run, tmp_path / "store")
         try:
             await sink.begin_call("r1", "c1")
             await sink.put(make_entry("r1", "c1"))
@@ -231,38 +239,18 @@ def test_the_lineage_resolver_links_calls_over_the_secured_broker_with_read_righ
     first = [{"role": "user", "content": "hi"}]
     second = [*first, {"role": "assistant", "content": "one"}, {"role": "user", "content": "more"}]
 
-    def response(text: str, prompt: list[int], generation: list[int]) -> dict[str, Any]:
-        message = {
-            "role": "assistant",
-            "content": text,
-            "prompt_token_ids": prompt,
-            "generation_token_ids": generation,
-            "generation_log_probs": [-0.5] * len(generation),
-        }
-        return {"id": f"resp-{text}", "choices": [{"message": message}]}
-
     async def two_calls() -> dict[str, tuple[str | None, str | None]]:
-        sink = KafkaTokenSink(
-            bootstrap_servers=secure_kafka.bootstrap,
-            run_id=run,
-            producer_config=secure_kafka.config("writer"),
-        )
+        sink = writer_sink(secure_kafka, run)
         resolver = KafkaLineageResolver(
             bootstrap_servers=secure_kafka.bootstrap,
             run_id=run,
             consumer_config=secure_kafka.config("trainer"),
         )
-        source = KafkaTokenSource(
-            bootstrap_servers=secure_kafka.bootstrap,
-            run_id=run,
-            store_dir=tmp_path / "store",
-            producer_config=secure_kafka.config("trainer"),
-            consumer_config=secure_kafka.config("trainer"),
-        )
+        source = trainer_source(secure_kafka, run, tmp_path / "store")
         try:
             for call_id, request, answer in (
-                ("c1", first, response("one", [1, 2], [3])),
-                ("c2", second, response("two", [1, 2, 3, 4], [5])),
+                ("c1", first, chat_response("one", [1, 2], [3])),
+                ("c2", second, chat_response("two", [1, 2, 3, 4], [5])),
             ):
                 token = capture.set_token_sink(
                     capture.CaptureContext("r-lineage", call_id, sink, lineage_store=resolver)

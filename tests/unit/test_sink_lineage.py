@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import chat_response
 
 from tokcap import sink
 from tokcap.lineage import FileLineageResolver, LineageResolution
@@ -15,17 +16,6 @@ from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
 from tokcap.store import TokenCaptureStore
 
 FIRST = [{"role": "user", "content": "hi"}]
-
-
-def _response(text: str, prompt: list[int], generation: list[int]) -> dict[str, Any]:
-    message = {
-        "role": "assistant",
-        "content": text,
-        "prompt_token_ids": prompt,
-        "generation_token_ids": generation,
-        "generation_log_probs": [-0.5] * len(generation),
-    }
-    return {"id": f"resp-{text}", "choices": [{"message": message}]}
 
 
 async def _call(
@@ -62,8 +52,8 @@ def test_the_installed_resolver_links_a_continuation_when_the_context_names_none
     store = TokenCaptureStore(tmp_path)
 
     async def run() -> None:
-        await _call(store, "c1", FIRST, _response("one", [1, 2], [3]), None)
-        await _call(store, "c2", _second_request(), _response("two", [1, 2, 3, 4], [5]), None)
+        await _call(store, "c1", FIRST, chat_response("one", [1, 2], [3]), None)
+        await _call(store, "c2", _second_request(), chat_response("two", [1, 2, 3, 4], [5]), None)
 
     asyncio.run(run())
     entries = {entry.model_call_id: entry for entry in store.read_entries("r")}
@@ -89,7 +79,7 @@ def test_a_failing_resolver_leaves_the_call_unresolved_with_reason_lookup_error_
     tmp_path: Path,
 ) -> None:
     store = TokenCaptureStore(tmp_path)
-    asyncio.run(_call(store, "c2", _second_request(), _response("two", [1], [5]), _BrokenResolver()))
+    asyncio.run(_call(store, "c2", _second_request(), chat_response("two", [1], [5]), _BrokenResolver()))
     (entry,) = store.read_entries("r")
     assert (entry.parent_resolution, entry.parent_resolution_reason) == ("unresolved", "lookup_error")
 
