@@ -17,7 +17,8 @@ Error tree::
     │   ├── UnknownBuilderError
     │   └── UndeliverableBuilderError
     ├── ConfigError (ValueError)
-    │   └── SinkConfigError
+    │   ├── SinkConfigError
+    │   └── PartitionOwnershipConflictError
     ├── RolloutClosedError (RuntimeError)
     │   ├── RolloutFrozenError
     │   └── RolloutRetiredError
@@ -36,6 +37,7 @@ Error tree::
         ├── TopicMismatchError
         ├── MaterializerFailedError
         │   └── MaterializerOwnedElsewhereError
+        ├── PartitionOwnerMissingError
         ├── BrokerUnreachableError
         ├── BrokerAuthenticationError
         │   └── BrokerTlsError
@@ -70,6 +72,8 @@ __all__ = [
     "MaterializerFailedError",
     "MaterializerOwnedElsewhereError",
     "NewerSchemaError",
+    "PartitionOwnerMissingError",
+    "PartitionOwnershipConflictError",
     "PrefixContiguityError",
     "RecordValidationError",
     "RolloutClosedError",
@@ -137,6 +141,10 @@ class ConfigError(TokcapError, ValueError):
 
 class SinkConfigError(ConfigError):
     """The configured sink cannot be built; refused at startup rather than losing turns later."""
+
+
+class PartitionOwnershipConflictError(ConfigError):
+    """Two materializer directories, or two workers, claim one partition; one partition has one owner."""
 
 
 class RolloutClosedError(TokcapError, RuntimeError):
@@ -217,6 +225,10 @@ class MaterializerFailedError(TransportError):
 
 class MaterializerOwnedElsewhereError(MaterializerFailedError):
     """Another materializer already applies a partition into this directory; a source then follows it."""
+
+
+class PartitionOwnerMissingError(TransportError):
+    """No materializer directory owns the partition a rollout hashes to; start one with that partition."""
 
 
 class InjectedFaultError(TokcapError, RuntimeError):

@@ -191,8 +191,12 @@ def materialize(
     run: _RunId = None,
     topic: _TopicName = None,
     partitions: Annotated[
-        str | None, typer.Option(help="Comma-separated partitions to apply (default: all).")
+        str | None, typer.Option(help="Partitions to apply, e.g. 0-3,6 (default: all).")
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(help="Worker processes, each applying a disjoint subset of the partitions.", min=1),
+    ] = 1,
     until_caught_up: Annotated[
         bool, typer.Option("--until-caught-up", help="Stop once everything in the log at start is applied.")
     ] = False,
@@ -209,6 +213,7 @@ def materialize(
         run_id=run,
         topic=topic,
         partitions=partitions,
+        workers=workers,
         until_caught_up=until_caught_up,
         interval_s=interval,
         client_options=kafka_option or [],

@@ -25,16 +25,29 @@ def parse_key_values(items: Sequence[str], option: str) -> dict[str, Any]:
 
 
 def parse_partitions(text: str | None) -> list[int] | None:
-    """``"0,2"`` to ``[0, 2]``; ``None`` means every partition."""
+    """``"0,2"`` to ``[0, 2]`` and ``"0-3,6"`` to ``[0, 1, 2, 3, 6]``; ``None`` means every partition."""
     if text is None:
         return None
-    try:
-        partitions = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise InvalidInputError(f"--partitions {text!r} must be comma-separated partition numbers") from None
-    if not partitions or partitions[0] < 0:
+    partitions: set[int] = set()
+    for part in (part.strip() for part in text.split(",")):
+        if not part:
+            continue
+        first, dash, last = part.partition("-")
+        try:
+            if dash and first:
+                low, high = int(first), int(last)
+                if high < low:
+                    raise InvalidInputError(f"--partitions {text!r} has the range {part!r} running backwards")
+                partitions.update(range(low, high + 1))
+            else:
+                partitions.add(int(part))
+        except ValueError:
+            raise InvalidInputError(
+                f"--partitions {text!r} must be comma-separated partition numbers or ranges (0-3,6)"
+            ) from None
+    if not partitions or min(partitions) < 0:
         raise InvalidInputError(f"--partitions {text!r} must name partitions 0 or above")
-    return partitions
+    return sorted(partitions)
 
 
 def parse_offsets(text: str) -> dict[int, int] | None:

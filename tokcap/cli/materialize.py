@@ -57,6 +57,7 @@ def run_materializer(
     topic: str | None,
     partitions: str | None,
     until_caught_up: bool,
+    workers: int = 1,
     interval_s: float,
     client_options: Sequence[str],
     timeout_s: float,
@@ -80,6 +81,11 @@ def run_materializer(
         marks = {p: marks[p] for p in chosen}
     target = {p: high for p, (_, high) in marks.items()}
     directory.mkdir(parents=True, exist_ok=True)
+    if workers > 1:
+        return _run_workers(
+            bootstrap, directory, name, workers, target, until_caught_up, interval_s, client_config,
+            timeout_s, console,
+        )  # fmt: skip
     dead_letters: queue.SimpleQueue[Any] = queue.SimpleQueue()
     materializer = Materializer(
         bootstrap,
@@ -119,3 +125,60 @@ def run_materializer(
     applied = materializer.applied_offsets()
     console.print(f"stopped; checkpoint written: {format_lag(applied, target)}")
     return {"topic": name, "store_dir": str(directory), "applied_offsets": applied}
+
+
+def _run_workers(
+    bootstrap: str,
+    directory: Path,
+    name: str,
+    workers: int,
+    target: dict[int, int],
+    until_caught_up: bool,
+    interval_s: float,
+    client_config: dict[str, Any],
+    timeout_s: float,
+    console: Console,
+) -> dict[str, Any]:
+    """``--workers N``: N processes apply disjoint partition subsets into the one directory; one lag report."""
+    from transports.kafka.admin import watermarks
+    from transports.kafka.workers import MaterializerWorkers
+
+    def report_dead_letter(line: str) -> None:
+        console.print(f"dead letter: {line}", markup=False, soft_wrap=True)
+
+    supervisor = MaterializerWorkers(
+        bootstrap,
+        name,
+        directory,
+        sorted(target),
+        workers,
+        consumer_config=client_config,
+        until=target if until_caught_up else None,
+        on_dead_letter=report_dead_letter,
+    )
+    subsets = "; ".join(f"worker {i}: {list(subset)}" for i, subset in enumerate(supervisor.subsets))
+    console.print(
+        f"materializing {name} into {directory} with {workers} workers ({subsets}); Ctrl-C stops cleanly"
+    )
+    stop = threading.Event()
+    try:
+        with stop_on_signals(stop):
+            supervisor.start()
+            next_report = 0.0
+            while not stop.is_set() and not supervisor.finished():
+                supervisor.poll(0.2)
+                now = time.monotonic()
+                if now >= next_report:
+                    marks = watermarks(bootstrap, name, client_config=client_config, timeout_s=timeout_s)
+                    ends = {p: marks[p][1] for p in target if p in marks}
+                    console.print(
+                        f"{time.strftime('%H:%M:%S')} {format_lag(supervisor.applied_offsets(), ends)}"
+                    )
+                    next_report = now + interval_s
+            supervisor.stop()
+    finally:
+        supervisor.stop()
+        supervisor.close()
+    applied = supervisor.applied_offsets()
+    console.print(f"stopped; checkpoint written: {format_lag(applied, target)}")
+    return {"topic": name, "store_dir": str(directory), "applied_offsets": applied, "workers": workers}

@@ -54,6 +54,7 @@ from transports.kafka.admin import list_topics
 from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
 from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
+from transports.kafka.ownership import write_owner_records
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
@@ -327,6 +328,7 @@ class Materializer:
                 partitions = self._partitions(consumer)
                 for partition in partitions:
                     held.enter_context(self._exclusive(partition))
+                write_owner_records(self._store.root, self._topic, partitions)
                 remove_stale_temp_files(self._store.root)
                 self._consume(consumer, partitions)
         finally:

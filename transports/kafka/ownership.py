@@ -1,0 +1,153 @@
+"""Which store directory owns which partition of a run topic, recorded in the directories themselves.
+
+A materializer that takes a partition's lock in a directory writes the partition's owner record there,
+``kafka-owner-p<N>.json`` holding the topic and the partition. The record stays: the directory keeps the
+rollouts of that partition, so it remains the place to read them, across restarts of its materializer.
+A source that spans several directories (one per node, say) reads the records to find, for a rollout's
+partition, the one directory to wait on and answer from.
+
+Rules:
+
+- one partition has one owner: two directories holding a record for the same partition of a topic are
+  refused (``PartitionOwnershipConflictError``), naming both; within one directory the partition lock
+  already refuses a second materializer;
+- a partition no directory owns is ``PartitionOwnerMissingError``, naming the partition and the directories
+  searched; the records are read again on a miss, so a materializer started after the source is found;
+- moving a partition to another directory means deleting its record from the old one.
+
+Records hold nothing that differs between runs, so a directory written by any number of workers is
+byte-identical to a clean replay. This module imports no Kafka client.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import orjson
+
+from tokcap.durable_io import fsync_directory, replace_atomically
+from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError, StoreCorruptionError
+
+__all__ = ["OWNER_PREFIX", "PartitionOwners", "owned_partitions", "owner_record_path", "write_owner_records"]
+
+OWNER_PREFIX = "kafka-owner-p"
+"""Owner record of partition N: ``kafka-owner-p<N>.json``."""
+
+_RECORD = re.compile(rf"^{re.escape(OWNER_PREFIX)}(\d+)\.json$")
+
+
+def owner_record_path(directory: Path, partition: int) -> Path:
+    """Where the owner record of ``partition`` lives in a store directory."""
+    return directory / f"{OWNER_PREFIX}{partition}.json"
+
+
+def _encode(topic: str, partition: int) -> bytes:
+    return orjson.dumps({"partition": partition, "topic": topic}, option=orjson.OPT_SORT_KEYS) + b"\n"
+
+
+def write_owner_records(directory: Path, topic: str, partitions: Iterable[int]) -> None:
+    """Record that this directory owns these partitions; the caller holds their locks. Unchanged ones are kept."""
+    written = False
+    for partition in partitions:
+        path = owner_record_path(directory, partition)
+        data = _encode(topic, partition)
+        try:
+            if path.read_bytes() == data:
+                continue
+        except FileNotFoundError:
+            pass
+        replace_atomically(path, data, durable=True)
+        written = True
+    if written:
+        fsync_directory(directory)
+
+
+def owned_partitions(directory: Path, topic: str) -> set[int]:
+    """The partitions of ``topic`` this directory holds owner records for (none if it does not exist)."""
+    owned: set[int] = set()
+    try:
+        names = [path.name for path in directory.iterdir()]
+    except FileNotFoundError:
+        return owned
+    for name in names:
+        match = _RECORD.match(name)
+        if match is None:
+            continue
+        path = directory / name
+        try:
+            raw = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            continue
+        except orjson.JSONDecodeError as exc:
+            raise StoreCorruptionError(
+                f"owner record {path} is not valid JSON ({exc}); delete it and restart that directory's materializer"
+            ) from exc
+        if raw.get("topic") == topic and raw.get("partition") == int(match.group(1)):
+            owned.add(int(match.group(1)))
+    return owned
+
+
+class PartitionOwners:
+    """Maps each partition of a topic to the one directory that owns it, among the given directories."""
+
+    def __init__(self, topic: str, directories: Sequence[str | Path]) -> None:
+        if not directories:
+            raise PartitionOwnerMissingError(
+                "no store directories were given to look for partition owners in"
+            )
+        self._topic = topic
+        self._directories = [Path(d) for d in directories]
+        self._lock = threading.Lock()
+        self._owner: dict[int, Path] = {}
+        self.refresh()
+
+    @classmethod
+    def under(cls, topic: str, parent: str | Path) -> PartitionOwners:
+        """The owners among ``parent`` and its immediate subdirectories (one per node on a shared filesystem)."""
+        root = Path(parent)
+        if not root.is_dir():
+            raise PartitionOwnerMissingError(
+                f"{root} is not a directory; give the parent of the store directories"
+            )
+        return cls(topic, [root, *sorted(p for p in root.iterdir() if p.is_dir())])
+
+    @property
+    def directories(self) -> list[Path]:
+        """The directories searched, in the order given."""
+        return list(self._directories)
+
+    def refresh(self) -> dict[int, Path]:
+        """Read every directory's owner records again; two owners of one partition are refused."""
+        owner: dict[int, Path] = {}
+        for directory in self._directories:
+            for partition in sorted(owned_partitions(directory, self._topic)):
+                other = owner.get(partition)
+                if other is not None:
+                    raise PartitionOwnershipConflictError(
+                        f"partition {partition} of {self._topic!r} is owned by both {other} and {directory}; "
+                        f"one partition has one owner: stop one of their materializers and delete its "
+                        f"{owner_record_path(directory, partition).name}, or give the materializers disjoint "
+                        "--partitions"
+                    )
+                owner[partition] = directory
+        with self._lock:
+            self._owner = owner
+        return dict(owner)
+
+    def owner_of(self, partition: int) -> Path:
+        """The directory that owns ``partition``; reads the records again before saying none does."""
+        with self._lock:
+            found = self._owner.get(partition)
+        if found is not None:
+            return found
+        found = self.refresh().get(partition)
+        if found is None:
+            searched = ", ".join(str(d) for d in self._directories)
+            raise PartitionOwnerMissingError(
+                f"no materializer owns partition {partition} of {self._topic!r} in {searched}; start one with "
+                f"--partitions including {partition} into one of these directories"
+            )
+        return found

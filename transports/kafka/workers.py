@@ -1,0 +1,294 @@
+"""Materializer worker processes: N processes applying disjoint partition subsets into one directory.
+
+One materializer applies in one Python thread, so it is capped by one core. A rollout's events all lie in
+one partition, and everything a partition writes into a directory is its own (its rollouts' files, its
+checkpoint ``kafka-checkpoint-p<N>.json``, dead letters ``kafka-dead-letters-p<N>``, owner record
+``kafka-owner-p<N>.json``), so partitions can be applied by separate processes into the same directory:
+
+- the partitions are dealt round-robin to the workers, so the subsets are disjoint by construction;
+- each worker takes its partitions' ownership locks (``kafka-materializer-p<N>.lock``) before applying, so
+  a second ``tokcap materialize`` on an overlapping subset of the same directory is refused, as with one worker;
+- per-rollout file locks serialize any two writers of one rollout, and temporary files are named by process,
+  so neither the store nor the checkpoints are shared between workers.
+
+The directory is therefore byte-identical to what one worker, or a clean replay, writes.
+
+Workers are started with ``spawn`` (the parent already runs librdkafka threads, which ``fork`` would copy
+half-way) and get their settings over a pipe, not the command line, so client secrets never show in ``ps``.
+
+Stopping: SIGINT or SIGTERM to the parent, or to any worker, sets one shared stop flag; every worker
+finishes its batch, writes its checkpoints and exits. A worker that dies (killed, or stopped by an error) is
+reported and the others are stopped cleanly: the supervisor does not restart it, since a worker that
+failed on a damaged store or a refused login would fail again, and a restart of the whole command by the
+service manager resumes every partition exactly from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.synchronize
+import queue
+import resource
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from tokcap.errors import InvalidInputError, MaterializerFailedError
+
+__all__ = ["MaterializerWorkers", "WorkerReport", "WorkerSpec", "split_partitions"]
+
+_POLL_S = 0.1
+_STOP_GRACE_S = 60.0
+"""How long a stopping worker may take to finish its batch before it is killed."""
+
+
+def split_partitions(partitions: Sequence[int], workers: int) -> list[list[int]]:
+    """Deal the partitions round-robin to ``workers`` disjoint, non-empty subsets."""
+    chosen = sorted(set(partitions))
+    if workers < 1:
+        raise InvalidInputError(f"--workers must be at least 1, got {workers}")
+    if workers > len(chosen):
+        raise InvalidInputError(
+            f"--workers {workers} is more than the {len(chosen)} partitions to apply ({chosen}); a partition "
+            "is applied by one worker, so use at most one worker per partition"
+        )
+    return [chosen[i::workers] for i in range(workers)]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process applies; sent to it pickled over the process pipe."""
+
+    index: int
+    bootstrap: str
+    topic: str
+    directory: str
+    partitions: tuple[int, ...]
+    consumer_config: Mapping[str, Any] = field(default_factory=dict)
+    until: Mapping[int, int] | None = None
+    """Stop once every partition has applied the offsets below these (``--until-caught-up``)."""
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a worker tells the supervisor: ``ready``, ``progress``, ``dead_letter``, ``stopped`` or ``failed``."""
+
+    kind: str
+    index: int
+    applied: Mapping[int, int] = field(default_factory=dict)
+    cpu_s: float = 0.0
+    """User plus system CPU seconds of the worker process so far."""
+    at: float = 0.0
+    """``time.monotonic()`` when the report was made (one clock for every process of the machine)."""
+    text: str = ""
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _worker_main(spec: WorkerSpec, stop: multiprocessing.synchronize.Event, reports: Any) -> None:
+    """Run one worker's materializer until the shared stop flag (or its ``until``), reporting as it goes."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    def report(kind: str, applied: Mapping[int, int] | None = None, text: str = "") -> None:
+        reports.put(WorkerReport(kind, spec.index, dict(applied or {}), _cpu_s(), time.monotonic(), text))
+
+    try:
+        from transports.kafka.materializer import Materializer
+
+        materializer = Materializer(
+            spec.bootstrap,
+            spec.topic,
+            spec.directory,
+            spec.partitions,
+            consumer_config=spec.consumer_config,
+            on_dead_letter=lambda line: report("dead_letter", text=line.describe()),
+        )
+        materializer.start()
+        try:
+            applied = materializer.applied_offsets()
+            report("ready", applied)
+            while not stop.is_set():
+                materializer.wait_for(spec.partitions[0], -1, 0)
+                now = materializer.applied_offsets()
+                if now != applied:
+                    applied = now
+                    report("progress", applied)
+                if spec.until is not None and all(applied.get(p, 0) >= end for p, end in spec.until.items()):
+                    break
+                stop.wait(_POLL_S)
+        finally:
+            materializer.stop()
+        materializer.wait_for(spec.partitions[0], -1, 0)
+        report("stopped", materializer.applied_offsets())
+    except BaseException as exc:
+        report("failed", text=f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+
+
+@dataclass
+class _Worker:
+    spec: WorkerSpec
+    process: BaseProcess
+    applied: dict[int, int] = field(default_factory=dict)
+    ready: WorkerReport | None = None
+    stopped: WorkerReport | None = None
+    failure: str = ""
+
+
+class MaterializerWorkers:
+    """Supervises N worker processes materializing disjoint partition subsets of a topic into one directory."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        store_dir: str | Path,
+        partitions: Sequence[int],
+        workers: int,
+        *,
+        consumer_config: Mapping[str, Any] | None = None,
+        until: Mapping[int, int] | None = None,
+        on_dead_letter: Callable[[str], object] | None = None,
+    ) -> None:
+        """``on_dead_letter`` gets each dead-letter line (``partition P offset O rollout R: reason``) in ``poll``."""
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._reports: Any = context.Queue()
+        self._on_dead_letter = on_dead_letter
+        self._workers: list[_Worker] = []
+        for index, subset in enumerate(split_partitions(partitions, workers)):
+            spec = WorkerSpec(
+                index=index,
+                bootstrap=bootstrap_servers,
+                topic=topic,
+                directory=str(store_dir),
+                partitions=tuple(subset),
+                consumer_config=dict(consumer_config or {}),
+                until=None if until is None else {p: until[p] for p in subset if p in until},
+            )
+            process = context.Process(
+                target=_worker_main,
+                args=(spec, self._stop, self._reports),
+                name=f"tokcap-materializer-worker-{index}",
+            )
+            self._workers.append(_Worker(spec, process))
+
+    @property
+    def subsets(self) -> list[tuple[int, ...]]:
+        """Each worker's partitions, in worker order."""
+        return [worker.spec.partitions for worker in self._workers]
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each worker's process id (``None`` before ``start``)."""
+        return [worker.process.pid for worker in self._workers]
+
+    def start(self) -> None:
+        """Start every worker and wait until each has its partitions assigned; a failed start stops the others."""
+        for worker in self._workers:
+            worker.process.start()
+        while not all(worker.ready is not None for worker in self._workers):
+            self.poll(_POLL_S)
+
+    def applied_offsets(self) -> dict[int, int]:
+        """Per partition of every worker, the next offset to apply (everything below is applied)."""
+        applied: dict[int, int] = {}
+        for worker in self._workers:
+            applied.update(worker.applied)
+        return applied
+
+    def reports(self) -> list[tuple[WorkerSpec, WorkerReport | None, WorkerReport | None]]:
+        """Per worker: its spec, its ``ready`` report and its ``stopped`` report (benchmarks read CPU from them)."""
+        return [(worker.spec, worker.ready, worker.stopped) for worker in self._workers]
+
+    def finished(self) -> bool:
+        """Every worker stopped cleanly (each reached its ``until``, or was asked to stop)."""
+        return all(worker.stopped is not None for worker in self._workers)
+
+    def poll(self, timeout_s: float) -> None:
+        """Take the workers' reports for up to ``timeout_s``; a worker that died stops the others and raises."""
+        self._take_for(timeout_s)
+        dead = next((w for w in self._workers if w.failure or self._died(w)), None)
+        if dead is not None:
+            why = dead.failure or f"exited with code {dead.process.exitcode} before stopping cleanly"
+            self.stop()
+            raise MaterializerFailedError(
+                f"materializer worker {dead.spec.index} (partitions {list(dead.spec.partitions)}) of "
+                f"{dead.spec.topic!r} failed: {why}; the other workers stopped with their checkpoints written. "
+                "Fix the cause and start `tokcap materialize` again: every partition resumes from its checkpoint"
+            )
+
+    def request_stop(self) -> None:
+        """Ask every worker to finish its batch and stop; safe from a signal handler."""
+        self._stop.set()
+
+    def stop(self, timeout_s: float = _STOP_GRACE_S) -> None:
+        """Stop every worker cleanly and wait for it; one that does not stop in time is killed."""
+        self._stop.set()
+        started = [worker.process for worker in self._workers if worker.process.pid is not None]
+        deadline = time.monotonic() + timeout_s
+        # Keep reading reports while waiting: a worker exits only once its queued reports are in the pipe.
+        while any(process.is_alive() for process in started) and time.monotonic() < deadline:
+            self._take_for(_POLL_S)
+        for process in started:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        self._drain()
+
+    def _died(self, worker: _Worker) -> bool:
+        process = worker.process
+        if process.pid is None or process.is_alive() or worker.stopped is not None:
+            return False
+        # Its last reports may still be in the pipe: take them before calling it dead.
+        self._drain()
+        return worker.stopped is None
+
+    def _take_for(self, timeout_s: float) -> None:
+        """Take reports as they come for up to ``timeout_s``, then whatever is already queued."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self._take(self._reports.get(timeout=left))
+            except queue.Empty:
+                break
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._take(self._reports.get_nowait())
+            except queue.Empty:
+                return
+
+    def _take(self, report: WorkerReport) -> None:
+        worker = self._workers[report.index]
+        if report.applied:
+            worker.applied = dict(report.applied)
+        if report.kind == "ready":
+            worker.ready = report
+        elif report.kind == "stopped":
+            worker.stopped = report
+        elif report.kind == "failed":
+            worker.failure = report.text
+        elif report.kind == "dead_letter" and self._on_dead_letter is not None:
+            self._on_dead_letter(report.text)
+
+    def close(self) -> None:
+        """Release the report queue once the workers are stopped."""
+        with contextlib.suppress(OSError, ValueError):
+            self._reports.close()
