@@ -164,6 +164,8 @@ def _run_workers(
     try:
         with stop_on_signals(stop):
             supervisor.start()
+            for index, (pid, subset) in enumerate(zip(supervisor.pids, supervisor.subsets, strict=True)):
+                console.print(f"worker {index} (pid {pid}) applies partitions {list(subset)}")
             next_report = 0.0
             while not stop.is_set() and not supervisor.finished():
                 supervisor.poll(0.2)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transports.kafka.materializer import Materializer
+    from transports.kafka.partitioned_source import PartitionedTokenSource
     from transports.kafka.sink import KafkaTokenSink
     from transports.kafka.source import KafkaTokenSource
     from transports.kafka.topics import (
@@ -32,6 +33,7 @@ __all__ = [
     "KafkaTokenSink",
     "KafkaTokenSource",
     "Materializer",
+    "PartitionedTokenSource",
     "TopicSettings",
     "ensure_topic",
     "resolve_topic",
@@ -39,7 +41,12 @@ __all__ = [
     "validate_topic_name",
 ]
 
-_MODULE_OF = {"Materializer": "materializer", "KafkaTokenSink": "sink", "KafkaTokenSource": "source"}
+_MODULE_OF = {
+    "Materializer": "materializer",
+    "KafkaTokenSink": "sink",
+    "KafkaTokenSource": "source",
+    "PartitionedTokenSource": "partitioned_source",
+}
 """Where each public name lives; the others are the topic helpers of ``topics``."""
 
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokcap.errors import ConfigError, DeliveryTimeoutError, RolloutRetiredError
+from tokcap.errors import ConfigError, DeliveryTimeoutError, PartitionOwnerMissingError, RolloutRetiredError
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
@@ -86,7 +86,12 @@ class KafkaTokenSource:
         delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
         producer_config: Mapping[str, Any] | None = None,
         consumer_config: Mapping[str, Any] | None = None,
+        owns_partition: Callable[[int], bool] | None = None,
     ) -> None:
+        """``owns_partition``, given by a source spanning several directories (``partitioned_source``), says
+        whether ``store_dir`` owns a partition: a command that lands on one it does not own is refused at once
+        instead of waiting for a checkpoint that never moves.
+        """
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         self._topic = resolve_topic(run_id, topic)
@@ -116,6 +121,7 @@ class KafkaTokenSource:
         self._bridge = ProducerBridge(
             bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
         )
+        self._owns_partition = owns_partition
         self._closed = False
 
     def __repr__(self) -> str:
@@ -143,6 +149,12 @@ class KafkaTokenSource:
         """Publish one command, wait until it is applied; return the verdict and where it sits in the log."""
         messages = encode_event_messages(event, next_chunk_group=_commands_are_never_chunked)
         (delivered,) = await self._bridge.send(self._topic, messages, what=what)
+        if self._owns_partition is not None and not self._owns_partition(delivered.partition):
+            raise PartitionOwnerMissingError(
+                f"{what} of rollout {event.rollout_id!r} landed on partition {delivered.partition} of "
+                f"{self._topic!r}, which {self._store.root} does not own; every producer of the run must use "
+                "the partitioner the source computes with (librdkafka's default, consistent_random)"
+            )
         await self._wait_applied(delivered, event.rollout_id, what)
         result = None
         if self._materializer is not None:

@@ -16,24 +16,27 @@ The directory is therefore byte-identical to what one worker, or a clean replay,
 Workers are started with ``spawn`` (the parent already runs librdkafka threads, which ``fork`` would copy
 half-way) and get their settings over a pipe, not the command line, so client secrets never show in ``ps``.
 
-Stopping: SIGINT or SIGTERM to the parent, or to any worker, sets one shared stop flag; every worker
-finishes its batch, writes its checkpoints and exits. A worker that dies (killed, or stopped by an error) is
-reported and the others are stopped cleanly: the supervisor does not restart it, since a worker that
-failed on a damaged store or a refused login would fail again, and a restart of the whole command by the
-service manager resumes every partition exactly from its checkpoint.
+Stopping: SIGINT or SIGTERM to the parent closes each worker's control pipe; every worker finishes its batch,
+writes its checkpoints and exits. A worker signalled directly stops the same way, and the supervisor then
+stops the others. A worker whose parent died sees its control pipe closed and stops too, so no worker outlives
+its supervisor. Nothing is shared between the processes but pipes, one pair per worker: a worker killed at any
+moment cannot leave a lock held that the others would wait on (a ``multiprocessing.Event`` can: its lock, held
+by a killed waiter, blocks every other process). A worker that dies (killed, or stopped by an error) is
+reported and the others are stopped cleanly: the supervisor does not restart it, since a worker that failed on
+a damaged store or a refused login would fail again, and a restart of the whole command by the service manager
+resumes every partition exactly from its checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
-import multiprocessing.synchronize
-import queue
 import resource
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
@@ -94,17 +97,26 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _worker_main(spec: WorkerSpec, stop: multiprocessing.synchronize.Event, reports: Any) -> None:
-    """Run one worker's materializer until the shared stop flag (or its ``until``), reporting as it goes."""
+def _worker_main(spec: WorkerSpec, control: Connection, reports: Connection) -> None:
+    """Run one worker's materializer until its control pipe closes (or its ``until``), reporting as it goes.
+
+    Each worker reports over a pipe of its own: a worker killed while writing can damage only its own pipe,
+    where a shared queue's lock, held by a dead writer, would block every other worker's reports.
+    """
+
+    stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    sending = threading.Lock()
 
     def report(kind: str, applied: Mapping[int, int] | None = None, text: str = "") -> None:
-        reports.put(WorkerReport(kind, spec.index, dict(applied or {}), _cpu_s(), time.monotonic(), text))
+        message = WorkerReport(kind, spec.index, dict(applied or {}), _cpu_s(), time.monotonic(), text)
+        with sending:
+            reports.send(message)
 
     try:
         from transports.kafka.materializer import Materializer
@@ -129,7 +141,8 @@ def _worker_main(spec: WorkerSpec, stop: multiprocessing.synchronize.Event, repo
                     report("progress", applied)
                 if spec.until is not None and all(applied.get(p, 0) >= end for p, end in spec.until.items()):
                     break
-                stop.wait(_POLL_S)
+                if control.poll(_POLL_S):
+                    break  # closed by the supervisor, or by its death
         finally:
             materializer.stop()
         materializer.wait_for(spec.partitions[0], -1, 0)
@@ -143,6 +156,10 @@ def _worker_main(spec: WorkerSpec, stop: multiprocessing.synchronize.Event, repo
 class _Worker:
     spec: WorkerSpec
     process: BaseProcess
+    reports: Connection
+    control: Connection
+    """Closing it stops the worker."""
+    open: bool = True
     applied: dict[int, int] = field(default_factory=dict)
     ready: WorkerReport | None = None
     stopped: WorkerReport | None = None
@@ -166,10 +183,10 @@ class MaterializerWorkers:
     ) -> None:
         """``on_dead_letter`` gets each dead-letter line (``partition P offset O rollout R: reason``) in ``poll``."""
         context = multiprocessing.get_context("spawn")
-        self._stop = context.Event()
-        self._reports: Any = context.Queue()
         self._on_dead_letter = on_dead_letter
+        self._until = until
         self._workers: list[_Worker] = []
+        self._child_ends: list[Connection] = []
         for index, subset in enumerate(split_partitions(partitions, workers)):
             spec = WorkerSpec(
                 index=index,
@@ -180,12 +197,15 @@ class MaterializerWorkers:
                 consumer_config=dict(consumer_config or {}),
                 until=None if until is None else {p: until[p] for p in subset if p in until},
             )
+            receiving, sending = context.Pipe(duplex=False)
+            control_end, control = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(spec, self._stop, self._reports),
+                args=(spec, control_end, sending),
                 name=f"tokcap-materializer-worker-{index}",
             )
-            self._workers.append(_Worker(spec, process))
+            self._workers.append(_Worker(spec, process, receiving, control))
+            self._child_ends += [sending, control_end]
 
     @property
     def subsets(self) -> list[tuple[int, ...]]:
@@ -201,6 +221,10 @@ class MaterializerWorkers:
         """Start every worker and wait until each has its partitions assigned; a failed start stops the others."""
         for worker in self._workers:
             worker.process.start()
+        # The parent keeps no writing end: a worker's pipe then reads as closed once the worker is gone.
+        for end in self._child_ends:
+            end.close()
+        self._child_ends.clear()
         while not all(worker.ready is not None for worker in self._workers):
             self.poll(_POLL_S)
 
@@ -222,6 +246,9 @@ class MaterializerWorkers:
     def poll(self, timeout_s: float) -> None:
         """Take the workers' reports for up to ``timeout_s``; a worker that died stops the others and raises."""
         self._take_for(timeout_s)
+        if self._until is None and any(worker.stopped is not None for worker in self._workers):
+            # A worker signalled directly stopped cleanly: the others follow.
+            self.request_stop()
         dead = next((w for w in self._workers if w.failure or self._died(w)), None)
         if dead is not None:
             why = dead.failure or f"exited with code {dead.process.exitcode} before stopping cleanly"
@@ -233,12 +260,13 @@ class MaterializerWorkers:
             )
 
     def request_stop(self) -> None:
-        """Ask every worker to finish its batch and stop; safe from a signal handler."""
-        self._stop.set()
+        """Ask every worker to finish its batch and stop (close its control pipe); idempotent."""
+        for worker in self._workers:
+            worker.control.close()
 
     def stop(self, timeout_s: float = _STOP_GRACE_S) -> None:
         """Stop every worker cleanly and wait for it; one that does not stop in time is killed."""
-        self._stop.set()
+        self.request_stop()
         started = [worker.process for worker in self._workers if worker.process.pid is not None]
         deadline = time.monotonic() + timeout_s
         # Keep reading reports while waiting: a worker exits only once its queued reports are in the pipe.
@@ -259,21 +287,29 @@ class MaterializerWorkers:
         return worker.stopped is None
 
     def _take_for(self, timeout_s: float) -> None:
-        """Take reports as they come for up to ``timeout_s``, then whatever is already queued."""
+        """Take reports as they come for up to ``timeout_s``, then whatever is already in the pipes."""
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                self._take(self._reports.get(timeout=left))
-            except queue.Empty:
-                break
+        while (left := deadline - time.monotonic()) > 0 and self._read(left):
+            pass
         self._drain()
 
     def _drain(self) -> None:
-        while True:
+        while self._read(0):
+            pass
+
+    def _read(self, timeout_s: float) -> bool:
+        """Take the reports of every pipe that has some within ``timeout_s``; ``False`` when none had any."""
+        pipes = {worker.reports: worker for worker in self._workers if worker.open}
+        if not pipes:
+            return False
+        ready = wait(list(pipes), timeout_s)
+        for pipe in ready:
+            worker = pipes[pipe]  # type: ignore[index]
             try:
-                self._take(self._reports.get_nowait())
-            except queue.Empty:
-                return
+                self._take(worker.reports.recv())
+            except (EOFError, OSError):
+                worker.open = False
+        return bool(ready)
 
     def _take(self, report: WorkerReport) -> None:
         worker = self._workers[report.index]
@@ -289,6 +325,7 @@ class MaterializerWorkers:
             self._on_dead_letter(report.text)
 
     def close(self) -> None:
-        """Release the report queue once the workers are stopped."""
-        with contextlib.suppress(OSError, ValueError):
-            self._reports.close()
+        """Close the report pipes once the workers are stopped."""
+        for worker in self._workers:
+            worker.reports.close()
+            worker.open = False
