@@ -96,3 +96,17 @@ def test_an_unexpected_error_is_still_one_line_and_points_at_the_debug_switch() 
     assert status == 1
     assert stream.getvalue().count("\n") == 1
     assert "TOKCAP_DEBUG=1" in stream.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "fragment"),
+    [
+        (("--workers", "0"), 2, "Invalid value for '--workers'"),
+        (("--partitions", "3-1"), 1, "has the range '3-1' running backwards"),
+    ],
+)
+def test_impossible_materialize_workers_and_partitions_are_one_line(
+    tmp_path: Path, args: tuple[str, ...], status: int, fragment: str
+) -> None:
+    command = ("materialize", "--bootstrap", "localhost:1", "--run", "r", "--dir", str(tmp_path / "d"))
+    assert_one_line_error(tokcap(*command, *args), status, fragment)

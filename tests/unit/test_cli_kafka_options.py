@@ -24,9 +24,20 @@ def test_partitions_are_deduplicated_and_sorted_and_none_means_all() -> None:
     assert parse_partitions(None) is None
 
 
+def test_partitions_take_inclusive_ranges_mixed_with_numbers() -> None:
+    assert parse_partitions("0-3,6") == [0, 1, 2, 3, 6]
+    assert parse_partitions("4-4, 2") == [2, 4]
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
-    [("a,b", "comma-separated partition numbers"), (",", "0 or above"), ("-1,2", "0 or above")],
+    [
+        ("a,b", "comma-separated partition numbers"),
+        (",", "0 or above"),
+        ("-1,2", "0 or above"),
+        ("3-1", "running backwards"),
+        ("1-x", "or ranges"),
+    ],
 )
 def test_impossible_partitions_are_refused(text: str, fragment: str) -> None:
     with pytest.raises(InvalidInputError, match=fragment):

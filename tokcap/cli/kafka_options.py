@@ -34,17 +34,14 @@ def parse_partitions(text: str | None) -> list[int] | None:
             continue
         first, dash, last = part.partition("-")
         try:
-            if dash and first:
-                low, high = int(first), int(last)
-                if high < low:
-                    raise InvalidInputError(f"--partitions {text!r} has the range {part!r} running backwards")
-                partitions.update(range(low, high + 1))
-            else:
-                partitions.add(int(part))
+            low, high = (int(first), int(last)) if dash and first else (int(part), int(part))
         except ValueError:
             raise InvalidInputError(
                 f"--partitions {text!r} must be comma-separated partition numbers or ranges (0-3,6)"
             ) from None
+        if high < low:
+            raise InvalidInputError(f"--partitions {text!r} has the range {part!r} running backwards")
+        partitions.update(range(low, high + 1))
     if not partitions or min(partitions) < 0:
         raise InvalidInputError(f"--partitions {text!r} must name partitions 0 or above")
     return sorted(partitions)
