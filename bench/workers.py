@@ -1,0 +1,255 @@
+"""Materializer apply throughput with N worker processes on a pre-filled topic.
+
+    python -m bench.workers [--bootstrap HOST:PORT] [--rollouts 1000] [--turns 8] [--partitions 4] [--workers 1,2]
+
+The topic is filled first (per rollout and turn an intent and a put of a ``--prompt-tokens`` prompt and
+``--generated-tokens`` generation, then a freeze per rollout). Then, for each N of ``--workers`` and each
+trial, ``MaterializerWorkers`` (what ``tokcap materialize --workers N`` runs) applies the whole topic from
+offset 0 into an empty directory. Each worker reports when its partitions were assigned (``ready``) and when
+they were all applied (``caught_up``), with the CPU seconds of its process (user + system, from
+``getrusage``) at each. A worker is timed from its first applied batch, so start-up and the consumer's
+first connection are left out (and so are the events of that first batch). Printed per worker: events,
+seconds, events/s, CPU s; per N: events/s in total (all timed events over the first worker's start to the
+last one caught up), CPU seconds per event, and the speed-up over N = 1. The directories of every N are
+compared byte for byte. ``--dir`` puts the store directories on another filesystem (``/dev/shm`` takes
+the disk's sync time out, leaving the CPU work).
+
+On a 2-core machine that also runs the broker, 2 workers cannot reach 2x: the broker and the consumers'
+fetch threads share the cores. CPU seconds per event show whether a worker's apply got dearer.
+Without ``--bootstrap`` a local broker is started and stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import tempfile
+import uuid
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.broker import local_broker
+from tokcap.events import FreezeEvent
+from tokcap.records import TokenEntry
+
+__all__ = ["WorkerFigure", "WorkersFigure", "fill_topic", "main", "measure_workers"]
+
+
+@dataclass(frozen=True)
+class WorkerFigure:
+    """One worker's share of one run."""
+
+    partitions: tuple[int, ...]
+    events: int
+    seconds: float
+    cpu_s: float
+
+    @property
+    def events_per_s(self) -> float:
+        """Events this worker applied per second of its own apply time."""
+        return self.events / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class WorkersFigure:
+    """One run with N workers: each worker's figure and the totals."""
+
+    workers: int
+    per_worker: tuple[WorkerFigure, ...]
+    seconds: float
+
+    @property
+    def events(self) -> int:
+        """Events applied by all workers."""
+        return sum(worker.events for worker in self.per_worker)
+
+    @property
+    def events_per_s(self) -> float:
+        """All timed events over the time from the first worker's start to the last one caught up."""
+        return self.events / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_s_per_event(self) -> float:
+        """CPU seconds of every worker process, per event applied."""
+        return sum(worker.cpu_s for worker in self.per_worker) / self.events if self.events else 0.0
+
+
+def _entry(rollout: str, turn: int, prompt_tokens: int, generated_tokens: int) -> TokenEntry:
+    generation = [50_000 + turn * 1000 + n for n in range(generated_tokens)]
+    return TokenEntry(
+        rollout_id=rollout,
+        model_call_id=f"{rollout}-call-{turn}",
+        model="policy",
+        prompt_token_ids=list(range(1, prompt_tokens + 1)),
+        generation_token_ids=generation,
+        generation_log_probs=[-0.25] * len(generation),
+        output_items=[{"role": "assistant", "content": f"turn {turn} of {rollout}"}],
+    )
+
+
+async def _fill(bootstrap: str, topic: str, args: argparse.Namespace) -> None:
+    from transports.kafka import KafkaTokenSink
+    from transports.kafka.codec import encode_event_messages
+    from transports.kafka.producer_bridge import ProducerBridge
+
+    sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+    bridge = ProducerBridge(bootstrap)
+    semaphore = asyncio.Semaphore(64)
+
+    async def rollout(index: int) -> None:
+        rollout_id = f"bench-{index:05d}"
+        async with semaphore:
+            for turn in range(args.turns):
+                await sink.begin_call(rollout_id, f"{rollout_id}-call-{turn}")
+                await sink.put(_entry(rollout_id, turn, args.prompt_tokens, args.generated_tokens))
+            # A freeze as a trainer publishes it, without waiting for any materializer.
+            freeze = FreezeEvent(rollout_id=rollout_id, writer="bench-workers")
+            await bridge.send(
+                topic, encode_event_messages(freeze, next_chunk_group=lambda: "none"), what="freeze"
+            )
+
+    try:
+        await asyncio.gather(*(rollout(index) for index in range(args.rollouts)))
+    finally:
+        await sink.close()
+        bridge.close()
+
+
+def fill_topic(bootstrap: str, args: argparse.Namespace) -> tuple[str, dict[int, int]]:
+    """Create a topic, fill it with the workload, and return it with each partition's end offset."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from transports.kafka.admin import watermarks
+
+    topic = f"tokcap-bench-workers-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=args.partitions, replication_factor=1)])[
+        topic
+    ].result(60)
+    asyncio.run(_fill(bootstrap, topic, args))
+    return topic, {p: high for p, (_, high) in watermarks(bootstrap, topic).items()}
+
+
+def measure_workers(
+    bootstrap: str, topic: str, ends: dict[int, int], workers: int, directory: Path
+) -> WorkersFigure:
+    """Apply the whole topic from offset 0 into an empty directory with N worker processes."""
+    from transports.kafka.workers import MaterializerWorkers
+
+    supervisor = MaterializerWorkers(bootstrap, topic, directory, sorted(ends), workers, until=ends)
+    try:
+        supervisor.start()
+        while not all(caught_up is not None for _, _, caught_up in supervisor.reports()):
+            supervisor.poll(0.2)
+        supervisor.stop()
+    finally:
+        supervisor.stop()
+        supervisor.close()
+    figures = []
+    first_start, last_done = float("inf"), 0.0
+    for spec, start, caught_up in supervisor.reports():
+        assert start is not None and caught_up is not None
+        first_start, last_done = min(first_start, start.at), max(last_done, caught_up.at)
+        events = sum(caught_up.applied.get(p, 0) - start.applied.get(p, 0) for p in spec.partitions)
+        figures.append(
+            WorkerFigure(spec.partitions, events, caught_up.at - start.at, caught_up.cpu_s - start.cpu_s)
+        )
+    return WorkersFigure(workers, tuple(figures), last_done - first_start)
+
+
+def _delete_topic(bootstrap: str, topic: str) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.delete_topics([topic])[topic].result(60)
+
+
+def _contents(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _print(figure: WorkersFigure, baseline: float | None) -> None:
+    speedup = f", {figure.events_per_s / baseline:.2f}x N=1" if baseline else ""
+    print(
+        f"N={figure.workers}: {figure.events} events in {figure.seconds:.2f} s = {figure.events_per_s:,.0f} events/s"
+        f" total, {figure.cpu_s_per_event * 1e6:.0f} CPU-us/event{speedup}"
+    )
+    for index, worker in enumerate(figure.per_worker):
+        print(
+            f"  worker {index} partitions {list(worker.partitions)}: {worker.events} events in {worker.seconds:.2f} s"
+            f" = {worker.events_per_s:,.0f} events/s, {worker.cpu_s:.2f} CPU-s"
+            f" ({worker.cpu_s / worker.events * 1e6 if worker.events else 0:.0f} CPU-us/event)"
+        )
+
+
+def main() -> None:
+    """Fill a topic, then measure apply throughput for each worker count."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--bootstrap", default=None, help="a running broker (default: start a local one)")
+    parser.add_argument("--rollouts", type=int, default=1000)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--generated-tokens", type=int, default=200)
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts to measure")
+    parser.add_argument("--trials", type=int, default=2, help="runs per worker count, alternating")
+    parser.add_argument("--dir", type=Path, default=None, help="where to create the store directories")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.workers.split(",") if n.strip()]
+    results: dict[int, list[WorkersFigure]] = {n: [] for n in counts}
+    with ExitStack() as stack:
+        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        bootstrap = args.bootstrap or stack.enter_context(local_broker(scratch / "broker"))
+        topic, ends = fill_topic(bootstrap, args)
+        stack.callback(_delete_topic, bootstrap, topic)
+        print(
+            f"{topic}: {sum(ends.values())} events over {args.partitions} partitions ({args.rollouts} rollouts x "
+            f"{args.turns} turns, intent + put of a {args.prompt_tokens}+{args.generated_tokens}-token call, freeze)"
+        )
+        reference: dict[str, bytes] | None = None
+        for trial in range(args.trials):
+            for n in counts:
+                directory = (
+                    args.dir or scratch
+                ) / f"tokcap-bench-workers-n{n}-t{trial}-{uuid.uuid4().hex[:6]}"
+                figure = measure_workers(bootstrap, topic, ends, n, directory)
+                results[n].append(figure)
+                contents = _contents(directory)
+                if reference is None:
+                    reference = contents
+                elif contents != reference:
+                    raise SystemExit(f"the directory of N={n} trial {trial} differs from the first run's")
+                shutil.rmtree(directory)
+                baseline = results[counts[0]][-1].events_per_s if n != counts[0] else None
+                print(f"trial {trial}: ", end="")
+                _print(figure, baseline)
+    best = {n: max(figures, key=lambda f: f.events_per_s) for n, figures in results.items()}
+    print("best of trials:")
+    for n in counts:
+        _print(best[n], best[counts[0]].events_per_s if n != counts[0] else None)
+    print("every directory byte-identical: yes")
+    if args.json is not None:
+        payload: dict[str, Any] = {
+            str(n): [
+                {
+                    **asdict(f),
+                    "events": f.events,
+                    "events_per_s": f.events_per_s,
+                    "cpu_s_per_event": f.cpu_s_per_event,
+                }
+                for f in figures
+            ]
+            for n, figures in results.items()
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
