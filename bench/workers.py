@@ -11,7 +11,9 @@ they were all applied (``caught_up``), with the CPU seconds of its process (user
 first connection are left out (and so are the events of that first batch). Printed per worker: events,
 seconds, events/s, CPU s; per N: events/s in total (all timed events over the first worker's start to the
 last one caught up), CPU seconds per event, and the speed-up over N = 1. The directories of every N are
-compared byte for byte. ``--dir`` puts the store directories on another filesystem (``/dev/shm`` takes
+compared byte for byte. Each worker also reports how long its threads waited for a CPU (Linux
+schedstat): a wall time far above CPU time plus that wait is time spent idle (the consumer, a sync).
+``--dir`` puts the store directories on another filesystem (``/dev/shm`` takes
 the disk's sync time out, leaving the CPU work).
 
 On a 2-core machine that also runs the broker, 2 workers cannot reach 2x: the broker and the consumers'
@@ -47,6 +49,8 @@ class WorkerFigure:
     events: int
     seconds: float
     cpu_s: float
+    wait_s: float
+    """Seconds its threads were runnable but waited for a CPU: the machine's contention, not the worker's work."""
 
     @property
     def events_per_s(self) -> float:
@@ -156,7 +160,13 @@ def measure_workers(
         first_start, last_done = min(first_start, start.at), max(last_done, caught_up.at)
         events = sum(caught_up.applied.get(p, 0) - start.applied.get(p, 0) for p in spec.partitions)
         figures.append(
-            WorkerFigure(spec.partitions, events, caught_up.at - start.at, caught_up.cpu_s - start.cpu_s)
+            WorkerFigure(
+                spec.partitions,
+                events,
+                caught_up.at - start.at,
+                caught_up.cpu_s - start.cpu_s,
+                caught_up.wait_s - start.wait_s,
+            )
         )
     return WorkersFigure(workers, tuple(figures), last_done - first_start)
 
@@ -182,7 +192,8 @@ def _print(figure: WorkersFigure, baseline: float | None) -> None:
         print(
             f"  worker {index} partitions {list(worker.partitions)}: {worker.events} events in {worker.seconds:.2f} s"
             f" = {worker.events_per_s:,.0f} events/s, {worker.cpu_s:.2f} CPU-s"
-            f" ({worker.cpu_s / worker.events * 1e6 if worker.events else 0:.0f} CPU-us/event)"
+            f" ({worker.cpu_s / worker.events * 1e6 if worker.events else 0:.0f} CPU-us/event),"
+            f" {worker.wait_s:.2f} s waiting for a CPU"
         )
 
 

@@ -88,6 +88,8 @@ class WorkerReport:
     applied: Mapping[int, int] = field(default_factory=dict)
     cpu_s: float = 0.0
     """User plus system CPU seconds of the worker process so far."""
+    wait_s: float = 0.0
+    """Seconds its threads spent waiting for a CPU so far (``/proc/self/task/*/schedstat``)."""
     at: float = 0.0
     """``time.monotonic()`` when the report was made (one clock for every process of the machine)."""
     text: str = ""
@@ -96,6 +98,24 @@ class WorkerReport:
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _run_queue_wait_s() -> float:
+    """Seconds this process's threads spent runnable but waiting for a CPU (Linux schedstat; 0 elsewhere).
+
+    On a machine shared with a broker and other jobs it tells a worker starved of CPU from one that is idle.
+    """
+    total = 0
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def _worker_main(spec: WorkerSpec, control: Connection, reports: Connection) -> None:
@@ -115,7 +135,9 @@ def _worker_main(spec: WorkerSpec, control: Connection, reports: Connection) -> 
     sending = threading.Lock()
 
     def report(kind: str, applied: Mapping[int, int] | None = None, text: str = "") -> None:
-        message = WorkerReport(kind, spec.index, dict(applied or {}), _cpu_s(), time.monotonic(), text)
+        message = WorkerReport(
+            kind, spec.index, dict(applied or {}), _cpu_s(), _run_queue_wait_s(), time.monotonic(), text
+        )
         with sending:
             reports.send(message)
 
