@@ -27,7 +27,7 @@ from test_kafka_replay import mixed_run, replay
 
 from tokcap.cli.kafka_options import parse_partitions
 from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
-from transports.kafka import KafkaTokenSink, Materializer, PartitionedTokenSource
+from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer, PartitionedTokenSource
 from transports.kafka.materializer import OWNER_LOCK_PREFIX
 from transports.kafka.ownership import owned_partitions
 
@@ -297,3 +297,27 @@ def test_a_rollout_whose_partition_no_directory_owns_is_a_typed_error_naming_the
     partition = partition_of_rollout(orphan, _PARTITIONS)
     with pytest.raises(PartitionOwnerMissingError, match=rf"no materializer owns partition {partition} of "):
         asyncio.run(_freeze_one(kafka_bootstrap, topic, tmp_path / "a", orphan))
+
+
+async def _freeze_through_a_directory_owning_nothing(bootstrap: str, topic: str, directory: Path) -> None:
+    source = KafkaTokenSource(
+        bootstrap_servers=bootstrap,
+        topic=topic,
+        store_dir=directory,
+        external_materializer=True,
+        timeout_s=300,
+        owns_partition=lambda partition: False,
+    )
+    try:
+        await source.freeze("r1")
+    finally:
+        await source.close()
+
+
+def test_a_command_landing_on_a_partition_its_directory_does_not_own_is_refused_at_once(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    with pytest.raises(
+        PartitionOwnerMissingError, match=r"freeze of rollout 'r1' landed on partition 0 of .*does not own"
+    ):
+        asyncio.run(_freeze_through_a_directory_owning_nothing(kafka_bootstrap, kafka_topic, tmp_path / "d"))
