@@ -73,7 +73,8 @@ class WorkerSpec:
     topic: str
     directory: str
     partitions: tuple[int, ...]
-    consumer_config: Mapping[str, Any] = field(default_factory=dict)
+    consumer_config: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    """Client settings; kept out of ``repr``, since they may hold credentials."""
     until: Mapping[int, int] | None = None
     """Stop once every partition has applied the offsets below these (``--until-caught-up``)."""
 
