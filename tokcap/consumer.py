@@ -191,7 +191,9 @@ def _metrics(
         "method": attribution.method or "none",
         "call_id": attribution.model_call_id,
         "reason": attribution.reason,
-        "chain": build.notes.terminal_chain if build is not None else "error",
+        # Gym's words: the builder's terminal verdict, else "error" when nothing could be delivered.
+        "chain": (build.notes.terminal_chain if build is not None else "")
+        or ("error" if build is None or build.main_chain is None or errors else ""),
     }
     if errors:
         metrics["errors"] = list(errors)

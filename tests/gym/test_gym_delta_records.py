@@ -13,6 +13,7 @@ from typing import Any
 
 from gym_rollouts import USER, Call, Rollout, drive, tool_use_rollout
 from gym_wheel import GymModules
+from test_gym_lineage import drive_with_tokcap
 
 from tokcap.builder import run_builder
 from tokcap.consumer import trajectories_from_source
@@ -143,3 +144,55 @@ def test_a_delta_child_of_a_root_that_generated_nothing_is_masked_as_gym_masks_i
     assert ours.masked is True
     assert ours.response is None
     assert "missing-parent" in ours.mask_reasons
+
+
+def _lines(directory: Path, rollout_id: str) -> list[dict[str, Any]]:
+    entries = [
+        TokenEntry.from_json(line)
+        for line in (directory / f"{rollout_id}.tokens.jsonl").read_bytes().splitlines()
+    ]
+    return [entry.model_dump(mode="json", exclude={"created_at"}) for entry in entries]
+
+
+def test_tokcaps_capture_path_with_delta_records_writes_the_lines_gyms_middleware_writes(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    gym_dir, tokcap_dir = tmp_path / "gym", tmp_path / "tokcap"
+    rollout = tool_use_rollout("r-lines")
+    asyncio.run(
+        drive(
+            gym,
+            rollout,
+            gym.store.TokenCaptureStore(gym_dir),
+            gym.lineage.FileLineageStore(gym_dir),
+            delta_records=True,
+        )
+    )
+    asyncio.run(
+        drive_with_tokcap(
+            rollout, TokenCaptureStore(tokcap_dir), FileLineageResolver(tokcap_dir), delta_records=True
+        )
+    )
+    ours = _lines(tokcap_dir, "r-lines")
+    assert [line["prompt_is_delta"] for line in ours] == [False, True, True, True]
+    assert ours == _lines(gym_dir, "r-lines")
+
+
+def test_a_rollout_captured_with_delta_records_is_delivered_as_the_same_rollout_captured_full(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    rollout = tool_use_rollout("r-same")
+
+    def delivered(directory: Path, delta_records: bool) -> dict[str, Any]:
+        store = TokenCaptureStore(directory)
+        asyncio.run(
+            drive_with_tokcap(rollout, store, FileLineageResolver(directory), delta_records=delta_records)
+        )
+        built = asyncio.run(
+            trajectories_from_source(rollout.rollout_id, store, verified_response=rollout.final_response)
+        )
+        assert built.masked is False, built.mask_reasons
+        assert built.response is not None
+        return built.response
+
+    assert delivered(tmp_path / "delta", True) == delivered(tmp_path / "full", False)
