@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokcap.records import TokenEntry, compute_digest
 
-__all__ = ["FullPrompts", "rebuild_full_prompts", "store_as_delta"]
+__all__ = ["FullPrompts", "LineageReport", "lineage_report", "rebuild_full_prompts", "store_as_delta"]
 
 _MAX_DEPTH = 100_000
 """Longer parent walks are treated as broken: no real rollout has that many calls in one chain."""
@@ -122,3 +123,43 @@ def rebuild_full_prompts(entries: Sequence[TokenEntry]) -> FullPrompts:
         prompt = sequence[: len(sequence) - len(entry.generation_token_ids)]
         rebuilt.append(entry.model_copy(update={"prompt_token_ids": prompt, "prompt_is_delta": False}))
     return FullPrompts(entries=tuple(rebuilt), broken=tuple(broken), mismatched=tuple(mismatched))
+
+
+@dataclass(frozen=True)
+class LineageReport:
+    """What a reader shows about a rollout's records: which are deltas, and what their full prompts are.
+
+    ``full_prompt_tokens`` maps each call whose full prompt could be rebuilt (or was stored) to its length;
+    ``unrebuildable`` and ``digest_mismatches`` are ``FullPrompts.broken`` and ``.mismatched``.
+    """
+
+    delta_records: int
+    full_prompt_tokens: dict[str, int]
+    unrebuildable: tuple[str, ...]
+    digest_mismatches: tuple[str, ...]
+
+    @property
+    def sound(self) -> bool:
+        """Whether every record's full prompt was rebuilt and matched its digest."""
+        return not self.unrebuildable and not self.digest_mismatches
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly form for ``tokcap inspect``, ``log`` and ``replay``."""
+        return {
+            "delta_records": self.delta_records,
+            "full_prompt_tokens": dict(self.full_prompt_tokens),
+            "unrebuildable": list(self.unrebuildable),
+            "digest_mismatches": list(self.digest_mismatches),
+            "sound": self.sound,
+        }
+
+
+def lineage_report(entries: Sequence[TokenEntry]) -> LineageReport:
+    """Rebuild and check a rollout's records as the builder does, and say what a reader should show."""
+    rebuilt = rebuild_full_prompts(entries)
+    return LineageReport(
+        delta_records=sum(1 for entry in entries if entry.prompt_is_delta),
+        full_prompt_tokens={entry.model_call_id: len(entry.prompt_token_ids) for entry in rebuilt.entries},
+        unrebuildable=rebuilt.broken,
+        digest_mismatches=rebuilt.mismatched,
+    )

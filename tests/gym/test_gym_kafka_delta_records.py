@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import tokcap
 from gym_rollouts import tool_use_rollout
 from test_gym_lineage import drive_with_tokcap
 
 from tokcap.consumer import trajectories_from_source
+from tokcap.delta_records import store_as_delta
 from tokcap.lineage import FileLineageResolver
+from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.lineage import KafkaLineageResolver
@@ -56,3 +59,60 @@ def test_a_rollout_captured_with_delta_records_over_kafka_is_delivered_as_the_fi
     response, deltas = asyncio.run(over_kafka())
     assert deltas == [False, True, True, True]
     assert response == asyncio.run(full_in_files())
+
+
+def _orphan_delta(rollout_id: str) -> TokenEntry:
+    """A delta record whose parent was never stored: no reader can rebuild its prompt."""
+    entry = TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id="orphan",
+        prompt_token_ids=[1, 2, 3, 4],
+        generation_token_ids=[5],
+        generation_log_probs=[-0.5],
+    )
+    cumulative = store_as_delta(entry, [1, 2, 3])
+    return stamp_lineage(
+        entry, "never-stored", parent_resolution=ParentResolutionStatus.RESOLVED, cumulative=cumulative
+    )
+
+
+def test_log_and_replay_rebuild_delta_prompts_from_the_topic_and_name_a_chain_that_cannot_be_rebuilt(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    rollout = tool_use_rollout("r-readers")
+
+    async def write() -> None:
+        sink = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+        resolver = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+        try:
+            await drive_with_tokcap(rollout, sink, resolver, delta_records=True)
+            await sink.put(_orphan_delta("r-orphan"))
+        finally:
+            await asyncio.gather(sink.close(), resolver.close())
+
+    asyncio.run(write())
+    logged = tokcap(
+        "log", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic, "--rollout", "r-readers", "--json"
+    )
+    assert logged.returncode == 0, logged.stderr
+    lineage = logged.json()["lineage"]
+    assert (lineage["delta_records"], lineage["sound"]) == (3, True)
+    assert lineage["full_prompt_tokens"]["call-3"] == 14
+    orphan = tokcap("log", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic, "--rollout", "r-orphan")
+    assert "orphan stores a delta prompt that cannot be rebuilt" in orphan.stdout
+
+    replayed = tokcap(
+        "replay",
+        "--bootstrap",
+        kafka_bootstrap,
+        "--topic",
+        kafka_topic,
+        "--dir",
+        str(tmp_path / "replay"),
+        "--json",
+    )
+    assert replayed.returncode == 0, replayed.stderr
+    assert replayed.json()["lineage"] == {"delta_records": 4, "unproven_calls": {"r-orphan": ["orphan"]}}
+    store = TokenCaptureStore(tmp_path / "replay")
+    built = asyncio.run(trajectories_from_source("r-orphan", store))
+    assert built.masked and "broken-delta-chain" in built.mask_reasons
