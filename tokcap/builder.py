@@ -10,6 +10,12 @@ Two builders:
 - ``per_request``: one single-link chain per call; not suitable for single-response delivery.
 
 Both sort their input first, so a shuffled snapshot builds the same chains.
+
+A snapshot whose records carry lineage (Gym 0.7.0's ``parent_resolution``, ``parent_call_id``, ``digest``,
+``prompt_is_delta``) is built by Gym's rules: delta prompts are rebuilt first (``tokcap.delta_records``),
+each call joins only the parent its record names and only when the digest proves it, and whatever cannot
+be rebuilt or proven is left out and named in the notes. A snapshot without lineage (tokcap 0.1's records)
+is built by prefix matching alone.
 Nothing here recurses: a chain of any depth builds in loops.
 """
 
@@ -672,6 +678,9 @@ def prefix_merging(entries: Iterable[TokenEntry], terminal_call_id: str | None =
     ``terminal_call_id`` (the call whose response the verifier scored) overrides that choice, as in Gym:
     the main chain is the path from its root to that call, a retry group containing it is resolved to it,
     and ``notes.terminal_chain`` says whether it was delivered.
+
+    That is the rule for snapshots without lineage. A snapshot whose records state their parents is built
+    as Gym 0.7.0 builds it (same chains, tokens, notes): see ``_lineage_merging``.
     """
     listed = list(entries)
     if _has_lineage(listed):

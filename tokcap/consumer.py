@@ -1,9 +1,13 @@
 """Freeze a finished rollout, build its trajectory and decide whether it may be trained on.
 
-A rollout is masked (never raised for) when its snapshot is incomplete or empty, when the build leaves
-unresolved retries, quarantined calls, more than one root or more than one chain, or when any build step
-raises. The result carries the frozen ``snapshot_id`` and ``version``, so the caller retires exactly
-what it consumed.
+The decision is Gym 0.7.0's, in its order. Terminal attribution (``tokcap.terminal``) names the call whose
+response the verifier scored; when the chain from its root to that call is intact it is delivered, and
+auxiliary calls, sub-agents and discarded retries do not mask the rollout. A named terminal whose chain is
+broken, or a declared response id that names no call, masks it. Without a terminal, any unresolved retry,
+unproven parent link, second root or second chain masks it. An incomplete or empty snapshot, or a build
+or projection that raises, always masks; nothing here raises for a malformed rollout. Every reason is a
+``MaskReason``. The result carries the frozen ``snapshot_id`` and ``version``, so the caller retires
+exactly what it consumed.
 """
 
 from __future__ import annotations
