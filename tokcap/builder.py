@@ -371,50 +371,19 @@ def _chain_order_key(chain: Chain) -> tuple[tuple[float, str], ...]:
     return tuple(_creation_key(link.entry) for link in chain.links)
 
 
-def _with_full_prompts(entries: list[TokenEntry]) -> list[TokenEntry]:
-    """Rebuild delta prompts (Gym's ``prompt_is_delta``) from their parents, and check every stored digest.
+def _check_stored_digests(entries: list[TokenEntry]) -> list[TokenEntry]:
+    """Refuse a snapshot without lineage whose record carries a ``digest`` or ``cum_len`` its tokens contradict.
 
-    A delta entry stores only the prompt suffix after its resolved parent's prompt and generation.
-    Its full prompt is the parent's full prompt, the parent's generation, then that suffix.
-    Where an entry carries Gym's ``digest`` of its full sequence, the rebuilt sequence must match it.
-    A delta whose parent is missing, a cycle, or a mismatch raises ``TrajectoryBuildError``: guessing
-    would train on a wrong prompt, so the consumer masks the rollout instead.
+    Such a snapshot has no delta prompts (a delta needs a RESOLVED parent, which is lineage), so each
+    record's own tokens are its whole sequence. Guessing past a mismatch would train on wrong tokens, so
+    ``TrajectoryBuildError`` is raised and the consumer masks the rollout.
     """
-    by_call = {entry.model_call_id: entry for entry in entries}
-    full: dict[str, list[int]] = {
-        entry.model_call_id: list(entry.prompt_token_ids) for entry in entries if not entry.prompt_is_delta
-    }
-    pending = [entry for entry in entries if entry.prompt_is_delta]
-    while pending:
-        waiting: list[TokenEntry] = []
-        for entry in pending:
-            parent = by_call.get(entry.parent_call_id or "")
-            if parent is None:
-                raise TrajectoryBuildError(
-                    f"call {entry.model_call_id!r} stores a delta prompt, but its parent "
-                    f"{entry.parent_call_id!r} is not in the snapshot; its full prompt cannot be rebuilt",
-                    rollout_id=entry.rollout_id,
-                    model_call_id=entry.model_call_id,
-                )
-            if parent.model_call_id in full:
-                prefix = full[parent.model_call_id]
-                full[entry.model_call_id] = [*prefix, *parent.generation_token_ids, *entry.prompt_token_ids]
-            else:
-                waiting.append(entry)
-        if len(waiting) == len(pending):
-            raise TrajectoryBuildError(
-                f"delta prompts of calls {sorted(e.model_call_id for e in waiting)} form a cycle of parents",
-                rollout_id=waiting[0].rollout_id,
-            )
-        pending = waiting
-    rebuilt: list[TokenEntry] = []
     for entry in entries:
-        prompt = full[entry.model_call_id]
-        sequence = [*prompt, *entry.generation_token_ids]
+        sequence = [*entry.prompt_token_ids, *entry.generation_token_ids]
         if entry.digest is not None and compute_digest(sequence) != entry.digest:
             raise TrajectoryBuildError(
                 f"call {entry.model_call_id!r}: its prompt and generation do not match its stored digest; "
-                "the record or its parent chain is inconsistent",
+                "the record is inconsistent",
                 rollout_id=entry.rollout_id,
                 model_call_id=entry.model_call_id,
             )
@@ -425,14 +394,17 @@ def _with_full_prompts(entries: list[TokenEntry]) -> list[TokenEntry]:
                 rollout_id=entry.rollout_id,
                 model_call_id=entry.model_call_id,
             )
-        if entry.prompt_is_delta:
-            entry = entry.model_copy(update={"prompt_token_ids": prompt, "prompt_is_delta": False})
-        rebuilt.append(entry)
-    return rebuilt
+    return entries
 
 
 def _split_empty_generations(entries: Iterable[TokenEntry]) -> tuple[list[TokenEntry], tuple[str, ...]]:
-    unique = _with_full_prompts(_unique_entries(entries))
+    """Full-prompt records, split into those that generated tokens and the ids of those that did not.
+
+    With lineage, delta prompts are rebuilt and whatever cannot be rebuilt or verified is left out.
+    """
+    unique = _unique_entries(entries)
+    rebuilt = rebuild_full_prompts(unique).entries if _has_lineage(unique) else _check_stored_digests(unique)
+    unique = list(rebuilt)
     producing = [entry for entry in unique if entry.generation_token_ids]
     empty = tuple(sorted(entry.model_call_id for entry in unique if not entry.generation_token_ids))
     return producing, empty

@@ -114,3 +114,16 @@ def test_a_three_call_delta_rollout_is_delivered_whole() -> None:
     tokens = result.build.main_chain.training_tokens()
     assert tokens.token_ids == [1, 2, 3, 4, 5, 6, 7]
     assert tokens.loss_mask == [0, 0, 1, 0, 1, 0, 1]
+
+
+def test_per_request_gives_each_delta_call_its_full_prompt_and_leaves_out_one_that_cannot_be_rebuilt() -> (
+    None
+):
+    c1 = call("c1", [1, 2], [3])
+    c2 = call("c2", [1, 2, 3, 4], [5], "c1", delta_after=[1, 2, 3])
+    orphan = call("c3", [7, 8, 9], [6], "gone", delta_after=[7, 8])
+    build = run_builder([c1, c2, orphan], "per_request")
+    assert {chain.chain_id: chain.root_prompt_token_ids for chain in build.chains} == {
+        "c1": (1, 2),
+        "c2": (1, 2, 3, 4),
+    }
