@@ -12,7 +12,6 @@ only the suffix). Both builders, attributions and consumers get the same entries
 from __future__ import annotations
 
 import asyncio
-import importlib
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -219,12 +218,6 @@ def test_tokcaps_builder_gives_gyms_chains_tokens_and_notes_on_any_capture(
     )
 
 
-def _gym_terminal(gym: GymModules) -> types.ModuleType:
-    """Gym's terminal module; the ``gym`` fixture registered its package but does not name this module."""
-    assert gym.builder is not None
-    return importlib.import_module("nemo_gym.token_id_capture.terminal")
-
-
 def _verified(capture: Capture) -> dict[str, Any] | None:
     """The scored response: one call's served id and output, a response no call served, or none."""
     if capture.response_of is None:
@@ -248,7 +241,7 @@ def test_tokcaps_terminal_attribution_names_the_call_gyms_names_for_the_same_rea
         capture.terminal,
         declared_response_id=f"resp-{capture.declared}" if capture.declared else None,
     )
-    theirs = _gym_terminal(gym).resolve_terminal(
+    theirs = gym.terminal.resolve_terminal(
         [gym.records.TokenEntry.model_validate(record) for record in records],
         verified,
         capture.terminal,
