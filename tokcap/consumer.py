@@ -107,6 +107,7 @@ class TrajectoryResult(Mapping[str, Any]):
             view["unresolved_retries"] = [
                 call for group in self.build.notes.unresolved_retries for call in group
             ]
+            view["unresolved_parent_calls"] = list(self.build.notes.unresolved_parent_calls)
         errors = self.metrics.get("errors")
         if errors:
             view["error"] = "; ".join(str(error) for error in errors)

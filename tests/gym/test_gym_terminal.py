@@ -144,3 +144,25 @@ def test_a_declared_response_id_names_the_kept_retry_and_delivery_rebuilds_that_
     assert built.build is not None and built.build.main_chain is not None
     assert built.build.main_chain.call_ids == ("call-1", "call-2", "call-3")
     assert record["_ng_token_capture"]["terminal_attribution"]["method"] == "declared"
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_tokcaps_delivery_rebuilds_the_record_gyms_delivery_rebuilds(
+    gym: GymModules, tmp_path: Path, shape: str
+) -> None:
+    rollout = SHAPES[shape](f"r-{shape}")
+    store = _captured(gym, rollout, tmp_path, True)
+    ours_record, gym_record = rollout.result(), rollout.result()
+
+    async def run() -> tuple[Any, Any]:
+        ours = await finalize_rollout_token_capture(ours_record, store)
+        theirs = await gym.delivery.finalize_rollout_token_capture(gym_record, store)
+        return ours, theirs
+
+    ours, theirs = asyncio.run(run())
+    assert ours.masked is theirs["mask_sample"] is False
+    assert ours_record["response"] == gym_record["response"]
+    assert (
+        ours.response is not None
+        and ours.response["model"] == theirs["rebuilt_response"]["model"] == "policy"
+    )
