@@ -7,6 +7,8 @@ intent, so a call whose entry never arrives masks the rollout at freeze.
 After generation, ``capture_tokens`` (response side) or ``commit_entry`` (engine side) stamps the
 call's ``TokenEntry`` with that decision (``stamp_lineage``) and with its own lookup metadata
 (``stamp_continuation``), as Gym's middleware does, and stores it; so lineage needs no Gym.
+With ``CaptureContext(delta_records=True)`` a proven continuation is stored as its prompt suffix
+(``tokcap.delta_records``), as Gym's ``delta_records`` does.
 
 Failure chain:
 
