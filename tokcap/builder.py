@@ -555,14 +555,15 @@ def _lineage_merging(entries: Sequence[TokenEntry], terminal_call_id: str | None
         if reason != _RECOVERED:
             unresolved_parents.append(call_id)
 
-    for call_id in conflicts:
+    empty = tuple(entry.model_call_id for entry in rebuilt.entries if not entry.generation_token_ids)
+    producing = [entry for entry in rebuilt.entries if entry.generation_token_ids]
+    # Gym reports conflicting duplicates only when something is left to build; nothing is delivered anyway.
+    for call_id in conflicts if producing else []:
         note("duplicate_call_id_conflict", call_id)
     for call_id in rebuilt.mismatched:
         note("digest_mismatch", call_id)
     for call_id in rebuilt.broken:
         note("delta_chain_unreconstructable", call_id)
-    empty = tuple(entry.model_call_id for entry in rebuilt.entries if not entry.generation_token_ids)
-    producing = [entry for entry in rebuilt.entries if entry.generation_token_ids]
     ordered = sorted(producing, key=lambda entry: (len(entry.prompt_token_ids), entry.model_call_id))
     present = {entry.model_call_id for entry in ordered}
     needs_trie = any(

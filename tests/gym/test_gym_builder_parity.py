@@ -45,6 +45,8 @@ class Capture:
     calls: tuple[Call, ...]
     lost: frozenset[str]
     order: tuple[int, ...]
+    # Records delivered twice (at-least-once): (position in the stored order, payload changed, copy first).
+    repeats: tuple[tuple[int, bool, bool], ...]
     terminal: str | None
     declared: str | None
     response_of: str | None
@@ -91,6 +93,11 @@ def captures(draw: st.DrawFn) -> Capture:
         calls=tuple(calls),
         lost=lost,
         order=order,
+        repeats=tuple(
+            draw(
+                st.lists(st.tuples(st.integers(0, len(calls) - 1), st.booleans(), st.booleans()), max_size=2)
+            )
+        ),
         terminal=draw(maybe_id),
         declared=draw(st.one_of(st.none(), st.none(), maybe_id)),
         response_of=draw(maybe_id),
@@ -106,6 +113,7 @@ _TOOL_USE_WITH_A_LOST_MIDDLE_CALL = Capture(
     ),
     lost=frozenset({"c01"}),
     order=(3, 1, 0, 2),
+    repeats=(),
     terminal="c03",
     declared=None,
     response_of="c03",
@@ -152,6 +160,20 @@ def _records(capture: Capture, delta_records: bool) -> list[dict[str, Any]]:
                 "prompt_is_delta": delta,
             }
         )
+    for position, changed, first in capture.repeats:
+        if position >= len(records):
+            continue
+        copy = dict(records[position])
+        if changed:
+            generation = [*copy["generation_token_ids"], 7]
+            rebuilt = next(call for call in capture.calls if call.call_id == copy["model_call_id"])
+            copy.update(
+                generation_token_ids=generation,
+                generation_log_probs=[*copy["generation_log_probs"], -1.0],
+                cum_len=len(rebuilt.prompt) + len(generation),
+                digest=compute_digest([*rebuilt.prompt, *generation]),
+            )
+        records.insert(0 if first else len(records), copy)
     return records
 
 
