@@ -127,3 +127,17 @@ def test_per_request_gives_each_delta_call_its_full_prompt_and_leaves_out_one_th
         "c1": (1, 2),
         "c2": (1, 2, 3, 4),
     }
+
+
+def test_a_scored_call_behind_an_unproven_link_masks_for_that_reason_alone() -> None:
+    c1 = call("c1", [1, 2], [3])
+    c2 = stamp_lineage(
+        make_entry("r", "c2", [1, 2, 3, 4], [5]), None, parent_resolution=ParentResolutionStatus.UNRESOLVED
+    )
+    c3 = call("c3", [1, 2, 3, 4, 5, 6], [7], "c2")
+    result = asyncio.run(
+        trajectories_from_source("r", Frozen([c1, c2, c3]), explicit_terminal_call_id="c3")  # type: ignore[arg-type]
+    )
+    assert result.masked and result.response is None
+    assert result.mask_reasons == (MaskReason.TERMINAL_NOT_DELIVERED,)
+    assert result.metrics["terminal_attribution"]["chain"] == "broken"
