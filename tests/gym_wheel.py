@@ -124,6 +124,7 @@ class GymModules:
     delivery: types.ModuleType
     config: types.ModuleType
     conformance: types.ModuleType
+    terminal: types.ModuleType
     source_dir: Path
 
 
@@ -162,6 +163,7 @@ def load_gym() -> GymModules:
         delivery=leaf("delivery"),
         config=leaf("config"),
         conformance=leaf("conformance"),
+        terminal=leaf("terminal"),
         source_dir=source,
     )
 

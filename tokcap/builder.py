@@ -10,18 +10,25 @@ Two builders:
 - ``per_request``: one single-link chain per call; not suitable for single-response delivery.
 
 Both sort their input first, so a shuffled snapshot builds the same chains.
+
+A snapshot whose records carry lineage (Gym 0.7.0's ``parent_resolution``, ``parent_call_id``, ``digest``,
+``prompt_is_delta``) is built by Gym's rules: delta prompts are rebuilt first (``tokcap.delta_records``),
+each call joins only the parent its record names and only when the digest proves it, and whatever cannot
+be rebuilt or proven is left out and named in the notes. A snapshot without lineage (tokcap 0.1's records)
+is built by prefix matching alone.
 Nothing here recurses: a chain of any depth builds in loops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokcap.delta_records import rebuild_full_prompts
 from tokcap.errors import ChainValidationError, TrajectoryBuildError, UnknownBuilderError
 from tokcap.prefix_trie import PrefixTrie
-from tokcap.records import TokenEntry, compute_digest
+from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
 
 __all__ = [
     "BUILDERS",
@@ -182,6 +189,11 @@ class BuildNotes:
     # "broken" (it is quarantined), "not_captured" (no buildable call has that id).
     terminal_call_id: str | None = None
     terminal_chain: str = ""
+    # Lineage builds only (``lineage``): why recorded parent links were not used, by Gym's note names,
+    # and the calls that start a fragment after a parent they could not prove.
+    lineage: bool = False
+    parent_link_failures: Mapping[str, int] = field(default_factory=dict)
+    unresolved_parent_calls: tuple[str, ...] = ()
 
     @property
     def delivered_fraction(self) -> float:
@@ -204,6 +216,9 @@ class BuildNotes:
             "empty_generation_calls": list(self.empty_generation_calls),
             "terminal_call_id": self.terminal_call_id,
             "terminal_chain": self.terminal_chain,
+            "lineage": self.lineage,
+            "parent_link_failures": dict(self.parent_link_failures),
+            "unresolved_parent_calls": list(self.unresolved_parent_calls),
         }
 
 
@@ -356,50 +371,19 @@ def _chain_order_key(chain: Chain) -> tuple[tuple[float, str], ...]:
     return tuple(_creation_key(link.entry) for link in chain.links)
 
 
-def _with_full_prompts(entries: list[TokenEntry]) -> list[TokenEntry]:
-    """Rebuild delta prompts (Gym's ``prompt_is_delta``) from their parents, and check every stored digest.
+def _check_stored_digests(entries: list[TokenEntry]) -> list[TokenEntry]:
+    """Refuse a snapshot without lineage whose record carries a ``digest`` or ``cum_len`` its tokens contradict.
 
-    A delta entry stores only the prompt suffix after its resolved parent's prompt and generation.
-    Its full prompt is the parent's full prompt, the parent's generation, then that suffix.
-    Where an entry carries Gym's ``digest`` of its full sequence, the rebuilt sequence must match it.
-    A delta whose parent is missing, a cycle, or a mismatch raises ``TrajectoryBuildError``: guessing
-    would train on a wrong prompt, so the consumer masks the rollout instead.
+    Such a snapshot has no delta prompts (a delta needs a RESOLVED parent, which is lineage), so each
+    record's own tokens are its whole sequence. Guessing past a mismatch would train on wrong tokens, so
+    ``TrajectoryBuildError`` is raised and the consumer masks the rollout.
     """
-    by_call = {entry.model_call_id: entry for entry in entries}
-    full: dict[str, list[int]] = {
-        entry.model_call_id: list(entry.prompt_token_ids) for entry in entries if not entry.prompt_is_delta
-    }
-    pending = [entry for entry in entries if entry.prompt_is_delta]
-    while pending:
-        waiting: list[TokenEntry] = []
-        for entry in pending:
-            parent = by_call.get(entry.parent_call_id or "")
-            if parent is None:
-                raise TrajectoryBuildError(
-                    f"call {entry.model_call_id!r} stores a delta prompt, but its parent "
-                    f"{entry.parent_call_id!r} is not in the snapshot; its full prompt cannot be rebuilt",
-                    rollout_id=entry.rollout_id,
-                    model_call_id=entry.model_call_id,
-                )
-            if parent.model_call_id in full:
-                prefix = full[parent.model_call_id]
-                full[entry.model_call_id] = [*prefix, *parent.generation_token_ids, *entry.prompt_token_ids]
-            else:
-                waiting.append(entry)
-        if len(waiting) == len(pending):
-            raise TrajectoryBuildError(
-                f"delta prompts of calls {sorted(e.model_call_id for e in waiting)} form a cycle of parents",
-                rollout_id=waiting[0].rollout_id,
-            )
-        pending = waiting
-    rebuilt: list[TokenEntry] = []
     for entry in entries:
-        prompt = full[entry.model_call_id]
-        sequence = [*prompt, *entry.generation_token_ids]
+        sequence = [*entry.prompt_token_ids, *entry.generation_token_ids]
         if entry.digest is not None and compute_digest(sequence) != entry.digest:
             raise TrajectoryBuildError(
                 f"call {entry.model_call_id!r}: its prompt and generation do not match its stored digest; "
-                "the record or its parent chain is inconsistent",
+                "the record is inconsistent",
                 rollout_id=entry.rollout_id,
                 model_call_id=entry.model_call_id,
             )
@@ -410,17 +394,246 @@ def _with_full_prompts(entries: list[TokenEntry]) -> list[TokenEntry]:
                 rollout_id=entry.rollout_id,
                 model_call_id=entry.model_call_id,
             )
-        if entry.prompt_is_delta:
-            entry = entry.model_copy(update={"prompt_token_ids": prompt, "prompt_is_delta": False})
-        rebuilt.append(entry)
-    return rebuilt
+    return entries
 
 
 def _split_empty_generations(entries: Iterable[TokenEntry]) -> tuple[list[TokenEntry], tuple[str, ...]]:
-    unique = _with_full_prompts(_unique_entries(entries))
+    """Full-prompt records, split into those that generated tokens and the ids of those that did not.
+
+    With lineage, delta prompts are rebuilt and whatever cannot be rebuilt or verified is left out.
+    """
+    unique = _unique_entries(entries)
+    rebuilt = rebuild_full_prompts(unique).entries if _has_lineage(unique) else _check_stored_digests(unique)
+    unique = list(rebuilt)
     producing = [entry for entry in unique if entry.generation_token_ids]
     empty = tuple(sorted(entry.model_call_id for entry in unique if not entry.generation_token_ids))
     return producing, empty
+
+
+# --- Lineage builds: the parent each record names, proven by digest (Gym 0.7.0's rules) ---
+
+_RECOVERED = "parent_call_id_missing_recovered"
+
+
+def _has_lineage(entries: Sequence[TokenEntry]) -> bool:
+    """A snapshot carries lineage when any record states a parent decision or stores a delta prompt."""
+    return any(
+        entry.parent_resolution is not None or entry.prompt_is_delta or entry.parent_call_id is not None
+        for entry in entries
+    )
+
+
+def _first_of_each_call(entries: Iterable[TokenEntry]) -> tuple[list[TokenEntry], list[str]]:
+    """One entry per call id, the first seen; a later copy with other tokens is a conflict, named once each."""
+    by_call: dict[str, TokenEntry] = {}
+    conflicts: list[str] = []
+    for entry in entries:
+        known = by_call.get(entry.model_call_id)
+        if known is None:
+            by_call[entry.model_call_id] = entry
+        elif (known.prompt_token_ids, known.generation_token_ids) != (
+            entry.prompt_token_ids,
+            entry.generation_token_ids,
+        ):
+            conflicts.append(entry.model_call_id)
+    return list(by_call.values()), conflicts
+
+
+@dataclass(eq=False)
+class _LineageNode:
+    """A call in a lineage build; ``sequence`` is its full prompt and generation."""
+
+    entry: TokenEntry
+    sequence: list[int]
+    parent: _LineageNode | None = None
+    children: list[_LineageNode] = field(default_factory=list)
+    quarantined: bool = False
+    boundary: bool = False
+
+
+def _proven_parent(
+    node: _LineageNode, placed: Mapping[str, _LineageNode], trie: PrefixTrie[_LineageNode] | None
+) -> tuple[_LineageNode | None, str | None]:
+    """The parent this call may join, and the note saying why its recorded link was not used as recorded.
+
+    ROOT has none. UNRESOLVED has none (``parent_unresolved``). A named parent must already be placed
+    (its prompt is shorter) and the child's prompt must start with tokens whose digest is the parent's.
+    A named parent missing from the build (it generated nothing, or was lost) is replaced only by the one
+    placed call whose full sequence is the longest prefix of the prompt, if exactly one call has it.
+    """
+    entry = node.entry
+    status = entry.parent_resolution
+    if status == ParentResolutionStatus.ROOT:
+        return None, None
+    if status == ParentResolutionStatus.UNRESOLVED:
+        return None, "parent_unresolved"
+    claimed = entry.parent_call_id
+    if status is None and claimed is None:
+        return None, "missing_resolution"
+    if claimed is None:
+        return None, "resolved_parent_missing_id"
+    parent = placed.get(claimed)
+    if parent is None:
+        match = trie.longest_prefix(entry.prompt_token_ids) if trie is not None else None
+        if match is not None and len(match.values) == 1:
+            return match.values[0], _RECOVERED
+        return None, "parent_call_id_missing"
+    length = parent.entry.cum_len if parent.entry.cum_len is not None else len(parent.sequence)
+    expected = parent.entry.digest or compute_digest(parent.sequence)
+    prompt = entry.prompt_token_ids
+    if length <= len(prompt) and compute_digest(prompt[:length]) == expected:
+        return parent, None
+    return None, "parent_digest_mismatch"
+
+
+def _resolve_lineage_retries(
+    nodes: Sequence[_LineageNode], on_terminal_path: set[int], terminal_known: bool
+) -> list[tuple[str, ...]]:
+    """Same-prompt siblings (under one parent, or all among roots) are retries; keep one, quarantine the rest.
+
+    The sibling on the verified terminal's path is kept; else the ones a later call extends; else the
+    smallest call id, and the group is unresolved (masking the rollout) unless a terminal was attributed,
+    because then the group cannot reach the delivered chain. Groups are judged in build order.
+    """
+    by_parent: dict[int, list[_LineageNode]] = {}
+    for node in nodes:
+        by_parent.setdefault(id(node.parent) if node.parent is not None else 0, []).append(node)
+    unresolved: list[tuple[str, ...]] = []
+    for siblings in by_parent.values():
+        by_prompt: dict[tuple[int, ...], list[_LineageNode]] = {}
+        for node in siblings:
+            by_prompt.setdefault(tuple(node.entry.prompt_token_ids), []).append(node)
+        for group in by_prompt.values():
+            if len(group) < 2:
+                continue
+            keep = [node for node in group if id(node) in on_terminal_path]
+            if not keep:
+                keep = [node for node in group if any(not child.quarantined for child in node.children)]
+            if not keep:
+                keep = [min(group, key=lambda node: node.entry.model_call_id)]
+                if not terminal_known:
+                    unresolved.append(tuple(node.entry.model_call_id for node in group))
+            for node in group:
+                if node not in keep:
+                    node.quarantined = True
+    return unresolved
+
+
+def _lineage_path(node: _LineageNode) -> list[_LineageNode]:
+    path: list[_LineageNode] = []
+    current: _LineageNode | None = node
+    while current is not None:
+        path.append(current)
+        current = current.parent
+    path.reverse()
+    return path
+
+
+def _lineage_chain(path: Sequence[_LineageNode]) -> Chain:
+    links: list[ChainLink] = []
+    previous: list[int] = []
+    for step, node in enumerate(path):
+        interstitial = () if step == 0 else tuple(node.entry.prompt_token_ids[len(previous) :])
+        links.append(ChainLink(node.entry, interstitial))
+        previous = node.sequence
+    return Chain(
+        chain_id=path[-1].entry.model_call_id,
+        root_prompt_token_ids=tuple(path[0].entry.prompt_token_ids),
+        links=tuple(links),
+    )
+
+
+def _lineage_merging(entries: Sequence[TokenEntry], terminal_call_id: str | None) -> BuildOutput:
+    """Join calls along the parent links their records name, each proven by digest; see ``prefix_merging``."""
+    unique, conflicts = _first_of_each_call(entries)
+    rebuilt = rebuild_full_prompts(unique)
+    failures: dict[str, int] = {}
+    unresolved_parents: list[str] = []
+
+    def note(reason: str, call_id: str) -> None:
+        failures[reason] = failures.get(reason, 0) + 1
+        if reason != _RECOVERED:
+            unresolved_parents.append(call_id)
+
+    empty = tuple(entry.model_call_id for entry in rebuilt.entries if not entry.generation_token_ids)
+    producing = [entry for entry in rebuilt.entries if entry.generation_token_ids]
+    # Gym reports conflicting duplicates only when something is left to build; nothing is delivered anyway.
+    for call_id in conflicts if producing else []:
+        note("duplicate_call_id_conflict", call_id)
+    for call_id in rebuilt.mismatched:
+        note("digest_mismatch", call_id)
+    for call_id in rebuilt.broken:
+        note("delta_chain_unreconstructable", call_id)
+    ordered = sorted(producing, key=lambda entry: (len(entry.prompt_token_ids), entry.model_call_id))
+    present = {entry.model_call_id for entry in ordered}
+    needs_trie = any(
+        entry.parent_call_id is not None and entry.parent_call_id not in present for entry in ordered
+    )
+    trie: PrefixTrie[_LineageNode] | None = PrefixTrie() if needs_trie else None
+    placed: dict[str, _LineageNode] = {}
+    nodes: list[_LineageNode] = []
+    roots = 0
+    for entry in ordered:
+        node = _LineageNode(entry, [*entry.prompt_token_ids, *entry.generation_token_ids])
+        parent, reason = _proven_parent(node, placed, trie)
+        if reason is not None:
+            note(reason, entry.model_call_id)
+            node.boundary = reason != _RECOVERED
+        if parent is None:
+            roots += 1
+        else:
+            node.parent = parent
+            parent.children.append(node)
+        nodes.append(node)
+        if trie is not None:
+            trie.insert(node.sequence, node)
+        placed[entry.model_call_id] = node
+
+    terminal = placed.get(terminal_call_id) if terminal_call_id else None
+    terminal_path = _lineage_path(terminal) if terminal is not None else []
+    unresolved = _resolve_lineage_retries(nodes, {id(node) for node in terminal_path}, terminal is not None)
+
+    terminal_chain = ""
+    main: Chain | None = None
+    if terminal_call_id:
+        if terminal is None:
+            terminal_chain = "not_captured"
+        elif any(node.quarantined or node.boundary for node in terminal_path):
+            terminal_chain = "broken"
+        else:
+            terminal_chain = "delivered"
+            main = _lineage_chain(terminal_path)
+    others: list[Chain] = []
+    for leaf in (node for node in nodes if not node.children):
+        path = _lineage_path(leaf)
+        if any(node.quarantined for node in path) or (main is not None and terminal in path):
+            continue
+        others.append(_lineage_chain(path))
+    if main is None and others:
+        main = min(others, key=lambda chain: _creation_key(chain.links[0].entry))
+    chains = [main, *(chain for chain in others if chain is not main)] if main is not None else []
+    notes = BuildNotes(
+        builder=PREFIX_MERGING,
+        roots=roots,
+        chains=len(chains),
+        generated_tokens_captured=sum(len(entry.generation_token_ids) for entry in producing),
+        generated_tokens_delivered=main.generated_token_count if main is not None else 0,
+        unresolved_retries=tuple(unresolved),
+        discarded_retries=tuple(sorted(node.entry.model_call_id for node in nodes if node.quarantined)),
+        empty_generation_calls=empty,
+        terminal_call_id=terminal_call_id,
+        terminal_chain=terminal_chain,
+        lineage=True,
+        parent_link_failures=failures,
+        unresolved_parent_calls=tuple(unresolved_parents),
+    )
+    return BuildOutput(
+        chains=tuple(chains),
+        notes=notes,
+        main_chain_id=main.chain_id if main is not None else None,
+        branch_chain_ids=tuple(chain.chain_id for chain in chains[1:]),
+        quarantined_call_ids=tuple(sorted(node.entry.model_call_id for node in nodes if node.quarantined)),
+    )
 
 
 def prefix_merging(entries: Iterable[TokenEntry], terminal_call_id: str | None = None) -> BuildOutput:
@@ -438,8 +651,14 @@ def prefix_merging(entries: Iterable[TokenEntry], terminal_call_id: str | None =
     ``terminal_call_id`` (the call whose response the verifier scored) overrides that choice, as in Gym:
     the main chain is the path from its root to that call, a retry group containing it is resolved to it,
     and ``notes.terminal_chain`` says whether it was delivered.
+
+    That is the rule for snapshots without lineage. A snapshot whose records state their parents is built
+    as Gym 0.7.0 builds it (same chains, tokens, notes): see ``_lineage_merging``.
     """
-    producing, empty = _split_empty_generations(entries)
+    listed = list(entries)
+    if _has_lineage(listed):
+        return _lineage_merging(listed, terminal_call_id)
+    producing, empty = _split_empty_generations(listed)
     captured = sum(len(entry.generation_token_ids) for entry in producing)
     ordered = sorted(producing, key=lambda entry: (len(entry.prompt_token_ids), entry.model_call_id))
     nodes = _attach_to_parents(ordered)

@@ -1,9 +1,13 @@
 """Freeze a finished rollout, build its trajectory and decide whether it may be trained on.
 
-A rollout is masked (never raised for) when its snapshot is incomplete or empty, when the build leaves
-unresolved retries, quarantined calls, more than one root or more than one chain, or when any build step
-raises. The result carries the frozen ``snapshot_id`` and ``version``, so the caller retires exactly
-what it consumed.
+The decision is Gym 0.7.0's, in its order. Terminal attribution (``tokcap.terminal``) names the call whose
+response the verifier scored; when the chain from its root to that call is intact it is delivered, and
+auxiliary calls, sub-agents and discarded retries do not mask the rollout. A named terminal whose chain is
+broken, or a declared response id that names no call, masks it. Without a terminal, any unresolved retry,
+unproven parent link, second root or second chain masks it. An incomplete or empty snapshot, or a build
+or projection that raises, always masks; nothing here raises for a malformed rollout. Every reason is a
+``MaskReason``. The result carries the frozen ``snapshot_id`` and ``version``, so the caller retires
+exactly what it consumed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tokcap.projection import assert_prefix_contiguity, project_main_chain_respo
 from tokcap.protocols import TokenCaptureSnapshot, TokenSource
 from tokcap.records import TokenEntry
 from tokcap.store import TokenCaptureStore
+from tokcap.terminal import TerminalAttribution, resolve_terminal
 
 __all__ = [
     "ROLLOUT_ID_KEY",
@@ -57,6 +62,13 @@ class MaskReason(enum.StrEnum):
     MULTIPLE_CHAINS = "multiple-chains"
     PROJECTION_FAILED = "projection-failed"
     TERMINAL_NOT_DELIVERED = "terminal-not-delivered"
+    TERMINAL_NOT_ATTRIBUTED = "terminal-not-attributed"
+    UNRESOLVED_PARENT = "unresolved-parent"
+    MISSING_PARENT = "missing-parent"
+    PARENT_DIGEST_MISMATCH = "parent-digest-mismatch"
+    BROKEN_DELTA_CHAIN = "broken-delta-chain"
+    DIGEST_MISMATCH = "digest-mismatch"
+    CONFLICTING_DUPLICATE = "conflicting-duplicate"
     NO_ROLLOUT_ID = "no-rollout-id"
     NO_RESPONSE = "no-response"
 
@@ -95,6 +107,7 @@ class TrajectoryResult(Mapping[str, Any]):
             view["unresolved_retries"] = [
                 call for group in self.build.notes.unresolved_retries for call in group
             ]
+            view["unresolved_parent_calls"] = list(self.build.notes.unresolved_parent_calls)
         errors = self.metrics.get("errors")
         if errors:
             view["error"] = "; ".join(str(error) for error in errors)
@@ -112,18 +125,45 @@ class TrajectoryResult(Mapping[str, Any]):
         return len(self._gym_view())
 
 
-def _reasons_from_build(build: BuildOutput) -> list[MaskReason]:
+_LINK_FAILURE_REASONS: dict[str, MaskReason] = {
+    "parent_unresolved": MaskReason.UNRESOLVED_PARENT,
+    "missing_resolution": MaskReason.UNRESOLVED_PARENT,
+    "resolved_parent_missing_id": MaskReason.UNRESOLVED_PARENT,
+    "parent_call_id_missing": MaskReason.MISSING_PARENT,
+    "parent_digest_mismatch": MaskReason.PARENT_DIGEST_MISMATCH,
+    "delta_chain_unreconstructable": MaskReason.BROKEN_DELTA_CHAIN,
+    "digest_mismatch": MaskReason.DIGEST_MISMATCH,
+    "duplicate_call_id_conflict": MaskReason.CONFLICTING_DUPLICATE,
+}
+"""Each builder note (Gym's names) of a parent link that could not be used, as a mask reason."""
+
+
+def _reasons_from_build(
+    build: BuildOutput, attribution: TerminalAttribution, declared_response_id: str | None
+) -> list[MaskReason]:
+    """Gym's order: a delivered terminal chain is trained on; a named but undeliverable one masks; else strict.
+
+    Strict (no terminal named): any unresolved retry, unproven parent link, extra root or extra chain masks.
+    """
     reasons: list[MaskReason] = []
     if build.main_chain is None:
         reasons.append(MaskReason.NO_MAIN_CHAIN)
     if build.notes.terminal_chain == "delivered":
-        # Gym's policy: the verified terminal's chain is intact; off-path calls are left out, not masked.
+        # The verified terminal's chain is intact; off-path calls are left out, not masked.
         return reasons
+    if declared_response_id and not attribution.attributed:
+        reasons.append(MaskReason.TERMINAL_NOT_ATTRIBUTED)
     if build.notes.terminal_chain:
         reasons.append(MaskReason.TERMINAL_NOT_DELIVERED)
+    if build.notes.lineage and (attribution.attributed or declared_response_id):
+        return reasons
     if build.notes.unresolved_retries:
         reasons.append(MaskReason.UNRESOLVED_RETRIES)
-    if build.quarantined_call_ids:
+    for note in sorted(build.notes.parent_link_failures):
+        reason = _LINK_FAILURE_REASONS.get(note)
+        if reason is not None and reason not in reasons:
+            reasons.append(reason)
+    if build.quarantined_call_ids and not build.notes.lineage:
         reasons.append(MaskReason.QUARANTINED_CALLS)
     if build.notes.roots > 1:
         reasons.append(MaskReason.MULTIPLE_ROOTS)
@@ -137,6 +177,7 @@ def _metrics(
     build: BuildOutput | None,
     reasons: list[str],
     errors: list[str],
+    attribution: TerminalAttribution,
 ) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "masked": bool(reasons),
@@ -151,6 +192,14 @@ def _metrics(
         metrics["quarantined_calls"] = list(build.quarantined_call_ids)
         metrics["main_chain_id"] = build.main_chain_id
         metrics["branch_chain_ids"] = list(build.branch_chain_ids)
+    metrics["terminal_attribution"] = {
+        "method": attribution.method or "none",
+        "call_id": attribution.model_call_id,
+        "reason": attribution.reason,
+        # Gym's words: the builder's terminal verdict, else "error" when nothing could be delivered.
+        "chain": (build.notes.terminal_chain if build is not None else "")
+        or ("error" if build is None or build.main_chain is None or errors else ""),
+    }
     if errors:
         metrics["errors"] = list(errors)
     return metrics
@@ -167,27 +216,20 @@ def check_single_response_builder(builder: str) -> None:
         )
 
 
-def _terminal_call_id(
+def _attribute(
     entries: tuple[TokenEntry, ...],
     verified_response: Mapping[str, Any] | None,
     explicit_terminal_call_id: str | None,
     declared_response_id: str | None,
-) -> str | None:
-    """The call whose response the verifier scored: named outright, or found by its served response id.
-
-    A declared response id that matches no entry names an absent terminal, so the rollout is masked.
-    """
-    if explicit_terminal_call_id:
-        return explicit_terminal_call_id
-    response_id = declared_response_id or (verified_response or {}).get("id")
-    if not isinstance(response_id, str) or not response_id:
-        return None
-    matches = sorted({entry.model_call_id for entry in entries if entry.response_id == response_id})
-    if len(matches) == 1:
-        return matches[0]
-    if declared_response_id:
-        return f"<no call served response {declared_response_id}>"
-    return None
+) -> TerminalAttribution:
+    """Terminal attribution that never fails a build: an error is logged and attributes nothing."""
+    try:
+        return resolve_terminal(
+            entries, verified_response, explicit_terminal_call_id, declared_response_id=declared_response_id
+        )
+    except Exception:
+        logger.warning("terminal attribution failed; building without a terminal", exc_info=True)
+        return TerminalAttribution(None, reason="attribution_error")
 
 
 async def trajectories_from_source(
@@ -214,19 +256,13 @@ async def trajectories_from_source(
     except Exception as exc:
         logger.exception("could not freeze rollout %r; masking it", rollout_id)
         snapshot, freeze_error = None, exc
-    return _trajectory(
-        rollout_id,
-        snapshot,
-        freeze_error,
-        builder,
-        model,
-        _terminal_call_id(
-            snapshot.entries if snapshot is not None else (),
-            verified_response,
-            explicit_terminal_call_id,
-            declared_response_id,
-        ),
+    attribution = _attribute(
+        snapshot.entries if snapshot is not None else (),
+        verified_response,
+        explicit_terminal_call_id,
+        declared_response_id,
     )
+    return _trajectory(rollout_id, snapshot, freeze_error, builder, model, attribution, declared_response_id)
 
 
 def _trajectory(
@@ -235,7 +271,8 @@ def _trajectory(
     freeze_error: Exception | None,
     builder: str,
     model: str,
-    terminal: str | None,
+    attribution: TerminalAttribution,
+    declared_response_id: str | None,
 ) -> TrajectoryResult:
     """Build, project and check a frozen snapshot (``None`` when the freeze failed with ``freeze_error``)."""
     reasons: list[str] = []
@@ -252,8 +289,8 @@ def _trajectory(
             reasons.append(MaskReason.EMPTY)
         else:
             try:
-                build = run_builder(snapshot.entries, builder, terminal_call_id=terminal)
-                reasons.extend(_reasons_from_build(build))
+                build = run_builder(snapshot.entries, builder, terminal_call_id=attribution.model_call_id)
+                reasons.extend(_reasons_from_build(build, attribution, declared_response_id))
                 main = build.main_chain
                 if main is not None:
                     main.validate()
@@ -281,7 +318,7 @@ def _trajectory(
         snapshot_id=snapshot.snapshot_id if snapshot is not None else None,
         version=snapshot.version if snapshot is not None else None,
         build=build,
-        metrics=_metrics(snapshot, build, [str(reason) for reason in reasons], errors),
+        metrics=_metrics(snapshot, build, [str(reason) for reason in reasons], errors, attribution),
     )
 
 
@@ -338,10 +375,10 @@ def trajectories_for_rollout(
     except Exception as exc:
         logger.exception("could not freeze rollout %r; masking it", rollout_id)
         snapshot, freeze_error = None, exc
-    terminal = _terminal_call_id(
+    attribution = _attribute(
         snapshot.entries if snapshot is not None else (), verified_response, explicit_terminal_call_id, None
     )
-    return _trajectory(rollout_id, snapshot, freeze_error, builder, model, terminal)
+    return _trajectory(rollout_id, snapshot, freeze_error, builder, model, attribution, None)
 
 
 class MaskFractionGuard:

@@ -182,12 +182,15 @@ async def finalize_rollout_token_capture(
         response = result.get("response")
         explicit = result.get(TERMINAL_CALL_KEY)
         declared = result.get(TERMINAL_RESPONSE_ID_KEY)
+        # As in Gym: the scored response is the record's non-empty response object; its model names the
+        # projection's model unless the caller gave one.
+        scored = response if isinstance(response, Mapping) and response else None
         outcome = await trajectories_from_source(
             rollout_id,
             source,
             builder,
-            model,
-            verified_response=response if isinstance(response, Mapping) else None,
+            model or str((scored or {}).get("model") or ""),
+            verified_response=scored,
             explicit_terminal_call_id=str(explicit) if explicit else None,
             declared_response_id=str(declared) if declared else None,
         )

@@ -26,6 +26,7 @@ __all__ = [
     "assistant_fingerprint",
     "canonicalize_tool_arguments",
     "conversation_digest",
+    "is_model_written",
 ]
 
 FINGERPRINT_VERSION = 2
@@ -83,8 +84,11 @@ def _messages(messages: Sequence[Any] | None) -> Iterator[Mapping[str, Any]]:
         yield message
 
 
-def _model_wrote(message: Mapping[str, Any]) -> bool:
-    """Assistant turns and roleless Responses ``function_call`` items; reasoning items are left out."""
+def is_model_written(message: Mapping[str, Any]) -> bool:
+    """Assistant turns and roleless Responses ``function_call`` items; reasoning items are left out.
+
+    A harness need not echo reasoning back, so counting it would make lookups depend on the dialect.
+    """
     return message.get("role") == "assistant" or message.get("type") == "function_call"
 
 
@@ -179,7 +183,7 @@ def assistant_fingerprint(messages: Sequence[Any] | None) -> str:
     hashed = _TaggedHash(_FINGERPRINT_DOMAIN)
     model_turns = 0
     for message in _messages(messages):
-        if not _model_wrote(message):
+        if not is_model_written(message):
             continue
         model_turns += 1
         for kind, payload in _content_parts(message.get("content")):

@@ -7,6 +7,8 @@ intent, so a call whose entry never arrives masks the rollout at freeze.
 After generation, ``capture_tokens`` (response side) or ``commit_entry`` (engine side) stamps the
 call's ``TokenEntry`` with that decision (``stamp_lineage``) and with its own lookup metadata
 (``stamp_continuation``), as Gym's middleware does, and stores it; so lineage needs no Gym.
+With ``CaptureContext(delta_records=True)`` a proven continuation is stored as its prompt suffix
+(``tokcap.delta_records``), as Gym's ``delta_records`` does.
 
 Failure chain:
 
@@ -29,6 +31,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
+from tokcap.delta_records import store_as_delta
 from tokcap.errors import TokenExtractionError
 from tokcap.fingerprint import assistant_fingerprint
 from tokcap.lineage import LineageResolution, stamp_continuation
@@ -77,6 +80,8 @@ class CaptureContext:
     ``lineage_store=None`` uses the process-installed resolver, if any.
     ``parent_resolution`` is the one decision ``resolve_parent`` made before dispatch; capture reuses it.
     ``request_items`` are the request as the harness sent it, kept by ``resolve_parent`` for stamping.
+    ``delta_records`` (the config block's ``delta_records``) stores a RESOLVED continuation as the prompt
+    suffix after its proven parent, when its prompt starts with exactly the parent's tokens.
     """
 
     rollout_id: str
@@ -87,6 +92,7 @@ class CaptureContext:
     lineage_store: LineageResolver | None = None
     parent_resolution: LineageResolution | None = None
     request_items: list[Any] | None = None
+    delta_records: bool = False
 
     @property
     def parent_call_id(self) -> str | None:
@@ -165,14 +171,22 @@ async def resolve_parent(request_messages: list[Any] | None) -> None:
 
 
 def _stamp(context: CaptureContext, entry: TokenEntry, resolution: LineageResolution | None) -> None:
-    """Stamp the parent decision (``not_attempted`` when none was made) on the entry, as Gym's commit does."""
+    """Stamp the parent decision (``not_attempted`` when none was made) on the entry, as Gym's commit does.
+
+    With ``delta_records`` a RESOLVED entry whose prompt extends its parent's exact tokens is cut to its
+    suffix first; the digest and ``cum_len`` still describe the full sequence.
+    """
     if resolution is None:
         resolution = LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="not_attempted")
     match = resolution.match
+    cumulative = None
+    if context.delta_records and resolution.status == ParentResolutionStatus.RESOLVED and match is not None:
+        cumulative = store_as_delta(entry, match.cumulative_token_ids)
     stamp_lineage(
         entry,
         match.model_call_id if match is not None else None,
         parent_resolution=ParentResolutionStatus(resolution.status.value),
+        cumulative=cumulative,
     )
     entry.parent_resolution_reason = resolution.reason or ""
 

@@ -85,7 +85,9 @@ def test_tool_arguments_are_canonicalized_as_gym_does(gym: GymModules, arguments
     assert fingerprint.FINGERPRINT_VERSION == theirs.FINGERPRINT_VERSION
 
 
-async def drive_with_tokcap(rollout: Rollout, token_sink: Any, lineage: Any) -> None:
+async def drive_with_tokcap(
+    rollout: Rollout, token_sink: Any, lineage: Any, *, delta_records: bool = False
+) -> None:
     """Run every call through tokcap's own capture path (no Gym code), as a model server would."""
     for call in rollout.calls:
         context = sink.CaptureContext(
@@ -94,6 +96,7 @@ async def drive_with_tokcap(rollout: Rollout, token_sink: Any, lineage: Any) -> 
             token_sink=token_sink,
             lineage_store=lineage,
             model="policy",
+            delta_records=delta_records,
         )
         token = sink.set_token_sink(context)
         try:

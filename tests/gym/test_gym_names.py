@@ -79,6 +79,7 @@ SIGNATURES = [
     ("tokcap.delivery", "delivery", "rollout_carries_token_ids"),
     ("tokcap.config", "config", "token_id_capture_config"),
     ("tokcap.config", "config", "token_id_capture_enabled_for_agent"),
+    ("tokcap.terminal", "terminal", "resolve_terminal"),
 ]
 
 RECORD_KEYS = ["TOKEN_CAPTURE_KEY", "MASK_SAMPLE_KEY", "TERMINAL_CALL_KEY", "TERMINAL_RESPONSE_ID_KEY"]

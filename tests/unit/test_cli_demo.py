@@ -66,7 +66,8 @@ def test_each_fault_has_the_effect_the_summary_names(demo_run: tuple[Path, dict[
     by_fault = {r["fault"]: r for r in report["rollouts"] if r["fault"]}
     assert by_fault[FAULT_LOST_CALL]["mask_reasons"] == ["incomplete"]
     assert store.read_state(by_fault[FAULT_LOST_CALL]["rollout_id"]).dangling_intents == ["turn-1-lost"]
-    assert by_fault[FAULT_FAILED_WRITE]["mask_reasons"] == ["incomplete"]
+    # The call after the failed write cannot prove its parent, so the scored chain is broken as well.
+    assert by_fault[FAULT_FAILED_WRITE]["mask_reasons"] == ["incomplete", "terminal-not-delivered"]
     assert by_fault[FAULT_FAILED_WRITE]["writes_failed"] == 1
     assert by_fault[FAULT_RETRY]["masked"] is False and by_fault[FAULT_RETRY]["retired"] is True
     late = by_fault[FAULT_LATE_WRITE]
@@ -80,7 +81,7 @@ def test_totals_add_up_over_the_rollouts(demo_run: tuple[Path, dict[str, Any]]) 
     _, report = demo_run
     totals, rollouts = report["totals"], report["rollouts"]
     assert totals["trained"] + totals["masked"] == totals["rollouts"] == 12
-    assert totals["mask_reasons"] == {"incomplete": 2}
+    assert totals["mask_reasons"] == {"incomplete": 2, "terminal-not-delivered": 1}
     assert totals["calls_captured"] == sum(r["calls_captured"] for r in rollouts) == 12 * 3 + 1 - 1
     assert totals["trained_tokens"] == sum(r["trained_tokens"] for r in rollouts) > 0
     assert all(r["trained_tokens"] == 0 for r in rollouts if r["masked"])

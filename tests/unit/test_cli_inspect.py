@@ -94,3 +94,35 @@ def test_inspect_without_json_prints_one_row_per_rollout_with_its_state_and_mask
     assert set(rows) == {"r-open", "r-lost"}
     assert rows["r-lost"][2:5] == ["│", "frozen", "│"] and "yes" in rows["r-lost"]
     assert rows["r-open"][2:5] == ["│", "open", "│"] and "yes" not in rows["r-open"]
+
+
+def test_inspect_shows_each_delta_records_full_prompt_and_masks_a_delta_whose_parent_is_missing(
+    tmp_path: Path,
+) -> None:
+    from tokcap.delta_records import store_as_delta
+    from tokcap.records import ParentResolutionStatus, stamp_lineage
+
+    store = TokenCaptureStore(tmp_path)
+    root = stamp_lineage(
+        make_entry("r1", "c1", prompt=[1, 2, 3], generation=[4, 5]), None, parent_resolution="root"
+    )
+    child = make_entry("r1", "c2", prompt=[1, 2, 3, 4, 5, 6], generation=[7])
+    full = store_as_delta(child, [1, 2, 3, 4, 5])
+    stamp_lineage(child, "c1", parent_resolution=ParentResolutionStatus.RESOLVED, cumulative=full)
+    store.append(root)
+    store.append(child)
+    detail = tokcap("inspect", str(tmp_path), "r1", "--json").json()
+    assert [
+        (e["prompt_tokens"], e["prompt_is_delta"], e["full_prompt_tokens"]) for e in detail["entries"]
+    ] == [
+        (3, False, 3),
+        (1, True, 6),
+    ]
+    assert detail["verdict"]["masked"] is False
+
+    orphan = child.model_copy(update={"rollout_id": "r2"})
+    store.append(orphan)
+    detail = tokcap("inspect", str(tmp_path), "r2", "--json").json()
+    assert detail["lineage"]["unrebuildable"] == ["c2"]
+    assert detail["verdict"]["masked"] is True
+    assert "broken-delta-chain" in detail["verdict"]["mask_reasons"]

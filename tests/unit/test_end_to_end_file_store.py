@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,30 +14,49 @@ from tests.factories import assistant_message_item, responses_payload, token_fie
 from tests.unit.capture_fakes import FlakySink, InjectedSinkFailure
 from tokcap.consumer import MaskReason
 from tokcap.delivery import MASK_SAMPLE_KEY, finalize_rollout_token_capture, retire_rollout_token_capture
-from tokcap.protocols import TokenSink
-from tokcap.sink import CaptureContext, capture_tokens, register_call_intent, reset_token_sink, set_token_sink
+from tokcap.lineage import FileLineageResolver
+from tokcap.protocols import LineageResolver, TokenSink
+from tokcap.sink import (
+    CaptureContext,
+    capture_tokens,
+    register_call_intent,
+    reset_token_sink,
+    resolve_parent,
+    set_token_sink,
+)
 from tokcap.store import TokenCaptureStore
 
 
 @dataclass
 class SimulatedAgent:
-    """An agent whose model calls go through the capture middleware, as a model server would run them."""
+    """An agent whose model calls go through the capture middleware, as a model server would run them.
+
+    It keeps its request (the messages it sends, echoing each kept answer and a tool result), so the
+    capture path resolves each call's parent through ``lineage`` as a model server does.
+    """
 
     rollout_id: str
     sink: TokenSink
+    lineage: LineageResolver
     context: list[int] = field(default_factory=lambda: [1, 2, 3])
+    request: list[dict[str, Any]] = field(default_factory=lambda: [{"role": "user", "content": "solve it"}])
     turns: int = 0
 
     async def model_call(self, call_id: str, generation: list[int], then: list[int]) -> dict[str, Any]:
-        token = set_token_sink(CaptureContext(self.rollout_id, call_id, self.sink, model="policy"))
+        context = CaptureContext(
+            self.rollout_id, call_id, self.sink, model="policy", lineage_store=self.lineage
+        )
+        token = set_token_sink(context)
+        answer = assistant_message_item(f"{call_id} answers turn {self.turns}")
         try:
             await register_call_intent()
-            item = {**assistant_message_item(f"turn {self.turns}"), **token_fields(self.context, generation)}
-            response = responses_payload(item)
-            await capture_tokens(response)
+            await resolve_parent(copy.deepcopy(self.request))
+            response = responses_payload({**answer, **token_fields(self.context, generation)})
+            await capture_tokens(response, copy.deepcopy(self.request))
         finally:
             reset_token_sink(token)
         self.context = [*self.context, *generation, *then]
+        self.request = [*self.request, answer, {"role": "user", "content": f"tool result {then}"}]
         self.turns += 1
         return response
 
@@ -57,7 +77,7 @@ def rollout_record(rollout_id: str) -> dict[str, Any]:
 def test_a_captured_rollout_is_rebuilt_and_then_retired(tmp_path: Path) -> None:
     async def scenario() -> None:
         store = TokenCaptureStore(tmp_path)
-        agent = SimulatedAgent("rollout-ok", store)
+        agent = SimulatedAgent("rollout-ok", store, FileLineageResolver(tmp_path))
         await play(agent, 3)
         record = rollout_record("rollout-ok")
         result = await finalize_rollout_token_capture(record, store)
@@ -81,7 +101,7 @@ def test_a_failed_intent_fails_the_call_before_generation_and_nothing_is_lost(tm
     async def scenario() -> None:
         store = TokenCaptureStore(tmp_path)
         sink = FlakySink(store)
-        agent = SimulatedAgent("rollout-begin", sink)
+        agent = SimulatedAgent("rollout-begin", sink, FileLineageResolver(tmp_path))
         await agent.model_call("call-0", [10], then=[90])
         sink.fail_begin = True
         with pytest.raises(InjectedSinkFailure):
@@ -101,7 +121,7 @@ def test_a_failed_put_lets_the_call_succeed_and_masks_the_rollout(tmp_path: Path
     async def scenario() -> None:
         store = TokenCaptureStore(tmp_path)
         sink = FlakySink(store)
-        agent = SimulatedAgent("rollout-put", sink)
+        agent = SimulatedAgent("rollout-put", sink, FileLineageResolver(tmp_path))
         await play(agent, 1)
         sink.fail_put = True
         response = await agent.model_call("call-1", [11], then=[91])
@@ -111,7 +131,8 @@ def test_a_failed_put_lets_the_call_succeed_and_masks_the_rollout(tmp_path: Path
         record = rollout_record("rollout-put")
         result = await finalize_rollout_token_capture(record, store)
         assert result.masked
-        assert result.mask_reasons == (MaskReason.INCOMPLETE,)
+        # The call after the lost one cannot find its parent either, so its link is unproven too.
+        assert result.mask_reasons[0] == MaskReason.INCOMPLETE
         assert record[MASK_SAMPLE_KEY] is True
         assert not await retire_rollout_token_capture("rollout-put", store, result)
         assert len(store.read_entries("rollout-put")) == 2
@@ -123,7 +144,7 @@ def test_when_marking_fails_too_the_dangling_intent_masks_the_rollout(tmp_path: 
     async def scenario() -> None:
         store = TokenCaptureStore(tmp_path)
         sink = FlakySink(store)
-        agent = SimulatedAgent("rollout-mark", sink)
+        agent = SimulatedAgent("rollout-mark", sink, FileLineageResolver(tmp_path))
         await play(agent, 1)
         sink.fail_put = sink.fail_mark = True
         await agent.model_call("call-1", [11], then=[91])
@@ -143,11 +164,11 @@ def test_when_marking_fails_too_the_dangling_intent_masks_the_rollout(tmp_path: 
 def test_a_lost_final_call_that_was_retried_is_masked(tmp_path: Path) -> None:
     async def scenario() -> None:
         store = TokenCaptureStore(tmp_path)
-        agent = SimulatedAgent("rollout-retry", store)
+        agent = SimulatedAgent("rollout-retry", store, FileLineageResolver(tmp_path))
         await play(agent, 2)
-        context = list(agent.context)
+        context, request = list(agent.context), list(agent.request)
         await agent.model_call("call-2-first", [12], then=[])
-        agent.context = context
+        agent.context, agent.request = context, request
         await agent.model_call("call-2-second", [13], then=[])
         result = await finalize_rollout_token_capture(rollout_record("rollout-retry"), store)
         assert result.masked

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import random
 import shutil
 import tempfile
@@ -36,14 +37,16 @@ from typing import Any, Protocol
 
 from tokcap.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
 from tokcap.errors import InjectedFaultError, InvalidInputError
-from tokcap.protocols import TokenSource
-from tokcap.records import TokenEntry
+from tokcap.lineage import FileLineageResolver
+from tokcap.protocols import LineageResolver, TokenSource
+from tokcap.records import TokenEntry, strip_token_arrays
 from tokcap.sink import (
     CaptureContext,
     cancel_call_intent,
     capture_tokens,
     register_call_intent,
     reset_token_sink,
+    resolve_parent,
     set_token_sink,
 )
 from tokcap.store import TokenCaptureStore
@@ -277,9 +280,16 @@ def _response(
 class _Agent:
     """One rollout's conversation: its context grows by each kept generation and the tool output after it."""
 
-    def __init__(self, index: int, settings: DemoSettings, sink: CallSink) -> None:
+    def __init__(
+        self, index: int, settings: DemoSettings, sink: CallSink, lineage: LineageResolver | None = None
+    ) -> None:
         self.settings = settings
         self.sink = sink
+        self.lineage = lineage
+        # The messages the harness sends: the task, then each kept answer and the tool result after it.
+        self.request: list[dict[str, Any]] = [{"role": "user", "content": f"demo task {index}"}]
+        self.last_response: dict[str, Any] | None = None
+        self.final_response: dict[str, Any] | None = None
         self.rng = random.Random(settings.seed * 1_000_003 + index)
         self.outcome = RolloutOutcome(rollout_id_of(index), fault_of(index, settings))
         self.context = self._tokens(settings.prompt_tokens)
@@ -297,11 +307,14 @@ class _Agent:
         ``lost`` (the server dies after dispatch: nothing captures or cancels the call).
         """
         outcome = self.outcome
-        context = CaptureContext(outcome.rollout_id, call_id, token_sink=self.sink, model=MODEL)
+        context = CaptureContext(
+            outcome.rollout_id, call_id, token_sink=self.sink, model=MODEL, lineage_store=self.lineage
+        )
         token = set_token_sink(context)
         try:
             outcome.calls_attempted += 1
             await register_call_intent()
+            await resolve_parent(copy.deepcopy(self.request))
             if kind == "cancel":
                 await cancel_call_intent()
                 outcome.attempts_cancelled += 1
@@ -313,7 +326,9 @@ class _Agent:
             prompt = list(self.context)
             generation = self._tokens(self._jittered(self.settings.generation_tokens))
             log_probs = [round(-self.rng.expovariate(3.0), 6) for _ in generation]
-            entry = await capture_tokens(_response(call_id, prompt, generation, log_probs))
+            response = _response(call_id, prompt, generation, log_probs)
+            self.last_response = response
+            entry = await capture_tokens(response, copy.deepcopy(self.request))
             if entry is None:
                 outcome.writes_failed += 1
             else:
@@ -338,9 +353,20 @@ class _Agent:
                 await self.call(f"{call_id}-lost", "lost")
                 call_id = f"{call_id}-retry"
             generation = await self.call(call_id)
-            if generation is not None:
+            if generation is not None and self.last_response is not None:
                 self.context.extend(generation)
                 self.context.extend(self._tokens(self._jittered(self.settings.tool_tokens)))
+                # What the harness keeps: the answer without token arrays, echoed in the next request.
+                kept = {
+                    **self.last_response,
+                    "output": [strip_token_arrays(item) for item in self.last_response["output"]],
+                }
+                self.final_response = kept
+                self.request = [
+                    *self.request,
+                    *kept["output"],
+                    {"role": "user", "content": f"tool output {turn}"},
+                ]
         return self.outcome
 
     async def write_late(self) -> None:
@@ -377,7 +403,9 @@ class _Agent:
 async def _finalize(agent: _Agent, source: TokenSource) -> None:
     """The trainer's side: freeze, build, mask, finalize the record, then retire what was consumed."""
     outcome = agent.outcome
-    record: dict[str, Any] = {"rollout_id": outcome.rollout_id, "reward": 1.0, "response": {"output": []}}
+    # The response the verifier scored is the last kept answer; it names the chain to deliver.
+    scored = copy.deepcopy(agent.final_response) if agent.final_response is not None else {"output": []}
+    record: dict[str, Any] = {"rollout_id": outcome.rollout_id, "reward": 1.0, "response": scored}
     result = await finalize_rollout_token_capture(record, source)
     outcome.masked = result.masked
     outcome.mask_reasons = list(result.mask_reasons)
@@ -399,6 +427,7 @@ async def run_workload(
     sink_for: Callable[[int], CallSink],
     source: TokenSource,
     on_progress: ProgressCallback | None = None,
+    lineage_for: Callable[[int], LineageResolver | None] | None = None,
 ) -> tuple[list[RolloutOutcome], float, float]:
     """Run every rollout concurrently, then finalize them all; return outcomes and the two phases' seconds.
 
@@ -412,7 +441,7 @@ async def run_workload(
         if fault_of(index, settings) == FAULT_FAILED_WRITE:
             failing_turn = min(1, settings.turns - 1)
             sink = FaultySink(sink, {(rollout_id_of(index), f"turn-{failing_turn}")})
-        agents.append(_Agent(index, settings, sink))
+        agents.append(_Agent(index, settings, sink, lineage_for(index) if lineage_for is not None else None))
 
     async def bounded(step: Awaitable[Any], phase: str) -> None:
         async with limit:
@@ -475,9 +504,13 @@ def run_demo_over_files(
 
         async def run() -> tuple[list[RolloutOutcome], float, float]:
             store = TokenCaptureStore(store_dir.path)
+            lineage = FileLineageResolver(store_dir.path)
             try:
-                return await run_workload(settings, lambda index: store, store, on_progress)
+                return await run_workload(
+                    settings, lambda index: store, store, on_progress, lambda index: lineage
+                )
             finally:
+                await lineage.close()
                 await store.close()
 
         outcomes, capture_s, finalize_s = asyncio.run(run())
@@ -511,6 +544,7 @@ def run_demo_over_kafka(
     """
     from transports.kafka import KafkaTokenSink, KafkaTokenSource, TopicSettings, ensure_topic, topic_for_run
     from transports.kafka.admin import probe_broker
+    from transports.kafka.lineage import KafkaLineageResolver
 
     if servers < 1:
         raise InvalidInputError(f"--servers must be at least 1, got {servers}")
@@ -538,11 +572,23 @@ def run_demo_over_kafka(
                 store_dir=store_dir.path,
                 writer_id="demo-trainer",
             )
+            # Each simulated server resolves parents from the topic, as its model server would.
+            resolvers = [
+                KafkaLineageResolver(bootstrap_servers=bootstrap, run_id=run_id) for _ in range(servers)
+            ]
             try:
-                return await run_workload(settings, lambda index: sinks[index % servers], source, on_progress)
+                return await run_workload(
+                    settings,
+                    lambda index: sinks[index % servers],
+                    source,
+                    on_progress,
+                    lambda index: resolvers[index % servers],
+                )
             finally:
                 for sink in sinks:
                     await sink.close()
+                for resolver in resolvers:
+                    await resolver.close()
                 await source.close()
 
         outcomes, capture_s, finalize_s = asyncio.run(run())

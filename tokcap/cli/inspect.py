@@ -19,6 +19,7 @@ import orjson
 
 from tokcap.builder import BuildOutput, Chain
 from tokcap.consumer import TrajectoryResult, trajectories_from_source
+from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id
@@ -222,6 +223,7 @@ def describe_rollout(directory: Path, rollout_id: str) -> dict[str, Any]:
         raise InvalidInputError(f"rollout {rollout_id!r} has no files in {directory}")
     state: RolloutState = store.read_state(rollout_id)
     entries = [] if state.retired else store.read_entries(rollout_id)
+    lineage = lineage_report(entries)
     with _quiet_consumer_logs():
         result = (
             None if state.retired else asyncio.run(trajectories_from_source(rollout_id, PreviewSource(store)))
@@ -239,11 +241,14 @@ def describe_rollout(directory: Path, rollout_id: str) -> dict[str, Any]:
                 "model_call_id": entry.model_call_id,
                 "model": entry.model,
                 "prompt_tokens": len(entry.prompt_token_ids),
+                "prompt_is_delta": entry.prompt_is_delta,
+                "full_prompt_tokens": lineage.full_prompt_tokens.get(entry.model_call_id),
                 "generated_tokens": len(entry.generation_token_ids),
                 "created_at": entry.created_at,
             }
             for entry in sorted(entries, key=lambda entry: (entry.created_at, entry.model_call_id))
         ],
+        "lineage": lineage.to_dict(),
         "intents": intent_status(store, rollout_id),
         "dangling_intents": list(state.dangling_intents),
         "incomplete_reasons": [mark.model_dump() for mark in store.read_incomplete_marks(rollout_id)],

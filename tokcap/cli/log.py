@@ -16,11 +16,12 @@ from rich.console import Console
 from rich.table import Table
 
 from tokcap.cli.kafka_options import parse_key_values, resolve_run_topic
+from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import TokenCaptureStore
 
-__all__ = ["format_timestamp", "render_timeline", "rollout_timeline"]
+__all__ = ["format_timestamp", "render_lineage", "render_timeline", "rollout_timeline"]
 
 
 def rollout_timeline(
@@ -54,6 +55,9 @@ def rollout_timeline(
         ):
             entries.extend(entry.to_dict() for entry in applier.take_all(message))
         state = applier.store.read_state(rollout_id) if entries else None
+        # The applied records, checked as the builder checks them: delta prompts rebuilt, digests verified.
+        readable = state is not None and not state.retired
+        lineage = lineage_report(applier.store.read_entries(rollout_id)) if readable else None
         unfinished = applier.unfinished_groups()
     if not entries:
         raise InvalidInputError(
@@ -67,6 +71,7 @@ def rollout_timeline(
         "final_version": None if state is None else state.version,
         "incomplete": None if state is None else state.incomplete,
         "unfinished_chunk_groups": unfinished,
+        "lineage": None if lineage is None else lineage.to_dict(),
     }
 
 
@@ -87,6 +92,17 @@ _DECISION_STYLES = {
     "conflict": "bold red",
     "dead-lettered": "bold red",
 }
+
+
+def render_lineage(lineage: dict[str, Any] | None, console: Console) -> None:
+    """One line on delta records, and a warning naming every call whose full prompt is not proven."""
+    if lineage is None:
+        return
+    console.print(f"delta records: {lineage['delta_records']}")
+    for call_id in lineage["unrebuildable"]:
+        console.print(f"warning: call {call_id} stores a delta prompt that cannot be rebuilt and verified")
+    for call_id in lineage["digest_mismatches"]:
+        console.print(f"warning: call {call_id}'s tokens do not match its stored digest")
 
 
 def render_timeline(timeline: dict[str, Any], console: Console) -> None:
@@ -132,3 +148,4 @@ def render_timeline(timeline: dict[str, Any], console: Console) -> None:
     )
     for group in timeline["unfinished_chunk_groups"]:
         console.print(f"warning: chunk group {group} never completed in the log")
+    render_lineage(timeline.get("lineage"), console)

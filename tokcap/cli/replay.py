@@ -18,6 +18,7 @@ from rich.console import Console
 
 from tokcap.cli.kafka_options import parse_key_values, parse_offsets, resolve_run_topic
 from tokcap.cli.progress import make_progress
+from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import TokenCaptureStore
@@ -72,6 +73,7 @@ def run_replay(
         )
         mode = "partial"
     store = TokenCaptureStore(directory)
+    lineage = _lineage_of(store)
     return {
         "topic": name,
         "store_dir": str(directory),
@@ -82,7 +84,22 @@ def run_replay(
         "messages_applied": applied,
         "rollouts": len(store.rollout_ids()),
         "seconds": time.perf_counter() - started,
+        "lineage": lineage,
     }
+
+
+def _lineage_of(store: TokenCaptureStore) -> dict[str, Any]:
+    """Delta records in the replayed store, and per rollout the calls whose full prompts are not proven."""
+    delta_records = 0
+    unproven: dict[str, list[str]] = {}
+    for rollout_id in store.rollout_ids():
+        if store.read_state(rollout_id).retired:
+            continue
+        report = lineage_report(store.read_entries(rollout_id))
+        delta_records += report.delta_records
+        if not report.sound:
+            unproven[rollout_id] = [*report.unrebuildable, *report.digest_mismatches]
+    return {"delta_records": delta_records, "unproven_calls": unproven}
 
 
 def _replay_whole(
@@ -173,6 +190,12 @@ def render_replay(summary: dict[str, Any], console: Console) -> None:
         f"replayed {scope} of {summary['topic']} up to {until}: {summary['messages_applied']} messages, "
         f"{summary['rollouts']} rollouts in {summary['store_dir']} ({summary['seconds']:.2f} s, {summary['mode']})"
     )
+    lineage = summary.get("lineage") or {}
+    for rollout_id, calls in sorted(lineage.get("unproven_calls", {}).items()):
+        console.print(
+            f"warning: rollout {rollout_id}: calls {', '.join(calls)} have prompts that cannot be rebuilt "
+            "and verified from their parents; consumers will mask them"
+        )
     if summary["mode"] == "partial":
         console.print(
             "note: a partial replay writes no checkpoint; do not point a materializer at this directory"
