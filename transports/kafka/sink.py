@@ -31,12 +31,18 @@ from typing import Any
 from tokcap.errors import ConfigError, ConflictingEntryError, DeliveryError, TransportError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
 from tokcap.input_rules import accept_entry, check_call_id
-from tokcap.records import TokenEntry
+from tokcap.records import TokenEntry, compute_digest
 from tokcap.rollout_ids import validate_rollout_id
-from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.codec import (
+    DEFAULT_CHUNK_BYTES,
+    OutgoingMessage,
+    encode_delta_message,
+    encode_event_messages,
+)
 from transports.kafka.marker_forwarder import MarkerForwarder
 from transports.kafka.marker_spill import MarkerSpill, MarkerSpillError, SpilledMarker, default_spill_dir
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
+from transports.kafka.sent_calls import DEFAULT_REMEMBERED_TOKENS, SentCalls
 from transports.kafka.topics import resolve_topic
 
 __all__ = [
@@ -75,10 +81,16 @@ class KafkaTokenSink:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         remembered_calls: int = DEFAULT_REMEMBERED_CALLS,
         spill_dir: str | Path | None = None,
+        wire_deltas: bool = True,
+        wire_delta_tokens: int = DEFAULT_REMEMBERED_TOKENS,
     ) -> None:
         """``spill_dir`` keeps incomplete markers the broker has not acknowledged yet, one sub-directory per
         topic (default ``$TOKCAP_SPILL_DIR``, else ``~/.cache/tokcap/spill``); use a local disk that outlives
         the process, shared by the sinks of one node so a new sink forwards what a crashed one left.
+
+        ``wire_deltas`` sends a put whose prompt continues a call this sink already sent for the rollout as
+        (parent link, suffix); readers restore the exact entry (docs/events.md). Readers must be upgraded
+        first: older ones dead-letter such messages. ``wire_delta_tokens`` bounds the tokens remembered for it.
         """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
@@ -86,6 +98,9 @@ class KafkaTokenSink:
             raise ConfigError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
         if remembered_calls < 1:
             raise ConfigError(f"remembered_calls must be at least 1, got {remembered_calls}")
+        if wire_delta_tokens < 0:
+            raise ConfigError(f"wire_delta_tokens must not be negative, got {wire_delta_tokens}")
+        self._sent = SentCalls(max_tokens=wire_delta_tokens) if wire_deltas and wire_delta_tokens else None
         self._topic = resolve_topic(run_id, topic)
         self._writer_id = writer_id or default_writer_id()
         self._chunk_bytes = chunk_bytes
@@ -130,17 +145,22 @@ class KafkaTokenSink:
     async def _publish(self, event: Event, *, what: str, large: bool = False) -> list[Delivered]:
         """Encode, send and await the acknowledgement of one event."""
         if large:
-            messages = await asyncio.to_thread(
-                encode_event_messages,
-                event,
-                chunk_bytes=self._chunk_bytes,
-                next_chunk_group=self._next_chunk_group,
-            )
+            messages = await asyncio.to_thread(self._encode, event)
         else:
-            messages = encode_event_messages(
-                event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
-            )
+            messages = self._encode(event)
         return await self._bridge.send(self._topic, messages, what=what)
+
+    def _encode(self, event: Event) -> list[OutgoingMessage]:
+        """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is."""
+        if isinstance(event, PutEvent) and self._sent is not None:
+            link = self._sent.parent_for(event.entry)
+            if link is not None:
+                message = encode_delta_message(event, link, compute_digest(event.entry.prompt_token_ids))
+                if len(message.value) <= self._chunk_bytes:
+                    return [message]
+        return encode_event_messages(
+            event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
+        )
 
     def _reserve_digest(self, rollout_id: str, call_id: str, digest: str) -> bool:
         """Remember the payload of a call; refuse a different one; return whether this call added it."""
@@ -177,7 +197,7 @@ class KafkaTokenSink:
         event = PutEvent(rollout_id=rollout_id, writer=self._writer_id, entry=entry)
         tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
         try:
-            await self._publish(
+            delivered = await self._publish(
                 event,
                 what=f"put of call {call_id!r} of rollout {rollout_id!r}",
                 large=tokens > _LARGE_ENTRY_TOKENS,
@@ -186,6 +206,9 @@ class KafkaTokenSink:
             if added:
                 self._forget_digest(rollout_id, call_id, digest)
             raise
+        if self._sent is not None and len(delivered) == 1:
+            # Acknowledged as one message: its partition and offset are a link every reader can follow.
+            self._sent.remember(entry, delivered[0].partition, delivered[0].offset)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Publish a call's intent before dispatch; a failure here stops the call before generation."""
