@@ -6,14 +6,13 @@ offset it got, so the sink's own encoding decisions (full put or wire delta) are
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from pathlib import Path
 
+from conversations import conversation
 from kafka_topic_double import MemoryTopic
 
 from tokcap.errors import DeliveryError
-from tokcap.records import TokenEntry
 from transports.kafka import KafkaTokenSink
 from transports.kafka.codec import HEADER_ENCODING, OutgoingMessage
 from transports.kafka.producer_bridge import Delivered
@@ -59,30 +58,6 @@ def memory_sink(topic: MemoryTopic, spill_dir: Path, **kwargs: object) -> tuple[
     bridge = TopicBridge(topic)
     sink._bridge = bridge  # type: ignore[assignment]
     return sink, bridge
-
-
-def conversation(
-    rollout_id: str, turns: int, *, prompt: int = 300, generated: int = 40, tool: int = 20, seed: int = 0
-) -> list[TokenEntry]:
-    """A rollout whose every prompt is the previous prompt, its generation and some tool tokens."""
-    rng = random.Random(f"{rollout_id}:{seed}")
-    context = [rng.randrange(150_000) for _ in range(prompt)]
-    entries = []
-    for turn in range(turns):
-        generation = [rng.randrange(150_000) for _ in range(generated)]
-        entries.append(
-            TokenEntry(
-                rollout_id=rollout_id,
-                model_call_id=f"call-{turn}",
-                model="policy",
-                prompt_token_ids=list(context),
-                generation_token_ids=generation,
-                generation_log_probs=[-rng.random() * 4 for _ in generation],
-                created_at=1_700_000_000.0 + turn,
-            )
-        )
-        context += generation + [rng.randrange(150_000) for _ in range(tool)]
-    return entries
 
 
 def delta_offsets(topic: MemoryTopic, partition: int = 0) -> list[int]:
