@@ -13,17 +13,25 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokcap.records import TokenEntry
-from transports.kafka.codec import ParentLink
+from tokcap.events import PutEvent
+from tokcap.records import TokenEntry, compute_digest
+from transports.kafka.codec import (
+    DEFAULT_CHUNK_BYTES,
+    OutgoingMessage,
+    ParentLink,
+    encode_delta_message,
+    encode_event_messages,
+)
 
 __all__ = [
     "DEFAULT_CALLS_PER_ROLLOUT",
     "DEFAULT_MIN_PREFIX_TOKENS",
     "DEFAULT_REMEMBERED_TOKENS",
     "SentCalls",
+    "encode_put",
 ]
 
 DEFAULT_CALLS_PER_ROLLOUT = 2
@@ -133,3 +141,21 @@ def _extend(sequence: array[int], tokens: Sequence[int]) -> array[int] | None:
     except OverflowError:
         return None
     return sequence
+
+
+def encode_put(
+    event: PutEvent,
+    sent: SentCalls | None,
+    *,
+    next_chunk_group: Callable[[], str],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[OutgoingMessage]:
+    """The messages a sink sends for a put: one wire delta when ``sent`` proves a parent and it fits one
+    message, else the put whole (chunked above ``chunk_bytes``)."""
+    if sent is not None:
+        link = sent.parent_for(event.entry)
+        if link is not None:
+            message = encode_delta_message(event, link, compute_digest(event.entry.prompt_token_ids))
+            if len(message.value) <= chunk_bytes:
+                return [message]
+    return encode_event_messages(event, chunk_bytes=chunk_bytes, next_chunk_group=next_chunk_group)

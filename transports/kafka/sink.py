@@ -31,18 +31,17 @@ from typing import Any
 from tokcap.errors import ConfigError, ConflictingEntryError, DeliveryError, TransportError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
 from tokcap.input_rules import accept_entry, check_call_id
-from tokcap.records import TokenEntry, compute_digest
+from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
     OutgoingMessage,
-    encode_delta_message,
     encode_event_messages,
 )
 from transports.kafka.marker_forwarder import MarkerForwarder
 from transports.kafka.marker_spill import MarkerSpill, MarkerSpillError, SpilledMarker, default_spill_dir
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
-from transports.kafka.sent_calls import DEFAULT_REMEMBERED_TOKENS, SentCalls
+from transports.kafka.sent_calls import DEFAULT_REMEMBERED_TOKENS, SentCalls, encode_put
 from transports.kafka.topics import resolve_topic
 
 __all__ = [
@@ -152,12 +151,10 @@ class KafkaTokenSink:
 
     def _encode(self, event: Event) -> list[OutgoingMessage]:
         """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is."""
-        if isinstance(event, PutEvent) and self._sent is not None:
-            link = self._sent.parent_for(event.entry)
-            if link is not None:
-                message = encode_delta_message(event, link, compute_digest(event.entry.prompt_token_ids))
-                if len(message.value) <= self._chunk_bytes:
-                    return [message]
+        if isinstance(event, PutEvent):
+            return encode_put(
+                event, self._sent, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
+            )
         return encode_event_messages(
             event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
         )
