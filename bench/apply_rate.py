@@ -14,7 +14,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from tokcap.events import LogPosition, PutEvent
+from tokcap.events import Event, LogPosition, PutEvent
 from tokcap.store import TokenCaptureStore
 from transports.kafka.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
 from transports.kafka.delta_parents import ParentRestorer
@@ -85,6 +85,7 @@ def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directo
         with store.deferred_durability():
             for partition, offset, value, raw_headers, key in messages[first : first + _BATCH]:
                 headers = headers_to_dict(raw_headers)
+                event: Event
                 if is_wire_delta(headers):
                     event = parents.restore(key, partition, offset, decode_wire_delta(key, value, headers))
                 else:

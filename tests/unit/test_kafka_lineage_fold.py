@@ -12,7 +12,7 @@ import pytest
 import transports.kafka.lineage as kafka_lineage
 from tokcap.events import DeleteEvent, Event, FreezeEvent, PutEvent, RetireEvent
 from tokcap.lineage import stamp_continuation
-from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest, stamp_lineage
+from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from transports.kafka.codec import (
     HEADER_ENCODING,
     HEADER_TYPE,
@@ -182,7 +182,7 @@ def test_a_put_sent_as_a_wire_delta_resolves_with_its_restored_cumulative_tokens
     encoding, value = encode_event_value(first)
     resolver._fold("r", value, {HEADER_TYPE: "put", HEADER_ENCODING: encoding}, 0, 0)
     link = ParentLink(0, 0, "c1", 102)
-    delta = encode_delta_message(second, link, compute_digest(second_entry.prompt_token_ids))
+    delta = encode_delta_message(second, link)
     resolver._fold("r", delta.value, headers_to_dict(delta.headers), 0, 1)
     request = [
         *_next_request("one"),

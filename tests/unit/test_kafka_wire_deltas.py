@@ -125,7 +125,8 @@ def corrupt(message: StoredMessage, at: int) -> StoredMessage:
 def test_a_wire_delta_with_a_corrupted_suffix_is_dead_lettered_and_masks_its_rollout(tmp_path: Path) -> None:
     _, delta = full_and_delta(tmp_path)
     target = delta_offsets(delta)[0]
-    bad = corrupt(delta.partitions[0][target], -700)  # inside the suffix ids, before generation and log probs
+    # The 20 suffix ids (80 B) sit before 40 generated ids (160 B) and 40 log probs (320 B).
+    bad = corrupt(delta.partitions[0][target], -500)
     delta.partitions[0][target] = bad
     materialize(delta, tmp_path / "delta")
     store = TokenCaptureStore(tmp_path / "delta")
@@ -144,13 +145,10 @@ def test_a_wire_delta_linking_another_rollouts_message_is_dead_lettered(tmp_path
     # rb's call is at offset 0; a forged delta of ra links it although ra's prompt starts with ra's call.
     topic.publish(PutEvent(rollout_id="rb", entry=b[0]))
     topic.publish(PutEvent(rollout_id="ra", entry=a[0]))
-    from tokcap.records import compute_digest
-
     length = len(a[0].prompt_token_ids) + len(a[0].generation_token_ids)
     forged = encode_delta_message(
         PutEvent(rollout_id="ra", entry=a[1]),
         ParentLink(0, 0, "call-0", length),
-        compute_digest(a[1].prompt_token_ids),
     )
     topic.produce(forged.key, forged.value, forged.headers)
     materialize(topic, tmp_path)

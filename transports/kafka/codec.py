@@ -36,7 +36,7 @@ from tokcap.errors import (
     WireDeltaError,
 )
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event, event_from_mapping
-from tokcap.records import compute_digest
+from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 
 __all__ = [
@@ -188,6 +188,7 @@ def _pack(
     prompt_field: str,
     prompt: list[int] | None,
     extra_head: Mapping[str, Any] | None,
+    compact: bool = False,
 ) -> bytes:
     """Head and arrays of a put; ``prompt`` replaces the entry's prompt (a wire delta sends its suffix)."""
     mapping = _put_mapping_without_dump(event)
@@ -209,6 +210,8 @@ def _pack(
     mapping["arrays"] = descriptors
     if extra_head:
         mapping.update(extra_head)
+    if compact:
+        _without_defaults(entry)
     try:
         head = orjson.dumps(mapping, option=_HEAD_FAST_OPTIONS)
     except TypeError:
@@ -219,6 +222,8 @@ def _pack(
         dumped["arrays"] = descriptors
         if extra_head:
             dumped.update(extra_head)
+        if compact:
+            _without_defaults(dumped["entry"])
         head = orjson.dumps(dumped, option=orjson.OPT_SORT_KEYS)
     return b"".join([magic, struct.pack("<I", len(head)), head, *blobs])
 
@@ -283,17 +288,17 @@ class ParentLink:
 
 @dataclass(frozen=True)
 class WireDelta:
-    """A decoded wire delta: the put without its prompt prefix, and what proves the prefix once found."""
+    """A decoded wire delta: the put without its prompt prefix, and the digest that proves the restored entry."""
 
     mapping: dict[str, Any]
     link: ParentLink
-    prompt_count: int
-    prompt_digest: str
+    entry_digest: str
+    """sha256 of the original entry's canonical JSON (``TokenEntry.payload_digest``), prompt included."""
     suffix: list[int]
 
     @property
     def rollout_id(self) -> Any:
-        """The rollout the delta's head names (checked against the key when restored)."""
+        """The rollout the delta's head names (checked against the key when decoded)."""
         return self.mapping.get("rollout_id")
 
     @property
@@ -301,49 +306,77 @@ class WireDelta:
         """The call the delta carries."""
         return self.mapping["entry"].get("model_call_id")
 
+    @property
+    def prompt_count(self) -> int:
+        """Tokens of the restored prompt."""
+        return self.link.length + len(self.suffix)
+
     def restore(self, prefix: list[int]) -> PutEvent:
         """The exact put the sink was given: ``prefix`` (the parent's prompt and generation) then the suffix.
 
-        Raise ``WireDeltaError`` when the prefix has the wrong length or the rebuilt prompt does not match
-        the digest the sink computed over the original prompt: it is never applied wrong.
+        Raise ``WireDeltaError`` when the prefix has the wrong length or the restored entry's canonical bytes
+        do not match the digest the sink computed over the original entry: it is never applied wrong.
         """
         if len(prefix) != self.link.length:
             raise WireDeltaError(
                 f"parent {self.link.model_call_id!r} at offset {self.link.offset} holds {len(prefix)} tokens, "
                 f"the delta was cut after {self.link.length}"
             )
-        prompt = prefix + self.suffix
-        if len(prompt) != self.prompt_count or compute_digest(prompt) != self.prompt_digest:
-            raise WireDeltaError(
-                f"the prompt rebuilt from parent {self.link.model_call_id!r} at offset {self.link.offset} "
-                "does not match the digest of the prompt the sink sent"
-            )
         mapping = dict(self.mapping)
-        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": prompt}
+        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": prefix + self.suffix}
         event = event_from_mapping(mapping)
         if not isinstance(event, PutEvent):
             raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
+        if event.entry.payload_digest() != self.entry_digest:
+            raise WireDeltaError(
+                f"the entry restored from parent {self.link.model_call_id!r} at offset {self.link.offset} "
+                "does not match the digest of the entry the sink sent"
+            )
         return event
 
 
-def encode_delta_message(event: PutEvent, link: ParentLink, prompt_digest: str) -> OutgoingMessage:
+def _entry_defaults() -> dict[str, Any]:
+    """Every optional entry field's default: a wire delta leaves out the fields that hold it."""
+    return {
+        name: info.get_default(call_default_factory=True)
+        for name, info in TokenEntry.model_fields.items()
+        if not info.is_required()
+    }
+
+
+_ENTRY_DEFAULTS = _entry_defaults()
+
+
+def _without_defaults(entry: dict[str, Any]) -> None:
+    """Drop fields equal to their default, with the default's type (validation puts them back identical)."""
+    for name, default in _ENTRY_DEFAULTS.items():
+        if name in entry and type(entry[name]) is type(default) and entry[name] == default:
+            del entry[name]
+
+
+def encode_delta_message(event: PutEvent, link: ParentLink) -> OutgoingMessage:
     """The one message that sends a put as (parent link, prompt suffix); it is pinned to the parent's partition.
 
-    ``prompt_digest`` is ``compute_digest`` of the entry's whole prompt, which the reader checks its rebuilt
-    prompt against. The caller proved that the prompt starts with the parent's ``link.length`` tokens.
+    The caller proved that the prompt starts with the parent's ``link.length`` tokens. Fields holding their
+    default are left out; the entry's digest lets the reader prove its restored entry is the one sent.
     """
     prompt = event.entry.prompt_token_ids
     extra = {
+        "entry_sha256": event.entry.payload_digest(),
         "parent": {
             "length": link.length,
             "model_call_id": link.model_call_id,
             "offset": link.offset,
             "partition": link.partition,
         },
-        "prompt": {"count": len(prompt), "digest": prompt_digest},
     }
     value = _pack(
-        _DELTA_MAGIC, event, prompt_field=_DELTA_PROMPT_FIELD, prompt=prompt[link.length :], extra_head=extra
+        _DELTA_MAGIC,
+        event,
+        prompt_field=_DELTA_PROMPT_FIELD,
+        prompt=prompt[link.length :],
+        extra_head=extra,
+        compact=True,
     )
     headers = [
         (HEADER_TYPE, event.type.value.encode()),
@@ -378,9 +411,9 @@ def decode_wire_delta(key: bytes | None, value: bytes | None, headers: Mapping[s
         raise EventDecodeError("message has no value")
     try:
         mapping = _unpack(value, _DELTA_MAGIC, _DELTA_FIELDS)
-        parent, prompt = mapping.pop("parent", None), mapping.pop("prompt", None)
-        if not isinstance(parent, dict) or not isinstance(prompt, dict):
-            raise EventDecodeError("a wire delta head must carry its parent link and prompt digest")
+        parent, digest = mapping.pop("parent", None), mapping.pop("entry_sha256", None)
+        if not isinstance(parent, dict):
+            raise EventDecodeError("a wire delta head must carry its parent link")
         link = ParentLink(
             partition=_strict_int(parent.get("partition"), "parent partition"),
             offset=_strict_int(parent.get("offset"), "parent offset"),
@@ -391,19 +424,13 @@ def decode_wire_delta(key: bytes | None, value: bytes | None, headers: Mapping[s
         delta = WireDelta(
             mapping=mapping,
             link=link,
-            prompt_count=_strict_int(prompt.get("count"), "prompt count"),
-            prompt_digest=_strict_str(prompt.get("digest"), "prompt digest"),
+            entry_digest=_strict_str(digest, "entry digest"),
             suffix=suffix,
         )
     except EventDecodeError as exc:
         raise EventDecodeError(f"undecodable event: {exc}") from exc
     if key is None or key != str(delta.rollout_id).encode() or rollout_of_key(key) is None:
         raise EventDecodeError(f"key {key!r} does not match the event's rollout {delta.rollout_id!r}")
-    if delta.prompt_count != link.length + len(suffix):
-        raise EventDecodeError(
-            f"undecodable event: a wire delta of {delta.prompt_count} prompt tokens cannot be "
-            f"{link.length} from its parent and {len(suffix)} of its own"
-        )
     return delta
 
 

@@ -428,7 +428,7 @@ class KafkaLineageResolver:
             token_count = delta.prompt_count + len(generation)
             payload = hashlib.sha256(
                 orjson.dumps(entry, option=orjson.OPT_SORT_KEYS)
-                + delta.prompt_digest.encode()
+                + delta.entry_digest.encode()
                 + orjson.dumps([generation, delta.mapping["entry"].get("generation_log_probs")])
             )
         elif encoding == ENCODING_PACKED:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokcap.events import PutEvent
-from tokcap.records import TokenEntry, compute_digest
+from tokcap.records import TokenEntry
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
     OutgoingMessage,
@@ -155,7 +155,7 @@ def encode_put(
     if sent is not None:
         link = sent.parent_for(event.entry)
         if link is not None:
-            message = encode_delta_message(event, link, compute_digest(event.entry.prompt_token_ids))
+            message = encode_delta_message(event, link)
             if len(message.value) <= chunk_bytes:
                 return [message]
     return encode_event_messages(event, chunk_bytes=chunk_bytes, next_chunk_group=next_chunk_group)

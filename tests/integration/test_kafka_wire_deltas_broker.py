@@ -125,7 +125,7 @@ def test_a_wire_delta_corrupted_on_the_log_is_dead_lettered_and_masks_its_rollou
     (sent,) = [m for m in read_log(kafka_bootstrap, topic) if m.offset == 1]
     assert headers_to_dict(list(sent.headers)).get(HEADER_ENCODING) == ENCODING_DELTA
     value = bytearray(sent.value or b"")
-    value[-500] ^= 0x40  # a suffix id, ahead of the 40 generated ids and log probs
+    value[-500] ^= 0x40  # one of the 20 suffix ids (80 B), ahead of 40 generated ids and log probs (480 B)
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
     producer.produce(topic, value=bytes(value), key=sent.key, headers=list(sent.headers), partition=0)
     assert producer.flush(30) == 0
