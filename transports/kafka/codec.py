@@ -354,7 +354,9 @@ def _without_defaults(entry: dict[str, Any]) -> None:
             del entry[name]
 
 
-def encode_delta_message(event: PutEvent, link: ParentLink) -> OutgoingMessage:
+def encode_delta_message(
+    event: PutEvent, link: ParentLink, *, entry_digest: str | None = None
+) -> OutgoingMessage:
     """The one message that sends a put as (parent link, prompt suffix); it is pinned to the parent's partition.
 
     The caller proved that the prompt starts with the parent's ``link.length`` tokens. Fields holding their
@@ -362,7 +364,7 @@ def encode_delta_message(event: PutEvent, link: ParentLink) -> OutgoingMessage:
     """
     prompt = event.entry.prompt_token_ids
     extra = {
-        "entry_sha256": event.entry.payload_digest(),
+        "entry_sha256": entry_digest or event.entry.payload_digest(),
         "parent": {
             "length": link.length,
             "model_call_id": link.model_call_id,

@@ -11,9 +11,8 @@ whole. Memory is bounded by rollouts, calls per rollout and tokens; forgetting o
 from __future__ import annotations
 
 import threading
-from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokcap.events import PutEvent
@@ -40,8 +39,11 @@ DEFAULT_CALLS_PER_ROLLOUT = 2
 DEFAULT_MIN_PREFIX_TOKENS = 64
 """A shorter shared prefix saves less than the parent link costs; such puts go whole."""
 
-DEFAULT_REMEMBERED_TOKENS = 8_000_000
-"""Tokens kept over every rollout (8 bytes each); the least recently used rollouts are forgotten first."""
+DEFAULT_REMEMBERED_TOKENS = 4_000_000
+"""Tokens kept over every rollout; the least recently used rollouts are forgotten first.
+
+A call is kept as a list sharing the entry's int objects (8 bytes a token, plus the ints it keeps alive).
+"""
 
 
 @dataclass(frozen=True)
@@ -49,16 +51,8 @@ class _SentCall:
     partition: int
     offset: int
     model_call_id: str
-    sequence: array[int]
-    """The call's prompt then generation, as sent."""
-
-
-def _as_array(tokens: Sequence[int]) -> array[int] | None:
-    """Tokens as unsigned 64-bit values; ``None`` for an id outside that range (never sent as a delta)."""
-    try:
-        return array("Q", tokens)
-    except OverflowError:
-        return None
+    sequence: list[int]
+    """The call's prompt then generation, as sent (a copy: the caller may reuse its lists)."""
 
 
 class SentCalls:
@@ -98,7 +92,8 @@ class SentCalls:
                 continue
             if length < self._min_prefix_tokens or (best is not None and length <= len(best.sequence)):
                 continue
-            if _as_array(prompt[:length]) == call.sequence:
+            # A prompt built by extending the last one shares its int objects: the comparison is a pointer walk.
+            if prompt[:length] == call.sequence:
                 best = call
         if best is None:
             return None
@@ -106,9 +101,7 @@ class SentCalls:
 
     def remember(self, entry: TokenEntry, partition: int, offset: int) -> None:
         """Keep an acknowledged single-message put as a parent for the rollout's next puts."""
-        sequence = _as_array(entry.prompt_token_ids)
-        if sequence is None or _extend(sequence, entry.generation_token_ids) is None:
-            return
+        sequence = [*entry.prompt_token_ids, *entry.generation_token_ids]
         if len(sequence) > self._max_tokens:
             return
         call = _SentCall(partition, offset, entry.model_call_id, sequence)
@@ -135,27 +128,21 @@ class SentCalls:
             self._tokens -= sum(len(c.sequence) for c in dropped)
 
 
-def _extend(sequence: array[int], tokens: Sequence[int]) -> array[int] | None:
-    try:
-        sequence.extend(tokens)
-    except OverflowError:
-        return None
-    return sequence
-
-
 def encode_put(
     event: PutEvent,
     sent: SentCalls | None,
     *,
     next_chunk_group: Callable[[], str],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    entry_digest: str | None = None,
 ) -> list[OutgoingMessage]:
     """The messages a sink sends for a put: one wire delta when ``sent`` proves a parent and it fits one
-    message, else the put whole (chunked above ``chunk_bytes``)."""
+    message, else the put whole (chunked above ``chunk_bytes``). ``entry_digest`` saves computing the
+    entry's ``payload_digest`` again when the caller has it."""
     if sent is not None:
         link = sent.parent_for(event.entry)
         if link is not None:
-            message = encode_delta_message(event, link)
+            message = encode_delta_message(event, link, entry_digest=entry_digest)
             if len(message.value) <= chunk_bytes:
                 return [message]
     return encode_event_messages(event, chunk_bytes=chunk_bytes, next_chunk_group=next_chunk_group)

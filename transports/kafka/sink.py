@@ -141,19 +141,25 @@ class KafkaTokenSink:
     def _next_chunk_group(self) -> str:
         return f"{self._session}:{next(self._chunk_sequence)}"
 
-    async def _publish(self, event: Event, *, what: str, large: bool = False) -> list[Delivered]:
-        """Encode, send and await the acknowledgement of one event."""
+    async def _publish(
+        self, event: Event, *, what: str, large: bool = False, entry_digest: str | None = None
+    ) -> list[Delivered]:
+        """Encode, send and await the acknowledgement of one event; a put may bring its entry's digest."""
         if large:
-            messages = await asyncio.to_thread(self._encode, event)
+            messages = await asyncio.to_thread(self._encode, event, entry_digest)
         else:
-            messages = self._encode(event)
+            messages = self._encode(event, entry_digest)
         return await self._bridge.send(self._topic, messages, what=what)
 
-    def _encode(self, event: Event) -> list[OutgoingMessage]:
+    def _encode(self, event: Event, entry_digest: str | None = None) -> list[OutgoingMessage]:
         """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is."""
         if isinstance(event, PutEvent):
             return encode_put(
-                event, self._sent, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
+                event,
+                self._sent,
+                chunk_bytes=self._chunk_bytes,
+                next_chunk_group=self._next_chunk_group,
+                entry_digest=entry_digest,
             )
         return encode_event_messages(
             event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
@@ -198,6 +204,7 @@ class KafkaTokenSink:
                 event,
                 what=f"put of call {call_id!r} of rollout {rollout_id!r}",
                 large=tokens > _LARGE_ENTRY_TOKENS,
+                entry_digest=digest,
             )
         except BaseException:
             if added:
