@@ -209,6 +209,31 @@ def test_a_put_continuing_a_call_whose_send_failed_goes_whole(tmp_path: Path) ->
     assert delta_offsets(topic) == [1]
 
 
+def test_a_put_continuing_a_call_whose_send_is_not_acknowledged_yet_goes_whole(tmp_path: Path) -> None:
+    topic = MemoryTopic(TOPIC)
+    entries = conversation("r1", 3)
+
+    async def scenario() -> None:
+        sink, bridge = memory_sink(topic, tmp_path / "spill")
+        try:
+            bridge.hold = asyncio.Event()
+            first = asyncio.create_task(sink.put(entries[0]))
+            while not topic.messages():
+                await asyncio.sleep(0)  # call-0 is in the log, its acknowledgement held back
+            second = asyncio.create_task(sink.put(entries[1]))
+            while len(topic.messages()) < 2:
+                await asyncio.sleep(0)
+            bridge.hold.set()
+            await asyncio.gather(first, second)
+            bridge.hold = None
+            await sink.put(entries[2])
+        finally:
+            await sink.close()
+
+    asyncio.run(scenario())
+    assert delta_offsets(topic) == [2]
+
+
 def test_chunked_puts_are_never_parents_and_a_delta_too_large_for_one_message_goes_whole(
     tmp_path: Path,
 ) -> None:

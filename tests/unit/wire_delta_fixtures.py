@@ -6,6 +6,7 @@ offset it got, so the sink's own encoding decisions (full put or wire delta) are
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +29,8 @@ class TopicBridge:
     def __init__(self, topic: MemoryTopic) -> None:
         self.topic = topic
         self.fail_next = False
+        self.hold: asyncio.Event | None = None
+        """While set to an unset event, sends are in the log but not acknowledged until it is set."""
 
     async def send(self, topic: str, messages: Sequence[OutgoingMessage], *, what: str) -> list[Delivered]:
         if self.fail_next:
@@ -40,6 +43,8 @@ class TopicBridge:
                 partition = sum(message.key) % len(self.topic.partitions)
             offset = self.topic.produce(message.key, message.value, message.headers, partition)
             delivered.append(Delivered(partition, offset))
+        if self.hold is not None:
+            await self.hold.wait()
         return delivered
 
     def close(self, timeout_s: float | None = None) -> int:
