@@ -55,7 +55,7 @@ from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, 
 from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.offset_reader import OffsetReader
+from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
@@ -143,7 +143,9 @@ class Materializer:
         self._progress: dict[int, _PartitionProgress] = {}
         # Wire deltas whose parent the router no longer keeps (a resume past it) read it again from the log.
         self._parent_reader = OffsetReader(
-            lambda: build_client(self._new_consumer, self._consumer_settings(), self._client, "consumer"),
+            lambda: build_client(
+                self._new_consumer, {**self._consumer_settings(), **READER_SETTINGS}, self._client, "consumer"
+            ),
             self._topic,
         )
         self._router = InboundRouter(parents=ParentRestorer(self._parent_reader.read))

@@ -16,17 +16,22 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from tokcap.errors import TransportError
 from transports.kafka.router import LogMessage
 
-__all__ = ["OffsetReader"]
+__all__ = ["READER_SETTINGS", "OffsetReader"]
 
 _POLL_S = 0.2
+
+READER_SETTINGS = {"fetch.wait.max.ms": 1}
+"""Merge over the reader consumer's settings: it asks for offsets that exist, so a long-poll fetch left in
+flight after each read only delays the next one (about 90 ms a read with 100 ms, 4 ms with 1 ms, measured
+on a local broker over a 63-deep chain)."""
 
 
 class OffsetReader:
     """Fetches single messages with one consumer, opened on first use.
 
-    ``open_consumer`` builds the consumer with the reader's own settings (security included); it must not
-    reset offsets by itself (``auto.offset.reset: error``), so an offset that retention removed is reported
-    as missing instead of silently answered with another message.
+    ``open_consumer`` builds the consumer with the reader's own settings (security included) and
+    ``READER_SETTINGS``; it must not reset offsets by itself (``auto.offset.reset: error``), so an offset that
+    retention removed is reported as missing instead of silently answered with another message.
     """
 
     def __init__(self, open_consumer: Callable[[], Any], topic: str, *, timeout_s: float = 30.0) -> None:

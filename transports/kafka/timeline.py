@@ -40,7 +40,7 @@ from transports.kafka.client_errors import (
 from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.offset_reader import OffsetReader
+from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.router import (
     ApplyEvent,
     Buffered,
@@ -231,6 +231,7 @@ class LogApplier:
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "auto.offset.reset": "error",
+                **READER_SETTINGS,
             }
         )
         reader = OffsetReader(
