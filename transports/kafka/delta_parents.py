@@ -120,11 +120,19 @@ class ParentRestorer:
     # ---------------------------------------------------------------- restoring
 
     def restore(
-        self, key: bytes, partition: int, offset: int, delta: WireDelta, *, keep: bool = True
+        self,
+        key: bytes,
+        partition: int,
+        offset: int,
+        delta: WireDelta,
+        *,
+        keep: bool = True,
+        read: ParentRead | None = None,
     ) -> PutEvent:
         """The exact put a wire delta at this position carries; ``WireDeltaError`` when it cannot be proven.
 
-        ``keep`` is false for a delta reassembled from chunks: only whole messages are parents.
+        ``keep`` is false for a delta reassembled from chunks: only whole messages are parents. ``read``
+        replaces the restorer's own way to read a parent it did not keep, for this call.
         """
         chain: list[tuple[int, WireDelta]] = [(offset, delta)]
         link = self._check_link(partition, offset, delta.link)
@@ -135,7 +143,7 @@ class ParentRestorer:
                 self._check_parent(link, kept.key == key, kept.model_call_id)
                 prefix = kept.prompt + kept.generation
                 break
-            found = self._parent_message(key, partition, link)
+            found = self._parent_message(key, partition, link, read or self._read)
             if isinstance(found, PutEvent):
                 prefix = found.entry.prompt_token_ids + found.entry.generation_token_ids
                 break
@@ -171,12 +179,14 @@ class ParentRestorer:
                 f"the parent at offset {link.offset} is call {call_id!r}, the link names {link.model_call_id!r}"
             )
 
-    def _parent_message(self, key: bytes, partition: int, link: ParentLink) -> PutEvent | WireDelta:
+    def _parent_message(
+        self, key: bytes, partition: int, link: ParentLink, read: ParentRead | None
+    ) -> PutEvent | WireDelta:
         """The parent read from the log: a whole put (kept), or a wire delta still to restore."""
         where = f"parent {link.model_call_id!r} at partition {partition} offset {link.offset}"
-        if self._read is None:
+        if read is None:
             raise WireDeltaError(f"{where} was not kept by this reader, and it has no way to read the log")
-        message = self._read(partition, link.offset)
+        message = read(partition, link.offset)
         self.reads += 1
         if message is None:
             raise WireDeltaError(f"{where} is no longer in the log (retention?)")

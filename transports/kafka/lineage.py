@@ -182,7 +182,6 @@ class _RolloutLog:
     retired: bool = False
     at: dict[int, _StoredPut] = field(default_factory=dict)
     """Whole put messages by offset: the parents a wire delta of this rollout may link."""
-    restorer: ParentRestorer | None = None
 
 
 def _packed_head(value: bytes) -> tuple[dict[str, Any], int, int]:
@@ -247,6 +246,7 @@ class KafkaLineageResolver:
         self._rollouts: dict[str, _RolloutLog] = {}
         self._chunks: dict[str, list[bytes]] = {}
         self._restore_lock = threading.Lock()
+        self._restorer = ParentRestorer()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokcap-lineage")
         self._closed = False
 
@@ -453,18 +453,20 @@ class KafkaLineageResolver:
             log.at[offset] = stored
 
     def _restored(self, log: _RolloutLog, stored: _StoredPut) -> PutEvent:
-        """A wire delta's exact put, rebuilt from the rollout's whole puts read so far; its digest is checked."""
+        """A wire delta's exact put, rebuilt from the rollout's whole puts read so far; its digest is checked.
+
+        One restorer keeps recent parents for every rollout (bounded in tokens); a parent it forgot is taken
+        again from the rollout's puts this resolver read.
+        """
+
+        def read(partition: int, offset: int) -> LogMessage | None:
+            parent = log.at.get(offset)
+            return None if parent is None or parent.partition != partition else parent.as_message()
+
         with self._restore_lock:
-            if log.restorer is None:
-
-                def read(partition: int, offset: int) -> LogMessage | None:
-                    parent = log.at.get(offset)
-                    return None if parent is None or parent.partition != partition else parent.as_message()
-
-                log.restorer = ParentRestorer(read)
             try:
                 delta = decode_wire_delta(stored.key, stored.value, stored.headers)
-                return log.restorer.restore(stored.key, stored.partition, stored.offset, delta)
+                return self._restorer.restore(stored.key, stored.partition, stored.offset, delta, read=read)
             except EventDecodeError as exc:
                 raise LineageLookupError(
                     f"call {stored.call_id}'s wire delta cannot be restored: {exc}"
