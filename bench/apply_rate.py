@@ -14,9 +14,10 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from tokcap.events import LogPosition, PutEvent
+from tokcap.events import Event, LogPosition, PutEvent
 from tokcap.store import TokenCaptureStore
-from transports.kafka.codec import decode_event_value, headers_to_dict
+from transports.kafka.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
+from transports.kafka.delta_parents import ParentRestorer
 
 __all__ = ["ApplyRate", "measure_apply_rate"]
 
@@ -42,7 +43,7 @@ class ApplyRate:
         return self.tokens / self.seconds
 
 
-def _read_topic(bootstrap: str, topic: str, ends: dict[int, int]) -> list[tuple[int, int, bytes, Any]]:
+def _read_topic(bootstrap: str, topic: str, ends: dict[int, int]) -> list[tuple[int, int, bytes, Any, bytes]]:
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -53,7 +54,7 @@ def _read_topic(bootstrap: str, topic: str, ends: dict[int, int]) -> list[tuple[
     )
     try:
         consumer.assign([TopicPartition(topic, partition, 0) for partition in ends])
-        messages: list[tuple[int, int, bytes, Any]] = []
+        messages: list[tuple[int, int, bytes, Any, bytes]] = []
         wanted = sum(ends.values())
         while len(messages) < wanted:
             for message in consumer.consume(1000, 1.0):
@@ -64,6 +65,7 @@ def _read_topic(bootstrap: str, topic: str, ends: dict[int, int]) -> list[tuple[
                             int(message.offset() or 0),
                             message.value() or b"",
                             message.headers() or [],
+                            message.key() or b"",
                         )
                     )
         return messages
@@ -76,11 +78,20 @@ def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directo
     messages = _read_topic(bootstrap, topic, ends)
     store = TokenCaptureStore(directory)
     tokens = 0
+    # Wire deltas are restored as the materializer restores them, from the puts decoded before them.
+    parents = ParentRestorer()
     started = time.perf_counter()
     for first in range(0, len(messages), _BATCH):
         with store.deferred_durability():
-            for partition, offset, value, headers in messages[first : first + _BATCH]:
-                event = decode_event_value(value, headers_to_dict(headers))
+            for partition, offset, value, raw_headers, key in messages[first : first + _BATCH]:
+                headers = headers_to_dict(raw_headers)
+                event: Event
+                if is_wire_delta(headers):
+                    event = parents.restore(key, partition, offset, decode_wire_delta(key, value, headers))
+                else:
+                    event = decode_event_value(value, headers)
+                    if isinstance(event, PutEvent):
+                        parents.remember(key, partition, offset, event)
                 store.apply(event, LogPosition(topic, partition, offset))
                 if isinstance(event, PutEvent):
                     tokens += len(event.entry.prompt_token_ids) + len(event.entry.generation_token_ids)

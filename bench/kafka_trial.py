@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka.admin import AdminClient
 
@@ -150,12 +152,17 @@ async def warm_up_broker(bootstrap: str) -> None:
         await asyncio.to_thread(delete_topic, bootstrap, topic)
 
 
-async def run_kafka_trial(workload: PreparedWorkload, bootstrap: str, directory: Path) -> KafkaTrial:
-    """Drive the load through a fresh topic with a live materializer, then replay the topic elsewhere."""
+async def run_kafka_trial(
+    workload: PreparedWorkload, bootstrap: str, directory: Path, sink_kwargs: Mapping[str, Any] | None = None
+) -> KafkaTrial:
+    """Drive the load through a fresh topic with a live materializer, then replay the topic elsewhere.
+
+    ``sink_kwargs`` go to the sink (``wire_deltas``, say).
+    """
     topic = f"tokcap.bench-{uuid.uuid4().hex[:12]}"
     ensure_topic(bootstrap, topic)
     try:
-        sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+        sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, **dict(sink_kwargs or {}))
         source = KafkaTokenSource(bootstrap_servers=bootstrap, store_dir=directory / "live", topic=topic)
         lag: list[int] = []
 

@@ -157,6 +157,7 @@ GROWTH_COLUMNS = (
     ("replay entries/s", "figures.replay_puts_per_s", 0),
     ("orjson entries/s", "figures.orjson_entries_per_s", 0),
     ("wire B/tok", "figures.wire_bytes_per_token", 2),
+    ("wire/new tokens, wire deltas", "figures.wire_vs_new_tokens_wire_on", 2),
     ("disk B/tok", "figures.file_disk_bytes_per_token", 2),
 )
 

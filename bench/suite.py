@@ -17,6 +17,7 @@ from typing import Any
 
 from bench.cpu_cost import measure_call_costs
 from bench.file_store_trial import run_file_store_trial
+from bench.growth import wire_sizes as wire_sizes_per_call
 from bench.kafka_external import run_with_materializer_process
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
 from bench.load import PreparedWorkload, prepare
@@ -162,6 +163,10 @@ async def measure_shape(
 
     figures: dict[str, Any] = {name: median(values) for name, values in runs.items()}
     figures["wire_bytes_per_token"] = sizes.packed_per_token
+    for switch, on in (("off", False), ("on", True)):
+        # Per call, against the call's new tokens packed: wire deltas off and on (``python -m bench.growth``).
+        per_call = wire_sizes_per_call(workload, wire_deltas=on)
+        figures.update({f"{name}_wire_{switch}": value for name, value in per_call.items()})
     figures["json_event_bytes_per_token"] = sizes.json_per_token
     figures["puts"] = workload.puts
     figures["tokens"] = workload.tokens

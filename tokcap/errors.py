@@ -14,6 +14,7 @@ Error tree::
     │   ├── TokenExtractionError
     │   ├── ConflictingEntryError
     │   ├── EventDecodeError
+    │   │   └── WireDeltaError
     │   ├── UnknownBuilderError
     │   └── UndeliverableBuilderError
     ├── ConfigError (ValueError)
@@ -91,6 +92,7 @@ __all__ = [
     "TransportError",
     "UndeliverableBuilderError",
     "UnknownBuilderError",
+    "WireDeltaError",
 ]
 
 
@@ -129,6 +131,10 @@ class ConflictingEntryError(InvalidInputError):
 
 class EventDecodeError(InvalidInputError):
     """Bytes on the log are not a valid tokcap event."""
+
+
+class WireDeltaError(EventDecodeError):
+    """A put sent as (parent link, prompt suffix) cannot be restored to the exact entry the sink was given."""
 
 
 class UnknownBuilderError(InvalidInputError):

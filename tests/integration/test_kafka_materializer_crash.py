@@ -15,13 +15,15 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
+from conversations import conversation
 from store_contract import directory_contents, make_entry
 
 from tokcap.events import CancelEvent, DeleteEvent, DropEvent, Event, FreezeEvent, IntentEvent, RetireEvent
 from transports.kafka import KafkaTokenSink, Materializer
 from transports.kafka.checkpoint import applied_next_offset
-from transports.kafka.codec import encode_event_messages
+from transports.kafka.codec import ENCODING_DELTA, HEADER_ENCODING, encode_event_messages, headers_to_dict
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
+from transports.kafka.timeline import read_log
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -106,6 +108,15 @@ async def lifecycle_rollout(writer: TopicWriter, index: int) -> None:
     )
     await sink.begin_call(rid, "c2")
     await sink.cancel_call(rid, "c2")
+    await writer.finish(rid, index)
+
+
+async def conversation_rollout(writer: TopicWriter, index: int) -> None:
+    """Eight calls, each prompt continuing the last (sent as wire deltas), then the shared ending."""
+    rid = f"talk-{index}"
+    for entry in conversation(rid, 8, prompt=100, generated=20, tool=10, seed=index):
+        await writer.sink.begin_call(rid, entry.model_call_id)
+        await writer.sink.put(entry)
     await writer.finish(rid, index)
 
 
@@ -231,3 +242,35 @@ def test_a_materializer_killed_fifty_times_mid_batch_ends_byte_identical_to_a_cl
         kills_before_the_end += checkpointed(crashed, topic) != end
     assert kills_before_the_end > 0, "no kill landed before the end of the topic"
     assert_resumes_as_a_clean_replay(kafka_bootstrap, topic, tmp_path, end)
+
+
+def test_a_materializer_killed_at_random_points_while_restoring_wire_deltas_ends_byte_identical_to_a_clean_replay(
+    kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
+) -> None:
+    topic = kafka_topic_factory("crashdelta", partitions=PARTITIONS)
+    end = write_rollouts(kafka_bootstrap, topic, 120, conversation_rollout)
+    deltas = sum(
+        headers_to_dict(list(m.headers)).get(HEADER_ENCODING) == ENCODING_DELTA
+        for m in read_log(kafka_bootstrap, topic)
+    )
+    assert deltas == 120 * 7
+    crashed, log = tmp_path / "crashed", tmp_path / "materializer.log"
+    rng = random.Random(12)
+    first_kill: dict[int, int] | None = None
+    total = sum(end.values())
+    for _ in range(10):
+        process = start_process(kafka_bootstrap, topic, crashed, log)
+        already = sum(checkpointed(crashed, topic).values())
+        target = already + rng.uniform(0.05, 0.5) * (total - already)
+        deadline = time.monotonic() + 10
+        while sum(checkpointed(crashed, topic).values()) < target and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.03))
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        first_kill = first_kill or checkpointed(crashed, topic)
+        if checkpointed(crashed, topic) == end:
+            break
+    assert first_kill != end, "the first kill must land before the end of the topic"
+    assert_resumes_as_a_clean_replay(kafka_bootstrap, topic, tmp_path, end)
+    assert not any(name.startswith("kafka-dead-letter") for name in directory_contents(tmp_path / "clean"))

@@ -13,7 +13,14 @@ import transports.kafka.lineage as kafka_lineage
 from tokcap.events import DeleteEvent, Event, FreezeEvent, PutEvent, RetireEvent
 from tokcap.lineage import stamp_continuation
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
-from transports.kafka.codec import HEADER_ENCODING, HEADER_TYPE, encode_event_value
+from transports.kafka.codec import (
+    HEADER_ENCODING,
+    HEADER_TYPE,
+    ParentLink,
+    encode_delta_message,
+    encode_event_value,
+    headers_to_dict,
+)
 from transports.kafka.lineage import KafkaLineageResolver
 
 REQUEST = [{"role": "user", "content": "hi"}]
@@ -155,3 +162,34 @@ def test_a_failed_question_fails_every_caller_it_answers() -> None:
 
     with pytest.raises(OSError, match="broker gone"):
         shared.ask(question)
+
+
+def test_a_put_sent_as_a_wire_delta_resolves_with_its_restored_cumulative_tokens(
+    resolver: KafkaLineageResolver,
+) -> None:
+    first = _put("c1", "one", list(range(100)))
+    second_entry = TokenEntry(
+        rollout_id="r",
+        model_call_id="c2",
+        prompt_token_ids=[*range(100), 7, 8, 500, 501],
+        generation_token_ids=[9],
+        generation_log_probs=[-0.5],
+        output_items=[{"role": "assistant", "content": "two"}],
+    )
+    stamp_lineage(second_entry, "c1", parent_resolution=ParentResolutionStatus.RESOLVED)
+    stamp_continuation(second_entry, _next_request("one"))
+    second = PutEvent(rollout_id="r", entry=second_entry)
+    encoding, value = encode_event_value(first)
+    resolver._fold("r", value, {HEADER_TYPE: "put", HEADER_ENCODING: encoding}, 0, 0)
+    link = ParentLink(0, 0, "c1", 102)
+    delta = encode_delta_message(second, link)
+    resolver._fold("r", delta.value, headers_to_dict(delta.headers), 0, 1)
+    request = [
+        *_next_request("one"),
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "go"},
+    ]
+    resolution = resolver._answer("r", request)
+    assert resolution.match is not None
+    assert resolution.match.model_call_id == "c2"
+    assert resolution.match.cumulative_token_ids == (*range(100), 7, 8, 500, 501, 9)

@@ -7,6 +7,7 @@ The scratch store is deleted afterwards; nothing the run uses is touched.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -42,23 +43,26 @@ def rollout_timeline(
 
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
     with tempfile.TemporaryDirectory(prefix="tokcap-log-") as scratch:
-        applier = LogApplier(TokenCaptureStore(scratch), name)
-        entries: list[dict[str, Any]] = []
-        # Other rollouts' messages can abandon this rollout's open chunk groups, as they do in the materializer.
-        for message in read_log(
-            bootstrap,
-            name,
-            key=rollout_id.encode(),
-            client_config=client_config,
-            timeout_s=timeout_s,
-            on_skipped=lambda skipped: entries.extend(e.to_dict() for e in applier.pass_over(skipped)),
-        ):
-            entries.extend(entry.to_dict() for entry in applier.take_all(message))
-        state = applier.store.read_state(rollout_id) if entries else None
-        # The applied records, checked as the builder checks them: delta prompts rebuilt, digests verified.
-        readable = state is not None and not state.retired
-        lineage = lineage_report(applier.store.read_entries(rollout_id)) if readable else None
-        unfinished = applier.unfinished_groups()
+        applier = LogApplier.over_log(
+            TokenCaptureStore(scratch), name, bootstrap, client_config=client_config, timeout_s=timeout_s
+        )
+        with contextlib.closing(applier):
+            entries: list[dict[str, Any]] = []
+            # Other rollouts' messages can abandon this rollout's open chunk groups, as they do in the materializer.
+            for message in read_log(
+                bootstrap,
+                name,
+                key=rollout_id.encode(),
+                client_config=client_config,
+                timeout_s=timeout_s,
+                on_skipped=lambda skipped: entries.extend(e.to_dict() for e in applier.pass_over(skipped)),
+            ):
+                entries.extend(entry.to_dict() for entry in applier.take_all(message))
+            state = applier.store.read_state(rollout_id) if entries else None
+            # The applied records, checked as the builder checks them: delta prompts rebuilt, digests verified.
+            readable = state is not None and not state.retired
+            lineage = lineage_report(applier.store.read_entries(rollout_id)) if readable else None
+            unfinished = applier.unfinished_groups()
     if not entries:
         raise InvalidInputError(
             f"rollout {rollout_id!r} has no events in topic {name!r}; check the rollout id and run"

@@ -9,6 +9,7 @@ apply step; it writes no checkpoint, so it is a view for debugging, not a base f
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -150,9 +151,9 @@ def _replay_part(
 
     total = sum(min(high, (offsets or {}).get(p, high)) for p, (_, high) in marks.items())
     store = TokenCaptureStore(directory)
-    applier = LogApplier(store, topic)
+    applier = LogApplier.over_log(store, topic, bootstrap, client_config=client_config, timeout_s=timeout_s)
     applied = 0
-    with make_progress(show_progress) as progress:
+    with contextlib.closing(applier), make_progress(show_progress) as progress:
         task = progress.add_task("replaying", total=total)
         for message in read_log(
             bootstrap,

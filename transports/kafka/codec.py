@@ -28,12 +28,20 @@ from typing import Any
 
 import orjson
 
-from tokcap.errors import EventDecodeError, InvalidRolloutIdError, NewerSchemaError, RecordValidationError
+from tokcap.errors import (
+    EventDecodeError,
+    InvalidRolloutIdError,
+    NewerSchemaError,
+    RecordValidationError,
+    WireDeltaError,
+)
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event, event_from_mapping
+from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "ENCODING_DELTA",
     "ENCODING_JSON",
     "ENCODING_PACKED",
     "HEADER_CHUNK_COUNT",
@@ -44,13 +52,19 @@ __all__ = [
     "HEADER_SCHEMA",
     "HEADER_TYPE",
     "HEADER_WRITER",
+    "WIRE_DELTA_SCHEMA_VERSION",
     "ChunkHeader",
     "OutgoingMessage",
+    "ParentLink",
+    "WireDelta",
     "decode_event_value",
     "decode_message",
+    "decode_wire_delta",
+    "encode_delta_message",
     "encode_event_messages",
     "encode_event_value",
     "headers_to_dict",
+    "is_wire_delta",
     "read_chunk_header",
     "rollout_of_key",
 ]
@@ -69,9 +83,16 @@ HEADER_CHUNK_DIGEST = "tokcap.chunk.sha256"
 
 ENCODING_JSON = "json"
 ENCODING_PACKED = "packed"
+ENCODING_DELTA = "delta"
+
+WIRE_DELTA_SCHEMA_VERSION = 2
+"""The message schema of a wire delta; readers that know only schema 1 refuse it as newer."""
 
 _PACKED_MAGIC = b"TKP1"
+_DELTA_MAGIC = b"TKD1"
+_DELTA_PROMPT_FIELD = "prompt_suffix_token_ids"
 _ARRAY_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_DELTA_FIELDS = (_DELTA_PROMPT_FIELD, "generation_token_ids", "generation_log_probs")
 _TYPECODES = {"<i4": "i", "<i8": "q", "<u8": "Q", "<f8": "d"}
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -83,6 +104,8 @@ class OutgoingMessage:
     key: bytes
     value: bytes
     headers: list[tuple[str, bytes]]
+    partition: int | None = None
+    """The partition to send to; ``None`` lets the key's partitioner choose."""
 
 
 @dataclass(frozen=True)
@@ -155,19 +178,40 @@ def _unpack_array(data: bytes, dtype: str) -> list[Any]:
 
 def _pack_put(event: PutEvent) -> bytes:
     """The packed value of a put event."""
+    return _pack(_PACKED_MAGIC, event, prompt_field="prompt_token_ids", prompt=None, extra_head=None)
+
+
+def _pack(
+    magic: bytes,
+    event: PutEvent,
+    *,
+    prompt_field: str,
+    prompt: list[int] | None,
+    extra_head: Mapping[str, Any] | None,
+    compact: bool = False,
+) -> bytes:
+    """Head and arrays of a put; ``prompt`` replaces the entry's prompt (a wire delta sends its suffix)."""
     mapping = _put_mapping_without_dump(event)
     entry = mapping["entry"]
     descriptors: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for name in _ARRAY_FIELDS:
         values = entry.pop(name)
+        field_name = name
+        if name == "prompt_token_ids":
+            field_name = prompt_field
+            values = values if prompt is None else prompt
         if name == "generation_log_probs":
             dtype, blob = "<f8", _pack_array(values, "<f8")
         else:
             dtype, blob = _packed_ids(values)
-        descriptors.append({"field": name, "dtype": dtype, "count": len(values)})
+        descriptors.append({"field": field_name, "dtype": dtype, "count": len(values)})
         blobs.append(blob)
     mapping["arrays"] = descriptors
+    if extra_head:
+        mapping.update(extra_head)
+    if compact:
+        _without_defaults(entry)
     try:
         head = orjson.dumps(mapping, option=_HEAD_FAST_OPTIONS)
     except TypeError:
@@ -176,14 +220,24 @@ def _pack_put(event: PutEvent) -> bytes:
         for name in _ARRAY_FIELDS:
             dumped["entry"].pop(name)
         dumped["arrays"] = descriptors
+        if extra_head:
+            dumped.update(extra_head)
+        if compact:
+            _without_defaults(dumped["entry"])
         head = orjson.dumps(dumped, option=orjson.OPT_SORT_KEYS)
-    return b"".join([_PACKED_MAGIC, struct.pack("<I", len(head)), head, *blobs])
+    return b"".join([magic, struct.pack("<I", len(head)), head, *blobs])
 
 
 def _unpack_put(value: bytes) -> dict[str, Any]:
     """Rebuild the JSON mapping of a packed put event."""
-    if len(value) < 8 or value[:4] != _PACKED_MAGIC:
-        raise EventDecodeError("packed put value does not start with the TKP1 magic")
+    return _unpack(value, _PACKED_MAGIC, _ARRAY_FIELDS)
+
+
+def _unpack(value: bytes, magic: bytes, fields: tuple[str, ...]) -> dict[str, Any]:
+    """The head of a packed value with its arrays put back into ``entry`` under their field names."""
+    kind = magic.decode()
+    if len(value) < 8 or value[:4] != magic:
+        raise EventDecodeError(f"packed put value does not start with the {kind} magic")
     (head_length,) = struct.unpack_from("<I", value, 4)
     head_end = 8 + head_length
     if head_end > len(value):
@@ -202,8 +256,8 @@ def _unpack_put(value: bytes) -> dict[str, Any]:
     descriptors = mapping.pop("arrays", None)
     if not isinstance(descriptors, list) or [
         d.get("field") for d in descriptors if isinstance(d, dict)
-    ] != list(_ARRAY_FIELDS):
-        raise EventDecodeError(f"packed put header must describe the arrays {list(_ARRAY_FIELDS)} in order")
+    ] != list(fields):
+        raise EventDecodeError(f"packed put header must describe the arrays {list(fields)} in order")
     cursor = head_end
     for descriptor in descriptors:
         dtype, count = descriptor.get("dtype"), descriptor.get("count")
@@ -217,6 +271,181 @@ def _unpack_put(value: bytes) -> dict[str, Any]:
     if cursor != len(value):
         raise EventDecodeError(f"packed put value has {len(value) - cursor} trailing bytes")
     return dict(mapping)
+
+
+@dataclass(frozen=True)
+class ParentLink:
+    """Where a wire delta's prompt prefix was sent: the parent put's message and what it holds.
+
+    ``length`` is the number of tokens of the parent's prompt plus generation, the child prompt's prefix.
+    """
+
+    partition: int
+    offset: int
+    model_call_id: str
+    length: int
+
+
+@dataclass(frozen=True)
+class WireDelta:
+    """A decoded wire delta: the put without its prompt prefix, and the digest that proves the restored entry."""
+
+    mapping: dict[str, Any]
+    link: ParentLink
+    entry_digest: str
+    """sha256 of the original entry's canonical JSON (``TokenEntry.payload_digest``), prompt included."""
+    suffix: list[int]
+
+    @property
+    def rollout_id(self) -> Any:
+        """The rollout the delta's head names (checked against the key when decoded)."""
+        return self.mapping.get("rollout_id")
+
+    @property
+    def model_call_id(self) -> Any:
+        """The call the delta carries."""
+        return self.mapping["entry"].get("model_call_id")
+
+    @property
+    def prompt_count(self) -> int:
+        """Tokens of the restored prompt."""
+        return self.link.length + len(self.suffix)
+
+    def restore(self, prefix: list[int]) -> PutEvent:
+        """The exact put the sink was given: ``prefix`` (the parent's prompt and generation) then the suffix.
+
+        Raise ``WireDeltaError`` when the prefix has the wrong length or the restored entry's canonical bytes
+        do not match the digest the sink computed over the original entry: it is never applied wrong.
+        """
+        if len(prefix) != self.link.length:
+            raise WireDeltaError(
+                f"parent {self.link.model_call_id!r} at offset {self.link.offset} holds {len(prefix)} tokens, "
+                f"the delta was cut after {self.link.length}"
+            )
+        mapping = dict(self.mapping)
+        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": prefix + self.suffix}
+        event = event_from_mapping(mapping)
+        if not isinstance(event, PutEvent):
+            raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
+        if event.entry.payload_digest() != self.entry_digest:
+            raise WireDeltaError(
+                f"the entry restored from parent {self.link.model_call_id!r} at offset {self.link.offset} "
+                "does not match the digest of the entry the sink sent"
+            )
+        return event
+
+
+def _entry_defaults() -> dict[str, Any]:
+    """Every optional entry field's default: a wire delta leaves out the fields that hold it."""
+    return {
+        name: info.get_default(call_default_factory=True)
+        for name, info in TokenEntry.model_fields.items()
+        if not info.is_required()
+    }
+
+
+_ENTRY_DEFAULTS = _entry_defaults()
+
+
+def _without_defaults(entry: dict[str, Any]) -> None:
+    """Drop fields equal to their default, with the default's type (validation puts them back identical)."""
+    for name, default in _ENTRY_DEFAULTS.items():
+        if name in entry and type(entry[name]) is type(default) and entry[name] == default:
+            del entry[name]
+
+
+def encode_delta_message(
+    event: PutEvent, link: ParentLink, *, entry_digest: str | None = None
+) -> OutgoingMessage:
+    """The one message that sends a put as (parent link, prompt suffix); it is pinned to the parent's partition.
+
+    The caller proved that the prompt starts with the parent's ``link.length`` tokens. Fields holding their
+    default are left out; the entry's digest lets the reader prove its restored entry is the one sent.
+    """
+    prompt = event.entry.prompt_token_ids
+    extra = {
+        "entry_sha256": entry_digest or event.entry.payload_digest(),
+        "parent": {
+            "length": link.length,
+            "model_call_id": link.model_call_id,
+            "offset": link.offset,
+            "partition": link.partition,
+        },
+    }
+    value = _pack(
+        _DELTA_MAGIC,
+        event,
+        prompt_field=_DELTA_PROMPT_FIELD,
+        prompt=prompt[link.length :],
+        extra_head=extra,
+        compact=True,
+    )
+    headers = [
+        (HEADER_TYPE, event.type.value.encode()),
+        (HEADER_SCHEMA, str(WIRE_DELTA_SCHEMA_VERSION).encode()),
+        (HEADER_WRITER, event.writer.encode()),
+        (HEADER_ENCODING, ENCODING_DELTA.encode()),
+    ]
+    return OutgoingMessage(event.rollout_id.encode(), value, headers, partition=link.partition)
+
+
+def is_wire_delta(headers: Mapping[str, str]) -> bool:
+    """Whether a message is a wire delta, which only a reader holding its parent can decode."""
+    return headers.get(HEADER_ENCODING) == ENCODING_DELTA
+
+
+def decode_wire_delta(key: bytes | None, value: bytes | None, headers: Mapping[str, str]) -> WireDelta:
+    """Decode a wire delta's head and arrays; restoring it needs the parent (``WireDelta.restore``).
+
+    Raise ``EventDecodeError`` (``NewerSchemaError`` for a newer schema) with the reason to dead-letter it.
+    """
+    schema = headers.get(HEADER_SCHEMA)
+    if schema != str(WIRE_DELTA_SCHEMA_VERSION):
+        if schema is not None and schema.isdigit() and int(schema) > WIRE_DELTA_SCHEMA_VERSION:
+            raise NewerSchemaError(
+                f"newer schema: wire delta schema_version {schema} is newer than {WIRE_DELTA_SCHEMA_VERSION}; "
+                "upgrade tokcap on the reader"
+            )
+        raise EventDecodeError(
+            f"undecodable event: a wire delta must have schema_version {WIRE_DELTA_SCHEMA_VERSION}"
+        )
+    if value is None:
+        raise EventDecodeError("message has no value")
+    try:
+        mapping = _unpack(value, _DELTA_MAGIC, _DELTA_FIELDS)
+        parent, digest = mapping.pop("parent", None), mapping.pop("entry_sha256", None)
+        if not isinstance(parent, dict):
+            raise EventDecodeError("a wire delta head must carry its parent link")
+        link = ParentLink(
+            partition=_strict_int(parent.get("partition"), "parent partition"),
+            offset=_strict_int(parent.get("offset"), "parent offset"),
+            model_call_id=_strict_str(parent.get("model_call_id"), "parent call id"),
+            length=_strict_int(parent.get("length"), "parent length"),
+        )
+        suffix = mapping["entry"].pop(_DELTA_PROMPT_FIELD)
+        delta = WireDelta(
+            mapping=mapping,
+            link=link,
+            entry_digest=_strict_str(digest, "entry digest"),
+            suffix=suffix,
+        )
+    except EventDecodeError as exc:
+        raise EventDecodeError(f"undecodable event: {exc}") from exc
+    if key is None or key != str(delta.rollout_id).encode() or rollout_of_key(key) is None:
+        raise EventDecodeError(f"key {key!r} does not match the event's rollout {delta.rollout_id!r}")
+    return delta
+
+
+def _strict_int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise EventDecodeError(f"wire delta {what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _strict_str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise EventDecodeError(f"wire delta {what} must be a string, got {value!r}")
+    return value
 
 
 def encode_event_value(event: Event) -> tuple[str, bytes]:
@@ -311,11 +540,16 @@ def read_chunk_header(headers: Mapping[str, str]) -> ChunkHeader | None:
 def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
     """Decode a whole (or reassembled) value; newer schemas raise ``NewerSchemaError``."""
     schema = headers.get(HEADER_SCHEMA)
-    if schema is not None and schema.isdigit() and int(schema) > EVENT_SCHEMA_VERSION:
+    delta = headers.get(HEADER_ENCODING) == ENCODING_DELTA and schema == str(WIRE_DELTA_SCHEMA_VERSION)
+    if not delta and schema is not None and schema.isdigit() and int(schema) > EVENT_SCHEMA_VERSION:
         raise NewerSchemaError(
             f"event schema_version {schema} is newer than {EVENT_SCHEMA_VERSION}; upgrade tokcap on the reader"
         )
     encoding = headers.get(HEADER_ENCODING, ENCODING_JSON)
+    if encoding == ENCODING_DELTA:
+        raise EventDecodeError(
+            "a wire delta (encoding 'delta') is decoded with its parent message: read it through the inbound router"
+        )
     if encoding == ENCODING_PACKED:
         event = event_from_mapping(_unpack_put(value))
         if not isinstance(event, PutEvent):

@@ -50,15 +50,19 @@ from transports.kafka.client_errors import (
     request_error,
 )
 from transports.kafka.codec import (
+    ENCODING_DELTA,
     ENCODING_JSON,
     ENCODING_PACKED,
     HEADER_ENCODING,
     HEADER_TYPE,
     decode_event_value,
+    decode_wire_delta,
     headers_to_dict,
     read_chunk_header,
     rollout_of_key,
 )
+from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.router import LogMessage
 from transports.kafka.topics import resolve_topic
 
 __all__ = ["PARTITIONERS", "KafkaLineageResolver", "partition_for"]
@@ -67,6 +71,7 @@ PARTITIONERS = ("consistent_random", "consistent", "murmur2_random", "murmur2")
 """The key partitioners the resolver can mirror; it must use the one the sinks' producers use."""
 
 _PACKED_MAGIC = b"TKP1"
+_ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 _FORGETTING_EVENTS = frozenset({"drop", "retire"})
 
 
@@ -155,6 +160,16 @@ class _StoredPut:
 
     value: bytes
     headers: dict[str, str]
+    key: bytes = b""
+    partition: int = 0
+    offset: int = -1
+    """Where the put was read; -1 for one reassembled from chunks (never a wire delta's parent)."""
+    call_id: str = ""
+
+    def as_message(self) -> LogMessage:
+        """The put as the log message it was read as."""
+        headers = tuple((name, value.encode()) for name, value in self.headers.items())
+        return LogMessage(self.partition, self.offset, None, self.key, headers, self.value)
 
 
 @dataclass
@@ -165,6 +180,8 @@ class _RolloutLog:
     puts: dict[str, _StoredPut] = field(default_factory=dict)
     frozen: bool = False
     retired: bool = False
+    at: dict[int, _StoredPut] = field(default_factory=dict)
+    """Whole put messages by offset: the parents a wire delta of this rollout may link."""
 
 
 def _packed_head(value: bytes) -> tuple[dict[str, Any], int, int]:
@@ -228,6 +245,8 @@ class KafkaLineageResolver:
         self._ends: defaultdict[int, _SharedQuestion] = defaultdict(_SharedQuestion)
         self._rollouts: dict[str, _RolloutLog] = {}
         self._chunks: dict[str, list[bytes]] = {}
+        self._restore_lock = threading.Lock()
+        self._restorer = ParentRestorer()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokcap-lineage")
         self._closed = False
 
@@ -366,12 +385,14 @@ class KafkaLineageResolver:
                 value = b"".join(self._chunks.pop(chunk.group))
                 if hashlib.sha256(value).hexdigest() != chunk.digest:
                     return
-            self._fold(rollout_id, value, headers)
+            self._fold(rollout_id, value, headers, partition, offset if chunk is None else -1)
         except (EventDecodeError, orjson.JSONDecodeError, ValueError, KeyError, TypeError):
             # The materializer dead-letters what it cannot decode; for lineage it is simply not a candidate.
             return
 
-    def _fold(self, rollout_id: str, value: bytes, headers: dict[str, str]) -> None:
+    def _fold(
+        self, rollout_id: str, value: bytes, headers: dict[str, str], partition: int = 0, offset: int = -1
+    ) -> None:
         kind = headers.get(HEADER_TYPE, "")
         if kind == "delete":
             self._rollouts.pop(rollout_id, None)
@@ -382,11 +403,35 @@ class KafkaLineageResolver:
         elif kind == "freeze":
             log.frozen = True
         elif kind == "put" and not log.frozen:
-            self._index_put(log, rollout_id, value, headers)
+            self._index_put(log, rollout_id, value, headers, partition, offset)
 
-    def _index_put(self, log: _RolloutLog, rollout_id: str, value: bytes, headers: dict[str, str]) -> None:
+    def _index_put(
+        self,
+        log: _RolloutLog,
+        rollout_id: str,
+        value: bytes,
+        headers: dict[str, str],
+        partition: int,
+        offset: int,
+    ) -> None:
         encoding = headers.get(HEADER_ENCODING, ENCODING_JSON)
-        if encoding == ENCODING_PACKED:
+        if encoding == ENCODING_DELTA:
+            delta = decode_wire_delta(rollout_id.encode(), value, headers)
+            link = delta.link
+            parent = log.at.get(link.offset)
+            if link.partition != partition or parent is None or parent.call_id != link.model_call_id:
+                # Not provable from what this resolver read of the rollout (a parent from before a delete,
+                # say): not a candidate, which is always safe.
+                return
+            entry = {k: v for k, v in delta.mapping["entry"].items() if k not in _ARRAYS}
+            generation = delta.mapping["entry"].get("generation_token_ids") or []
+            token_count = delta.prompt_count + len(generation)
+            payload = hashlib.sha256(
+                orjson.dumps(entry, option=orjson.OPT_SORT_KEYS)
+                + delta.entry_digest.encode()
+                + orjson.dumps([generation, delta.mapping["entry"].get("generation_log_probs")])
+            )
+        elif encoding == ENCODING_PACKED:
             entry, token_count, head_end = _packed_head(value)
             payload = hashlib.sha256(orjson.dumps(entry, option=orjson.OPT_SORT_KEYS) + value[head_end:])
         else:
@@ -402,12 +447,37 @@ class KafkaLineageResolver:
         if node is None:
             return
         log.index.add(node)
-        log.puts.setdefault(node.call_id, _StoredPut(value, headers))
+        stored = _StoredPut(value, headers, rollout_id.encode(), partition, offset, node.call_id)
+        log.puts.setdefault(node.call_id, stored)
+        if offset >= 0:
+            log.at[offset] = stored
+
+    def _restored(self, log: _RolloutLog, stored: _StoredPut) -> PutEvent:
+        """A wire delta's exact put, rebuilt from the rollout's whole puts read so far; its digest is checked.
+
+        One restorer keeps recent parents for every rollout (bounded in tokens); a parent it forgot is taken
+        again from the rollout's puts this resolver read.
+        """
+
+        def read(partition: int, offset: int) -> LogMessage | None:
+            parent = log.at.get(offset)
+            return None if parent is None or parent.partition != partition else parent.as_message()
+
+        with self._restore_lock:
+            try:
+                delta = decode_wire_delta(stored.key, stored.value, stored.headers)
+                return self._restorer.restore(stored.key, stored.partition, stored.offset, delta, read=read)
+            except EventDecodeError as exc:
+                raise LineageLookupError(
+                    f"call {stored.call_id}'s wire delta cannot be restored: {exc}"
+                ) from exc
 
     def _entry_of(self, log: _RolloutLog, call_id: str) -> TokenEntry:
         stored = log.puts.get(call_id)
         if stored is None:
             raise LineageLookupError(f"call {call_id} is indexed but its record was not kept")
+        if stored.headers.get(HEADER_ENCODING) == ENCODING_DELTA:
+            return self._restored(log, stored).entry
         event = decode_event_value(stored.value, stored.headers)
         if not isinstance(event, PutEvent):
             raise LineageLookupError(f"the record kept for call {call_id} is not a put")

@@ -54,6 +54,8 @@ from transports.kafka.admin import list_topics
 from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
 from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
+from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.ownership import write_owner_records
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
@@ -140,7 +142,14 @@ class Materializer:
         self._client = ClientContext(bootstrap_servers, self._consumer_config)
         self._watch = AuthenticationWatch(self._client)
         self._progress: dict[int, _PartitionProgress] = {}
-        self._router = InboundRouter()
+        # Wire deltas whose parent the router no longer keeps (a resume past it) read it again from the log.
+        self._parent_reader = OffsetReader(
+            lambda: build_client(
+                self._new_consumer, {**self._consumer_settings(), **READER_SETTINGS}, self._client, "consumer"
+            ),
+            self._topic,
+        )
+        self._router = InboundRouter(parents=ParentRestorer(self._parent_reader.read))
         self._applied_next: dict[int, int] = {}
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
         self._condition = threading.Condition()
@@ -333,6 +342,7 @@ class Materializer:
                 self._consume(consumer, partitions)
         finally:
             consumer.close()
+            self._parent_reader.close()
 
     def _exclusive(self, partition: int) -> FileLock:
         """Hold partition ownership of this directory: two materializers applying one partition would corrupt it."""

@@ -203,6 +203,8 @@ class ProducerBridge:
                         key=message.key,
                         headers=list(message.headers),
                         on_delivery=partial(_on_delivery, loop, future),
+                        # -1 is librdkafka's "let the partitioner choose".
+                        partition=-1 if message.partition is None else message.partition,
                     )
                 except BufferError as exc:
                     raise DeliveryError(

@@ -26,16 +26,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
-from tokcap.events import Event, FreezeEvent, IncompleteEvent, LogPosition
+from tokcap.events import DeleteEvent, Event, FreezeEvent, IncompleteEvent, LogPosition, PutEvent, RetireEvent
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.codec import (
     ChunkHeader,
     decode_message,
+    decode_wire_delta,
     headers_to_dict,
+    is_wire_delta,
     read_chunk_header,
     rollout_of_key,
 )
 from transports.kafka.dead_letters import REASON_LIMIT
+from transports.kafka.delta_parents import ParentRestorer
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
@@ -161,6 +164,8 @@ class InboundRouter:
     """Routes messages partition by partition, holding the chunk groups still open in each."""
 
     orphan_after_offsets: int = ORPHAN_AFTER_OFFSETS
+    parents: ParentRestorer = field(default_factory=ParentRestorer)
+    """Restores wire deltas; give it a way to read the log (``OffsetReader``) where parents may be forgotten."""
     _groups: dict[int, dict[str, _OpenGroup]] = field(default_factory=dict)
 
     # ------------------------------------------------------------ what is open
@@ -185,7 +190,9 @@ class InboundRouter:
             routed = [self._dead_letter(message, {}, message.size, f"undecodable headers: {exc}")]
         else:
             if chunk is None:
-                routed = [self._decode(message, message.key, message.value, headers, message.size)]
+                routed = [
+                    self._decode(message, message.key, message.value, headers, message.size, whole=True)
+                ]
             else:
                 routed = self._take_chunk(message, headers, chunk)
         return self._abandon_before_freeze(message, routed) + self._abandon_stale(message)
@@ -234,11 +241,27 @@ class InboundRouter:
         value: bytes | None,
         headers: Mapping[str, str],
         size: int,
+        *,
+        whole: bool = False,
     ) -> Routed:
+        """The event of a whole message (``whole``) or of a reassembled chunk group; a wire delta is restored.
+
+        A whole put is kept as a possible parent of later wire deltas.
+        """
         try:
-            event = decode_message(key, value, headers)
+            if is_wire_delta(headers):
+                delta = decode_wire_delta(key, value, headers)
+                event: Event = self.parents.restore(
+                    key or b"", message.partition, message.offset, delta, keep=whole
+                )
+            else:
+                event = decode_message(key, value, headers)
+                if whole and isinstance(event, PutEvent):
+                    self.parents.remember(key or b"", message.partition, message.offset, event)
         except (EventDecodeError, NewerSchemaError) as exc:
             return self._dead_letter(message, headers, size, str(exc))
+        if isinstance(event, RetireEvent | DeleteEvent):
+            self.parents.forget(key or b"")
         return ApplyEvent(event, message.partition, message.offset, headers, size)
 
     def _take_chunk(self, message: LogMessage, headers: dict[str, str], chunk: ChunkHeader) -> list[Routed]:

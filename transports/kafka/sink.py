@@ -33,10 +33,15 @@ from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutE
 from tokcap.input_rules import accept_entry, check_call_id
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
-from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.codec import (
+    DEFAULT_CHUNK_BYTES,
+    OutgoingMessage,
+    encode_event_messages,
+)
 from transports.kafka.marker_forwarder import MarkerForwarder
 from transports.kafka.marker_spill import MarkerSpill, MarkerSpillError, SpilledMarker, default_spill_dir
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
+from transports.kafka.sent_calls import DEFAULT_REMEMBERED_TOKENS, SentCalls, encode_put
 from transports.kafka.topics import resolve_topic
 
 __all__ = [
@@ -75,10 +80,16 @@ class KafkaTokenSink:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         remembered_calls: int = DEFAULT_REMEMBERED_CALLS,
         spill_dir: str | Path | None = None,
+        wire_deltas: bool = True,
+        wire_delta_tokens: int = DEFAULT_REMEMBERED_TOKENS,
     ) -> None:
         """``spill_dir`` keeps incomplete markers the broker has not acknowledged yet, one sub-directory per
         topic (default ``$TOKCAP_SPILL_DIR``, else ``~/.cache/tokcap/spill``); use a local disk that outlives
         the process, shared by the sinks of one node so a new sink forwards what a crashed one left.
+
+        ``wire_deltas`` sends a put whose prompt continues a call this sink already sent for the rollout as
+        (parent link, suffix); readers restore the exact entry (docs/events.md). Readers must be upgraded
+        first: older ones dead-letter such messages. ``wire_delta_tokens`` bounds the tokens remembered for it.
         """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
@@ -86,6 +97,9 @@ class KafkaTokenSink:
             raise ConfigError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
         if remembered_calls < 1:
             raise ConfigError(f"remembered_calls must be at least 1, got {remembered_calls}")
+        if wire_delta_tokens < 0:
+            raise ConfigError(f"wire_delta_tokens must not be negative, got {wire_delta_tokens}")
+        self._sent = SentCalls(max_tokens=wire_delta_tokens) if wire_deltas and wire_delta_tokens else None
         self._topic = resolve_topic(run_id, topic)
         self._writer_id = writer_id or default_writer_id()
         self._chunk_bytes = chunk_bytes
@@ -127,20 +141,29 @@ class KafkaTokenSink:
     def _next_chunk_group(self) -> str:
         return f"{self._session}:{next(self._chunk_sequence)}"
 
-    async def _publish(self, event: Event, *, what: str, large: bool = False) -> list[Delivered]:
-        """Encode, send and await the acknowledgement of one event."""
+    async def _publish(
+        self, event: Event, *, what: str, large: bool = False, entry_digest: str | None = None
+    ) -> list[Delivered]:
+        """Encode, send and await the acknowledgement of one event; a put may bring its entry's digest."""
         if large:
-            messages = await asyncio.to_thread(
-                encode_event_messages,
+            messages = await asyncio.to_thread(self._encode, event, entry_digest)
+        else:
+            messages = self._encode(event, entry_digest)
+        return await self._bridge.send(self._topic, messages, what=what)
+
+    def _encode(self, event: Event, entry_digest: str | None = None) -> list[OutgoingMessage]:
+        """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is."""
+        if isinstance(event, PutEvent):
+            return encode_put(
                 event,
+                self._sent,
                 chunk_bytes=self._chunk_bytes,
                 next_chunk_group=self._next_chunk_group,
+                entry_digest=entry_digest,
             )
-        else:
-            messages = encode_event_messages(
-                event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
-            )
-        return await self._bridge.send(self._topic, messages, what=what)
+        return encode_event_messages(
+            event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
+        )
 
     def _reserve_digest(self, rollout_id: str, call_id: str, digest: str) -> bool:
         """Remember the payload of a call; refuse a different one; return whether this call added it."""
@@ -177,15 +200,19 @@ class KafkaTokenSink:
         event = PutEvent(rollout_id=rollout_id, writer=self._writer_id, entry=entry)
         tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
         try:
-            await self._publish(
+            delivered = await self._publish(
                 event,
                 what=f"put of call {call_id!r} of rollout {rollout_id!r}",
                 large=tokens > _LARGE_ENTRY_TOKENS,
+                entry_digest=digest,
             )
         except BaseException:
             if added:
                 self._forget_digest(rollout_id, call_id, digest)
             raise
+        if self._sent is not None and len(delivered) == 1:
+            # Acknowledged as one message: its partition and offset are a link every reader can follow.
+            self._sent.remember(entry, delivered[0].partition, delivered[0].offset)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Publish a call's intent before dispatch; a failure here stops the call before generation."""

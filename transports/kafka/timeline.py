@@ -39,6 +39,8 @@ from transports.kafka.client_errors import (
 )
 from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER
 from transports.kafka.dead_letters import REASON_LIMIT
+from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.router import (
     ApplyEvent,
     Buffered,
@@ -208,6 +210,41 @@ class LogApplier:
     topic: str
     router: InboundRouter = field(default_factory=InboundRouter)
     abandoned: list[TimelineEntry] = field(default_factory=list)
+    reader: OffsetReader | None = None
+    """Reads wire deltas' parents the router no longer keeps; closed by ``close``."""
+
+    @classmethod
+    def over_log(
+        cls,
+        store: TokenCaptureStore,
+        topic: str,
+        bootstrap_servers: str,
+        *,
+        client_config: Mapping[str, Any] | None = None,
+        timeout_s: float = 10.0,
+    ) -> LogApplier:
+        """An applier that reads a forgotten wire-delta parent again from the topic; ``close`` it after use."""
+        context = ClientContext(bootstrap_servers, dict(client_config or {}))
+        settings = context.settings(
+            {
+                "group.id": f"tokcap-reader-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "error",
+                **READER_SETTINGS,
+            }
+        )
+        reader = OffsetReader(
+            lambda: build_client(Consumer, settings, context, "consumer"),
+            topic,
+            timeout_s=max(timeout_s, 30.0),
+        )
+        return cls(store, topic, InboundRouter(parents=ParentRestorer(reader.read)), reader=reader)
+
+    def close(self) -> None:
+        """Close the parent reader, if any; idempotent."""
+        if self.reader is not None:
+            self.reader.close()
 
     def take(self, message: LogMessage) -> TimelineEntry:
         """Route, decode and apply one message; never raises for a bad message, it dead-letters it."""
