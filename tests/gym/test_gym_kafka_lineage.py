@@ -13,7 +13,8 @@ from gym_wheel import GymModules
 from test_gym_lineage import EXPECTED_PARENTS, drive_with_tokcap
 
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka.lineage import KafkaLineageResolver, partition_for
+from transports.kafka.lineage import KafkaLineageResolver
+from transports.kafka.partitioner import partition_of_rollout
 
 pytestmark = pytest.mark.kafka
 
@@ -106,7 +107,7 @@ def test_a_dropped_rollout_resolves_no_parent_over_kafka(
     assert asyncio.run(run()) == ("resolved", "unresolved")
 
 
-@pytest.mark.parametrize("partitioner", ["consistent_random", "murmur2_random"])
+@pytest.mark.parametrize("partitioner", ["consistent_random", "murmur2_random", "fnv1a_random"])
 def test_the_resolver_computes_the_partition_the_producer_chose_for_every_key(
     kafka_bootstrap: str, kafka_topic_factory: Any, partitioner: str
 ) -> None:
@@ -122,4 +123,4 @@ def test_the_resolver_computes_the_partition_the_producer_chose_for_every_key(
             on_delivery=lambda _e, m: chosen.update({m.key().decode(): m.partition()}),
         )
     assert producer.flush(30) == 0
-    assert {key: partition_for(key, 7, partitioner) for key in keys} == chosen
+    assert {key: partition_of_rollout(key, 7, partitioner) for key in keys} == chosen

@@ -26,7 +26,6 @@ import struct
 import threading
 import time
 import uuid
-import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,52 +61,15 @@ from transports.kafka.codec import (
     rollout_of_key,
 )
 from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
 from transports.kafka.router import LogMessage
 from transports.kafka.topics import resolve_topic
 
-__all__ = ["PARTITIONERS", "KafkaLineageResolver", "partition_for"]
-
-PARTITIONERS = ("consistent_random", "consistent", "murmur2_random", "murmur2")
-"""The key partitioners the resolver can mirror; it must use the one the sinks' producers use."""
+__all__ = ["KafkaLineageResolver"]
 
 _PACKED_MAGIC = b"TKP1"
 _ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 _FORGETTING_EVENTS = frozenset({"drop", "retire"})
-
-
-def _murmur2(data: bytes) -> int:
-    """Kafka's murmur2 (the Java client's partitioner hash), seed 0x9747b28c."""
-    m, r = 0x5BD1E995, 24
-    length = len(data)
-    h = (0x9747B28C ^ length) & 0xFFFFFFFF
-    whole = length - length % 4
-    for (k,) in struct.iter_unpack("<I", data[:whole]):
-        k = (k * m) & 0xFFFFFFFF
-        k ^= k >> r
-        k = (k * m) & 0xFFFFFFFF
-        h = ((h * m) & 0xFFFFFFFF) ^ k
-    tail = data[whole:]
-    if len(tail) >= 3:
-        h ^= tail[2] << 16
-    if len(tail) >= 2:
-        h ^= tail[1] << 8
-    if tail:
-        h ^= tail[0]
-        h = (h * m) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * m) & 0xFFFFFFFF
-    h ^= h >> 15
-    return h
-
-
-def partition_for(rollout_id: str, partitions: int, partitioner: str = "consistent_random") -> int:
-    """The partition a producer with this partitioner sends the rollout's (non-empty) key to."""
-    key = rollout_id.encode()
-    if partitioner in ("consistent_random", "consistent"):
-        return zlib.crc32(key) % partitions
-    if partitioner in ("murmur2_random", "murmur2"):
-        return (_murmur2(key) & 0x7FFFFFFF) % partitions
-    raise ConfigError(f"partitioner {partitioner!r} is not one of {', '.join(PARTITIONERS)}")
 
 
 class _SharedQuestion:
@@ -216,7 +178,7 @@ class KafkaLineageResolver:
             raise ConfigError("bootstrap_servers must name at least one broker")
         if partitioner not in PARTITIONERS:
             raise ConfigError(
-                f"partitioner {partitioner!r} is not one of {', '.join(PARTITIONERS)}; "
+                f"partitioner {partitioner!r} is not one of {', '.join(sorted(PARTITIONERS))}; "
                 "use the producer_config 'partitioner' of the sinks writing the topic"
             )
         if timeout_s <= 0:
@@ -320,7 +282,7 @@ class KafkaLineageResolver:
             if described is None or described.error is not None or not described.partitions:
                 raise TransportError(f"topic {self._topic!r} has no readable partitions; create it first")
             self._partitions = len(described.partitions)
-        return partition_for(rollout_id, self._partitions, self._partitioner)
+        return partition_of_rollout(rollout_id, self._partitions, self._partitioner)
 
     def _end_of(self, partition: int) -> tuple[int, int]:
         """The partition's first held offset and the offset after its last message, asked of the broker now."""
