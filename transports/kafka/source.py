@@ -159,7 +159,9 @@ class KafkaTokenSource:
             if left <= 0:
                 break
             if self._materializer is not None:
-                applied = await self._materializer.applied(delivered.partition, delivered.offset, left)
+                applied = await self._materializer.applied(
+                    delivered.partition, delivered.offset, left, command=True
+                )
                 break
             assert self._external is not None
             applied = await self._external.applied(
