@@ -116,6 +116,9 @@ _BATCH_SIZE = 200
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
 
+_COMMAND_BUDGET = 100
+"""Decisions carried out for commands per block before their sources are answered and the next block starts."""
+
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
 
@@ -468,8 +471,14 @@ class Materializer:
             for message in self._read(consumer):
                 self._take(message)
             # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
+            # Commands first, in a block and a checkpoint of their own: their sources are answered before
+            # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
+            # written only after it is durable.
+            if any(progress.commands for progress in self._progress.values()):
+                with self._store.deferred_durability():
+                    self._carry_out_commands(_COMMAND_BUDGET)
+                self._checkpoint()
             with self._store.deferred_durability():
-                self._carry_out_commands()
                 self._sweep(_BATCH_SIZE)
             self._checkpoint()
 
@@ -552,10 +561,15 @@ class Materializer:
         self._held_bytes += read.size
         self._counters.messages_routed += 1
 
-    def _carry_out_commands(self) -> None:
-        """Carry out every command read so far, each after its own rollout's earlier decisions only."""
+    def _carry_out_commands(self, budget: int) -> None:
+        """Carry out the commands read so far, each after its own rollout's earlier decisions only.
+
+        No command is started once ``budget`` decisions are carried out: a burst of freezes is answered
+        block by block, the first ones without waiting for the last ones' rollouts.
+        """
+        carried = 0
         for partition, progress in self._progress.items():
-            while progress.commands:
+            while progress.commands and carried < budget:
                 read, index = progress.commands.popleft()
                 if read.done[index]:
                     continue
@@ -568,13 +582,14 @@ class Materializer:
                     self._apply(progress, earlier.routed[earlier_index])
                     earlier.done[earlier_index] = True
                     self._counters.decisions_ahead += 1
+                    carried += 1
                     if earlier is read and earlier_index == index:
                         break
                 if not waiting:
                     del progress.by_rollout[rollout_id]
+                progress.ahead.add(read.offset)
                 backlog = read.offset - progress.pending[0].offset
                 if backlog:
-                    progress.ahead.add(read.offset)
                     self._counters.commands_ahead += 1
                     self._counters.backlog_skipped += backlog
                 logger.debug(
