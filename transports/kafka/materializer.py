@@ -513,6 +513,12 @@ class Materializer:
             # Chunks of the checkpoint's open groups not re-read yet are still open: a batch that read none
             # of this partition must not forget them.
             progress.checkpoint.pending_chunk_offsets = sorted({*open_chunks, *progress.replay_chunks})
+            next_offset = progress.checkpoint.next_offset
+            progress.checkpoint.commands_applied = sorted(
+                offset
+                for offset in {*self._applied_ahead.get(partition, ()), *progress.ahead}
+                if offset >= next_offset
+            )
             encoded = progress.checkpoint.encode()
             if encoded != progress.written:
                 changed[partition] = encoded

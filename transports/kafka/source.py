@@ -30,7 +30,7 @@ from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPositio
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
-from transports.kafka.checkpoint import applied_next_offset
+from transports.kafka.checkpoint import command_applied
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.materializer import Materializer
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
@@ -56,13 +56,10 @@ class _CheckpointWaiter:
         self._store_dir = store_dir
         self._topic = topic
 
-    def applied_next(self, partition: int) -> int:
-        return applied_next_offset(self._store_dir, self._topic, partition)
-
     async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
-        """Poll the checkpoint without holding a thread; ``False`` when the offset is not applied in time."""
+        """Poll the checkpoint without holding a thread; ``False`` when the command is not applied in time."""
         deadline = time.monotonic() + timeout_s
-        while self.applied_next(partition) <= offset:
+        while not command_applied(self._store_dir, self._topic, partition, offset):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(_CHECKPOINT_POLL_S)
