@@ -107,8 +107,11 @@ OWNER_LOCK_PREFIX = "kafka-materializer-p"
 READ_AHEAD_MESSAGES = 20_000
 """Most messages read and routed but not yet applied, over all partitions: how far ahead a command is seen."""
 
-READ_AHEAD_BYTES = 64 * 1024 * 1024
-"""Most bytes (keys and values) held read ahead; bounds the memory of a large backlog."""
+READ_AHEAD_BYTES = 16 * 1024 * 1024
+"""Most wire bytes (keys and values) held read ahead; bounds the memory of a large backlog.
+
+Decoded, an entry's token ids take about ten times their wire size (one Python int each), so this holds
+on the order of 200 MB at most."""
 
 _BATCH_SIZE = 200
 """Messages applied in log order per loop turn; a command read meanwhile waits at most one such batch."""
