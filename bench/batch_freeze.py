@@ -258,6 +258,11 @@ async def _main_load(bootstrap: str | None, work_dir: Path, repeats: int) -> dic
     """Freeze p99 under ``python -m bench``'s main load, file store and Kafka alternating."""
     workload = prepare(WorkloadShape(), "bench")
     p99: dict[str, list[float]] = {"file": [], "kafka": []}
+    evidence: dict[str, list[float]] = {
+        "kafka_lag_at_end_of_puts": [],
+        "commands_ahead": [],
+        "backlog_skipped": [],
+    }
     for repeat in range(repeats):
         print(f"main load: repeat {repeat + 1}/{repeats}", file=sys.stderr)
         trial_dir = Path(tempfile.mkdtemp(prefix="main-", dir=work_dir))
@@ -267,9 +272,15 @@ async def _main_load(bootstrap: str | None, work_dir: Path, repeats: int) -> dic
             if bootstrap is not None:
                 kafka = await run_kafka_trial(workload, bootstrap, trial_dir / "kafka")
                 p99["kafka"].append(percentile(kafka.load.freeze_under_load_ms, 0.99))
+                evidence["kafka_lag_at_end_of_puts"].append(kafka.lag_at_end_of_puts)
+                if kafka.live_counters is not None:
+                    evidence["commands_ahead"].append(kafka.live_counters.commands_ahead)
+                    evidence["backlog_skipped"].append(kafka.live_counters.backlog_skipped)
         finally:
             shutil.rmtree(trial_dir, ignore_errors=True)
-    return {f"{name}_freeze_p99_ms": median(values) for name, values in p99.items() if values} | {"runs": p99}
+    figures = {f"{name}_freeze_p99_ms": median(values) for name, values in p99.items() if values}
+    figures |= {name: median(values) for name, values in evidence.items() if values}
+    return figures | {"runs": p99}
 
 
 def _print(summary: dict[str, Any]) -> None:
