@@ -120,7 +120,10 @@ _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
 
 _COMMAND_BUDGET = 100
-"""Decisions carried out for commands per block before their sources are answered and the next block starts."""
+"""Decisions carried out for commands in a first block before their sources are answered."""
+
+_COMMAND_BUDGET_MOST = 3_200
+"""The largest block of a burst of commands: each block of a burst doubles, up to this."""
 
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
@@ -470,6 +473,7 @@ class Materializer:
             {tp.partition: tp.offset for tp in assignment},
         )
         self._ready.set()
+        budget = _COMMAND_BUDGET
         while not self._stop.is_set():
             for message in self._read(consumer):
                 self._take(message)
@@ -477,10 +481,16 @@ class Materializer:
             # Commands first, in a block and a checkpoint of their own: their sources are answered before
             # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
             # written only after it is durable.
-            if any(progress.commands for progress in self._progress.values()):
+            if self._commands_waiting():
                 with self._store.deferred_durability():
-                    self._carry_out_commands(_COMMAND_BUDGET)
+                    self._carry_out_commands(budget)
                 self._checkpoint()
+                if self._commands_waiting():
+                    # A burst: answer it in blocks that double, so its first commands are answered soon and
+                    # its last ones pay few syncs; the sweep waits until the burst is answered.
+                    budget = min(2 * budget, _COMMAND_BUDGET_MOST)
+                    continue
+            budget = _COMMAND_BUDGET
             with self._store.deferred_durability():
                 self._sweep(_BATCH_SIZE)
             self._checkpoint()
@@ -569,6 +579,9 @@ class Materializer:
         self._held_messages += 1
         self._held_bytes += read.size
         self._counters.messages_routed += 1
+
+    def _commands_waiting(self) -> bool:
+        return any(progress.commands for progress in self._progress.values())
 
     def _carry_out_commands(self, budget: int) -> None:
         """Carry out the commands read so far, each after its own rollout's earlier decisions only.
