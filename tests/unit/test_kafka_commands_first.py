@@ -35,10 +35,11 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from transports.kafka.checkpoint import command_applied
+from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.materializer import Materializer
 from transports.kafka.router import ApplyEvent, Routed
+from transports.kafka.source import _CheckpointWaiter
 
 TOPIC = "tokcap.commands-first-test"
 
@@ -338,3 +339,16 @@ def test_a_freeze_answers_the_snapshot_of_its_position_whatever_the_backlog_befo
     # The late put was rejected after the cut and moved the version past the one the freeze answered.
     assert [e.model_call_id for e in snapshot.entries] == ["c0"]
     assert result.version == snapshot.version < materializer.store.read_state("a").version
+
+
+def test_a_source_following_another_process_answers_a_command_the_checkpoint_lists_as_applied_ahead(
+    tmp_path: Path,
+) -> None:
+    ahead = PartitionCheckpoint(TOPIC, 0, next_offset=10, commands_applied=[40])
+    checkpoint_path(tmp_path, 0).write_bytes(ahead.encode())
+    waiter = _CheckpointWaiter(tmp_path, TOPIC)
+
+    async def waits() -> list[bool]:
+        return [await waiter.applied(0, offset, 0.05) for offset in (9, 40, 12)]
+
+    assert asyncio.run(waits()) == [True, True, False]

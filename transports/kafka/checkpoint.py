@@ -57,6 +57,10 @@ class PartitionCheckpoint:
         """Where reading must start: the first open chunk, or the next unprocessed offset."""
         return min([self.next_offset, *self.pending_chunk_offsets])
 
+    def command_applied(self, offset: int) -> bool:
+        """Whether the command at this offset is applied, with its rollout's events before it."""
+        return self.next_offset > offset or offset in self.commands_applied
+
     def encode(self) -> bytes:
         """Sorted-key JSON with a trailing newline, identical in every replay."""
         fields: dict[str, object] = {
@@ -106,8 +110,7 @@ def applied_next_offset(directory: Path, topic: str, partition: int) -> int:
 
 def command_applied(directory: Path, topic: str, partition: int, offset: int) -> bool:
     """Whether a directory's materializer applied the command at this offset (with its rollout's events before it)."""
-    checkpoint = PartitionCheckpoint.of_directory(directory, topic, partition)
-    return checkpoint.next_offset > offset or offset in checkpoint.commands_applied
+    return PartitionCheckpoint.of_directory(directory, topic, partition).command_applied(offset)
 
 
 def write_checkpoints(directory: Path, encoded: Mapping[int, bytes]) -> None:
