@@ -1,4 +1,4 @@
-"""The materializer: applies the run topic's events, in log order, to a local file store.
+"""The materializer: applies the run topic's events to a local file store, in log order per rollout.
 
 It reads each assigned partition from its own checkpoint in the store directory (``checkpoint``),
 not from consumer-group offsets, routes every message through the inbound router (``router``) and
@@ -477,7 +477,6 @@ class Materializer:
         while not self._stop.is_set():
             for message in self._read(consumer):
                 self._take(message)
-            # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
             # Commands first, in a block and a checkpoint of their own: their sources are answered before
             # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
             # written only after it is durable.
