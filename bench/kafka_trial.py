@@ -20,7 +20,7 @@ from bench.file_store_trial import directory_bytes
 from bench.load import LoadResult, PreparedWorkload, drive
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry
-from transports.kafka.materializer import Materializer
+from transports.kafka.materializer import Materializer, MaterializerCounters
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
 from transports.kafka.topics import ensure_topic
@@ -76,6 +76,8 @@ class KafkaTrial:
     replay: ReplayFigures
     apply: ApplyRate
     lag_at_end_of_puts: int
+    live_counters: MaterializerCounters | None = None
+    """What the live materializer did: how many freezes went ahead of other rollouts' backlog."""
 
 
 class KafkaTarget:
@@ -174,6 +176,7 @@ async def run_kafka_trial(
 
         try:
             load = await drive(workload, KafkaTarget(sink, source), note_lag)
+            counters = source.materializer.counters()
         finally:
             await sink.close()
             await source.close()
@@ -181,4 +184,6 @@ async def run_kafka_trial(
         apply = await asyncio.to_thread(measure_apply_rate, bootstrap, topic, ends, directory / "apply")
     finally:
         await asyncio.to_thread(delete_topic, bootstrap, topic)
-    return KafkaTrial(load=load, replay=replay, apply=apply, lag_at_end_of_puts=lag[0])
+    return KafkaTrial(
+        load=load, replay=replay, apply=apply, lag_at_end_of_puts=lag[0], live_counters=counters
+    )

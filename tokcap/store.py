@@ -616,7 +616,7 @@ class TokenCaptureStore:
         with self._locked(rollout_id) as paths, _write_errors_named(event):
             decision = self._apply_locked(paths, event, None)
             self._raise_for(decision.verdict)
-            self._barrier()
+            self._end_of_operation()
             return self._snapshot_of(paths, decision.state, None)
 
     def drop_now(self, rollout_id: str, snapshot_id: str, version: int) -> bool:

@@ -163,3 +163,40 @@ def test_a_failed_sync_fails_the_put_that_depended_on_it(tmp_path: Path) -> None
     store._commit = GroupCommitter(broken_sync)
     with pytest.raises(OSError, match="no space"):
         store.append(make_entry("r", "c1"))
+
+
+def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_once_per_batch_not_once_per_freeze(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first freeze's sync is held until the other 99 are queued; they then share their batch's sync."""
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def gated_sync_for(directory: Path) -> Callable[[], None]:
+        real_sync = filesystem_sync_for(directory)
+
+        def gated_sync() -> None:
+            entered.set()
+            assert gate.wait(30), "the test never opened the gate"
+            real_sync()
+
+        return gated_sync
+
+    store = TokenCaptureStore(tmp_path)
+    for n in range(100):
+        store.append(make_entry(f"r{n}", "c0"))
+    monkeypatch.setattr(tokcap.store, "filesystem_sync_for", gated_sync_for)
+    store = TokenCaptureStore(tmp_path)
+
+    async def main() -> list[int]:
+        first = asyncio.ensure_future(store.freeze("r0"))
+        assert await asyncio.to_thread(entered.wait, 30)
+        rest = [asyncio.ensure_future(store.freeze(f"r{n}")) for n in range(1, 100)]
+        await asyncio.sleep(0)  # one pass of the loop: every freeze above has queued its operation
+        gate.set()
+        snapshots = await asyncio.gather(first, *rest)
+        await store.close()
+        return [len(snapshot.entries) for snapshot in snapshots]
+
+    assert asyncio.run(main()) == [1] * 100
+    assert store.commit_stats["syncs"] == 1 + math.ceil(99 / MAX_BATCH)

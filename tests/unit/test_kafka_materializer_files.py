@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tokcap.errors import MaterializerFailedError
-from transports.kafka.checkpoint import PartitionCheckpoint
+from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
 from transports.kafka.dead_letters import DeadLetterLog
 from transports.kafka.materializer import remove_stale_temp_files
 
@@ -70,3 +70,20 @@ def test_temporary_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_pa
     live.write_bytes(b"y")
     assert remove_stale_temp_files(tmp_path) == [stale]
     assert live.exists() and not stale.exists()
+
+
+def test_a_checkpoint_lists_commands_applied_ahead_and_omits_the_key_when_there_are_none(
+    tmp_path: Path,
+) -> None:
+    ahead = PartitionCheckpoint("topic-a", 0, next_offset=10, commands_applied=[40, 12])
+    path = checkpoint_path(tmp_path, 0)
+    path.write_bytes(ahead.encode())
+    assert PartitionCheckpoint.load(path, "topic-a", 0) == PartitionCheckpoint("topic-a", 0, 10, [], [12, 40])
+    assert [command_applied(tmp_path, "topic-a", 0, o) for o in (9, 10, 12, 40, 41)] == [
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]
+    assert b"commands_applied" not in PartitionCheckpoint("topic-a", 0, next_offset=10).encode()

@@ -5,6 +5,10 @@ This is the only module that knows the checkpoint file names. It imports no Kafk
 
 A checkpoint holds ``next_offset`` (every offset below it was processed) and the offsets of the chunks of
 chunk groups still open at that point. It is replaced atomically, so a reader sees the old one or the new one.
+While commands go ahead of other rollouts' backlog it also lists ``commands_applied``: offsets at or past
+``next_offset`` of commands already applied with their rollouts' earlier events, so a source in another process
+can answer them; resuming ignores it (the store's per-rollout positions skip what was applied). The key is
+written only when the list is not empty, so a caught-up checkpoint has the same bytes as before it existed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = [
     "applied_next_offset",
     "checkpoint_files",
     "checkpoint_path",
+    "command_applied",
     "write_checkpoints",
 ]
 
@@ -46,25 +51,27 @@ class PartitionCheckpoint:
     partition: int
     next_offset: int = 0
     pending_chunk_offsets: list[int] = field(default_factory=list)
+    commands_applied: list[int] = field(default_factory=list)
 
     def resume_offset(self) -> int:
         """Where reading must start: the first open chunk, or the next unprocessed offset."""
         return min([self.next_offset, *self.pending_chunk_offsets])
 
+    def command_applied(self, offset: int) -> bool:
+        """Whether the command at this offset is applied, with its rollout's events before it."""
+        return self.next_offset > offset or offset in self.commands_applied
+
     def encode(self) -> bytes:
         """Sorted-key JSON with a trailing newline, identical in every replay."""
-        return (
-            orjson.dumps(
-                {
-                    "next_offset": self.next_offset,
-                    "partition": self.partition,
-                    "pending_chunk_offsets": sorted(self.pending_chunk_offsets),
-                    "topic": self.topic,
-                },
-                option=orjson.OPT_SORT_KEYS,
-            )
-            + b"\n"
-        )
+        fields: dict[str, object] = {
+            "next_offset": self.next_offset,
+            "partition": self.partition,
+            "pending_chunk_offsets": sorted(self.pending_chunk_offsets),
+            "topic": self.topic,
+        }
+        if self.commands_applied:
+            fields["commands_applied"] = sorted(self.commands_applied)
+        return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS) + b"\n"
 
     @classmethod
     def load(cls, path: Path, topic: str, partition: int) -> PartitionCheckpoint:
@@ -83,7 +90,11 @@ class PartitionCheckpoint:
                 f"partition {partition}; give each topic its own store directory"
             )
         return cls(
-            topic, partition, int(raw["next_offset"]), [int(o) for o in raw.get("pending_chunk_offsets", [])]
+            topic,
+            partition,
+            int(raw["next_offset"]),
+            [int(o) for o in raw.get("pending_chunk_offsets", [])],
+            [int(o) for o in raw.get("commands_applied", [])],
         )
 
     @classmethod
@@ -95,6 +106,11 @@ class PartitionCheckpoint:
 def applied_next_offset(directory: Path, topic: str, partition: int) -> int:
     """The next offset a directory's materializer will apply in this partition; everything below is applied."""
     return PartitionCheckpoint.of_directory(directory, topic, partition).next_offset
+
+
+def command_applied(directory: Path, topic: str, partition: int, offset: int) -> bool:
+    """Whether a directory's materializer applied the command at this offset (with its rollout's events before it)."""
+    return PartitionCheckpoint.of_directory(directory, topic, partition).command_applied(offset)
 
 
 def write_checkpoints(directory: Path, encoded: Mapping[int, bytes]) -> None:

@@ -1,4 +1,4 @@
-"""The materializer: applies the run topic's events, in log order, to a local file store.
+"""The materializer: applies the run topic's events to a local file store, in log order per rollout.
 
 It reads each assigned partition from its own checkpoint in the store directory (``checkpoint``),
 not from consumer-group offsets, routes every message through the inbound router (``router``) and
@@ -16,6 +16,19 @@ Exactly-once argument, per partition:
   rebuilt and deleted again by the same events, so the end state is the same.
 - Dead-letter lines are deduplicated by offset and written in processing order, so a resumed run
   writes exactly the lines a clean run writes.
+
+Commands first (a freeze never waits behind other rollouts' backlog):
+
+- The loop reads ahead of what it applied (bounded by ``READ_AHEAD_MESSAGES`` and ``READ_AHEAD_BYTES``) and
+  routes every message in log order, so the router's chunk state is exactly a clean run's.
+- Routing decisions are then carried out per rollout in log order, but not across rollouts: when the
+  read-ahead holds a source command (freeze, drop, retire, delete), that rollout's decisions up to the command
+  are carried out first. A rollout's files depend only on its own events and their positions, so every
+  rollout's files end as a clean in-order replay leaves them.
+- The checkpoint stays the low-water mark: ``next_offset`` is the first message with a decision not yet
+  carried out, and its open chunk offsets are the router's as of that message. Every rollout has applied a
+  prefix of its own events, so on resume the store skips exactly the ones at or before its recorded position.
+- Dead-letter lines are still written when the in-order sweep reaches them, so their order is a clean run's.
 
 An event that cannot be decoded, has an unknown type or a newer schema, or a chunk group that can
 never complete, goes to the partition's dead-letter log (``dead_letters``) with its partition, offset and
@@ -36,10 +49,10 @@ import signal
 import sys
 import threading
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -49,6 +62,7 @@ from filelock import FileLock, Timeout
 
 from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import MaterializerFailedError, MaterializerOwnedElsewhereError
+from tokcap.events import DeleteEvent, DropEvent, FreezeEvent, RetireEvent
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import list_topics
 from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
@@ -77,8 +91,11 @@ __all__ = [
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
     "OWNER_LOCK_PREFIX",
+    "READ_AHEAD_BYTES",
+    "READ_AHEAD_MESSAGES",
     "DeadLetterLog",
     "Materializer",
+    "MaterializerCounters",
     "PartitionCheckpoint",
     "logger",
     "main",
@@ -90,14 +107,65 @@ logger = logging.getLogger(__name__)
 OWNER_LOCK_PREFIX = "kafka-materializer-p"
 """Lock file held by the one materializer applying partition N into a directory: ``kafka-materializer-p<N>.lock``."""
 
+READ_AHEAD_MESSAGES = 20_000
+"""Most messages read and routed but not yet applied, over all partitions: how far ahead a command is seen."""
+
+READ_AHEAD_BYTES = 16 * 1024 * 1024
+"""Most wire bytes (keys and values) held read ahead; bounds the memory of a large backlog.
+
+Decoded, an entry's token ids take about ten times their wire size (one Python int each), so this holds
+on the order of 200 MB at most."""
+
 _BATCH_SIZE = 200
+"""Messages applied in log order per loop turn; a command read meanwhile waits at most one such batch."""
+
+_READ_STEP = 1_000
+"""Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
+
+_COMMAND_BUDGET = 100
+"""Decisions carried out for commands in a first block before their sources are answered."""
+
+_COMMAND_BUDGET_MOST = 3_200
+"""The largest block of a burst of commands: each block of a burst doubles, up to this."""
+
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
+
+_COMMANDS = (FreezeEvent, DropEvent, RetireEvent, DeleteEvent)
+"""The events a source waits on: they go ahead of other rollouts' backlog."""
+
+
+@dataclass
+class MaterializerCounters:
+    """What the loop did, for benchmarks and tests: how much work a command skipped by going first."""
+
+    messages_routed: int = 0
+    """Messages read at or after the checkpoint and routed."""
+    messages_swept: int = 0
+    """Messages the in-order sweep finished."""
+    commands_ahead: int = 0
+    """Commands carried out before every message before them was."""
+    decisions_ahead: int = 0
+    """Decisions carried out ahead of the sweep: the commands and their rollouts' earlier events."""
+    backlog_skipped: int = 0
+    """Summed over commands carried out ahead: messages still waiting before each of them when it was."""
+
+
+@dataclass
+class _Read:
+    """One routed message whose decisions are not all carried out yet."""
+
+    offset: int
+    routed: list[Routed]
+    done: list[bool]
+    chunks_before: tuple[int, ...]
+    """The partition's open chunk offsets before this message was routed: a checkpoint here names them."""
+    size: int
 
 
 @dataclass
 class _PartitionProgress:
-    """Runtime state of one partition: its checkpoint, dead letters and replay window."""
+    """Runtime state of one partition: its checkpoint, dead letters, replay window and read-ahead."""
 
     checkpoint: PartitionCheckpoint
     dead_letters: DeadLetterLog
@@ -105,6 +173,25 @@ class _PartitionProgress:
     replay_chunks: set[int]
     """Chunk offsets of the checkpoint's open groups that have not been read again yet."""
     written: bytes
+    read_next: int
+    """The next offset to route; everything below it is routed."""
+    pending: deque[_Read] = field(default_factory=deque)
+    """Routed messages in log order, from the first one not fully carried out."""
+    by_rollout: dict[str, deque[tuple[_Read, int]]] = field(default_factory=dict)
+    """Per rollout, its decisions not carried out yet, in log order."""
+    commands: deque[tuple[_Read, int]] = field(default_factory=deque)
+    """Commands read and not carried out yet, in log order."""
+    ahead: set[int] = field(default_factory=set)
+    """Offsets of commands carried out ahead in the current batch; published once the batch is durable."""
+
+
+def _rollout_of(routed: Routed) -> str | None:
+    """The rollout whose files a decision changes; ``None`` when it changes none."""
+    if isinstance(routed, ApplyEvent):
+        return routed.event.rollout_id
+    if isinstance(routed, DeadLetter) and routed.mask is not None:
+        return routed.mask.rollout_id
+    return None
 
 
 def _resolve_waiter(future: asyncio.Future[None]) -> None:
@@ -151,13 +238,17 @@ class Materializer:
         )
         self._router = InboundRouter(parents=ParentRestorer(self._parent_reader.read))
         self._applied_next: dict[int, int] = {}
+        self._applied_ahead: dict[int, set[int]] = {}
+        self._counters = MaterializerCounters()
+        self._held_messages = 0
+        self._held_bytes = 0
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
         self._condition = threading.Condition()
         self._failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._async_waiters: list[tuple[int, int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._async_waiters: list[tuple[int, int, bool, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     # ---------------------------------------------------------------- public
 
@@ -209,26 +300,40 @@ class Materializer:
         with self._condition:
             return self._results.get((partition, offset))
 
+    def counters(self) -> MaterializerCounters:
+        """A copy of the loop's counters."""
+        with self._condition:
+            return MaterializerCounters(**self._counters.__dict__)
+
+    def _is_applied(self, partition: int, offset: int, command: bool) -> bool:
+        """Whether this offset and everything before it (for a command: its rollout's events before it) is
+        applied and durable; the caller holds the condition."""
+        if self._applied_next.get(partition, 0) > offset:
+            return True
+        return command and offset in self._applied_ahead.get(partition, ())
+
     def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
-        """Block until the event at this offset is applied; return ``False`` on timeout."""
+        """Block until every event up to this offset is applied; return ``False`` on timeout."""
         with self._condition:
             applied = self._condition.wait_for(
-                lambda: self._failure is not None or self._applied_next.get(partition, 0) > offset, timeout_s
+                lambda: self._failure is not None or self._is_applied(partition, offset, False), timeout_s
             )
         self._raise_if_failed()
         return bool(applied)
 
-    async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
-        """Wait, without holding a thread, until the event at this offset is applied; ``False`` on timeout.
+    async def applied(self, partition: int, offset: int, timeout_s: float, *, command: bool = False) -> bool:
+        """Wait, without holding a thread, until every event up to this offset is applied; ``False`` on timeout.
 
-        Many trainers' freezes wait at once; a blocking wait per freeze would queue them behind the
-        event loop's few executor threads.
+        With ``command`` (the offset holds a freeze, drop, retire or delete), wait only until the command and
+        its own rollout's earlier events are applied: the verdict depends on nothing else, and other rollouts'
+        backlog before it may still be waiting. Many trainers' freezes wait at once; a blocking wait per
+        freeze would queue them behind the event loop's few executor threads.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        waiter = (partition, offset, loop, future)
+        waiter = (partition, offset, command, loop, future)
         with self._condition:
-            if self._failure is None and self._applied_next.get(partition, 0) > offset:
+            if self._failure is None and self._is_applied(partition, offset, command):
                 return True
             if self._failure is None:
                 self._async_waiters.append(waiter)
@@ -248,8 +353,8 @@ class Materializer:
         """Resolve the waits that are now applied, or all of them when the loop failed; caller holds the condition."""
         still_waiting = []
         for waiter in self._async_waiters:
-            partition, offset, loop, future = waiter
-            if self._failure is not None or self._applied_next.get(partition, 0) > offset:
+            partition, offset, command, loop, future = waiter
+            if self._failure is not None or self._is_applied(partition, offset, command):
                 # A closed event loop raises here: nobody is waiting on it any more.
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(_resolve_waiter, future)
@@ -366,10 +471,12 @@ class Materializer:
                 replay_below=checkpoint.next_offset,
                 replay_chunks=set(checkpoint.pending_chunk_offsets),
                 written=checkpoint.encode(),
+                read_next=checkpoint.next_offset,
             )
             self._progress[partition] = progress
             with self._condition:
                 self._applied_next[partition] = checkpoint.next_offset
+                self._applied_ahead[partition] = set()
             assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
         consumer.assign(assignment)
         logger.info(
@@ -378,27 +485,63 @@ class Materializer:
             {tp.partition: tp.offset for tp in assignment},
         )
         self._ready.set()
+        budget = _COMMAND_BUDGET
         while not self._stop.is_set():
-            # Wait for one message, then take what is already fetched: consume(n, t) alone blocks until n
-            # messages or t, which delays every freeze by up to t whenever fewer than n messages arrive.
-            messages = consumer.consume(1, _POLL_TIMEOUT_S)
-            self._watch.raise_if_failed()
-            if messages:
-                messages.extend(consumer.consume(_BATCH_SIZE - 1, 0))
-            # The batch shares one filesystem sync; the checkpoint is written only after it is durable.
+            for message in self._read(consumer):
+                self._take(message)
+            # Commands first, in a block and a checkpoint of their own: their sources are answered before
+            # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
+            # written only after it is durable.
+            if self._commands_waiting():
+                with self._store.deferred_durability():
+                    self._carry_out_commands(budget)
+                self._checkpoint()
+                if self._commands_waiting():
+                    # A burst: answer it in blocks that double, so its first commands are answered soon and
+                    # its last ones pay few syncs; the sweep waits until the burst is answered.
+                    budget = min(2 * budget, _COMMAND_BUDGET_MOST)
+                    continue
+            budget = _COMMAND_BUDGET
             with self._store.deferred_durability():
-                for message in messages:
-                    self._take(message)
+                self._sweep(_BATCH_SIZE)
             self._checkpoint()
+
+    def _read(self, consumer: Consumer) -> list[Message]:
+        """The next messages to route, as many as the read-ahead has room for (none when it is full).
+
+        Wait for one message only when nothing is left to apply; then take what is already fetched:
+        consume(n, t) alone blocks until n messages or t, which would delay every freeze by up to t.
+        """
+        room = min(_READ_STEP, READ_AHEAD_MESSAGES - self._held_messages)
+        if room <= 0 or self._held_bytes >= READ_AHEAD_BYTES:
+            return []
+        idle = self._held_messages == 0
+        messages = list(consumer.consume(1, _POLL_TIMEOUT_S if idle else 0))
+        self._watch.raise_if_failed()
+        if messages and room > 1:
+            messages.extend(consumer.consume(room - 1, 0))
+        return messages
 
     def _checkpoint(self) -> None:
         """Write every changed checkpoint atomically, then tell waiters what is applied."""
         changed: dict[int, bytes] = {}
         for partition, progress in self._progress.items():
+            if progress.pending:
+                # The low-water mark: resume re-reads from the first message not fully carried out.
+                head = progress.pending[0]
+                progress.checkpoint.next_offset = head.offset
+                open_chunks: Sequence[int] = head.chunks_before
+            else:
+                progress.checkpoint.next_offset = progress.read_next
+                open_chunks = self._router.open_chunk_offsets(partition)
             # Chunks of the checkpoint's open groups not re-read yet are still open: a batch that read none
             # of this partition must not forget them.
-            progress.checkpoint.pending_chunk_offsets = sorted(
-                {*self._router.open_chunk_offsets(partition), *progress.replay_chunks}
+            progress.checkpoint.pending_chunk_offsets = sorted({*open_chunks, *progress.replay_chunks})
+            next_offset = progress.checkpoint.next_offset
+            progress.checkpoint.commands_applied = sorted(
+                offset
+                for offset in {*self._applied_ahead.get(partition, ()), *progress.ahead}
+                if offset >= next_offset
             )
             encoded = progress.checkpoint.encode()
             if encoded != progress.written:
@@ -407,7 +550,12 @@ class Materializer:
         with self._condition:
             for partition, progress in self._progress.items():
                 progress.written = changed.get(partition, progress.written)
-                self._applied_next[partition] = progress.checkpoint.next_offset
+                applied_next = progress.checkpoint.next_offset
+                self._applied_next[partition] = applied_next
+                ahead = self._applied_ahead.setdefault(partition, set())
+                ahead |= progress.ahead
+                progress.ahead = set()
+                ahead.difference_update([offset for offset in ahead if offset < applied_next])
             self._condition.notify_all()
             self._wake_async_waiters()
 
@@ -427,35 +575,96 @@ class Materializer:
                 progress.replay_chunks.discard(offset)
                 self._router.rebuffer(LogMessage.of(message))
             return
-        for routed in self._router.route(LogMessage.of(message)):
-            self._carry_out(progress, routed)
-        progress.checkpoint.next_offset = offset + 1
+        log_message = LogMessage.of(message)
+        chunks_before = tuple(self._router.open_chunk_offsets(partition))
+        routed = self._router.route(log_message)
+        read = _Read(offset, routed, [False] * len(routed), chunks_before, log_message.size)
+        progress.pending.append(read)
+        for index, decision in enumerate(routed):
+            rollout_id = _rollout_of(decision)
+            if rollout_id is not None:
+                progress.by_rollout.setdefault(rollout_id, deque()).append((read, index))
+            if isinstance(decision, ApplyEvent) and isinstance(decision.event, _COMMANDS):
+                progress.commands.append((read, index))
+        progress.read_next = offset + 1
+        self._held_messages += 1
+        self._held_bytes += read.size
+        self._counters.messages_routed += 1
+
+    def _commands_waiting(self) -> bool:
+        return any(progress.commands for progress in self._progress.values())
+
+    def _carry_out_commands(self, budget: int) -> None:
+        """Carry out the commands read so far, each after its own rollout's earlier decisions only.
+
+        No command is started once ``budget`` decisions are carried out: a burst of freezes is answered
+        block by block, the first ones without waiting for the last ones' rollouts.
+        """
+        carried = 0
+        for partition, progress in self._progress.items():
+            while progress.commands and carried < budget:
+                read, index = progress.commands.popleft()
+                if read.done[index]:
+                    continue
+                decision = read.routed[index]
+                rollout_id = _rollout_of(decision)
+                assert rollout_id is not None
+                waiting = progress.by_rollout[rollout_id]
+                while True:
+                    earlier, earlier_index = waiting.popleft()
+                    self._apply(progress, earlier.routed[earlier_index])
+                    earlier.done[earlier_index] = True
+                    self._counters.decisions_ahead += 1
+                    carried += 1
+                    if earlier is read and earlier_index == index:
+                        break
+                if not waiting:
+                    del progress.by_rollout[rollout_id]
+                progress.ahead.add(read.offset)
+                backlog = read.offset - progress.pending[0].offset
+                if backlog:
+                    self._counters.commands_ahead += 1
+                    self._counters.backlog_skipped += backlog
+                logger.debug(
+                    "partition %d offset %d: command carried out ahead of %d messages",
+                    partition,
+                    read.offset,
+                    backlog,
+                )
+
+    def _sweep(self, budget: int) -> None:
+        """Finish up to ``budget`` messages in log order, shared between the partitions that have some."""
+        active = [progress for progress in self._progress.values() if progress.pending]
+        if not active:
+            return
+        share = max(1, budget // len(active))
+        for progress in active:
+            for _ in range(min(share, len(progress.pending))):
+                read = progress.pending.popleft()
+                for index, decision in enumerate(read.routed):
+                    if not read.done[index]:
+                        rollout_id = _rollout_of(decision)
+                        if rollout_id is not None:
+                            waiting = progress.by_rollout[rollout_id]
+                            popped = waiting.popleft()
+                            assert popped[0] is read and popped[1] == index, "rollout order broken"
+                            if not waiting:
+                                del progress.by_rollout[rollout_id]
+                        self._apply(progress, decision)
+                        read.done[index] = True
+                    self._record_dead_letter(progress, decision)
+                self._held_messages -= 1
+                self._held_bytes -= read.size
+                self._counters.messages_swept += 1
 
     def _on_consumer_error(self, error: KafkaError) -> None:
         failure = read_error(error, topic=self._topic, context=self._client)
         if failure is not None:
             raise failure
 
-    def _carry_out(self, progress: _PartitionProgress, routed: Routed) -> None:
-        """Apply one routing decision, remember its verdict, and write the dead-letter line of one that failed."""
+    def _apply(self, progress: _PartitionProgress, routed: Routed) -> None:
+        """Carry one routing decision out on the store and remember its verdict."""
         result = carry_out(self._store, self._topic, routed)
-        if isinstance(routed, DeadLetter):
-            logger.warning(
-                "dead-lettering partition %d offset %d of %s: %s",
-                routed.partition,
-                routed.offset,
-                self._topic,
-                routed.reason,
-            )
-            written = progress.dead_letters.record(
-                routed.partition, routed.offset, routed.reason, routed.rollout_id
-            )
-            if written and self._on_dead_letter is not None:
-                self._on_dead_letter(
-                    DeadLetterLine(
-                        routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
-                    )
-                )
         if result is not None and (
             isinstance(routed, ApplyEvent) or (isinstance(routed, DeadLetter) and routed.positioned)
         ):
@@ -463,6 +672,27 @@ class Materializer:
                 self._results[(routed.partition, routed.offset)] = result
                 while len(self._results) > _RESULTS_KEPT:
                     self._results.popitem(last=False)
+
+    def _record_dead_letter(self, progress: _PartitionProgress, routed: Routed) -> None:
+        """Write the dead-letter line of a decision that failed, in log order whenever its mask was applied."""
+        if not isinstance(routed, DeadLetter):
+            return
+        logger.warning(
+            "dead-lettering partition %d offset %d of %s: %s",
+            routed.partition,
+            routed.offset,
+            self._topic,
+            routed.reason,
+        )
+        written = progress.dead_letters.record(
+            routed.partition, routed.offset, routed.reason, routed.rollout_id
+        )
+        if written and self._on_dead_letter is not None:
+            self._on_dead_letter(
+                DeadLetterLine(
+                    routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
+                )
+            )
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

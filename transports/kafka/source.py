@@ -30,7 +30,7 @@ from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPositio
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
-from transports.kafka.checkpoint import applied_next_offset
+from transports.kafka.checkpoint import PartitionCheckpoint
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.materializer import Materializer
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
@@ -55,14 +55,21 @@ class _CheckpointWaiter:
     def __init__(self, store_dir: Path, topic: str) -> None:
         self._store_dir = store_dir
         self._topic = topic
+        self._read: dict[int, tuple[float, PartitionCheckpoint]] = {}
 
-    def applied_next(self, partition: int) -> int:
-        return applied_next_offset(self._store_dir, self._topic, partition)
+    def _checkpoint(self, partition: int) -> PartitionCheckpoint:
+        """The partition's checkpoint, read at most once per poll interval however many commands wait on it."""
+        now = time.monotonic()
+        kept = self._read.get(partition)
+        if kept is None or now - kept[0] >= _CHECKPOINT_POLL_S:
+            kept = (now, PartitionCheckpoint.of_directory(self._store_dir, self._topic, partition))
+            self._read[partition] = kept
+        return kept[1]
 
     async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
-        """Poll the checkpoint without holding a thread; ``False`` when the offset is not applied in time."""
+        """Poll the checkpoint without holding a thread; ``False`` when the command is not applied in time."""
         deadline = time.monotonic() + timeout_s
-        while self.applied_next(partition) <= offset:
+        while not self._checkpoint(partition).command_applied(offset):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(_CHECKPOINT_POLL_S)
@@ -171,7 +178,9 @@ class KafkaTokenSource:
             if left <= 0:
                 break
             if self._materializer is not None:
-                applied = await self._materializer.applied(delivered.partition, delivered.offset, left)
+                applied = await self._materializer.applied(
+                    delivered.partition, delivered.offset, left, command=True
+                )
                 break
             assert self._external is not None
             applied = await self._external.applied(
