@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from rich.console import Console
 
 from bench.broker import local_broker
 from bench.markdown import update_readme
-from bench.options import BenchOptions, WorkloadShape
+from bench.options import SECTIONS, BenchOptions, WorkloadShape
 from bench.report import print_report, write_json
 from bench.suite import run_suite
 
@@ -27,6 +26,16 @@ _README = Path(__file__).resolve().parent / "README.md"
 
 def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part)
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    chosen = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [part for part in chosen if part not in SECTIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown section {', '.join(unknown)}; choose from {', '.join(SECTIONS)}"
+        )
+    return tuple(section for section in SECTIONS if section in chosen)
 
 
 def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool]:
@@ -43,7 +52,23 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     parser.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
     parser.add_argument("--no-kafka", action="store_true", help="measure the file store only")
-    parser.add_argument("--no-growth", action="store_true", help="skip the growth grid")
+    parser.add_argument(
+        "--no-growth", action="store_true", help="skip the growth grid (same as leaving it out of --only)"
+    )
+    parser.add_argument(
+        "--only",
+        type=_sections,
+        default=SECTIONS,
+        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)",
+    )
+    parser.add_argument(
+        "--batch-rollouts", type=int, default=200, help="rollouts frozen at once in the batch section"
+    )
+    parser.add_argument("--workers-rollouts", type=int, default=1000, help="rollouts in the workers' topic")
+    parser.add_argument(
+        "--workers-turns", type=int, default=8, help="turns per rollout in the workers' topic"
+    )
+    parser.add_argument("--workers-trials", type=int, default=2, help="runs per worker count, alternating")
     parser.add_argument(
         "--growth-rollouts", type=int, default=8, help="concurrent rollouts in the growth grid"
     )
@@ -56,6 +81,10 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
         "--update-readme", action="store_true", help="rewrite the results section of bench/README.md"
     )
     args = parser.parse_args(argv)
+    if args.update_readme and (set(args.only) != set(SECTIONS) or args.no_kafka or args.no_growth):
+        parser.error(
+            "--update-readme rewrites every table, so it needs every section: drop --only/--no-kafka/--no-growth"
+        )
     options = BenchOptions(
         shape=WorkloadShape(
             rollouts=args.rollouts,
@@ -68,13 +97,18 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
         ),
         repeats=args.repeats,
         bootstrap=args.bootstrap,
-        growth=not args.no_growth,
+        growth=not args.no_growth and "growth" in args.only,
         growth_rollouts=args.growth_rollouts,
         growth_turns=args.growth_turns,
         growth_prompts=args.growth_prompts,
         work_dir=args.work_dir,
         output=args.output,
         update_readme=args.update_readme,
+        only=tuple(s for s in args.only if s != "growth" or not args.no_growth),
+        batch_rollouts=args.batch_rollouts,
+        workers_rollouts=args.workers_rollouts,
+        workers_turns=args.workers_turns,
+        workers_trials=args.workers_trials,
     )
     if args.quick:
         options = replace(
@@ -85,6 +119,11 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
             repeats=1,
             growth_rollouts=2,
             growth_turns=(4, 16),
+            growth_prompts=(1000, 8000),
+            batch_rollouts=min(options.batch_rollouts, 40),
+            workers_rollouts=min(options.workers_rollouts, 400),
+            workers_turns=min(options.workers_turns, 4),
+            workers_trials=1,
         )
     return options, not args.no_kafka
 
@@ -100,10 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tokcap-bench-broker-")))
             console.print("starting a local Kafka broker (scripts/kafka-broker) ...")
             bootstrap = stack.enter_context(local_broker(state_dir))
-        results = asyncio.run(
-            run_suite(
-                options, bootstrap if with_kafka else None, lambda text: console.print(f"[dim]{text}[/dim]")
-            )
+        results = run_suite(
+            options, bootstrap if with_kafka else None, lambda text: console.print(f"[dim]{text}[/dim]")
         )
     print_report(results, console)
     write_json(results, options.output)

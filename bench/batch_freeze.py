@@ -40,7 +40,7 @@ from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
 from transports.kafka.topics import ensure_topic
 
-__all__ = ["BatchFigures", "BatchShape", "main", "run_batch_freeze"]
+__all__ = ["BatchFigures", "BatchShape", "load_gym_store", "main", "run_batch_freeze"]
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
 
@@ -139,8 +139,12 @@ async def _write_and_freeze(
     return BatchFigures(puts, put_seconds, len(rollouts), freeze_seconds)
 
 
-def _load_gym_store() -> tuple[type[Any], type[Any]]:
-    """Gym 0.7.0's ``TokenCaptureStore`` and ``TokenEntry``, from the cached public wheel (downloaded once)."""
+def load_gym_store() -> tuple[type[Any], type[Any]]:
+    """Gym 0.7.0's ``TokenCaptureStore`` and ``TokenEntry``, from the cached public wheel (downloaded once).
+
+    The loader is the tests' (``tests/gym_wheel.py``), so the benchmark measures the very code the Gym
+    tests drive; nothing of Gym is in this repository.
+    """
     if str(_TESTS) not in sys.path:
         sys.path.insert(0, str(_TESTS))
     gym = importlib.import_module("gym_wheel").load_gym()
@@ -202,7 +206,7 @@ async def run_batch_freeze(
     shape: BatchShape, repeats: int, bootstrap: str | None, work_dir: Path, main_load: bool
 ) -> dict[str, Any]:
     """Every trial, alternating targets, and the medians and ratios to Gym."""
-    gym_store_class, gym_entry_class = _load_gym_store()
+    gym_store_class, gym_entry_class = load_gym_store()
     ours = [
         (rollout.rollout_id, list(rollout.entries()))
         for slot in rollouts_of(shape.workload(), "batch")

@@ -38,13 +38,22 @@ from bench.file_store_trial import directory_bytes, run_file_store_trial
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
 from bench.load import PreparedWorkload, prepare
 from bench.options import BenchOptions
-from bench.stats import percentile
+from bench.stats import median, percentile
+from tokcap.delta_records import store_as_delta
 from tokcap.events import PutEvent
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokcap.store import TokenCaptureStore
 from transports.kafka.sent_calls import SentCalls, encode_put
 
-__all__ = ["as_delta_records", "main", "measure_growth", "new_tokens", "store_sizes", "wire_sizes"]
+__all__ = [
+    "as_delta_records",
+    "as_delta_workload",
+    "main",
+    "measure_growth",
+    "new_tokens",
+    "store_sizes",
+    "wire_sizes",
+]
 
 
 def new_tokens(entries: Sequence[TokenEntry]) -> list[tuple[list[int], int]]:
@@ -82,18 +91,22 @@ def wire_sizes(workload: PreparedWorkload, *, wire_deltas: bool) -> dict[str, fl
 
 
 def as_delta_records(entries: Sequence[TokenEntry]) -> list[TokenEntry]:
-    """The entries as Gym stores them with ``delta_records: true``: each continuation holds only its suffix."""
+    """The entries as the capture path stores them with ``CaptureContext(delta_records=True)``.
+
+    Each continuation whose prompt extends its parent's prompt and generation is cut by the capture path's
+    own ``store_as_delta`` and stamped RESOLVED with the full sequence's digest; anything else stays a full
+    ROOT record, as a call without a proven parent would.
+    """
     records = []
     parent: TokenEntry | None = None
-    for entry, (suffix, _) in zip(entries, new_tokens(entries), strict=True):
-        cumulative = [*entry.prompt_token_ids, *entry.generation_token_ids]
-        if parent is None or len(suffix) == len(entry.prompt_token_ids):
-            record = entry.model_copy(deep=True)
+    for entry in entries:
+        record = entry.model_copy(deep=True)
+        cumulative = None
+        if parent is not None:
+            cumulative = store_as_delta(record, [*parent.prompt_token_ids, *parent.generation_token_ids])
+        if cumulative is None or parent is None:
             stamp_lineage(record, None, parent_resolution=ParentResolutionStatus.ROOT)
         else:
-            record = entry.model_copy(
-                update={"prompt_token_ids": list(suffix), "prompt_is_delta": True}, deep=True
-            )
             stamp_lineage(
                 record,
                 parent.model_call_id,
@@ -105,11 +118,19 @@ def as_delta_records(entries: Sequence[TokenEntry]) -> list[TokenEntry]:
     return records
 
 
+def as_delta_workload(workload: PreparedWorkload) -> PreparedWorkload:
+    """The same workload with every rollout's entries as delta records (the file store's "delta on" load)."""
+    slots = [
+        [(rollout_id, as_delta_records(entries)) for rollout_id, entries in slot] for slot in workload.slots
+    ]
+    return replace(workload, slots=slots)
+
+
 def store_sizes(workload: PreparedWorkload, directory: Path, *, delta_records: bool) -> dict[str, float]:
     """Entry file bytes per call of a file store holding the workload, and their ratio to the new tokens' JSON.
 
-    ``delta_records`` stores Gym-style delta records (built here with ``stamp_lineage``: the capture path's
-    ``delta_records`` switch hands the store the same records).
+    ``delta_records`` stores the records the capture path's ``delta_records`` switch hands the store
+    (``as_delta_records``).
     """
     store = TokenCaptureStore(directory)
     json_new = calls = 0
@@ -137,6 +158,9 @@ async def _trials(workload: PreparedWorkload, bootstrap: str | None, work_dir: P
     file_trial = await run_file_store_trial(workload, _fresh(work_dir / "file"))
     figures["file_puts_per_s"] = file_trial.load.puts_per_s
     figures["file_freeze_p99_ms"] = percentile(file_trial.load.freeze_under_load_ms, 0.99)
+    delta_trial = await run_file_store_trial(as_delta_workload(workload), _fresh(work_dir / "file-delta"))
+    figures["file_puts_per_s_records_on"] = delta_trial.load.puts_per_s
+    figures["file_freeze_p99_ms_records_on"] = percentile(delta_trial.load.freeze_under_load_ms, 0.99)
     if bootstrap is None:
         return figures
     for name, deltas in (("off", False), ("on", True)):
@@ -156,9 +180,18 @@ def _fresh(path: Path) -> Path:
 
 
 def measure_growth(
-    options: BenchOptions, bootstrap: str | None, work_dir: Path, *, delta_records: bool = True
+    options: BenchOptions,
+    bootstrap: str | None,
+    work_dir: Path,
+    *,
+    delta_records: bool = True,
+    repeats: int = 1,
 ) -> list[dict[str, Any]]:
-    """Every figure of every growth shape; ``delta_records`` adds the store-disk column for delta records."""
+    """Every figure of every growth shape; ``delta_records`` adds the store-disk column for delta records.
+
+    Byte sizes are deterministic and measured once; the timed trials run ``repeats`` times per shape and
+    each timed figure is the median.
+    """
     results = []
     for shape in options.growth_shapes():
         print(f"growth: {shape.label()} ({shape.total_puts} puts)", file=sys.stderr, flush=True)
@@ -172,8 +205,13 @@ def measure_growth(
         for name, records in switches:
             sizes = store_sizes(workload, _fresh(work_dir / f"store-{name}"), delta_records=records)
             figures.update({f"{k}_records_{name}": v for k, v in sizes.items()})
-        figures.update(asyncio.run(_trials(workload, bootstrap, work_dir)))
-        results.append({"shape": shape.__dict__ | {"label": shape.label()}, "figures": figures})
+        runs: dict[str, list[float]] = {}
+        for repeat in range(repeats):
+            print(f"growth: {shape.label()} repeat {repeat + 1}/{repeats}", file=sys.stderr, flush=True)
+            for key, value in asyncio.run(_trials(workload, bootstrap, work_dir)).items():
+                runs.setdefault(key, []).append(value)
+        figures.update({key: median(values) for key, values in runs.items()})
+        results.append({"shape": shape.__dict__ | {"label": shape.label()}, "figures": figures, "runs": runs})
     return results
 
 
@@ -184,6 +222,7 @@ _COLUMNS = [
     ("store/new full", "store_vs_new_tokens_json_records_off", 2),
     ("store/new delta", "store_vs_new_tokens_json_records_on", 2),
     ("file put/s", "file_puts_per_s", 0),
+    ("file put/s delta", "file_puts_per_s_records_on", 0),
     ("kafka put/s off", "kafka_puts_per_s_wire_off", 0),
     ("kafka put/s on", "kafka_puts_per_s_wire_on", 0),
     ("freeze p99 off", "kafka_freeze_p99_ms_wire_off", 1),
@@ -222,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-delta-records", action="store_true", help="leave out the store-disk column for delta records"
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timed trials per shape; the median is reported"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench/results/growth.json"))
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -239,13 +281,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             with local_broker(work_dir / "broker") as bootstrap:
                 asyncio.run(warm_up_broker(bootstrap))
                 results = measure_growth(
-                    options, bootstrap, work_dir, delta_records=not args.no_delta_records
+                    options,
+                    bootstrap,
+                    work_dir,
+                    delta_records=not args.no_delta_records,
+                    repeats=args.repeats,
                 )
         else:
             if args.bootstrap:
                 asyncio.run(warm_up_broker(args.bootstrap))
             results = measure_growth(
-                options, args.bootstrap, work_dir, delta_records=not args.no_delta_records
+                options,
+                args.bootstrap,
+                work_dir,
+                delta_records=not args.no_delta_records,
+                repeats=args.repeats,
             )
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)

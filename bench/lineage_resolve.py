@@ -29,6 +29,8 @@ from tokcap.protocols import LineageResolver, TokenSink
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokcap.store import TokenCaptureStore
 
+__all__ = ["kafka_resolve", "main", "resolve_args"]
+
 
 def _entry(rollout: str, turn: int, prompt: list[int], generation: list[int]) -> TokenEntry:
     return TokenEntry(
@@ -89,7 +91,8 @@ def _report(name: str, latencies: list[float], wrong: int) -> None:
     )
 
 
-def _kafka(args: argparse.Namespace, bootstrap: str) -> None:
+def kafka_resolve(args: argparse.Namespace, bootstrap: str) -> tuple[list[float], int]:
+    """Resolve latencies in seconds (continuations only) over a fresh topic, and how many resolved wrong."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
     from transports.kafka import KafkaTokenSink
@@ -103,9 +106,32 @@ def _kafka(args: argparse.Namespace, bootstrap: str) -> None:
     try:
         sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
         resolver = KafkaLineageResolver(bootstrap_servers=bootstrap, topic=topic)
-        _report("kafka", *asyncio.run(_measure(args, sink, resolver)))
+        return asyncio.run(_measure(args, sink, resolver))
     finally:
         admin.delete_topics([topic])[topic].result(60)
+
+
+def resolve_args(
+    rollouts: int = 64,
+    turns: int = 8,
+    partitions: int = 4,
+    prompt_tokens: int = 1000,
+    generated_tokens: int = 200,
+    tool_tokens: int = 100,
+) -> argparse.Namespace:
+    """The options ``main`` parses, for callers that run the measurement without a command line."""
+    return argparse.Namespace(
+        rollouts=rollouts,
+        turns=turns,
+        partitions=partitions,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=generated_tokens,
+        tool_tokens=tool_tokens,
+    )
+
+
+def _kafka(args: argparse.Namespace, bootstrap: str) -> None:
+    _report("kafka", *kafka_resolve(args, bootstrap))
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench.report import GROWTH_COLUMNS, evaluate_targets, growth_rows, main_rows
+from bench.report import sections
 
 __all__ = ["README_END", "README_START", "render_markdown", "update_readme"]
 
@@ -21,46 +21,17 @@ def _table(headings: list[str], rows: list[list[str]]) -> str:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    """The main table, the targets and the growth table of one run, with where and when it ran."""
-    main = results["main"]
-    shape = main["shape"]
+    """Every table of one run, with where and when it ran."""
     machine = results["machine"]
     parts = [
         f"Run {results['started_at']} ({results['duration_s']} s), median of {results['options']['repeats']} "
         f"repeats. Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gb']} GB, "
-        f"Python {machine['python']}, {machine['filesystem']}; the broker runs on the same cores.",
-        "",
-        f"Main workload: {shape['rollouts']} concurrent rollouts x {shape['rounds']} rounds, {shape['turns']} "
-        f"turns, {shape['prompt_tokens']}-token system prompt, {shape['generated_tokens']} generated and "
-        f"{shape['tool_tokens']} tool tokens per turn, seed {shape['seed']}; intent + put per turn, "
-        "freeze when a rollout ends.",
-        "",
-        _table(
-            ["figure", "file store", "Kafka (acks=all)", "physical reference"],
-            [list(row) for row in main_rows(main["figures"])],
-        ),
-        "",
-        _table(
-            ["target", "goal", "measured", "met"],
-            [
-                [
-                    check["target"],
-                    check["goal"],
-                    "—" if check["value"] is None else f"{check['value']:,.2f}",
-                    "—" if check["met"] is None else ("yes" if check["met"] else "**no**"),
-                ]
-                for check in evaluate_targets(main["figures"])
-            ],
-        ),
+        f"Python {machine['python']}, {machine['filesystem']}; the broker runs on the same cores. "
+        "Every table comes from this one run of `python -m bench --update-readme`.",
     ]
-    if results["growth"]:
-        parts += [
-            "",
-            f"Growth ({results['options']['growth_rollouts']} concurrent rollouts x {shape['rounds']} rounds, "
-            "same per-turn tokens):",
-            "",
-            _table([heading for heading, _, _ in GROWTH_COLUMNS], growth_rows(results["growth"])),
-        ]
+    for title, headings, rows in sections(results):
+        no = [[cell if cell != "NO" else "**no**" for cell in row] for row in rows]
+        parts += ["", f"{title}:", "", _table(headings, no)]
     return "\n".join(parts)
 
 

@@ -6,7 +6,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchOptions", "WorkloadShape"]
+__all__ = ["SECTIONS", "BenchOptions", "WorkloadShape"]
+
+SECTIONS = ("main", "batch", "workers", "growth", "resolve")
+"""The parts of a run, in the order they run (``--only`` picks some)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class BenchOptions:
     work_dir: Path | None = None
     output: Path = Path("bench/results/latest.json")
     update_readme: bool = False
+    only: tuple[str, ...] = SECTIONS
+    batch_rollouts: int = 200
+    workers_rollouts: int = 1000
+    workers_turns: int = 8
+    workers_trials: int = 2
 
     def growth_shapes(self) -> list[WorkloadShape]:
         """The growth grid: every turn count with every prompt size, fewer rollouts so long ones fit in memory."""

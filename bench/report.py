@@ -12,27 +12,188 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["Target", "evaluate_targets", "main_rows", "print_report", "write_json"]
+__all__ = [
+    "TARGET_TABLES",
+    "Target",
+    "evaluate_targets",
+    "main_rows",
+    "print_report",
+    "sections",
+    "write_json",
+]
 
 
 @dataclass(frozen=True)
 class Target:
-    """One goal of the issue, checked against a figure of the main shape."""
+    """One goal of an issue, checked against a figure of the run (``value`` reads it from the results)."""
 
     name: str
-    figure: str
     goal: str
+    value: Callable[[dict[str, Any]], float]
     met: Callable[[float], bool]
 
 
-TARGETS = (
-    Target("file store put/s ÷ fsync/s", "ratios.file_puts_vs_fsync", ">= 1.0", lambda v: v >= 1.0),
-    Target("Kafka put/s ÷ file store put/s", "ratios.kafka_puts_vs_file_puts", ">= 1.0", lambda v: v >= 1.0),
-    Target("Kafka freeze p99 under load", "kafka_freeze_p99_ms", "< 50 ms", lambda v: v < 50.0),
-    Target("file store freeze p99 under load", "file_freeze_p99_ms", "< 10 ms", lambda v: v < 10.0),
-    Target("wire bytes per token", "wire_bytes_per_token", "<= 12", lambda v: v <= 12.0),
-    Target("replay entries/s ÷ orjson entries/s", "ratios.replay_vs_orjson", ">= 0.5", lambda v: v >= 0.5),
+def _at(path: str) -> Callable[[dict[str, Any]], float]:
+    return lambda results: _lookup(results, path)
+
+
+def _grid(results: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
+    """The growth grid's figures by (turns, prompt tokens)."""
+    return {
+        (int(r["shape"]["turns"]), int(r["shape"]["prompt_tokens"])): r["figures"]
+        for r in results.get("growth") or []
+    }
+
+
+def growth_corners(
+    results: dict[str, Any],
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None:
+    """The grid's largest shape (most turns, largest prompt), its smallest, and fewest turns at largest prompt."""
+    grid = _grid(results)
+    if not grid:
+        return None
+    turns = sorted({t for t, _ in grid})
+    prompts = sorted({p for _, p in grid})
+    return (turns[-1], prompts[-1]), (turns[0], prompts[0]), (turns[0], prompts[-1])
+
+
+def _big(figure: str) -> Callable[[dict[str, Any]], float]:
+    def value(results: dict[str, Any]) -> float:
+        corners = growth_corners(results)
+        if corners is None:
+            return math.nan
+        return float(_grid(results)[corners[0]].get(figure, math.nan))
+
+    return value
+
+
+def _big_vs(figure: str, against: int) -> Callable[[dict[str, Any]], float]:
+    """The figure at the largest shape divided by the same figure at ``against`` (1: smallest, 2: fewest turns)."""
+
+    def value(results: dict[str, Any]) -> float:
+        corners = growth_corners(results)
+        if corners is None:
+            return math.nan
+        grid = _grid(results)
+        top = float(grid[corners[0]].get(figure, math.nan))
+        bottom = float(grid[corners[against]].get(figure, math.nan))
+        return top / bottom if bottom else math.nan
+
+    return value
+
+
+ISSUE_14_TARGETS = (
+    Target(
+        "Kafka freeze p99 under the main load (ms)",
+        "< 50",
+        _at("main.figures.kafka_freeze_p99_ms"),
+        lambda v: v < 50.0,
+    ),
+    Target(
+        "Kafka freezes/s, batch frozen at once, ÷ Gym's file store",
+        ">= 2.0",
+        _at("batch.targets.kafka.freezes_vs_gym"),
+        lambda v: v >= 2.0,
+    ),
+    Target(
+        "file-store freeze p99 under the main load (ms)",
+        "< 10",
+        _at("main.figures.file_freeze_p99_ms"),
+        lambda v: v < 10.0,
+    ),
+    Target(
+        "file-store put/s ÷ Gym, main load",
+        ">= 7.0",
+        _at("main.figures.ratios.file_puts_vs_gym"),
+        lambda v: v >= 7.0,
+    ),
+    Target(
+        "file-store put/s ÷ Gym, batch run",
+        ">= 7.0",
+        _at("batch.targets.file.puts_vs_gym"),
+        lambda v: v >= 7.0,
+    ),
+    Target(
+        "Kafka put/s ÷ Gym, main load",
+        ">= 7.0",
+        _at("main.figures.ratios.kafka_puts_vs_gym"),
+        lambda v: v >= 7.0,
+    ),
+    Target(
+        "Kafka put/s ÷ Gym, batch run", ">= 7.0", _at("batch.targets.kafka.puts_vs_gym"), lambda v: v >= 7.0
+    ),
+    Target(
+        "replay entries/s ÷ orjson encode + write",
+        ">= 0.5",
+        _at("main.figures.ratios.replay_vs_orjson"),
+        lambda v: v >= 0.5,
+    ),
+    Target(
+        "materializer apply, 2 workers ÷ 1 (events/s)",
+        ">= 1.7",
+        _at("workers.figures.2.vs_first"),
+        lambda v: v >= 1.7,
+    ),
 )
+
+ISSUE_12_TARGETS = (
+    Target(
+        "wire B/call ÷ new tokens packed, largest shape (wire deltas on)",
+        "<= 1.25",
+        _big("wire_vs_new_tokens_wire_on"),
+        lambda v: v <= 1.25,
+    ),
+    Target(
+        "  same ratio, most ÷ fewest turns at the largest prompt (flat)",
+        "<= 1.1",
+        _big_vs("wire_vs_new_tokens_wire_on", 2),
+        lambda v: v <= 1.1,
+    ),
+    Target(
+        "store B/call ÷ JSON of new tokens, largest shape (delta records on)",
+        "<= 1.25",
+        _big("store_vs_new_tokens_json_records_on"),
+        lambda v: v <= 1.25,
+    ),
+    Target(
+        "  same ratio, most ÷ fewest turns at the largest prompt (flat)",
+        "<= 1.1",
+        _big_vs("store_vs_new_tokens_json_records_on", 2),
+        lambda v: v <= 1.1,
+    ),
+    Target(
+        "file-store put/s, largest ÷ smallest shape (delta records on)",
+        ">= 0.5",
+        _big_vs("file_puts_per_s_records_on", 1),
+        lambda v: v >= 0.5,
+    ),
+    Target(
+        "Kafka put/s, largest ÷ smallest shape (wire deltas on)",
+        ">= 0.5",
+        _big_vs("kafka_puts_per_s_wire_on", 1),
+        lambda v: v >= 0.5,
+    ),
+    Target(
+        "Kafka freeze p99 at the largest shape (ms, wire deltas on)",
+        "< 200",
+        _big("kafka_freeze_p99_ms_wire_on"),
+        lambda v: v < 200.0,
+    ),
+    Target(
+        "replay entries/s, largest ÷ smallest shape (wire deltas on)",
+        ">= 0.5",
+        _big_vs("replay_entries_per_s_wire_on", 1),
+        lambda v: v >= 0.5,
+    ),
+    Target(
+        "Kafka resolve p99 under the main load (ms)",
+        "< 20",
+        _at("resolve.figures.kafka_p99_ms"),
+        lambda v: v < 20.0,
+    ),
+)
+
+TARGET_TABLES = (("issue 14", ISSUE_14_TARGETS), ("issue 12", ISSUE_12_TARGETS))
 
 
 def _lookup(figures: dict[str, Any], name: str) -> float:
@@ -52,24 +213,77 @@ def _fmt(value: float, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def evaluate_targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target with the measured value and whether it is met (``None`` when not measured)."""
-    checked = []
-    for target in TARGETS:
-        value = _lookup(figures, target.figure)
-        checked.append(
-            {
-                "target": target.name,
-                "goal": target.goal,
-                "value": None if math.isnan(value) else value,
-                "met": None if math.isnan(value) else target.met(value),
-            }
-        )
+def evaluate_targets(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per issue, each target with the measured value and whether it is met (``None`` when not measured)."""
+    checked: dict[str, list[dict[str, Any]]] = {}
+    for issue, targets in TARGET_TABLES:
+        rows = []
+        for target in targets:
+            value = target.value(results)
+            rows.append(
+                {
+                    "target": target.name,
+                    "goal": target.goal,
+                    "value": None if math.isnan(value) else value,
+                    "met": None if math.isnan(value) else target.met(value),
+                }
+            )
+        checked[issue] = rows
     return checked
 
 
-def main_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """Rows of the side-by-side table: figure, file store, Kafka, physical reference."""
+def target_rows(checks: list[dict[str, Any]], no: str = "NO") -> list[list[str]]:
+    """Rows of one target table: target, goal, measured, met."""
+    return [
+        [
+            check["target"],
+            check["goal"],
+            "—" if check["value"] is None else f"{check['value']:,.2f}",
+            "—" if check["met"] is None else ("yes" if check["met"] else no),
+        ]
+        for check in checks
+    ]
+
+
+MAIN_COLUMNS = ("figure", "Gym 0.7.0 file store", "file store", "Kafka (acks=all)", "physical reference")
+
+_GYM_CELLS = {
+    "put calls/s (intents on)": ("gym_puts_per_s", 0),
+    "intent+put calls/s": ("gym_calls_per_s", 0),
+    "generated tokens/s": ("gym_generated_tokens_per_s", 0),
+    "freeze p50 under load (ms)": ("gym_freeze_p50_ms", 1),
+    "freeze p99 under load (ms)": ("gym_freeze_p99_ms", 1),
+}
+
+
+def main_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """Rows of the side-by-side table: figure, Gym's file store, file store, Kafka, physical reference."""
+    rows = []
+    for name, file_cell, kafka_cell, reference in _tokcap_rows(figures):
+        gym = _GYM_CELLS.get(name)
+        rows.append(
+            (
+                name,
+                "" if gym is None else _fmt(_lookup(figures, gym[0]), gym[1]),
+                file_cell,
+                kafka_cell,
+                reference,
+            )
+        )
+        if name == "put calls/s (intents on)":
+            rows.append(
+                (
+                    "  put/s ÷ Gym",
+                    "1.00" if "gym_puts_per_s" in figures else "—",
+                    _fmt(_lookup(figures, "ratios.file_puts_vs_gym"), 2),
+                    _fmt(_lookup(figures, "ratios.kafka_puts_vs_gym"), 2),
+                    "",
+                )
+            )
+    return rows
+
+
+def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     f = figures
 
     def g(name: str, digits: int = 0) -> str:
@@ -145,20 +359,67 @@ def main_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     ]
 
 
+BATCH_COLUMNS = ("store", "put/s", "put/s ÷ Gym", "freezes/s", "freezes/s ÷ Gym", "batch freeze ms")
+_BATCH_NAMES = (("gym", "Gym 0.7.0 file store"), ("file", "tokcap file store"), ("kafka", "tokcap Kafka"))
+
+
+def batch_rows(batch: dict[str, Any]) -> list[list[str]]:
+    """One row per store of the batch freeze: put/s and freezes/s with their ratios to Gym."""
+    rows = []
+    for key, label in _BATCH_NAMES:
+        figures = batch["targets"].get(key)
+        if figures is None:
+            continue
+        rows.append(
+            [
+                label,
+                _fmt(figures["puts_per_s"]),
+                _fmt(figures["puts_vs_gym"], 2),
+                _fmt(figures["freezes_per_s"]),
+                _fmt(figures["freezes_vs_gym"], 2),
+                _fmt(figures["batch_freeze_ms"]),
+            ]
+        )
+    return rows
+
+
+WORKERS_COLUMNS = ("workers", "events/s total", "events/s per worker", "CPU us/event", "total ÷ 1 worker")
+
+
+def workers_rows(workers: dict[str, Any]) -> list[list[str]]:
+    """One row per worker count: total and per-worker events/s, CPU per event, speed-up."""
+    rows = []
+    for n, figures in sorted(workers["figures"].items(), key=lambda item: int(item[0])):
+        rows.append(
+            [
+                n,
+                _fmt(figures["events_per_s"]),
+                _fmt(figures["events_per_s_per_worker"]),
+                _fmt(figures["cpu_s_per_event"] * 1e6),
+                _fmt(figures["vs_first"], 2),
+            ]
+        )
+    return rows
+
+
 GROWTH_COLUMNS = (
     ("shape", "shape.label", 0),
-    ("file put/s", "figures.file_puts_per_s", 0),
-    ("file gen tok/s", "figures.file_generated_tokens_per_s", 0),
-    ("file freeze p99 ms", "figures.file_freeze_p99_ms", 1),
-    ("Kafka put/s", "figures.kafka_puts_per_s", 0),
-    ("Kafka gen tok/s", "figures.kafka_generated_tokens_per_s", 0),
-    ("Kafka freeze p99 ms", "figures.kafka_freeze_p99_ms", 1),
-    ("replay s", "figures.replay_seconds", 2),
-    ("replay entries/s", "figures.replay_puts_per_s", 0),
-    ("orjson entries/s", "figures.orjson_entries_per_s", 0),
-    ("wire B/tok", "figures.wire_bytes_per_token", 2),
-    ("wire/new tokens, wire deltas", "figures.wire_vs_new_tokens_wire_on", 2),
-    ("disk B/tok", "figures.file_disk_bytes_per_token", 2),
+    ("wire B/call off", "figures.wire_bytes_per_call_wire_off", 0),
+    ("wire B/call on", "figures.wire_bytes_per_call_wire_on", 0),
+    ("wire ÷ new packed, off", "figures.wire_vs_new_tokens_wire_off", 2),
+    ("wire ÷ new packed, on", "figures.wire_vs_new_tokens_wire_on", 2),
+    ("store B/call full", "figures.store_bytes_per_call_records_off", 0),
+    ("store B/call delta", "figures.store_bytes_per_call_records_on", 0),
+    ("store ÷ new JSON, full", "figures.store_vs_new_tokens_json_records_off", 2),
+    ("store ÷ new JSON, delta", "figures.store_vs_new_tokens_json_records_on", 2),
+    ("file put/s full", "figures.file_puts_per_s", 0),
+    ("file put/s delta", "figures.file_puts_per_s_records_on", 0),
+    ("Kafka put/s off", "figures.kafka_puts_per_s_wire_off", 0),
+    ("Kafka put/s on", "figures.kafka_puts_per_s_wire_on", 0),
+    ("Kafka freeze p99 ms off", "figures.kafka_freeze_p99_ms_wire_off", 1),
+    ("Kafka freeze p99 ms on", "figures.kafka_freeze_p99_ms_wire_on", 1),
+    ("replay entries/s off", "figures.replay_entries_per_s_wire_off", 0),
+    ("replay entries/s on", "figures.replay_entries_per_s_wire_on", 0),
 )
 
 
@@ -176,51 +437,112 @@ def growth_rows(growth: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def print_report(results: dict[str, Any], console: Console) -> None:
-    """Print the main table, the targets and the growth table."""
-    main = results["main"]
-    shape = main["shape"]
-    figures = main["figures"]
-    title = (
-        f"{shape['rollouts']} concurrent rollouts x {shape['rounds']} rounds, {shape['label']}, "
-        f"{shape['generated_tokens']} generated + {shape['tool_tokens']} tool tokens/turn "
-        f"(median of {results['options']['repeats']})"
-    )
-    table = Table(title=title)
-    for column in ("figure", "file store", "Kafka (acks=all)", "physical reference"):
-        table.add_column(column, justify="left" if column in ("figure", "physical reference") else "right")
-    for row in main_rows(figures):
-        table.add_row(*row)
-    console.print(table)
+RESOLVE_COLUMNS = ("resolver", "resolves per run", "p50 ms", "p99 ms", "max ms")
 
-    targets = Table(title="targets (ratios measured in this run)")
-    for column in ("target", "goal", "measured", "met"):
-        targets.add_column(column)
-    for check in evaluate_targets(figures):
-        value = check["value"]
-        met = check["met"]
-        targets.add_row(
-            check["target"],
-            check["goal"],
-            "—" if value is None else f"{value:,.2f}",
-            "—" if met is None else ("yes" if met else "NO"),
+
+def resolve_rows(resolve: dict[str, Any]) -> list[list[str]]:
+    """The Kafka resolver's latency row."""
+    f = resolve["figures"]
+    return [
+        [
+            "KafkaLineageResolver",
+            _fmt(f["resolves"]),
+            _fmt(f["kafka_p50_ms"], 2),
+            _fmt(f["kafka_p99_ms"], 2),
+            _fmt(f["kafka_max_ms"], 2),
+        ]
+    ]
+
+
+def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Every table of a run as (title, headings, rows), in the order the README shows them."""
+    options = results["options"]
+    repeats = options["repeats"]
+    tables: list[tuple[str, list[str], list[list[str]]]] = []
+    main = results.get("main")
+    if main is not None:
+        shape = main["shape"]
+        tables.append(
+            (
+                f"Main load (`python -m bench --only main`): {shape['rollouts']} concurrent rollouts x "
+                f"{shape['rounds']} rounds, {shape['label']}, {shape['generated_tokens']} generated + "
+                f"{shape['tool_tokens']} tool tokens per turn, intent + put per turn, freeze when a rollout "
+                f"ends; median of {repeats}",
+                list(MAIN_COLUMNS),
+                [list(row) for row in main_rows(main["figures"])],
+            )
         )
-    console.print(targets)
+    batch = results.get("batch")
+    if batch is not None:
+        b = batch["shape"]
+        tables.append(
+            (
+                f"Batch freeze (`python -m bench --only batch`): {b['rollouts']} rollouts x {b['turns']} turns, "
+                f"{b['concurrency']} at a time, then all frozen at once; stores alternating, median of "
+                f"{batch['repeats']}",
+                list(BATCH_COLUMNS),
+                batch_rows(batch),
+            )
+        )
+    workers = results.get("workers")
+    if workers is not None:
+        tables.append(
+            (
+                f"Materializer workers (`python -m bench --only workers`): a topic of {workers['rollouts']} "
+                f"rollouts x {workers['turns']} turns over {workers['partitions']} partitions applied from "
+                f"offset 0; worker counts alternating, median of {workers['trials']}",
+                list(WORKERS_COLUMNS),
+                workers_rows(workers),
+            )
+        )
+    if results.get("growth"):
+        rounds = main["shape"]["rounds"] if main is not None else options["shape"]["rounds"]
+        tables.append(
+            (
+                f"Growth grid (`python -m bench --only growth`): {options['growth_rollouts']} concurrent "
+                f"rollouts x {rounds} rounds per shape; wire deltas (Kafka) and delta records (store) off and "
+                f"on; timed figures median of {repeats}",
+                [heading for heading, _, _ in GROWTH_COLUMNS],
+                growth_rows(results["growth"]),
+            )
+        )
+    resolve = results.get("resolve")
+    if resolve is not None:
+        tables.append(
+            (
+                "Lineage resolve under the main load (`python -m bench --only resolve`): the main shape's "
+                f"rollouts resolve their parent, then put, one resolver for all; median of {repeats}",
+                list(RESOLVE_COLUMNS),
+                resolve_rows(resolve),
+            )
+        )
+    for issue, checks in evaluate_targets(results).items():
+        tables.append(
+            (
+                f"Targets of {issue} (measured in this run)",
+                ["target", "goal", "measured", "met"],
+                target_rows(checks),
+            )
+        )
+    return tables
 
-    if results["growth"]:
-        growth = Table(title=f"growth ({results['options']['growth_rollouts']} concurrent rollouts)")
-        for heading, _, _ in GROWTH_COLUMNS:
-            growth.add_column(heading, justify="left" if heading == "shape" else "right")
-        for growth_row in growth_rows(results["growth"]):
-            growth.add_row(*growth_row)
-        console.print(growth)
+
+def print_report(results: dict[str, Any], console: Console) -> None:
+    """Print every table of the run."""
+    for title, headings, rows in sections(results):
+        table = Table(title=title)
+        for index, heading in enumerate(headings):
+            table.add_column(heading, justify="left" if index == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:
     """Write the results with the target check beside them; NaN becomes null."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = dict(results)
-    data["targets"] = evaluate_targets(results["main"]["figures"])
+    data["targets"] = evaluate_targets(results)
     path.write_bytes(
         orjson.dumps(_without_nan(data), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
     )

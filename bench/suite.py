@@ -1,30 +1,41 @@
-"""The whole run: references, file store and Kafka trials per workload shape, repeated, summarized.
+"""The whole run: every section the issues' target tables need, side by side in one process run.
 
-Repeats are interleaved (reference, file store, Kafka, then again), so drift in the machine's load
-touches every figure alike; each figure is the median over repeats.
+Sections (``--only``): ``main`` (the main load on Gym 0.7.0's file store, tokcap's file store and Kafka,
+with references, replay and the apply step), ``batch`` (200 rollouts frozen at once, ``bench.batch_freeze``),
+``workers`` (apply with 1 and 2 worker processes, ``bench.workers``), ``growth`` (the growth grid with
+deltas on and off, ``bench.growth``) and ``resolve`` (Kafka lineage resolve latency, ``bench.lineage_resolve``).
+Inside a section, repeats are interleaved (reference, Gym, file store, Kafka, then again), so drift in
+the machine's load touches every column alike; each figure is the median over repeats.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import gc
 import platform
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.batch_freeze import BatchShape, load_gym_store, run_batch_freeze
 from bench.cpu_cost import measure_call_costs
 from bench.file_store_trial import run_file_store_trial
+from bench.growth import measure_growth
 from bench.growth import wire_sizes as wire_sizes_per_call
 from bench.kafka_external import run_with_materializer_process
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
-from bench.load import PreparedWorkload, prepare
+from bench.lineage_resolve import kafka_resolve, resolve_args
+from bench.load import BenchmarkCheckError, PreparedWorkload, drive, prepare
 from bench.options import BenchOptions, WorkloadShape
 from bench.physical import encode_and_write_rate, fsync_rate, rename_rate, syncfs_rate
 from bench.sizes import wire_sizes
 from bench.stats import median, percentile
+from bench.workers import run_workers, summarize
 
 __all__ = ["machine_description", "measure_shape", "run_suite"]
 
@@ -88,12 +99,28 @@ async def measure_shape(
     work_dir: Path,
     progress: Progress,
     with_materializer_process: bool = False,
+    with_gym: bool = False,
 ) -> dict[str, Any]:
     """Every figure of one workload shape, as medians over ``repeats`` interleaved runs.
 
-    ``with_materializer_process`` adds a second Kafka load whose materializer runs in its own process.
+    ``with_materializer_process`` adds a second Kafka load whose materializer runs in its own process;
+    ``with_gym`` adds Gym 0.7.0's own file store on the same entries as the anchor column.
     """
     workload: PreparedWorkload = prepare(shape, "bench")
+    gym_store_class: type[Any] | None = None
+    gym_workload = workload
+    if with_gym:
+        gym_store_class, gym_entry_class = load_gym_store()
+        gym_workload = replace(
+            workload,
+            slots=[
+                [
+                    (rid, [gym_entry_class.model_validate(e.model_dump()) for e in entries])
+                    for rid, entries in slot
+                ]
+                for slot in workload.slots
+            ],
+        )
     sizes = wire_sizes(workload)
     runs: dict[str, list[float]] = {}
 
@@ -120,6 +147,19 @@ async def measure_shape(
         record("file_freeze_unloaded_ms", costs.freeze_wall_us / 1000.0)
         record("file_cpu_bound_puts_per_s", costs.cpu_bound_puts_per_s)
         gc.collect()
+
+        if gym_store_class is not None:
+            gym_store = gym_store_class(_fresh(work_dir, "gym-store"))
+            try:
+                gym_load = await drive(gym_workload, gym_store)
+            finally:
+                await gym_store.close()
+            record("gym_puts_per_s", gym_load.puts_per_s)
+            record("gym_calls_per_s", gym_load.calls_per_s)
+            record("gym_generated_tokens_per_s", gym_load.generated_tokens_per_s)
+            record("gym_freeze_p50_ms", percentile(gym_load.freeze_under_load_ms, 0.50))
+            record("gym_freeze_p99_ms", percentile(gym_load.freeze_under_load_ms, 0.99))
+            gc.collect()
 
         trial = await run_file_store_trial(workload, _fresh(work_dir, "file-store"))
         record("file_puts_per_s", trial.load.puts_per_s)
@@ -181,28 +221,119 @@ def _ratios(figures: dict[str, Any]) -> dict[str, float]:
         "file_puts_vs_fsync": figures["file_puts_per_s"] / figures["fsync_per_s"],
         "file_cpu_bound_puts_vs_fsync": figures["file_cpu_bound_puts_per_s"] / figures["fsync_per_s"],
     }
+    if "gym_puts_per_s" in figures:
+        ratios["file_puts_vs_gym"] = figures["file_puts_per_s"] / figures["gym_puts_per_s"]
+        if "kafka_puts_per_s" in figures:
+            ratios["kafka_puts_vs_gym"] = figures["kafka_puts_per_s"] / figures["gym_puts_per_s"]
     if "kafka_puts_per_s" in figures:
         ratios["kafka_puts_vs_file_puts"] = figures["kafka_puts_per_s"] / figures["file_puts_per_s"]
         ratios["replay_vs_orjson"] = figures["replay_puts_per_s"] / figures["orjson_entries_per_s"]
     return ratios
 
 
-async def run_suite(options: BenchOptions, bootstrap: str | None, progress: Progress) -> dict[str, Any]:
-    """Measure the main shape and, unless disabled, the growth grid; return everything as JSON-ready data."""
+def _resolve(options: BenchOptions, bootstrap: str, progress: Progress) -> dict[str, Any]:
+    """Kafka resolve latency p50/p99 with the main shape's rollouts putting beside it, median over repeats."""
+    shape = options.shape
+    args = resolve_args(
+        rollouts=shape.rollouts,
+        turns=shape.turns,
+        prompt_tokens=shape.prompt_tokens,
+        generated_tokens=shape.generated_tokens,
+        tool_tokens=shape.tool_tokens,
+    )
+    runs: dict[str, list[float]] = {"kafka_p50_ms": [], "kafka_p99_ms": [], "kafka_max_ms": [], "wrong": []}
+    for repeat in range(options.repeats):
+        progress(f"resolve: repeat {repeat + 1}/{options.repeats}")
+        latencies, wrong = kafka_resolve(args, bootstrap)
+        ms = [value * 1000.0 for value in latencies]
+        runs["kafka_p50_ms"].append(percentile(ms, 0.50))
+        runs["kafka_p99_ms"].append(percentile(ms, 0.99))
+        runs["kafka_max_ms"].append(max(ms) if ms else float("nan"))
+        runs["wrong"].append(float(wrong))
+        if wrong:
+            raise BenchmarkCheckError(
+                f"{wrong} continuations resolved to another parent than the previous call"
+            )
+    figures: dict[str, Any] = {name: median(values) for name, values in runs.items()}
+    figures["resolves"] = len(latencies)
+    return {"figures": figures, "runs": runs}
+
+
+def _workers(options: BenchOptions, bootstrap: str, work_dir: Path, progress: Progress) -> dict[str, Any]:
+    """Apply rate of a pre-filled topic with 1 and 2 worker processes, trials alternating."""
+    progress(
+        f"workers: filling a topic ({options.workers_rollouts} rollouts x {options.workers_turns} turns)"
+    )
+    args = argparse.Namespace(
+        rollouts=options.workers_rollouts,
+        turns=options.workers_turns,
+        partitions=4,
+        prompt_tokens=options.shape.prompt_tokens,
+        generated_tokens=options.shape.generated_tokens,
+    )
+    counts = [1, 2]
+    results = run_workers(bootstrap, args, counts, options.workers_trials, _fresh(work_dir, "workers"))
+    runs = {
+        str(n): [
+            {
+                "events": f.events,
+                "events_per_s": f.events_per_s,
+                "cpu_s_per_event": f.cpu_s_per_event,
+                "per_worker_events_per_s": [w.events_per_s for w in f.per_worker],
+            }
+            for f in figures
+        ]
+        for n, figures in results.items()
+    }
+    return {
+        "rollouts": args.rollouts,
+        "turns": args.turns,
+        "partitions": args.partitions,
+        "trials": options.workers_trials,
+        "figures": summarize(results),
+        "runs": runs,
+    }
+
+
+def run_suite(options: BenchOptions, bootstrap: str | None, progress: Progress) -> dict[str, Any]:
+    """Measure every selected section (``options.only``) and return everything as JSON-ready data.
+
+    Sections needing a broker are skipped without one. Each section runs its trials interleaved inside
+    it, so drift touches its columns alike.
+    """
     started = time.time()
     parent = options.work_dir or Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix="tokcap-bench-", dir=parent))
+    results: dict[str, Any] = {}
     try:
         if bootstrap is not None:
-            await warm_up_broker(bootstrap)
-        main = await measure_shape(
-            options.shape, options.repeats, bootstrap, work_dir, progress, with_materializer_process=True
-        )
-        growth = []
-        if options.growth:
-            for shape in options.growth_shapes():
-                growth.append(await measure_shape(shape, options.repeats, bootstrap, work_dir, progress))
+            asyncio.run(warm_up_broker(bootstrap))
+        if "main" in options.only:
+            results["main"] = asyncio.run(
+                measure_shape(
+                    options.shape,
+                    options.repeats,
+                    bootstrap,
+                    work_dir,
+                    progress,
+                    with_materializer_process=True,
+                    with_gym=True,
+                )
+            )
+        if "batch" in options.only:
+            batch = BatchShape(rollouts=options.batch_rollouts)
+            progress(f"batch freeze: {batch.rollouts} rollouts x {batch.turns} turns, all frozen at once")
+            results["batch"] = asyncio.run(
+                run_batch_freeze(batch, options.repeats, bootstrap, work_dir, main_load=False)
+            )
+        if "workers" in options.only and bootstrap is not None:
+            results["workers"] = _workers(options, bootstrap, work_dir, progress)
+        if "growth" in options.only:
+            progress("growth grid")
+            results["growth"] = measure_growth(options, bootstrap, work_dir, repeats=options.repeats)
+        if "resolve" in options.only and bootstrap is not None:
+            results["resolve"] = _resolve(options, bootstrap, progress)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     return {
@@ -211,6 +342,5 @@ async def run_suite(options: BenchOptions, bootstrap: str | None, progress: Prog
         "machine": machine_description(parent),
         "options": options.to_json(),
         "kafka": bootstrap is not None,
-        "main": main,
-        "growth": growth,
+        **results,
     }

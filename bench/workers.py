@@ -35,10 +35,24 @@ from pathlib import Path
 from typing import Any
 
 from bench.broker import local_broker
+from bench.stats import median
 from tokcap.events import FreezeEvent
 from tokcap.records import TokenEntry
 
-__all__ = ["WorkerFigure", "WorkersFigure", "fill_topic", "main", "measure_workers"]
+__all__ = [
+    "WorkerFigure",
+    "WorkersFigure",
+    "WorkersMismatchError",
+    "fill_topic",
+    "main",
+    "measure_workers",
+    "run_workers",
+    "summarize",
+]
+
+
+class WorkersMismatchError(RuntimeError):
+    """Two runs of the workers left different store directories for the same topic."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +211,59 @@ def _print(figure: WorkersFigure, baseline: float | None) -> None:
         )
 
 
+def run_workers(
+    bootstrap: str, args: argparse.Namespace, counts: list[int], trials: int, scratch: Path
+) -> dict[int, list[WorkersFigure]]:
+    """Fill a topic, then run every worker count ``trials`` times, alternating, checking the directories agree."""
+    results: dict[int, list[WorkersFigure]] = {n: [] for n in counts}
+    topic, ends = fill_topic(bootstrap, args)
+    try:
+        print(
+            f"{topic}: {sum(ends.values())} events over {args.partitions} partitions ({args.rollouts} rollouts x "
+            f"{args.turns} turns, intent + put of a {args.prompt_tokens}+{args.generated_tokens}-token call, freeze)"
+        )
+        reference: dict[str, bytes] | None = None
+        for trial in range(trials):
+            for n in counts:
+                directory = scratch / f"tokcap-bench-workers-n{n}-t{trial}-{uuid.uuid4().hex[:6]}"
+                figure = measure_workers(bootstrap, topic, ends, n, directory)
+                results[n].append(figure)
+                contents = _contents(directory)
+                if reference is None:
+                    reference = contents
+                elif contents != reference:
+                    raise WorkersMismatchError(
+                        f"the store directory of N={n} trial {trial} differs from the first run's; "
+                        "the workers' projection is not deterministic, so its rate means nothing"
+                    )
+                shutil.rmtree(directory)
+                baseline = results[counts[0]][-1].events_per_s if n != counts[0] else None
+                print(f"trial {trial}: ", end="")
+                _print(figure, baseline)
+    finally:
+        _delete_topic(bootstrap, topic)
+    return results
+
+
+def summarize(results: dict[int, list[WorkersFigure]]) -> dict[str, Any]:
+    """Medians over trials per worker count, and the total's ratio to the smallest count."""
+    counts = sorted(results)
+    summary: dict[str, Any] = {}
+    for n in counts:
+        figures = results[n]
+        summary[str(n)] = {
+            "events_per_s": median([f.events_per_s for f in figures]),
+            "events_per_s_per_worker": median([f.events_per_s / max(1, len(f.per_worker)) for f in figures]),
+            "cpu_s_per_event": median([f.cpu_s_per_event for f in figures]),
+            "events": median([float(f.events) for f in figures]),
+        }
+    if counts:
+        base = summary[str(counts[0])]["events_per_s"]
+        for n in counts:
+            summary[str(n)]["vs_first"] = summary[str(n)]["events_per_s"] / base if base else float("nan")
+    return summary
+
+
 def main() -> None:
     """Fill a topic, then measure apply throughput for each worker count."""
     parser = argparse.ArgumentParser(
@@ -214,33 +281,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args()
     counts = [int(n) for n in args.workers.split(",") if n.strip()]
-    results: dict[int, list[WorkersFigure]] = {n: [] for n in counts}
     with ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         bootstrap = args.bootstrap or stack.enter_context(local_broker(scratch / "broker"))
-        topic, ends = fill_topic(bootstrap, args)
-        stack.callback(_delete_topic, bootstrap, topic)
-        print(
-            f"{topic}: {sum(ends.values())} events over {args.partitions} partitions ({args.rollouts} rollouts x "
-            f"{args.turns} turns, intent + put of a {args.prompt_tokens}+{args.generated_tokens}-token call, freeze)"
-        )
-        reference: dict[str, bytes] | None = None
-        for trial in range(args.trials):
-            for n in counts:
-                directory = (
-                    args.dir or scratch
-                ) / f"tokcap-bench-workers-n{n}-t{trial}-{uuid.uuid4().hex[:6]}"
-                figure = measure_workers(bootstrap, topic, ends, n, directory)
-                results[n].append(figure)
-                contents = _contents(directory)
-                if reference is None:
-                    reference = contents
-                elif contents != reference:
-                    raise SystemExit(f"the directory of N={n} trial {trial} differs from the first run's")
-                shutil.rmtree(directory)
-                baseline = results[counts[0]][-1].events_per_s if n != counts[0] else None
-                print(f"trial {trial}: ", end="")
-                _print(figure, baseline)
+        results = run_workers(bootstrap, args, counts, args.trials, args.dir or scratch)
     best = {n: max(figures, key=lambda f: f.events_per_s) for n, figures in results.items()}
     print("best of trials:")
     for n in counts:
