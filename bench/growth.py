@@ -100,7 +100,8 @@ def as_delta_records(entries: Sequence[TokenEntry]) -> list[TokenEntry]:
     records = []
     parent: TokenEntry | None = None
     for entry in entries:
-        record = entry.model_copy(deep=True)
+        # Shallow: the cut and the stamp assign fields, never change the shared token lists in place.
+        record = entry.model_copy()
         cumulative = None
         if parent is not None:
             cumulative = store_as_delta(record, [*parent.prompt_token_ids, *parent.generation_token_ids])
@@ -153,12 +154,14 @@ def store_sizes(workload: PreparedWorkload, directory: Path, *, delta_records: b
     return {"store_bytes_per_call": disk / calls, "store_vs_new_tokens_json": disk / json_new}
 
 
-async def _trials(workload: PreparedWorkload, bootstrap: str | None, work_dir: Path) -> dict[str, float]:
+async def _trials(
+    workload: PreparedWorkload, delta_workload: PreparedWorkload, bootstrap: str | None, work_dir: Path
+) -> dict[str, float]:
     figures: dict[str, float] = {}
     file_trial = await run_file_store_trial(workload, _fresh(work_dir / "file"))
     figures["file_puts_per_s"] = file_trial.load.puts_per_s
     figures["file_freeze_p99_ms"] = percentile(file_trial.load.freeze_under_load_ms, 0.99)
-    delta_trial = await run_file_store_trial(as_delta_workload(workload), _fresh(work_dir / "file-delta"))
+    delta_trial = await run_file_store_trial(delta_workload, _fresh(work_dir / "file-delta"))
     figures["file_puts_per_s_records_on"] = delta_trial.load.puts_per_s
     figures["file_freeze_p99_ms_records_on"] = percentile(delta_trial.load.freeze_under_load_ms, 0.99)
     if bootstrap is None:
@@ -205,10 +208,11 @@ def measure_growth(
         for name, records in switches:
             sizes = store_sizes(workload, _fresh(work_dir / f"store-{name}"), delta_records=records)
             figures.update({f"{k}_records_{name}": v for k, v in sizes.items()})
+        delta_workload = as_delta_workload(workload)
         runs: dict[str, list[float]] = {}
         for repeat in range(repeats):
             print(f"growth: {shape.label()} repeat {repeat + 1}/{repeats}", file=sys.stderr, flush=True)
-            for key, value in asyncio.run(_trials(workload, bootstrap, work_dir)).items():
+            for key, value in asyncio.run(_trials(workload, delta_workload, bootstrap, work_dir)).items():
                 runs.setdefault(key, []).append(value)
         figures.update({key: median(values) for key, values in runs.items()})
         results.append({"shape": shape.__dict__ | {"label": shape.label()}, "figures": figures, "runs": runs})

@@ -72,8 +72,8 @@ def _big_vs(figure: str, against: int) -> Callable[[dict[str, Any]], float]:
 
     def value(results: dict[str, Any]) -> float:
         corners = growth_corners(results)
-        if corners is None:
-            return math.nan
+        if corners is None or corners[0] == corners[against]:
+            return math.nan  # one shape compared with itself would read as "met"
         grid = _grid(results)
         top = float(grid[corners[0]].get(figure, math.nan))
         bottom = float(grid[corners[against]].get(figure, math.nan))

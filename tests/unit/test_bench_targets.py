@@ -156,3 +156,10 @@ def test_the_readme_section_is_replaced_with_every_table_and_misses_in_bold(tmp_
     assert "Targets of issue 14" in text and "Targets of issue 12" in text
     assert "| **no** |" in text and "| yes |" in text
     assert render_markdown(_results()) in text
+
+
+def test_a_grid_of_one_shape_leaves_the_growth_comparisons_unmeasured() -> None:
+    results = _results()
+    results["growth"] = results["growth"][-1:]
+    assert _row(results, "issue 12", "Kafka put/s, largest")["value"] is None
+    assert _row(results, "issue 12", "wire B/call")["value"] == 1.2
