@@ -253,7 +253,10 @@ def summarize(results: dict[int, list[WorkersFigure]]) -> dict[str, Any]:
         figures = results[n]
         summary[str(n)] = {
             "events_per_s": median([f.events_per_s for f in figures]),
-            "events_per_s_per_worker": median([f.events_per_s / max(1, len(f.per_worker)) for f in figures]),
+            # Each worker's events over its own apply time, averaged over the workers of a run.
+            "events_per_s_per_worker": median(
+                [sum(w.events_per_s for w in f.per_worker) / max(1, len(f.per_worker)) for f in figures]
+            ),
             "cpu_s_per_event": median([f.cpu_s_per_event for f in figures]),
             "events": median([float(f.events) for f in figures]),
         }
