@@ -7,8 +7,8 @@ The topic is filled first (per rollout and turn an intent and a put of a ``--pro
 trial, ``MaterializerWorkers`` (what ``tokcap materialize --workers N`` runs) applies the whole topic from
 offset 0 into an empty directory. Each worker reports when its partitions were assigned (``ready``) and when
 they were all applied (``caught_up``), with the CPU seconds of its process (user + system, from
-``getrusage``) at each. A worker is timed from its first applied batch, so start-up and the consumer's
-first connection are left out (and so are the events of that first batch). Printed per worker: events,
+``getrusage``) at each. A worker is timed from ``ready`` to caught up, so process start-up is left out
+and every event of the topic is counted (the consumer's first fetch is included). Printed per worker: events,
 seconds, events/s, CPU s; per N: events/s in total (all timed events over the first worker's start to the
 last one caught up), CPU seconds per event, and the speed-up over N = 1. The directories of every N are
 compared byte for byte. Each worker also reports how long its threads waited for a CPU (Linux
@@ -169,7 +169,9 @@ def measure_workers(
         supervisor.close()
     figures = []
     first_start, last_done = float("inf"), 0.0
-    for spec, start, caught_up in supervisor.reports():
+    for (spec, _, caught_up), start in zip(supervisor.reports(), supervisor.ready_reports(), strict=True):
+        # From ``ready`` (partitions assigned, nothing applied yet), not the first progress: a worker reports
+        # progress only once a partition is applied, which on a small topic is most of the work.
         assert start is not None and caught_up is not None
         first_start, last_done = min(first_start, start.at), max(last_done, caught_up.at)
         events = sum(caught_up.applied.get(p, 0) - start.applied.get(p, 0) for p in spec.partitions)
