@@ -359,7 +359,17 @@ def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     ]
 
 
-BATCH_COLUMNS = ("store", "put/s", "put/s ÷ Gym", "freezes/s", "freezes/s ÷ Gym", "batch freeze ms")
+BATCH_COLUMNS = (
+    "store",
+    "put/s",
+    "put/s ÷ Gym",
+    "freezes/s",
+    "freezes/s ÷ Gym",
+    "batch freeze ms",
+    "events not applied when the freezes were sent",
+    "freezes ahead of backlog",
+    "freeze-phase CPU s",
+)
 _BATCH_NAMES = (("gym", "Gym 0.7.0 file store"), ("file", "tokcap file store"), ("kafka", "tokcap Kafka"))
 
 
@@ -378,6 +388,14 @@ def batch_rows(batch: dict[str, Any]) -> list[list[str]]:
                 _fmt(figures["freezes_per_s"]),
                 _fmt(figures["freezes_vs_gym"], 2),
                 _fmt(figures["batch_freeze_ms"]),
+                *(
+                    _fmt(float(figures[name]), digits) if name in figures else ""
+                    for name, digits in (
+                        ("lag_when_freezes_sent", 0),
+                        ("commands_ahead", 0),
+                        ("freeze_phase_cpu_s", 2),
+                    )
+                ),
             ]
         )
     return rows
