@@ -19,6 +19,7 @@ same run, trials alternating; each trial runs in its own process.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -139,10 +140,7 @@ def _file_sink(workload: Any, directory: Path) -> dict[str, float]:
 
 def _gym_store(workload: Any, directory: Path) -> dict[str, float]:
     """The same calls on Gym 0.7.0's file store: ``_begin_call`` + ``append`` per turn, ``freeze_now`` per rollout."""
-    sys.path.insert(0, str(_REPO / "tests"))
-    from gym_wheel import load_gym
-
-    gym = load_gym()
+    gym = _load_gym()
     store = gym.store.TokenCaptureStore(directory)
     as_gym = gym.records.TokenEntry.model_validate
     rounds = [
@@ -175,6 +173,69 @@ def _gym_store(workload: Any, directory: Path) -> dict[str, float]:
     return figures
 
 
+class _GymTarget:
+    """Gym's store driven by the load: its async calls, entries converted to Gym's class up front."""
+
+    def __init__(self, store: Any, entries: dict[tuple[str, str], Any]) -> None:
+        self._store = store
+        self._entries = entries
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        await self._store.begin_call(rollout_id, model_call_id)
+
+    async def put(self, entry: Any) -> None:
+        await self._store.put(self._entries[entry.rollout_id, entry.model_call_id])
+
+    async def freeze(self, rollout_id: str) -> Any:
+        return await self._store.freeze(rollout_id)
+
+
+def _under_load(workload: Any, directory: Path, *, gym: bool) -> dict[str, float]:
+    """The main load (``bench/load.py``) on one store: process CPU per put, and put/s and freeze p99 as sanity checks."""
+    import asyncio
+
+    from bench.load import drive
+
+    if gym:
+        modules = _load_gym()
+        as_gym = modules.records.TokenEntry.model_validate
+        converted = {
+            (entry.rollout_id, entry.model_call_id): as_gym(entry.model_dump(mode="json"))
+            for slot in workload.slots
+            for _, entries in slot
+            for entry in entries
+        }
+        target: Any = _GymTarget(modules.store.TokenCaptureStore(directory), converted)
+    else:
+        from tokcap.store import TokenCaptureStore
+
+        target = TokenCaptureStore(directory)
+
+    async def run() -> Any:
+        try:
+            return await drive(workload, target)
+        finally:
+            if not gym:
+                await target.close()
+
+    started = time.process_time()
+    load = asyncio.run(run())
+    cpu = time.process_time() - started
+    freezes = sorted(load.freeze_under_load_ms) or [0.0]
+    return {
+        "cpu_us_per_put": cpu / load.puts * 1e6,
+        "puts_per_s": load.puts_per_s,
+        "freeze_p99_ms": freezes[min(len(freezes) - 1, int(len(freezes) * 0.99))],
+    }
+
+
+def _load_gym() -> Any:
+    """Gym 0.7.0's modules from its wheel, as the tests load them (``tests/gym_wheel.py``)."""
+    sys.path.insert(0, str(_REPO / "tests"))
+    gym_wheel = importlib.import_module("gym_wheel")
+    return gym_wheel.load_gym()
+
+
 def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """One trial of every measurement this process's tokcap can run; Gym's store when asked."""
     import tokcap
@@ -184,8 +245,10 @@ def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     figures: dict[str, Any] = {"tokcap": str(Path(tokcap.__file__).resolve().parent)}
     figures["apply"] = _apply_step(workload, directory / "apply")
     figures["sink"] = _file_sink(workload, directory / "sink")
+    figures["load"] = _under_load(workload, directory / "load", gym=False)
     if args.gym:
         figures["gym"] = _gym_store(workload, directory / "gym")
+        figures["gym_load"] = _under_load(workload, directory / "gym-load", gym=True)
     return figures
 
 
@@ -227,6 +290,9 @@ def _report(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> No
         ("file sink, put", "sink", "put_us"),
         ("file sink, intent + put", "sink", "intent_put_us"),
         ("file sink, freeze", "sink", "freeze_us"),
+        ("main load, process CPU per put", "load", "cpu_us_per_put"),
+        ("main load, put/s (wall, sanity)", "load", "puts_per_s"),
+        ("main load, freeze p99 ms (wall, sanity)", "load", "freeze_p99_ms"),
     ]
     print(f"tokcap: {current[0]['tokcap']}" + (f"  baseline: {baseline[0]['tokcap']}" if baseline else ""))
     print(f"median of {len(current)} trials; CPU us (process_time)")
@@ -259,6 +325,17 @@ def _report(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> No
                 for trial, base in zip(current, baseline, strict=False)
             ]
             print(f"{'Gym intent + put / baseline':36} {statistics.median(base_ratios):10.2f}x")
+        load_ratio = [
+            trial["gym_load"]["cpu_us_per_put"] / trial["load"]["cpu_us_per_put"] for trial in current
+        ]
+        rate_ratio = [trial["load"]["puts_per_s"] / trial["gym_load"]["puts_per_s"] for trial in current]
+        print(
+            f"{'Gym main load, CPU per put / put/s':36} {_median(current, 'gym_load', 'cpu_us_per_put'):10.1f}"
+            f" / {_median(current, 'gym_load', 'puts_per_s'):.0f}"
+            f"   freeze p99 {_median(current, 'gym_load', 'freeze_p99_ms'):.1f} ms"
+        )
+        print(f"{'Gym CPU per put / tokcap, main load':36} {statistics.median(load_ratio):10.2f}x")
+        print(f"{'tokcap put/s / Gym put/s (sanity)':36} {statistics.median(rate_ratio):10.2f}x")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -661,7 +661,9 @@ class TokenCaptureStore:
         with self._locked(rollout_id) as paths, _write_errors_named(event):
             decision = self._apply_locked(paths, event, None)
             self._raise_for(decision.verdict)
-            self._barrier()
+            # On the writer thread the batch's one barrier makes it durable before the caller is answered, so
+            # a batch of freezes (a trainer freezing its batch) shares one sync instead of one sync each.
+            self._end_of_operation()
             return self._snapshot_of(paths, decision.state, None)
 
     def drop_now(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
@@ -750,6 +752,7 @@ class TokenCaptureStore:
     async def close(self) -> None:
         """Finish queued operations and stop the writer thread; no files stay open, and closing again is a no-op."""
         await asyncio.to_thread(self._writes.close)
+        self._rollout_locks.close()
 
 
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
