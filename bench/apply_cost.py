@@ -191,7 +191,7 @@ class _GymTarget:
 
 
 def _under_load(workload: Any, directory: Path, *, gym: bool) -> dict[str, float]:
-    """The main load (``bench/load.py``) on one store: process CPU per put, and put/s and freeze p99 as sanity checks."""
+    """The main load (``bench/load.py``) on one store: CPU per put; put/s and freeze p99 as sanity checks."""
     import asyncio
 
     from bench.load import drive
