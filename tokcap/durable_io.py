@@ -31,6 +31,9 @@ __all__ = [
     "truncate_no_follow",
 ]
 
+_READ_CHUNK = 1 << 16
+"""Bytes asked for per ``read``: a state file usually fits in one."""
+
 _STALE_TEMP = re.compile(r"\.tmp-(\d+)-\d+$")
 
 
@@ -55,8 +58,14 @@ def read_no_follow(path: Path) -> bytes | None:
         fd = open_no_follow(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read()
+    try:
+        # Plain reads on the descriptor: a buffered file object costs more than the read of a small state file.
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, _READ_CHUNK):
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def append_durably(path: Path, data: bytes, *, durable: bool = True) -> int:

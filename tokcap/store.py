@@ -108,11 +108,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-INDEX_FLUSH_ENTRIES = 8
+INDEX_FLUSH_ENTRIES = 16
 """Index-only state updates of the file store are written once this many lines lag behind the files.
 
-Renaming a state file costs about as much as an fsync on ext4; the lines are the durable record and the
-index is rebuilt from the tails, so writes skip most index writes and never parse more than this many lines.
+Renaming a state file over the old one costs about as much as an fsync on ext4 (it flushes the new file's
+data first); the lines are the durable record and the index is rebuilt from the tails, so writes skip most
+index writes and never parse more than this many lines. At 16 an 8-turn rollout (an intent and an entry line
+per turn) renames its state once before its freeze instead of twice; a reader in another process parses at
+most 16 lines it did not write (about 1.5 ms at 3k tokens per entry).
 """
 
 _Result = TypeVar("_Result")
