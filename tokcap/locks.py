@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,10 +28,6 @@ class _HeldLock:
     fd: int = -1
 
 
-_KEPT_OPEN = 128
-"""How many idle lock files a store keeps open; reopening one costs an ``open`` and a ``close`` per operation."""
-
-
 class RolloutLocks:
     """Per-rollout exclusive locks: a thread lock within the process, ``flock`` on the lock file across processes.
 
@@ -40,18 +35,11 @@ class RolloutLocks:
     using either interoperate; it costs a few microseconds where ``filelock`` 4 costs over 100.
     A waiting process blocks in ``flock`` and wakes as soon as the holder releases, instead of polling.
     Re-entry by the thread that holds the lock is allowed, as with ``filelock``.
-
-    Idle lock files stay open (a bounded number, least recently used closed first), so a lock costs two
-    ``flock`` calls and two ``stat`` calls instead of an ``open`` and a ``close``. A kept descriptor is used only
-    while the path still names its file (Gym's ``sweep_retired`` removes lock files), and never in a forked
-    child, which would share the parent's open file and so its lock.
     """
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
         self._held: dict[str, _HeldLock] = {}
-        self._idle: OrderedDict[str, int] = OrderedDict()
-        self._pid = os.getpid()
 
     @contextmanager
     def hold(self, path: Path) -> Iterator[None]:
@@ -73,81 +61,20 @@ class RolloutLocks:
                     held.depth -= 1
                     if held.depth == 0:
                         fd, held.fd = held.fd, -1
-                        self._release(key, fd)
+                        os.close(fd)
         finally:
             with self._guard:
                 held.users -= 1
                 if held.users == 0:
                     del self._held[key]
 
-    def __del__(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close every idle lock file; held locks are closed by their holders as usual."""
-        with self._guard:
-            idle, self._idle = list(self._idle.values()), OrderedDict()
-        for fd in idle:
-            os.close(fd)
-
-    def _kept_fd(self, path: str) -> int:
-        """An idle descriptor of ``path`` kept from an earlier hold, or -1."""
-        with self._guard:
-            if self._pid != os.getpid():
-                # A forked child: its copies share the parent's open files, and so their locks. Closing a copy
-                # leaves the parent's descriptor (and any lock on it) as it was.
-                inherited, self._idle, self._pid = list(self._idle.values()), OrderedDict(), os.getpid()
-            else:
-                return self._idle.pop(path, -1)
-        for fd in inherited:
-            os.close(fd)
-        return -1
-
-    def _release(self, path: str, fd: int) -> None:
-        """Unlock, and keep the descriptor for the next hold (closing the least recently used beyond the bound)."""
+    @staticmethod
+    def _lock_file(path: str) -> int:
+        """Open the lock file (never removed, so every locker shares one inode) and wait for its ``flock``."""
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         except BaseException:
             os.close(fd)
             raise
-        evicted = -1
-        with self._guard:
-            if self._pid == os.getpid():
-                self._idle[path] = fd
-                if len(self._idle) > _KEPT_OPEN:
-                    evicted = self._idle.popitem(last=False)[1]
-            else:
-                evicted = fd
-        if evicted >= 0:
-            os.close(evicted)
-
-    def _lock_file(self, path: str) -> int:
-        """Lock the lock file (never removed by tokcap, so every locker shares one inode) and return its descriptor.
-
-        A kept descriptor is locked if the path still names its file; after a removal (Gym's sweep) or when none
-        is kept, the path is opened, waited on with ``flock``, and checked again, so the lock held is always the
-        one every other locker of the path takes.
-        """
-        fd = self._kept_fd(path)
-        while True:
-            if fd < 0:
-                fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if _same_file(fd, path):
-                    return fd
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-            fd = -1
-
-
-def _same_file(fd: int, path: str) -> bool:
-    """Whether ``path`` still names the file open as ``fd`` (it was not removed or replaced meanwhile)."""
-    try:
-        found = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    opened = os.fstat(fd)
-    return (found.st_ino, found.st_dev) == (opened.st_ino, opened.st_dev)
+        return fd

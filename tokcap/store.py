@@ -755,7 +755,6 @@ class TokenCaptureStore:
     async def close(self) -> None:
         """Finish queued operations and stop the writer thread; no files stay open, and closing again is a no-op."""
         await asyncio.to_thread(self._writes.close)
-        self._rollout_locks.close()
 
 
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
