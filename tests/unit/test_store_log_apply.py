@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,37 @@ def test_a_later_event_does_not_finish_an_earlier_delete_and_lose_its_files(tmp_
     store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "reused")), _at(1))
     store.apply(FreezeEvent(rollout_id="r"), _at(2))
     assert [e.model_call_id for e in store.freeze_now("r").entries] == ["reused"]
+
+
+def _open_descriptors() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_deferred_block_leaves_no_side_file_open_when_it_ends_or_fails(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    before = _open_descriptors()
+    with store.deferred_durability():
+        for offset, call_id in enumerate(("c1", "c2")):
+            store.apply(IntentEvent(rollout_id="r", model_call_id=call_id), _at(2 * offset))
+            store.apply(PutEvent(rollout_id="r", entry=make_entry("r", call_id)), _at(2 * offset + 1))
+    assert _open_descriptors() == before
+    with pytest.raises(RuntimeError), store.deferred_durability():
+        store.apply(IntentEvent(rollout_id="r", model_call_id="c3"), _at(4))
+        raise RuntimeError("the projection failed inside its block")
+    assert _open_descriptors() == before
+
+
+def test_a_rollout_deleted_and_written_again_in_one_deferred_block_keeps_only_the_new_lines(
+    tmp_path: Path,
+) -> None:
+    store = TokenCaptureStore(tmp_path)
+    with store.deferred_durability():
+        store.apply(IntentEvent(rollout_id="r", model_call_id="old"), _at(0))
+        store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "old")), _at(1))
+        store.apply(RetireEvent(rollout_id="r"), _at(2))
+        store.apply(DeleteEvent(rollout_id="r"), _at(3))
+        store.apply(IntentEvent(rollout_id="r", model_call_id="new"), _at(4))
+        store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "new")), _at(5))
+    assert [entry.model_call_id for entry in store.read_entries("r")] == ["new"]
+    assert store.intents_path_for("r").read_bytes() == b"new\n"
+    assert [entry.model_call_id for entry in TokenCaptureStore(tmp_path).read_entries("r")] == ["new"]
