@@ -82,7 +82,7 @@ def _events(workload: Any) -> list[tuple[str, Any, Any]]:
     return stream
 
 
-def _apply_step(workload: Any, directory: Path) -> dict[str, float]:
+def _apply_step(workload: Any, directory: Path, block_size: int = _BLOCK) -> dict[str, float]:
     """CPU us per event of ``store.apply`` in deferred blocks, by kind; block ends shared over all events."""
     from tokcap.store import TokenCaptureStore
 
@@ -91,10 +91,10 @@ def _apply_step(workload: Any, directory: Path) -> dict[str, float]:
     cpu = {"intent": 0.0, "put": 0.0, "freeze": 0.0, "block_end": 0.0}
     counts = {"intent": 0, "put": 0, "freeze": 0}
     clock = time.process_time
-    for first in range(0, len(stream), _BLOCK):
+    for first in range(0, len(stream), block_size):
         block = store.deferred_durability()
         block.__enter__()
-        for kind, event, position in stream[first : first + _BLOCK]:
+        for kind, event, position in stream[first : first + block_size]:
             started = clock()
             store.apply(event, position)
             cpu[kind] += clock() - started
@@ -243,7 +243,7 @@ def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
     workload = prepare(_shape(args), "apply")
     figures: dict[str, Any] = {"tokcap": str(Path(tokcap.__file__).resolve().parent)}
-    figures["apply"] = _apply_step(workload, directory / "apply")
+    figures["apply"] = _apply_step(workload, directory / "apply", args.block)
     figures["sink"] = _file_sink(workload, directory / "sink")
     figures["load"] = _under_load(workload, directory / "load", gym=False)
     if args.gym:
@@ -262,6 +262,7 @@ def _trial(tree: Path, args: argparse.Namespace, *, gym: bool) -> dict[str, Any]
         f"--rounds={args.rounds}",
         f"--turns={args.turns}",
         f"--prompt={args.prompt}",
+        f"--block={args.block}",
     ]
     if args.dir is not None:
         command.append(f"--dir={args.dir}")
@@ -276,7 +277,7 @@ def _trial(tree: Path, args: argparse.Namespace, *, gym: bool) -> dict[str, Any]
 
 
 def _median(trials: list[dict[str, Any]], part: str, key: str) -> float:
-    return statistics.median(trial[part][key] for trial in trials)
+    return float(statistics.median(float(trial[part][key]) for trial in trials))
 
 
 def _report(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> None:
@@ -346,6 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=1000, help="system prompt tokens")
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument(
+        "--block", type=int, default=_BLOCK, help="events per deferred-durability block of the apply step"
+    )
     parser.add_argument(
         "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
     )
