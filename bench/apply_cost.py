@@ -109,6 +109,20 @@ def _apply_step(workload: Any, directory: Path, block_size: int = _BLOCK) -> dic
     return figures
 
 
+def _apply_step_grouped(workload: Any, directory: Path, block_size: int = _BLOCK) -> float:
+    """CPU us per event of ``store.apply_many`` over the same blocks (each rollout's events under one lock hold)."""
+    from tokcap.store import TokenCaptureStore
+
+    stream = _events(workload)
+    store = TokenCaptureStore(directory)
+    clock = time.process_time
+    started = clock()
+    for first in range(0, len(stream), block_size):
+        with store.deferred_durability():
+            store.apply_many([(event, position) for _, event, position in stream[first : first + block_size]])
+    return (clock() - started) / len(stream) * 1e6
+
+
 def _file_sink(workload: Any, directory: Path) -> dict[str, float]:
     """CPU us per intent, put and freeze of the file sink's synchronous calls, with real syncs."""
     from tokcap.store import TokenCaptureStore
@@ -244,6 +258,12 @@ def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     workload = prepare(_shape(args), "apply")
     figures: dict[str, Any] = {"tokcap": str(Path(tokcap.__file__).resolve().parent)}
     figures["apply"] = _apply_step(workload, directory / "apply", args.block)
+    from tokcap.store import TokenCaptureStore
+
+    if hasattr(TokenCaptureStore, "apply_many"):
+        figures["apply"]["grouped_us_per_event"] = _apply_step_grouped(
+            workload, directory / "grouped", args.block
+        )
     figures["sink"] = _file_sink(workload, directory / "sink")
     figures["load"] = _under_load(workload, directory / "load", gym=False)
     if args.gym:
@@ -287,6 +307,7 @@ def _report(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> No
         ("apply step, freeze event", "apply", "freeze_us"),
         ("apply step, block end per event", "apply", "block_end_us_per_event"),
         ("apply step, all per event", "apply", "all_us_per_event"),
+        ("apply step, apply_many, per event", "apply", "grouped_us_per_event"),
         ("file sink, intent", "sink", "intent_us"),
         ("file sink, put", "sink", "put_us"),
         ("file sink, intent + put", "sink", "intent_put_us"),
@@ -302,9 +323,14 @@ def _report(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> No
         header += f" {'baseline':>10} {'base/new':>9}"
     print(header)
     for label, part, key in rows:
+        if key not in current[0][part]:
+            continue
         now = _median(current, part, key)
         line = f"{label:36} {now:10.1f}"
-        if baseline:
+        if baseline and key == "grouped_us_per_event":
+            before = _median(baseline, part, "all_us_per_event")
+            line += f" {before:10.1f} {before / now:8.2f}x  (baseline: apply one by one)"
+        elif baseline:
             before = _median(baseline, part, key)
             line += f" {before:10.1f} {before / now:8.2f}x"
         print(line)

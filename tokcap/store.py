@@ -511,6 +511,33 @@ class TokenCaptureStore:
             self._end_of_operation(forced=decision.sync_even_if_unchanged)
             return decision.verdict
 
+    def apply_many(self, events: Sequence[tuple[Event, LogPosition | None]]) -> list[ApplyResult]:
+        """Apply events as ``apply`` would one after another; return their verdicts in the same order.
+
+        Inside a deferred block, each rollout's events are applied together under one hold of its lock, in
+        their order: rollouts share no state, so only the order within a rollout matters, and taking a
+        rollout's lock once instead of once per event is most of what an event costs beyond its own work.
+        Outside a block each event is applied on its own, durable before the next, exactly as ``apply``.
+        A failure stops at the failing event; in a block, events of other rollouts that come later in
+        ``events`` may have been applied already, which the block's own crash rule covers (the projection
+        applies the events past its checkpoint again, cutting what they wrote).
+        """
+        if not self._deferral.active:
+            return [self.apply(event, position) for event, position in events]
+        by_rollout: dict[str, list[int]] = {}
+        for index, (event, _) in enumerate(events):
+            by_rollout.setdefault(event.rollout_id, []).append(index)
+        results: list[ApplyResult | None] = [None] * len(events)
+        for rollout_id, indexes in by_rollout.items():
+            with self._locked(rollout_id) as paths:
+                for index in indexes:
+                    event, position = events[index]
+                    with _write_errors_named(event):
+                        decision = self._apply_locked(paths, event, position)
+                        self._end_of_operation(forced=decision.sync_even_if_unchanged)
+                    results[index] = decision.verdict
+        return [result for result in results if result is not None]
+
     # ------------------------------------------------------------------ reads
 
     def _read(self, rollout_id: str) -> RolloutState:
