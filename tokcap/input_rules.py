@@ -57,7 +57,9 @@ def check_call_id(rollout_id: str, model_call_id: object, *, may_be_empty: bool 
             rollout_id=rollout_id,
             model_call_id=model_call_id[:80],
         )
-    if any(unicodedata.category(char) == "Cc" for char in model_call_id):
+    # A printable string has no control character (Cc is one of the categories ``isprintable`` refuses), so
+    # the per-character scan runs only for ids with a separator or format character.
+    if not model_call_id.isprintable() and any(unicodedata.category(char) == "Cc" for char in model_call_id):
         raise InvalidInputError(
             f"rollout {rollout_id!r}: model_call_id {model_call_id[:80]!r} contains a control character "
             "(NUL, newline, ...); the side files hold one call id per line",
