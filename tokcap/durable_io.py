@@ -21,7 +21,9 @@ from tokcap.errors import StoreCorruptionError
 
 __all__ = [
     "append_durably",
+    "append_to",
     "fsync_directory",
+    "open_for_append",
     "open_no_follow",
     "read_no_follow",
     "remove_if_exists",
@@ -30,6 +32,9 @@ __all__ = [
     "temp_path_for",
     "truncate_no_follow",
 ]
+
+_READ_CHUNK = 1 << 16
+"""Bytes asked for per ``read``: a state file usually fits in one."""
 
 _STALE_TEMP = re.compile(r"\.tmp-(\d+)-\d+$")
 
@@ -55,29 +60,45 @@ def read_no_follow(path: Path) -> bytes | None:
         fd = open_no_follow(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read()
+    try:
+        # Plain reads on the descriptor: a buffered file object costs more than the read of a small state file.
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, _READ_CHUNK):
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
-def append_durably(path: Path, data: bytes, *, durable: bool = True) -> int:
-    """Append ``data`` in one write and fsync it; return the file size before the append.
+def open_for_append(path: Path) -> int:
+    """A descriptor that appends to ``path`` (created if missing); a link is refused."""
+    return open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+
+def append_to(fd: int, path: Path, data: bytes, *, durable: bool = False) -> int:
+    """Append ``data`` to an ``open_for_append`` descriptor of ``path``; return the file size before the append.
 
     One ``write`` on an ``O_APPEND`` descriptor keeps concurrent appenders from interleaving.
     """
-    fd = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    start = os.fstat(fd).st_size
+    view = memoryview(data)
     try:
-        start = os.fstat(fd).st_size
-        view = memoryview(data)
-        try:
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            if durable:
-                os.fsync(fd)
-        except OSError as exc:
-            exc.filename = exc.filename or str(path)
-            raise
-        return start
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        if durable:
+            os.fsync(fd)
+    except OSError as exc:
+        exc.filename = exc.filename or str(path)
+        raise
+    return start
+
+
+def append_durably(path: Path, data: bytes, *, durable: bool = True) -> int:
+    """Append ``data`` in one write and fsync it; return the file size before the append."""
+    fd = open_for_append(path)
+    try:
+        return append_to(fd, path, data, durable=durable)
     finally:
         os.close(fd)
 

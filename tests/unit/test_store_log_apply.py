@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.factories import make_entry
-from tokcap.events import DeleteEvent, FreezeEvent, IntentEvent, LogPosition, PutEvent, RetireEvent
+from tokcap.events import (
+    CancelEvent,
+    DeleteEvent,
+    DropEvent,
+    FreezeEvent,
+    IncompleteEvent,
+    IntentEvent,
+    LogPosition,
+    PutEvent,
+    RetireEvent,
+)
 from tokcap.state import RolloutState
 from tokcap.store import ApplyOutcome, TokenCaptureStore
 
@@ -61,3 +73,98 @@ def test_a_later_event_does_not_finish_an_earlier_delete_and_lose_its_files(tmp_
     store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "reused")), _at(1))
     store.apply(FreezeEvent(rollout_id="r"), _at(2))
     assert [e.model_call_id for e in store.freeze_now("r").entries] == ["reused"]
+
+
+def _files_open_under(directory: Path) -> list[str]:
+    """Files under ``directory`` this process holds open (other descriptors come and go with other tests)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except FileNotFoundError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(target)
+    return found
+
+
+def test_a_deferred_block_leaves_no_side_file_open_when_it_ends_or_fails(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    with store.deferred_durability():
+        for offset, call_id in enumerate(("c1", "c2")):
+            store.apply(IntentEvent(rollout_id="r", model_call_id=call_id), _at(2 * offset))
+            store.apply(PutEvent(rollout_id="r", entry=make_entry("r", call_id)), _at(2 * offset + 1))
+    assert _files_open_under(tmp_path) == []
+    with pytest.raises(RuntimeError), store.deferred_durability():
+        store.apply(IntentEvent(rollout_id="r", model_call_id="c3"), _at(4))
+        assert _files_open_under(tmp_path) != []
+        raise RuntimeError("the projection failed inside its block")
+    assert _files_open_under(tmp_path) == []
+
+
+def test_a_rollout_deleted_and_written_again_in_one_deferred_block_keeps_only_the_new_lines(
+    tmp_path: Path,
+) -> None:
+    store = TokenCaptureStore(tmp_path)
+    with store.deferred_durability():
+        store.apply(IntentEvent(rollout_id="r", model_call_id="old"), _at(0))
+        store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "old")), _at(1))
+        store.apply(RetireEvent(rollout_id="r"), _at(2))
+        store.apply(DeleteEvent(rollout_id="r"), _at(3))
+        store.apply(IntentEvent(rollout_id="r", model_call_id="new"), _at(4))
+        store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "new")), _at(5))
+    assert [entry.model_call_id for entry in store.read_entries("r")] == ["new"]
+    assert store.intents_path_for("r").read_bytes() == b"new\n"
+    assert [entry.model_call_id for entry in TokenCaptureStore(tmp_path).read_entries("r")] == ["new"]
+
+
+def _mixed_log() -> list[tuple[Any, LogPosition]]:
+    """Three rollouts interleaved: intents, puts, a conflict, a cancel, a marker, freezes, a late put, a drop,
+    a retire, and a delete followed by the id's reuse."""
+    events: list[Any] = []
+    for turn in range(3):
+        for rollout in ("a", "b", "c"):
+            events.append(IntentEvent(rollout_id=rollout, model_call_id=f"{rollout}{turn}"))
+            events.append(
+                PutEvent(rollout_id=rollout, entry=make_entry(rollout, f"{rollout}{turn}", prompt=(turn,)))
+            )
+    events += [
+        PutEvent(rollout_id="b", entry=make_entry("b", "b0", prompt=(9, 9))),
+        CancelEvent(rollout_id="c", model_call_id="c9"),
+        IncompleteEvent(rollout_id="a", model_call_id="a7", reason="lost"),
+        FreezeEvent(rollout_id="a"),
+        FreezeEvent(rollout_id="b"),
+        PutEvent(rollout_id="a", entry=make_entry("a", "late")),
+        RetireEvent(rollout_id="b"),
+        DeleteEvent(rollout_id="c"),
+        IntentEvent(rollout_id="c", model_call_id="again"),
+        PutEvent(rollout_id="c", entry=make_entry("c", "again")),
+        FreezeEvent(rollout_id="c"),
+    ]
+    log = [(event, _at(offset)) for offset, event in enumerate(events)]
+    frozen_a = next(offset for offset, event in enumerate(events) if isinstance(event, FreezeEvent))
+    log.append((DropEvent(rollout_id="a", snapshot_id=f"run:0:{frozen_a}", version=5), _at(len(events))))
+    return log
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir()) if path.is_file()}
+
+
+def test_applying_a_block_rollout_by_rollout_leaves_the_same_bytes_and_verdicts_as_event_by_event(
+    tmp_path: Path,
+) -> None:
+    log = _mixed_log()
+    one_by_one, grouped = TokenCaptureStore(tmp_path / "one"), TokenCaptureStore(tmp_path / "grouped")
+    with one_by_one.deferred_durability():
+        expected = [one_by_one.apply(event, position) for event, position in log]
+    with grouped.deferred_durability():
+        results = grouped.apply_many(log)
+    assert results == expected
+    assert {result.outcome for result in results} >= {
+        ApplyOutcome.ACCEPTED,
+        ApplyOutcome.CONFLICT,
+        ApplyOutcome.REJECTED_AFTER_FREEZE,
+    }
+    assert _files(tmp_path / "grouped") == _files(tmp_path / "one")
+    assert grouped.apply_many(log) == [one_by_one.apply(event, position) for event, position in log]

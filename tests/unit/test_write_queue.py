@@ -164,3 +164,37 @@ def test_store_errors_keep_their_type_through_the_writer_thread(tmp_path: Path) 
         await store.close()
 
     asyncio.run(main())
+
+
+def test_an_urgent_operation_arriving_mid_batch_closes_that_batch_after_the_running_operation() -> None:
+    recorder = Recorder()
+    queue = WriteQueue(recorder.run, recorder.barrier, name="test-writer")
+
+    async def main() -> None:
+        running, release = threading.Event(), threading.Event()
+        writes: list[asyncio.Future[Any]] = []
+
+        def submit_batch() -> list[asyncio.Future[Any]]:
+            writes.append(asyncio.ensure_future(queue.submit(recorder.held_op, "w0", running, release)))
+            writes.extend(asyncio.ensure_future(queue.submit(recorder.op, f"w{n}")) for n in range(1, 6))
+            return []
+
+        await queue_behind_a_held_operation(queue, recorder, submit_batch)
+        assert await asyncio.to_thread(running.wait, 30)
+        freeze = asyncio.ensure_future(queue.submit(recorder.op, "freeze", urgent=True))
+        await asyncio.sleep(0)  # the freeze is queued while w0 runs
+        release.set()
+        await asyncio.gather(freeze, *writes)
+
+    asyncio.run(main())
+    queue.close()
+    assert recorder.events == [
+        "held",
+        "barrier",
+        "w0",
+        "barrier",
+        "freeze",
+        "barrier",
+        *[f"w{n}" for n in range(1, 6)],
+        "barrier",
+    ]

@@ -1,0 +1,414 @@
+"""CPU per event of the store's apply step and per intent + put of the file sink, against Gym 0.7.0's store.
+
+``python -m bench.apply_cost`` builds the main workload's entries once (64 rollouts x 2 rounds x 8 turns,
+1k-token system prompt) and measures, one call at a time from one thread, with real syncs:
+
+- the apply step: ``store.apply(event, position)`` over the event stream a materializer applies (intent and
+  put per turn, a freeze per rollout, log positions on four partitions), in deferred-durability blocks of
+  200 like the materializer; CPU per event by kind, and each block's end (state writes and the sync) shared
+  out over its events;
+- the file sink: ``begin_call_now`` + ``append`` per turn and ``freeze_now`` per rollout, as ``bench/cpu_cost``;
+- Gym 0.7.0's file store (its wheel, loaded as the tests load it) on the same entries, as the anchor.
+
+CPU is ``time.process_time`` (user + system of this process), not wall time, so the figures hold on a
+machine other jobs share; the ratios of trials run side by side in one run are the evidence.
+``--baseline DIR`` measures another checkout's tokcap (``git worktree add /tmp/apply-base main``) in the
+same run, trials alternating; each trial runs in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "measure"]
+
+_REPO = Path(__file__).resolve().parent.parent
+_BLOCK = 200
+_PARTITIONS = 4
+
+
+def _shape(args: argparse.Namespace) -> Any:
+    from bench.options import WorkloadShape
+
+    return WorkloadShape(
+        rollouts=args.rollouts, rounds=args.rounds, turns=args.turns, prompt_tokens=args.prompt
+    )
+
+
+def _rollouts_in_load_order(workload: Any) -> list[list[tuple[str, list[Any]]]]:
+    """Rounds of rollouts: every slot's first rollout, then every slot's second, as the load runs them."""
+    rounds = max(len(slot) for slot in workload.slots)
+    return [[slot[index] for slot in workload.slots if index < len(slot)] for index in range(rounds)]
+
+
+def _events(workload: Any) -> list[tuple[str, Any, Any]]:
+    """The materializer's stream: per round, turn by turn an intent and a put for each rollout, then the freezes."""
+    from tokcap.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
+
+    offsets = [0] * _PARTITIONS
+    stream: list[tuple[str, Any, Any]] = []
+
+    def add(kind: str, event: Any, rollout_index: int) -> None:
+        partition = rollout_index % _PARTITIONS
+        stream.append((kind, event, LogPosition("bench-apply", partition, offsets[partition])))
+        offsets[partition] += 1
+
+    index_of: dict[str, int] = {}
+    for rollouts in _rollouts_in_load_order(workload):
+        for rollout_id, _ in rollouts:
+            index_of.setdefault(rollout_id, len(index_of))
+        for turn in range(workload.shape.turns):
+            for rollout_id, entries in rollouts:
+                entry = entries[turn]
+                add(
+                    "intent",
+                    IntentEvent(rollout_id=rollout_id, model_call_id=entry.model_call_id),
+                    index_of[rollout_id],
+                )
+                add("put", PutEvent(rollout_id=rollout_id, entry=entry), index_of[rollout_id])
+        for rollout_id, _ in rollouts:
+            add("freeze", FreezeEvent(rollout_id=rollout_id), index_of[rollout_id])
+    return stream
+
+
+def _apply_step(workload: Any, directory: Path, block_size: int = _BLOCK) -> dict[str, float]:
+    """CPU us per event of ``store.apply`` in deferred blocks, by kind; block ends shared over all events."""
+    from tokcap.store import TokenCaptureStore
+
+    stream = _events(workload)
+    store = TokenCaptureStore(directory)
+    cpu = {"intent": 0.0, "put": 0.0, "freeze": 0.0, "block_end": 0.0}
+    counts = {"intent": 0, "put": 0, "freeze": 0}
+    clock = time.process_time
+    for first in range(0, len(stream), block_size):
+        block = store.deferred_durability()
+        block.__enter__()
+        for kind, event, position in stream[first : first + block_size]:
+            started = clock()
+            store.apply(event, position)
+            cpu[kind] += clock() - started
+            counts[kind] += 1
+        started = clock()
+        block.__exit__(None, None, None)
+        cpu["block_end"] += clock() - started
+    events = len(stream)
+    figures = {f"{kind}_us": cpu[kind] / counts[kind] * 1e6 for kind in counts}
+    figures["block_end_us_per_event"] = cpu["block_end"] / events * 1e6
+    figures["all_us_per_event"] = sum(cpu.values()) / events * 1e6
+    return figures
+
+
+def _apply_step_grouped(workload: Any, directory: Path, block_size: int = _BLOCK) -> float:
+    """CPU us per event of ``store.apply_many`` over the same blocks (each rollout's events under one lock hold)."""
+    from tokcap.store import TokenCaptureStore
+
+    stream = _events(workload)
+    store = TokenCaptureStore(directory)
+    clock = time.process_time
+    started = clock()
+    for first in range(0, len(stream), block_size):
+        with store.deferred_durability():
+            store.apply_many([(event, position) for _, event, position in stream[first : first + block_size]])
+    return (clock() - started) / len(stream) * 1e6
+
+
+def _file_sink(workload: Any, directory: Path) -> dict[str, float]:
+    """CPU us per intent, put and freeze of the file sink's synchronous calls, with real syncs."""
+    from tokcap.store import TokenCaptureStore
+
+    store = TokenCaptureStore(directory)
+    rounds = _rollouts_in_load_order(workload)
+    cpu = {"intent": 0.0, "put": 0.0, "freeze": 0.0}
+    counts = {"intent": 0, "put": 0, "freeze": 0}
+    clock = time.process_time
+
+    def timed(kind: str, call: Callable[..., object], *args: object) -> None:
+        started = clock()
+        call(*args)
+        cpu[kind] += clock() - started
+        counts[kind] += 1
+
+    for rollouts in rounds:
+        for turn in range(workload.shape.turns):
+            for rollout_id, entries in rollouts:
+                entry = entries[turn]
+                timed("intent", store.begin_call_now, rollout_id, entry.model_call_id)
+                timed("put", store.append, entry)
+        for rollout_id, _ in rollouts:
+            timed("freeze", store.freeze_now, rollout_id)
+    figures = {f"{kind}_us": cpu[kind] / counts[kind] * 1e6 for kind in counts}
+    figures["intent_put_us"] = figures["intent_us"] + figures["put_us"]
+    return figures
+
+
+def _gym_store(workload: Any, directory: Path) -> dict[str, float]:
+    """The same calls on Gym 0.7.0's file store: ``_begin_call`` + ``append`` per turn, ``freeze_now`` per rollout."""
+    gym = _load_gym()
+    store = gym.store.TokenCaptureStore(directory)
+    as_gym = gym.records.TokenEntry.model_validate
+    rounds = [
+        [
+            (rollout_id, [as_gym(entry.model_dump(mode="json")) for entry in entries])
+            for rollout_id, entries in rollouts
+        ]
+        for rollouts in _rollouts_in_load_order(workload)
+    ]
+    cpu = {"intent": 0.0, "put": 0.0, "freeze": 0.0}
+    counts = {"intent": 0, "put": 0, "freeze": 0}
+    clock = time.process_time
+
+    def timed(kind: str, call: Callable[..., object], *args: object) -> None:
+        started = clock()
+        call(*args)
+        cpu[kind] += clock() - started
+        counts[kind] += 1
+
+    for rollouts in rounds:
+        for turn in range(workload.shape.turns):
+            for rollout_id, entries in rollouts:
+                entry = entries[turn]
+                timed("intent", store._begin_call, rollout_id, entry.model_call_id)
+                timed("put", store.append, entry)
+        for rollout_id, _ in rollouts:
+            timed("freeze", store.freeze_now, rollout_id)
+    figures = {f"{kind}_us": cpu[kind] / counts[kind] * 1e6 for kind in counts}
+    figures["intent_put_us"] = figures["intent_us"] + figures["put_us"]
+    return figures
+
+
+class _GymTarget:
+    """Gym's store driven by the load: its async calls, entries converted to Gym's class up front."""
+
+    def __init__(self, store: Any, entries: dict[tuple[str, str], Any]) -> None:
+        self._store = store
+        self._entries = entries
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        await self._store.begin_call(rollout_id, model_call_id)
+
+    async def put(self, entry: Any) -> None:
+        await self._store.put(self._entries[entry.rollout_id, entry.model_call_id])
+
+    async def freeze(self, rollout_id: str) -> Any:
+        return await self._store.freeze(rollout_id)
+
+
+def _under_load(workload: Any, directory: Path, *, gym: bool) -> dict[str, float]:
+    """The main load (``bench/load.py``) on one store: CPU per put; put/s and freeze p99 as sanity checks."""
+    import asyncio
+
+    from bench.load import drive
+
+    if gym:
+        modules = _load_gym()
+        as_gym = modules.records.TokenEntry.model_validate
+        converted = {
+            (entry.rollout_id, entry.model_call_id): as_gym(entry.model_dump(mode="json"))
+            for slot in workload.slots
+            for _, entries in slot
+            for entry in entries
+        }
+        target: Any = _GymTarget(modules.store.TokenCaptureStore(directory), converted)
+    else:
+        from tokcap.store import TokenCaptureStore
+
+        target = TokenCaptureStore(directory)
+
+    async def run() -> Any:
+        try:
+            return await drive(workload, target)
+        finally:
+            if not gym:
+                await target.close()
+
+    started = time.process_time()
+    load = asyncio.run(run())
+    cpu = time.process_time() - started
+    freezes = sorted(load.freeze_under_load_ms) or [0.0]
+    return {
+        "cpu_us_per_put": cpu / load.puts * 1e6,
+        "puts_per_s": load.puts_per_s,
+        "freeze_p99_ms": freezes[min(len(freezes) - 1, int(len(freezes) * 0.99))],
+    }
+
+
+def _load_gym() -> Any:
+    """Gym 0.7.0's modules from its wheel, as the tests load them (``tests/gym_wheel.py``)."""
+    sys.path.insert(0, str(_REPO / "tests"))
+    gym_wheel = importlib.import_module("gym_wheel")
+    return gym_wheel.load_gym()
+
+
+def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    """One trial of every measurement this process's tokcap can run; Gym's store when asked."""
+    import tokcap
+    from bench.load import prepare
+
+    workload = prepare(_shape(args), "apply")
+    figures: dict[str, Any] = {"tokcap": str(Path(tokcap.__file__).resolve().parent)}
+    if args.grouped_only:
+        # A process of its own: run after the other figures, it would pay for their dirty pages and heap.
+        figures["grouped_us_per_event"] = _apply_step_grouped(workload, directory / "grouped", args.block)
+        return figures
+    figures["apply"] = _apply_step(workload, directory / "apply", args.block)
+    figures["sink"] = _file_sink(workload, directory / "sink")
+    figures["load"] = _under_load(workload, directory / "load", gym=False)
+    if args.gym:
+        figures["gym"] = _gym_store(workload, directory / "gym")
+        figures["gym_load"] = _under_load(workload, directory / "gym-load", gym=True)
+    return figures
+
+
+def _trial(tree: Path, args: argparse.Namespace, *, gym: bool, grouped_only: bool = False) -> dict[str, Any]:
+    """Run one trial in a fresh process importing tokcap from ``tree``."""
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        f"--rollouts={args.rollouts}",
+        f"--rounds={args.rounds}",
+        f"--turns={args.turns}",
+        f"--prompt={args.prompt}",
+        f"--block={args.block}",
+    ]
+    if args.dir is not None:
+        command.append(f"--dir={args.dir}")
+    if not gym:
+        command.append("--no-gym")
+    if grouped_only:
+        command.append("--grouped-only")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"trial with tokcap from {tree} failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _has_apply_many(tree: Path) -> bool:
+    return "def apply_many(" in (tree / "tokcap" / "store.py").read_text()
+
+
+def _median(trials: list[dict[str, Any]], part: str, key: str) -> float:
+    return float(statistics.median(float(trial[part][key]) for trial in trials))
+
+
+def _report(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> None:
+    rows: list[tuple[str, str, str]] = [
+        ("apply step, intent event", "apply", "intent_us"),
+        ("apply step, put event", "apply", "put_us"),
+        ("apply step, freeze event", "apply", "freeze_us"),
+        ("apply step, block end per event", "apply", "block_end_us_per_event"),
+        ("apply step, all per event", "apply", "all_us_per_event"),
+        ("apply step, apply_many, per event", "apply", "grouped_us_per_event"),
+        ("file sink, intent", "sink", "intent_us"),
+        ("file sink, put", "sink", "put_us"),
+        ("file sink, intent + put", "sink", "intent_put_us"),
+        ("file sink, freeze", "sink", "freeze_us"),
+        ("main load, process CPU per put", "load", "cpu_us_per_put"),
+        ("main load, put/s (wall, sanity)", "load", "puts_per_s"),
+        ("main load, freeze p99 ms (wall, sanity)", "load", "freeze_p99_ms"),
+    ]
+    print(f"tokcap: {current[0]['tokcap']}" + (f"  baseline: {baseline[0]['tokcap']}" if baseline else ""))
+    print(f"median of {len(current)} trials; CPU us (process_time)")
+    header = f"{'figure':36} {'tokcap':>10}"
+    if baseline:
+        header += f" {'baseline':>10} {'base/new':>9}"
+    print(header)
+    for label, part, key in rows:
+        if key not in current[0][part]:
+            continue
+        now = _median(current, part, key)
+        line = f"{label:36} {now:10.1f}"
+        if baseline and key == "grouped_us_per_event":
+            before = _median(baseline, part, "all_us_per_event")
+            line += f" {before:10.1f} {before / now:8.2f}x  (baseline: apply one by one)"
+        elif baseline:
+            before = _median(baseline, part, key)
+            line += f" {before:10.1f} {before / now:8.2f}x"
+        print(line)
+    if "gym" in current[0]:
+        gym_pair = _median(current, "gym", "intent_put_us")
+        gym_put = _median(current, "gym", "put_us")
+        print(
+            f"{'Gym 0.7.0 store, intent / put':36} {_median(current, 'gym', 'intent_us'):10.1f} / {gym_put:.1f}"
+            f"   freeze {_median(current, 'gym', 'freeze_us'):.1f}"
+        )
+        ratios = [trial["gym"]["intent_put_us"] / trial["sink"]["intent_put_us"] for trial in current]
+        print(
+            f"{'Gym intent + put / tokcap intent + put':36} {statistics.median(ratios):10.2f}x"
+            f"   (Gym {gym_pair:.1f} us; per trial: {', '.join(f'{ratio:.2f}' for ratio in ratios)})"
+        )
+        if baseline:
+            base_ratios = [
+                trial["gym"]["intent_put_us"] / base["sink"]["intent_put_us"]
+                for trial, base in zip(current, baseline, strict=False)
+            ]
+            print(f"{'Gym intent + put / baseline':36} {statistics.median(base_ratios):10.2f}x")
+        load_ratio = [
+            trial["gym_load"]["cpu_us_per_put"] / trial["load"]["cpu_us_per_put"] for trial in current
+        ]
+        rate_ratio = [trial["load"]["puts_per_s"] / trial["gym_load"]["puts_per_s"] for trial in current]
+        print(
+            f"{'Gym main load, CPU per put / put/s':36} {_median(current, 'gym_load', 'cpu_us_per_put'):10.1f}"
+            f" / {_median(current, 'gym_load', 'puts_per_s'):.0f}"
+            f"   freeze p99 {_median(current, 'gym_load', 'freeze_p99_ms'):.1f} ms"
+        )
+        print(f"{'Gym CPU per put / tokcap, main load':36} {statistics.median(load_ratio):10.2f}x")
+        print(f"{'tokcap put/s / Gym put/s (sanity)':36} {statistics.median(rate_ratio):10.2f}x")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, or with ``--worker`` run one trial and print its figures as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m bench.apply_cost", description=__doc__.split("\n")[0])
+    parser.add_argument("--rollouts", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=1000, help="system prompt tokens")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument(
+        "--block", type=int, default=_BLOCK, help="events per deferred-durability block of the apply step"
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another checkout's root to measure beside"
+    )
+    parser.add_argument("--no-gym", dest="gym", action="store_false", help="skip Gym 0.7.0's store")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--grouped-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+            print(json.dumps(measure(args, Path(scratch))))
+        return 0
+    current: list[dict[str, Any]] = []
+    baseline: list[dict[str, Any]] = []
+    for _ in range(args.trials):
+        if args.baseline is not None:
+            baseline.append(_trial(args.baseline.resolve(), args, gym=False))
+        current.append(_trial(_REPO, args, gym=args.gym))
+        if _has_apply_many(_REPO):
+            grouped = _trial(_REPO, args, gym=False, grouped_only=True)
+            current[-1]["apply"]["grouped_us_per_event"] = grouped["grouped_us_per_event"]
+    _report(current, baseline)
+    return 0
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):
+        # Run as a file by a trial: the tree under test is on PYTHONPATH, this file's directory is not a package.
+        sys.path[0] = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] or str(_REPO)
+    raise SystemExit(main())
