@@ -173,6 +173,14 @@ async def _trials(
         figures[f"kafka_puts_per_s_wire_{name}"] = kafka.load.puts_per_s
         figures[f"kafka_freeze_p99_ms_wire_{name}"] = percentile(kafka.load.freeze_under_load_ms, 0.99)
         figures[f"replay_entries_per_s_wire_{name}"] = kafka.replay.puts_per_s
+    # Delta on end to end: Gym-style delta records through the Kafka sink (wire deltas on as well), so the
+    # materializer stores suffixes and a freeze reads them.
+    kafka = await run_kafka_trial(
+        delta_workload, bootstrap, _fresh(work_dir / "kafka-records-on"), {"wire_deltas": True}
+    )
+    figures["kafka_puts_per_s_records_on"] = kafka.load.puts_per_s
+    figures["kafka_freeze_p99_ms_records_on"] = percentile(kafka.load.freeze_under_load_ms, 0.99)
+    figures["replay_entries_per_s_records_on"] = kafka.replay.puts_per_s
     return figures
 
 

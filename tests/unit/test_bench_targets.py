@@ -17,9 +17,9 @@ def _growth(turns: int, prompt: int, **figures: float) -> dict[str, Any]:
         "wire_vs_new_tokens_wire_on": 1.1,
         "store_vs_new_tokens_json_records_on": 1.05,
         "file_puts_per_s_records_on": 1000.0,
-        "kafka_puts_per_s_wire_on": 800.0,
-        "kafka_freeze_p99_ms_wire_on": 90.0,
-        "replay_entries_per_s_wire_on": 500.0,
+        "kafka_puts_per_s_records_on": 800.0,
+        "kafka_freeze_p99_ms_records_on": 90.0,
+        "replay_entries_per_s_records_on": 500.0,
     }
     base.update(figures)
     return {
@@ -92,10 +92,10 @@ def _results() -> dict[str, Any]:
             },
         },
         "growth": [
-            _growth(4, 1000, kafka_puts_per_s_wire_on=1000.0),
+            _growth(4, 1000, kafka_puts_per_s_records_on=1000.0),
             _growth(64, 1000),
             _growth(4, 32000, wire_vs_new_tokens_wire_on=1.0),
-            _growth(64, 32000, kafka_puts_per_s_wire_on=400.0, wire_vs_new_tokens_wire_on=1.2),
+            _growth(64, 32000, kafka_puts_per_s_records_on=400.0, wire_vs_new_tokens_wire_on=1.2),
         ],
         "resolve": {
             "figures": {"resolves": 448, "kafka_p50_ms": 1.0, "kafka_p99_ms": 30.0, "kafka_max_ms": 40.0}
