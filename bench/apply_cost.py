@@ -123,12 +123,14 @@ def _apply_step_grouped(workload: Any, directory: Path, block_size: int = _BLOCK
     return (clock() - started) / len(stream) * 1e6
 
 
-def _file_sink(workload: Any, directory: Path) -> dict[str, float]:
-    """CPU us per intent, put and freeze of the file sink's synchronous calls, with real syncs."""
-    from tokcap.store import TokenCaptureStore
-
-    store = TokenCaptureStore(directory)
-    rounds = _rollouts_in_load_order(workload)
+def _timed_calls(
+    rounds: Any,
+    turns: int,
+    begin_call: Callable[..., object],
+    append: Callable[..., object],
+    freeze: Callable[..., object],
+) -> dict[str, float]:
+    """CPU us per intent, put and freeze when the rounds' calls are made one at a time in load order."""
     cpu = {"intent": 0.0, "put": 0.0, "freeze": 0.0}
     counts = {"intent": 0, "put": 0, "freeze": 0}
     clock = time.process_time
@@ -140,16 +142,25 @@ def _file_sink(workload: Any, directory: Path) -> dict[str, float]:
         counts[kind] += 1
 
     for rollouts in rounds:
-        for turn in range(workload.shape.turns):
+        for turn in range(turns):
             for rollout_id, entries in rollouts:
                 entry = entries[turn]
-                timed("intent", store.begin_call_now, rollout_id, entry.model_call_id)
-                timed("put", store.append, entry)
+                timed("intent", begin_call, rollout_id, entry.model_call_id)
+                timed("put", append, entry)
         for rollout_id, _ in rollouts:
-            timed("freeze", store.freeze_now, rollout_id)
+            timed("freeze", freeze, rollout_id)
     figures = {f"{kind}_us": cpu[kind] / counts[kind] * 1e6 for kind in counts}
     figures["intent_put_us"] = figures["intent_us"] + figures["put_us"]
     return figures
+
+
+def _file_sink(workload: Any, directory: Path) -> dict[str, float]:
+    """CPU us per intent, put and freeze of the file sink's synchronous calls, with real syncs."""
+    from tokcap.store import TokenCaptureStore
+
+    store = TokenCaptureStore(directory)
+    rounds = _rollouts_in_load_order(workload)
+    return _timed_calls(rounds, workload.shape.turns, store.begin_call_now, store.append, store.freeze_now)
 
 
 def _gym_store(workload: Any, directory: Path) -> dict[str, float]:
@@ -164,27 +175,7 @@ def _gym_store(workload: Any, directory: Path) -> dict[str, float]:
         ]
         for rollouts in _rollouts_in_load_order(workload)
     ]
-    cpu = {"intent": 0.0, "put": 0.0, "freeze": 0.0}
-    counts = {"intent": 0, "put": 0, "freeze": 0}
-    clock = time.process_time
-
-    def timed(kind: str, call: Callable[..., object], *args: object) -> None:
-        started = clock()
-        call(*args)
-        cpu[kind] += clock() - started
-        counts[kind] += 1
-
-    for rollouts in rounds:
-        for turn in range(workload.shape.turns):
-            for rollout_id, entries in rollouts:
-                entry = entries[turn]
-                timed("intent", store._begin_call, rollout_id, entry.model_call_id)
-                timed("put", store.append, entry)
-        for rollout_id, _ in rollouts:
-            timed("freeze", store.freeze_now, rollout_id)
-    figures = {f"{kind}_us": cpu[kind] / counts[kind] * 1e6 for kind in counts}
-    figures["intent_put_us"] = figures["intent_us"] + figures["put_us"]
-    return figures
+    return _timed_calls(rounds, workload.shape.turns, store._begin_call, store.append, store.freeze_now)
 
 
 class _GymTarget:

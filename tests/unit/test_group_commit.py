@@ -120,10 +120,8 @@ def test_a_failed_sync_raises_in_every_writer_it_covered() -> None:
     assert committer.syncs == 1, "one failed sync covered all four writes"
 
 
-def test_a_store_under_concurrent_puts_syncs_once_per_batch_not_once_per_put(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first put's sync is held until all 200 puts are queued, so the rest run in full batches."""
+def _gate_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Stores opened after this hold every sync until the gate opens; ``entered`` is set when one waits."""
     entered = threading.Event()
     gate = threading.Event()
 
@@ -138,6 +136,14 @@ def test_a_store_under_concurrent_puts_syncs_once_per_batch_not_once_per_put(
         return gated_sync
 
     monkeypatch.setattr(tokcap.store, "filesystem_sync_for", gated_sync_for)
+    return entered, gate
+
+
+def test_a_store_under_concurrent_puts_syncs_once_per_batch_not_once_per_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first put's sync is held until all 200 puts are queued, so the rest run in full batches."""
+    entered, gate = _gate_syncs(monkeypatch)
     store = TokenCaptureStore(tmp_path)
 
     async def main() -> None:
@@ -169,23 +175,10 @@ def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_once_per_batch_not_o
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first freeze's sync is held until the other 99 are queued; they then share their batch's sync."""
-    entered = threading.Event()
-    gate = threading.Event()
-
-    def gated_sync_for(directory: Path) -> Callable[[], None]:
-        real_sync = filesystem_sync_for(directory)
-
-        def gated_sync() -> None:
-            entered.set()
-            assert gate.wait(30), "the test never opened the gate"
-            real_sync()
-
-        return gated_sync
-
     store = TokenCaptureStore(tmp_path)
     for n in range(100):
         store.append(make_entry(f"r{n}", "c0"))
-    monkeypatch.setattr(tokcap.store, "filesystem_sync_for", gated_sync_for)
+    entered, gate = _gate_syncs(monkeypatch)
     store = TokenCaptureStore(tmp_path)
 
     async def main() -> list[int]:
