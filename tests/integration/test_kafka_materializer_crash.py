@@ -150,6 +150,25 @@ def start_process(bootstrap: str, topic: str, store_dir: Path, log: Path) -> sub
     return process
 
 
+def kill_at_a_random_point(
+    bootstrap: str, topic: str, crashed: Path, log: Path, rng: random.Random, total: int
+) -> None:
+    """Start a materializer and SIGKILL it at a random point of the remaining log.
+
+    It waits for a random amount of progress, then a random few milliseconds more, so kills land mid-batch and
+    between batches however fast the machine is.
+    """
+    process = start_process(bootstrap, topic, crashed, log)
+    already = sum(checkpointed(crashed, topic).values())
+    target = already + rng.uniform(0.05, 0.5) * (total - already)
+    deadline = time.monotonic() + 10
+    while sum(checkpointed(crashed, topic).values()) < target and time.monotonic() < deadline:
+        time.sleep(0.002)
+    time.sleep(rng.uniform(0.0, 0.03))
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def test_a_materializer_killed_at_random_points_ends_byte_identical_to_a_clean_replay(
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
@@ -160,17 +179,7 @@ def test_a_materializer_killed_at_random_points_ends_byte_identical_to_a_clean_r
     progress_seen: list[dict[int, int]] = []
     total = sum(end.values())
     for _ in range(10):
-        process = start_process(kafka_bootstrap, topic, crashed, log)
-        # Kill at a random point of the remaining log: wait for a random amount of progress, then a random
-        # few milliseconds more, so kills land mid-batch and between batches however fast the machine is.
-        already = sum(checkpointed(crashed, topic).values())
-        target = already + rng.uniform(0.05, 0.5) * (total - already)
-        deadline = time.monotonic() + 10
-        while sum(checkpointed(crashed, topic).values()) < target and time.monotonic() < deadline:
-            time.sleep(0.002)
-        time.sleep(rng.uniform(0.0, 0.03))
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
+        kill_at_a_random_point(kafka_bootstrap, topic, crashed, log, rng, total)
         progress_seen.append(checkpointed(crashed, topic))
         if progress_seen[-1] == end:
             break
@@ -259,15 +268,7 @@ def test_a_materializer_killed_at_random_points_while_restoring_wire_deltas_ends
     first_kill: dict[int, int] | None = None
     total = sum(end.values())
     for _ in range(10):
-        process = start_process(kafka_bootstrap, topic, crashed, log)
-        already = sum(checkpointed(crashed, topic).values())
-        target = already + rng.uniform(0.05, 0.5) * (total - already)
-        deadline = time.monotonic() + 10
-        while sum(checkpointed(crashed, topic).values()) < target and time.monotonic() < deadline:
-            time.sleep(0.002)
-        time.sleep(rng.uniform(0.0, 0.03))
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
+        kill_at_a_random_point(kafka_bootstrap, topic, crashed, log, rng, total)
         first_kill = first_kill or checkpointed(crashed, topic)
         if checkpointed(crashed, topic) == end:
             break
