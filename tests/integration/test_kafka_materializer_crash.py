@@ -18,8 +18,9 @@ from confluent_kafka import Consumer, TopicPartition
 from conversations import conversation
 from store_contract import directory_contents, make_entry
 
+from tests.topic_replay import replay_topic
 from tokcap.events import CancelEvent, DeleteEvent, DropEvent, Event, FreezeEvent, IntentEvent, RetireEvent
-from transports.kafka import KafkaTokenSink, Materializer
+from transports.kafka import KafkaTokenSink
 from transports.kafka.checkpoint import applied_next_offset
 from transports.kafka.codec import ENCODING_DELTA, HEADER_ENCODING, encode_event_messages, headers_to_dict
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
@@ -199,16 +200,6 @@ def run_to_the_end(bootstrap: str, topic: str, store_dir: Path, log: Path, end: 
     assert checkpointed(store_dir, topic) == end
 
 
-def replay_cleanly(bootstrap: str, topic: str, store_dir: Path) -> None:
-    """Replay the whole topic into an empty directory with an in-process materializer that is never killed."""
-    materializer = Materializer(bootstrap, topic, store_dir)
-    materializer.start()
-    try:
-        assert materializer.wait_until_caught_up(180)
-    finally:
-        materializer.stop()
-
-
 def files_but_locks(store_dir: Path) -> dict[str, bytes]:
     """Every file's bytes by name, lock files left out (they hold no state)."""
     return {name: data for name, data in directory_contents(store_dir).items() if not name.endswith(".lock")}
@@ -217,7 +208,7 @@ def files_but_locks(store_dir: Path) -> dict[str, bytes]:
 def assert_resumes_as_a_clean_replay(bootstrap: str, topic: str, tmp_path: Path, end: dict[int, int]) -> None:
     """Finish ``tmp_path/crashed`` with one last process; it must equal a replay into an empty directory."""
     run_to_the_end(bootstrap, topic, tmp_path / "crashed", tmp_path / "materializer.log", end)
-    replay_cleanly(bootstrap, topic, tmp_path / "clean")
+    replay_topic(bootstrap, topic, tmp_path / "clean")
     resumed, replayed = files_but_locks(tmp_path / "crashed"), files_but_locks(tmp_path / "clean")
     differing = sorted(
         name for name in resumed.keys() | replayed.keys() if resumed.get(name) != replayed.get(name)

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from store_contract import directory_contents, make_entry
 
+from tests.topic_replay import replay_topic
 from tokcap.errors import RolloutRetiredError
-from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
+from transports.kafka import KafkaTokenSink, KafkaTokenSource
 
 pytestmark = pytest.mark.kafka
 
@@ -55,16 +56,6 @@ async def mixed_run(bootstrap: str, topic: str, store_dir: Path, rollouts: int =
         await source.close()
 
 
-def replay(bootstrap: str, topic: str, store_dir: Path) -> None:
-    """Project the whole topic into a directory with a fresh materializer."""
-    materializer = Materializer(bootstrap, topic, store_dir)
-    materializer.start()
-    try:
-        assert materializer.wait_until_caught_up(120)
-    finally:
-        materializer.stop()
-
-
 def test_replaying_a_mixed_run_into_an_empty_directory_gives_byte_identical_files(
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
@@ -72,7 +63,7 @@ def test_replaying_a_mixed_run_into_an_empty_directory_gives_byte_identical_file
     live = tmp_path / "live"
     asyncio.run(mixed_run(kafka_bootstrap, topic, live))
     replayed = tmp_path / "replayed"
-    replay(kafka_bootstrap, topic, replayed)
+    replay_topic(kafka_bootstrap, topic, replayed)
     live_files, replayed_files = directory_contents(live), directory_contents(replayed)
     assert sorted(live_files) == sorted(replayed_files)
     assert live_files == replayed_files
@@ -85,6 +76,6 @@ def test_two_directories_fed_by_the_same_topic_end_identical(
 ) -> None:
     topic = kafka_topic_factory("two-dirs", partitions=2)
     asyncio.run(mixed_run(kafka_bootstrap, topic, tmp_path / "live", rollouts=4))
-    replay(kafka_bootstrap, topic, tmp_path / "a")
-    replay(kafka_bootstrap, topic, tmp_path / "b")
+    replay_topic(kafka_bootstrap, topic, tmp_path / "a")
+    replay_topic(kafka_bootstrap, topic, tmp_path / "b")
     assert directory_contents(tmp_path / "a") == directory_contents(tmp_path / "b")

@@ -13,9 +13,10 @@ from confluent_kafka import Producer
 from conversations import conversation
 from store_contract import directory_contents
 
+from tests.topic_replay import replay_topic
 from tokcap.records import TokenEntry
 from tokcap.store import TokenCaptureStore
-from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
+from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.codec import ENCODING_DELTA, HEADER_ENCODING, headers_to_dict
 from transports.kafka.timeline import LogApplier, read_log
 
@@ -66,15 +67,6 @@ def deltas_in(bootstrap: str, topic: str) -> int:
     )
 
 
-def replay(bootstrap: str, topic: str, store_dir: Path) -> None:
-    materializer = Materializer(bootstrap, topic, store_dir)
-    materializer.start()
-    try:
-        assert materializer.wait_until_caught_up(120)
-    finally:
-        materializer.stop()
-
-
 def test_a_run_sent_with_wire_deltas_materializes_replays_and_reads_back_byte_identical_to_one_sent_whole(
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
@@ -94,7 +86,7 @@ def test_a_run_sent_with_wire_deltas_materializes_replays_and_reads_back_byte_id
     assert renamed == expected
     assert not any(name.startswith("kafka-dead-letters") for name in directory_contents(tmp_path / "delta"))
 
-    replay(kafka_bootstrap, delta_topic, tmp_path / "replayed")
+    replay_topic(kafka_bootstrap, delta_topic, tmp_path / "replayed")
     assert directory_contents(tmp_path / "replayed") == directory_contents(tmp_path / "delta")
 
     # What `tokcap log` does: one rollout from the start of its partition, through the timeline's applier.
@@ -129,7 +121,7 @@ def test_a_wire_delta_corrupted_on_the_log_is_dead_lettered_and_masks_its_rollou
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
     producer.produce(topic, value=bytes(value), key=sent.key, headers=list(sent.headers), partition=0)
     assert producer.flush(30) == 0
-    replay(kafka_bootstrap, topic, tmp_path / "store")
+    replay_topic(kafka_bootstrap, topic, tmp_path / "store")
     store = TokenCaptureStore(tmp_path / "store")
     assert store.is_incomplete("wd-bad")
     assert [e.model_call_id for e in store.read_entries("wd-bad")] == ["call-0", "call-1"]
