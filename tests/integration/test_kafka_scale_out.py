@@ -23,8 +23,9 @@ from cli_helpers import tokcap
 from filelock import FileLock
 from kafka_broker_fixture import TopicFactory
 from store_contract import directory_contents, make_entry
-from test_kafka_replay import mixed_run, replay
+from test_kafka_replay import mixed_run
 
+from tests.topic_replay import replay_topic
 from tokcap.cli.kafka_options import parse_partitions
 from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer, PartitionedTokenSource
@@ -75,7 +76,7 @@ def test_two_workers_write_the_same_bytes_as_one_worker_and_as_a_clean_replay(
     assert "worker 0 (pid" in completed.stderr and "applies partitions [0, 2]" in completed.stderr
     assert "applies partitions [1, 3]" in completed.stderr
     assert _materialize(kafka_bootstrap, topic, one).returncode == 0
-    replay(kafka_bootstrap, topic, replayed)
+    replay_topic(kafka_bootstrap, topic, replayed)
     written = directory_contents(two)
     assert any(name.endswith(".tokens.state.json") for name in written)
     assert sorted(owned_partitions(two, topic)) == list(range(_PARTITIONS))
