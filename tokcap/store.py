@@ -611,10 +611,54 @@ class TokenCaptureStore:
             state = self._recovered(paths, replaying=False, writing=False).state
             return self._snapshot_of(paths, state, as_of)
 
+    def snapshot_ahead(
+        self, rollout_id: str, pending: Sequence[tuple[Event, LogPosition]]
+    ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
+        """Decide a rollout's events not applied yet in memory; return the verdict and snapshot of the last, a freeze.
+
+        Nothing is written. The projection applies the same events later and, the rules being pure functions of
+        state and event, reaches the same verdicts, the same state and the same entry lines: the snapshot is
+        the one ``snapshot(rollout_id, as_of=...)`` gives once they are applied. The log already holds the
+        freeze durably, so a source can answer it without waiting for the rollout's backlog to reach the disk.
+        ``pending`` must be every event of the rollout after what is applied here, in log order, ending with
+        the freeze. Return ``None`` when the answer needs something carried out first (a removal, a repair of
+        the files, a state written whole) or the freeze leaves no snapshot; the caller waits for the apply.
+        """
+        if not pending or not isinstance(pending[-1][0], FreezeEvent):
+            raise InvalidInputError("snapshot_ahead needs the rollout's pending events ending with a freeze")
+        with self._locked(rollout_id) as paths:
+            recovered = self._recovered(paths, replaying=True, writing=False)
+            if recovered.repairs:
+                return None
+            state = recovered.state
+            lines: list[bytes] = []
+            verdict: ApplyResult | None = None
+            for event, position in pending:
+                decision = decide(state, event, position)
+                if not all(_carried_in_memory(effect) for effect in decision.effects):
+                    return None
+                lines.extend(effect.line for effect in decision.effects if isinstance(effect, AppendEntry))
+                state, verdict = decision.state, decision.verdict
+            if not state.frozen or state.retired or state.answer_at(pending[-1][1]) is None:
+                return None
+            applied = self._entries_of(paths, recovered.state)
+        entries = [*applied, *(TokenEntry.from_json(line) for line in lines)]
+        assert verdict is not None
+        return verdict, self._snapshot_from(rollout_id, state, entries, pending[-1][1])
+
     def _snapshot_of(
         self, paths: RolloutPaths, state: RolloutState, as_of: LogPosition | None
     ) -> TokenCaptureSnapshot:
-        rollout_id = paths.rollout_id
+        return self._snapshot_from(paths.rollout_id, state, lambda: self._entries_of(paths, state), as_of)
+
+    def _snapshot_from(
+        self,
+        rollout_id: str,
+        state: RolloutState,
+        entries: Sequence[TokenEntry] | Callable[[], Sequence[TokenEntry]],
+        as_of: LogPosition | None,
+    ) -> TokenCaptureSnapshot:
+        """The snapshot a frozen state answers, with its entries (read only once the state is known to be frozen)."""
         if state.retired:
             raise RolloutRetiredError(
                 f"rollout {rollout_id!r} is retired (snapshot {state.snapshot_id}); its records are gone. "
@@ -639,7 +683,7 @@ class TokenCaptureStore:
             incomplete = incomplete or answer.incomplete
         return TokenCaptureSnapshot(
             rollout_id=rollout_id,
-            entries=tuple(self._entries_of(paths, state)),
+            entries=tuple(entries() if callable(entries) else entries),
             incomplete=incomplete,
             snapshot_id=state.snapshot_id,
             version=version,
@@ -847,6 +891,13 @@ def _files_identity(paths: RolloutPaths, state_bytes: bytes | None = None) -> _F
         _size_of(paths.intents),
         _size_of(paths.incomplete),
     )
+
+
+def _carried_in_memory(effect: object) -> bool:
+    """Whether an effect only adds to the rollout's files and state, so deciding ahead may leave it for later."""
+    if isinstance(effect, WriteState):
+        return effect.state is None
+    return isinstance(effect, (AppendEntry, AppendIntent, AppendIncompleteMark))
 
 
 @contextmanager

@@ -49,7 +49,7 @@ import signal
 import sys
 import threading
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -61,8 +61,9 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from filelock import FileLock, Timeout
 
 from tokcap.durable_io import remove_stale_temp_files
-from tokcap.errors import MaterializerFailedError, MaterializerOwnedElsewhereError
-from tokcap.events import DeleteEvent, DropEvent, FreezeEvent, RetireEvent
+from tokcap.errors import MaterializerFailedError, MaterializerOwnedElsewhereError, TokcapError
+from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
+from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import list_topics
 from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
@@ -119,6 +120,9 @@ on the order of 200 MB at most."""
 _BATCH_SIZE = 200
 """Messages applied in log order per loop turn; a command read meanwhile waits at most one such batch."""
 
+_SWEEP_STEP = 25
+"""Messages swept between two reads: how long a waited-for freeze can sit unread behind the sweep."""
+
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
 
@@ -149,6 +153,8 @@ class MaterializerCounters:
     """Decisions carried out ahead of the sweep: the commands and their rollouts' earlier events."""
     backlog_skipped: int = 0
     """Summed over commands carried out ahead: messages still waiting before each of them when it was."""
+    freezes_answered_ahead: int = 0
+    """Freezes answered from their rollouts' events decided in memory, before those events were applied."""
 
 
 @dataclass
@@ -161,6 +167,8 @@ class _Read:
     chunks_before: tuple[int, ...]
     """The partition's open chunk offsets before this message was routed: a checkpoint here names them."""
     size: int
+    answered_ahead: bool = False
+    """A freeze whose source was answered from its rollout's events decided in memory; it is not urgent."""
 
 
 @dataclass
@@ -243,12 +251,18 @@ class Materializer:
         self._held_messages = 0
         self._held_bytes = 0
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
+        self._answers: OrderedDict[tuple[int, int], tuple[ApplyResult, TokenCaptureSnapshot]] = OrderedDict()
+        """Freezes answered ahead of their apply, by position: the verdict and the snapshot, taken once."""
+        self._ahead_writers: Counter[str] = Counter()
+        """Writer ids of the in-process sources whose freezes are answered ahead of their apply."""
         self._condition = threading.Condition()
         self._failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._async_waiters: list[tuple[int, int, bool, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._async_waiters: list[
+            tuple[int, int, bool, bool, asyncio.AbstractEventLoop, asyncio.Future[None]]
+        ] = []
 
     # ---------------------------------------------------------------- public
 
@@ -296,9 +310,37 @@ class Materializer:
             return dict(self._applied_next)
 
     def result_at(self, partition: int, offset: int) -> ApplyResult | None:
-        """The apply result of a recent event at this position, if still remembered."""
+        """The apply result of a recent event at this position (or of a freeze answered ahead), if remembered."""
         with self._condition:
-            return self._results.get((partition, offset))
+            result = self._results.get((partition, offset))
+            if result is None and (partition, offset) in self._answers:
+                result = self._answers[(partition, offset)][0]
+            return result
+
+    def answer_freezes_ahead_for(self, writer: str) -> None:
+        """Answer this writer's freezes as soon as they are read, ahead of their rollouts' backlog.
+
+        An in-process source registers its writer id, then takes each answer with ``take_snapshot_ahead``.
+        Freezes of other writers (sources in other processes wait for the checkpoint) are not decided twice.
+        """
+        with self._condition:
+            self._ahead_writers[writer] += 1
+
+    def stop_answering_ahead_for(self, writer: str) -> None:
+        """Undo one ``answer_freezes_ahead_for``; the writer's later freezes wait for their apply."""
+        with self._condition:
+            self._ahead_writers[writer] -= 1
+            if self._ahead_writers[writer] <= 0:
+                del self._ahead_writers[writer]
+
+    def take_snapshot_ahead(self, partition: int, offset: int) -> TokenCaptureSnapshot | None:
+        """The snapshot of the freeze at this position if it was answered ahead of its apply; given out once.
+
+        It is the snapshot ``store.snapshot(rollout_id, as_of=...)`` returns once the freeze is applied.
+        """
+        with self._condition:
+            answer = self._answers.pop((partition, offset), None)
+        return None if answer is None else answer[1]
 
     def counters(self) -> MaterializerCounters:
         """A copy of the loop's counters."""
@@ -312,6 +354,12 @@ class Materializer:
             return True
         return command and offset in self._applied_ahead.get(partition, ())
 
+    def _is_answered(self, partition: int, offset: int, command: bool, ahead: bool) -> bool:
+        """Applied, or (``ahead``) a freeze answered ahead of its apply; the caller holds the condition."""
+        return self._is_applied(partition, offset, command) or (
+            ahead and (partition, offset) in self._answers
+        )
+
     def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
         """Block until every event up to this offset is applied; return ``False`` on timeout."""
         with self._condition:
@@ -321,19 +369,22 @@ class Materializer:
         self._raise_if_failed()
         return bool(applied)
 
-    async def applied(self, partition: int, offset: int, timeout_s: float, *, command: bool = False) -> bool:
+    async def applied(
+        self, partition: int, offset: int, timeout_s: float, *, command: bool = False, ahead: bool = False
+    ) -> bool:
         """Wait, without holding a thread, until every event up to this offset is applied; ``False`` on timeout.
 
         With ``command`` (the offset holds a freeze, drop, retire or delete), wait only until the command and
         its own rollout's earlier events are applied: the verdict depends on nothing else, and other rollouts'
-        backlog before it may still be waiting. Many trainers' freezes wait at once; a blocking wait per
-        freeze would queue them behind the event loop's few executor threads.
+        backlog before it may still be waiting. With ``ahead`` as well, a freeze answered ahead of its apply
+        (``take_snapshot_ahead``) is waited for no further. Many trainers' freezes wait at once; a blocking
+        wait per freeze would queue them behind the event loop's few executor threads.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        waiter = (partition, offset, command, loop, future)
+        waiter = (partition, offset, command, ahead, loop, future)
         with self._condition:
-            if self._failure is None and self._is_applied(partition, offset, command):
+            if self._failure is None and self._is_answered(partition, offset, command, ahead):
                 return True
             if self._failure is None:
                 self._async_waiters.append(waiter)
@@ -353,8 +404,8 @@ class Materializer:
         """Resolve the waits that are now applied, or all of them when the loop failed; caller holds the condition."""
         still_waiting = []
         for waiter in self._async_waiters:
-            partition, offset, command, loop, future = waiter
-            if self._failure is not None or self._is_applied(partition, offset, command):
+            partition, offset, command, ahead, loop, future = waiter
+            if self._failure is not None or self._is_answered(partition, offset, command, ahead):
                 # A closed event loop raises here: nobody is waiting on it any more.
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(_resolve_waiter, future)
@@ -503,8 +554,25 @@ class Materializer:
                     continue
             budget = _COMMAND_BUDGET
             with self._store.deferred_durability():
-                self._sweep(_BATCH_SIZE)
+                self._sweep_reading(consumer)
             self._checkpoint()
+
+    def _sweep_reading(self, consumer: Consumer) -> None:
+        """Sweep one batch in steps, reading and answering waited-for freezes between them.
+
+        A freeze answered ahead of its apply needs only to be read, so reading between steps keeps its wait
+        to one step of the sweep rather than a whole batch; a command that must be carried out ends the batch.
+        """
+        swept = 0
+        while swept < _BATCH_SIZE:
+            step = self._sweep(min(_SWEEP_STEP, _BATCH_SIZE - swept))
+            swept += step
+            if not step or not self._held_messages:
+                return
+            for message in self._read(consumer):
+                self._take(message)
+            if self._commands_waiting():
+                return
 
     def _read(self, consumer: Consumer) -> list[Message]:
         """The next messages to route, as many as the read-ahead has room for (none when it is full).
@@ -586,13 +654,79 @@ class Materializer:
                 progress.by_rollout.setdefault(rollout_id, deque()).append((read, index))
             if isinstance(decision, ApplyEvent) and isinstance(decision.event, _COMMANDS):
                 progress.commands.append((read, index))
+                if isinstance(decision.event, FreezeEvent) and self._answers_ahead_for(decision.event.writer):
+                    self._answer_ahead(partition, read, index)
         progress.read_next = offset + 1
         self._held_messages += 1
         self._held_bytes += read.size
         self._counters.messages_routed += 1
 
+    def _answers_ahead_for(self, writer: str) -> bool:
+        with self._condition:
+            return writer in self._ahead_writers
+
+    def _answer_ahead(self, partition: int, read: _Read, index: int) -> None:
+        """Answer a routed freeze from its rollout's events decided in memory.
+
+        A freeze's verdict and snapshot depend only on its rollout's events before it, all routed already,
+        and the rules are pure, so deciding them without writing gives what applying them will. The source is
+        answered at once; the events are applied as before, and the store ends byte-identical. A freeze whose
+        answer needs something carried out first (a removal, a repair, a group abandoned without a position)
+        waits for its apply.
+        """
+        rollout_id = _rollout_of(read.routed[index])
+        assert rollout_id is not None
+        pending = self._pending_events(partition, rollout_id, read, index)
+        if pending is None:
+            return
+        try:
+            answer = self._store.snapshot_ahead(rollout_id, pending)
+        except TokcapError as exc:
+            # The apply meets the same problem and answers the source with it.
+            logger.debug(
+                "freeze at partition %d offset %d not answered ahead: %s", partition, read.offset, exc
+            )
+            return
+        if answer is None:
+            return
+        read.answered_ahead = True
+        with self._condition:
+            self._answers[(partition, read.offset)] = answer
+            while len(self._answers) > _RESULTS_KEPT:
+                self._answers.popitem(last=False)
+            self._counters.freezes_answered_ahead += 1
+            self._condition.notify_all()
+            self._wake_async_waiters()
+
+    def _pending_events(
+        self, partition: int, rollout_id: str, read: _Read, index: int
+    ) -> list[tuple[Event, LogPosition]] | None:
+        """The rollout's events not applied yet, up to and including the decision at ``read``/``index``.
+
+        ``None`` when one of them is a mask applied without a log position, which a decision alone cannot answer.
+        """
+        events: list[tuple[Event, LogPosition]] = []
+        for earlier, earlier_index in self._progress[partition].by_rollout.get(rollout_id, ()):
+            routed = earlier.routed[earlier_index]
+            position = LogPosition(self._topic, routed.partition, routed.offset)
+            if isinstance(routed, ApplyEvent):
+                events.append((routed.event, position))
+            elif isinstance(routed, DeadLetter) and routed.positioned and routed.mask is not None:
+                events.append((routed.mask, position))
+            else:
+                return None
+            if earlier is read and earlier_index == index:
+                return events
+        return None
+
     def _commands_waiting(self) -> bool:
-        return any(progress.commands for progress in self._progress.values())
+        """Whether a command waits to be carried out first; a freeze answered ahead waits for the sweep."""
+        for progress in self._progress.values():
+            while progress.commands and progress.commands[0][0].answered_ahead:
+                progress.commands.popleft()
+            if progress.commands:
+                return True
+        return False
 
     def _carry_out_commands(self, budget: int) -> None:
         """Carry out the commands read so far, each after its own rollout's earlier decisions only.
@@ -604,7 +738,7 @@ class Materializer:
         for partition, progress in self._progress.items():
             while progress.commands and carried < budget:
                 read, index = progress.commands.popleft()
-                if read.done[index]:
+                if read.done[index] or read.answered_ahead:
                     continue
                 decision = read.routed[index]
                 rollout_id = _rollout_of(decision)
@@ -632,11 +766,15 @@ class Materializer:
                     backlog,
                 )
 
-    def _sweep(self, budget: int) -> None:
-        """Finish up to ``budget`` messages in log order, shared between the partitions that have some."""
+    def _sweep(self, budget: int) -> int:
+        """Finish up to ``budget`` messages in log order, shared between the partitions that have some.
+
+        Return how many were finished.
+        """
         active = [progress for progress in self._progress.values() if progress.pending]
         if not active:
-            return
+            return 0
+        swept = 0
         share = max(1, budget // len(active))
         for progress in active:
             for _ in range(min(share, len(progress.pending))):
@@ -656,6 +794,8 @@ class Materializer:
                 self._held_messages -= 1
                 self._held_bytes -= read.size
                 self._counters.messages_swept += 1
+                swept += 1
+        return swept
 
     def _on_consumer_error(self, error: KafkaError) -> None:
         failure = read_error(error, topic=self._topic, context=self._client)

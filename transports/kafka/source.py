@@ -129,6 +129,8 @@ class KafkaTokenSource:
             bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
         )
         self._owns_partition = owns_partition
+        if self._materializer is not None:
+            self._materializer.answer_freezes_ahead_for(self._writer_id)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -179,7 +181,7 @@ class KafkaTokenSource:
                 break
             if self._materializer is not None:
                 applied = await self._materializer.applied(
-                    delivered.partition, delivered.offset, left, command=True
+                    delivered.partition, delivered.offset, left, command=True, ahead=what == "freeze"
                 )
                 break
             assert self._external is not None
@@ -234,6 +236,10 @@ class KafkaTokenSource:
                 f"rollout {rollout_id!r} is retired; it cannot be frozen. Delete it before reusing its id",
                 rollout_id=rollout_id,
             )
+        if self._materializer is not None:
+            ahead = self._materializer.take_snapshot_ahead(position.partition, position.offset)
+            if ahead is not None:
+                return ahead
         # The snapshot as of the freeze's position: writes applied after it move the version past it.
         return await asyncio.to_thread(functools.partial(self._store.snapshot, rollout_id, as_of=position))
 
@@ -281,6 +287,8 @@ class KafkaTokenSource:
         if self._closed:
             return
         self._closed = True
+        if self._materializer is not None:
+            self._materializer.stop_answering_ahead_for(self._writer_id)
         await asyncio.to_thread(self._bridge.close)
         if self._shares_materializer and self._materializer is not None:
             await asyncio.to_thread(shared_materializers.release, self._materializer)

@@ -1,0 +1,147 @@
+"""A freeze of an in-process source is answered as soon as it is read, before its rollout's backlog is applied.
+
+The answer is the one the apply gives (``store.snapshot(as_of=...)`` afterwards), the store still ends as a
+clean in-order replay leaves it, and freezes of writers nobody in the process answers for are not decided twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from kafka_topic_double import MemoryTopic, materialize
+from store_contract import directory_contents, make_entry
+
+import transports.kafka.materializer as materializer_module
+from tokcap.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
+from transports.kafka.materializer import Materializer
+from transports.kafka.router import Routed
+
+TOPIC = "tokcap.freeze-ahead-test"
+TRAINER = "trainer-source"
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    """Every file's bytes by name, locks left out (they hold no state)."""
+    return {name: data for name, data in directory_contents(directory).items() if not name.endswith(".lock")}
+
+
+def rollouts_then_freezes(topic: MemoryTopic, rollouts: int, calls: int) -> dict[str, int]:
+    """Rollouts written in lockstep, then all frozen at once (a trainer's batch); the freezes' offsets."""
+    for call in range(calls):
+        for rollout in range(rollouts):
+            rollout_id = f"r{rollout}"
+            topic.publish(IntentEvent(rollout_id=rollout_id, model_call_id=f"c{call}"))
+            topic.publish(PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, f"c{call}", tokens=5)))
+    offsets = {}
+    for rollout in range(rollouts):
+        (offsets[f"r{rollout}"],) = topic.publish(FreezeEvent(rollout_id=f"r{rollout}", writer=TRAINER))
+    return offsets
+
+
+@contextmanager
+def nothing_applied_until_released() -> Iterator[threading.Event]:
+    """Hold every apply back until the test sets the event: the backlog a freeze would otherwise wait for."""
+    release = threading.Event()
+    real = materializer_module.carry_out
+
+    def held(store: Any, topic_name: str, routed: Routed) -> Any:
+        assert release.wait(60)
+        return real(store, topic_name, routed)
+
+    try:
+        with mock.patch.object(materializer_module, "carry_out", held):
+            yield release
+    finally:
+        release.set()
+
+
+def test_waited_for_freezes_are_answered_before_any_event_is_applied_and_equal_their_apply(
+    tmp_path: Path,
+) -> None:
+    topic = MemoryTopic(TOPIC)
+    freezes = rollouts_then_freezes(topic, rollouts=6, calls=4)
+
+    async def freeze_all(release: threading.Event) -> tuple[dict[str, Any], dict[int, int], dict[str, Any]]:
+        materializer = Materializer("memory", TOPIC, tmp_path / "live", consumer_factory=topic.consumer)
+        materializer.answer_freezes_ahead_for(TRAINER)
+        materializer.start()
+        try:
+            answered = await asyncio.gather(
+                *(materializer.applied(0, at, 60, command=True, ahead=True) for at in freezes.values())
+            )
+            assert all(answered)
+            applied_then = materializer.applied_offsets()
+            ahead = {
+                rollout_id: (materializer.result_at(0, at), materializer.take_snapshot_ahead(0, at))
+                for rollout_id, at in freezes.items()
+            }
+            release.set()
+            assert await materializer.applied(0, max(freezes.values()), 60)
+            later = {
+                rollout_id: (
+                    materializer.result_at(0, at),
+                    materializer.store.snapshot(rollout_id, as_of=LogPosition(TOPIC, 0, at)),
+                )
+                for rollout_id, at in freezes.items()
+            }
+            return ahead, applied_then, later
+        finally:
+            release.set()
+            materializer.stop()
+
+    with nothing_applied_until_released() as release:
+        ahead, applied_then, later = asyncio.run(freeze_all(release))
+    assert applied_then == {0: 0}
+    assert ahead == later
+    assert all(len(snapshot.entries) == 4 for _, snapshot in ahead.values())
+    assert files(tmp_path / "live") == files(materialize(topic, tmp_path / "replay").store.root)
+
+
+def test_a_snapshot_answered_ahead_is_given_out_once(tmp_path: Path) -> None:
+    topic = MemoryTopic(TOPIC)
+    (at,) = rollouts_then_freezes(topic, rollouts=1, calls=2).values()
+
+    async def freeze_twice(release: threading.Event) -> tuple[bool, bool]:
+        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer.answer_freezes_ahead_for(TRAINER)
+        materializer.start()
+        try:
+            assert await materializer.applied(0, at, 60, command=True, ahead=True)
+            first = materializer.take_snapshot_ahead(0, at)
+            second = materializer.take_snapshot_ahead(0, at)
+            return first is not None, second is not None
+        finally:
+            release.set()
+            materializer.stop()
+
+    with nothing_applied_until_released() as release:
+        assert asyncio.run(freeze_twice(release)) == (True, False)
+
+
+def test_freezes_of_a_writer_no_source_in_the_process_answers_for_are_not_decided_ahead(
+    tmp_path: Path,
+) -> None:
+    topic = MemoryTopic(TOPIC)
+    freezes = rollouts_then_freezes(topic, rollouts=4, calls=3)
+
+    async def wait_for_all() -> int:
+        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer.answer_freezes_ahead_for("another-source")
+        materializer.start()
+        try:
+            answered = await asyncio.gather(
+                *(materializer.applied(0, at, 60, command=True, ahead=True) for at in freezes.values())
+            )
+            assert all(answered)
+            return materializer.counters().freezes_answered_ahead
+        finally:
+            materializer.stop()
+
+    assert asyncio.run(wait_for_all()) == 0
+    assert materialize(topic, tmp_path / "replay").counters().freezes_answered_ahead == 0
