@@ -191,6 +191,7 @@ async def _kafka_trial(
         evidence.update(
             freeze_phase_cpu_s=cpu,
             commands_ahead=after.commands_ahead - before.commands_ahead,
+            freezes_answered_ahead=after.freezes_answered_ahead - before.freezes_answered_ahead,
             backlog_skipped=after.backlog_skipped - before.backlog_skipped,
             messages_swept_during_freezes=after.messages_swept - before.messages_swept,
         )
@@ -298,7 +299,8 @@ def _print(summary: dict[str, Any]) -> None:
     if kafka is not None:
         print(
             f"kafka freeze phase: {kafka['lag_when_freezes_sent']:.0f} events not applied when the freezes were "
-            f"sent, {kafka['commands_ahead']:.0f} freezes carried out ahead of other rollouts' backlog "
+            f"sent, {kafka['freezes_answered_ahead']:.0f} answered ahead of their apply, "
+            f"{kafka['commands_ahead']:.0f} carried out ahead of other rollouts' backlog "
             f"({kafka['backlog_skipped']:.0f} messages jumped), {kafka['freeze_phase_cpu_s']:.2f} s process CPU"
         )
     main_load = summary.get("main_load")

@@ -330,6 +330,12 @@ def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             g("kafka_lag_at_end_of_puts"),
             "",
         ),
+        (
+            "freezes answered ahead of their apply (of all freezes)",
+            "",
+            g("kafka_freezes_answered_ahead"),
+            "",
+        ),
         ("with the materializer in its own process:", "", "", ""),
         ("  put calls/s", "", g("kafka_ext_puts_per_s"), ""),
         (
@@ -368,6 +374,7 @@ BATCH_COLUMNS = (
     "batch freeze ms",
     "events not applied when the freezes were sent",
     "freezes ahead of backlog",
+    "freezes answered ahead",
     "freeze-phase CPU s",
 )
 _BATCH_NAMES = (("gym", "Gym 0.7.0 file store"), ("file", "tokcap file store"), ("kafka", "tokcap Kafka"))
@@ -393,6 +400,7 @@ def batch_rows(batch: dict[str, Any]) -> list[list[str]]:
                     for name, digits in (
                         ("lag_when_freezes_sent", 0),
                         ("commands_ahead", 0),
+                        ("freezes_answered_ahead", 0),
                         ("freeze_phase_cpu_s", 2),
                     )
                 ),

@@ -188,6 +188,8 @@ async def measure_shape(
             record("replay_events", kafka.replay.events)
             record("replay_disk_bytes_per_token", kafka.replay.disk_bytes / workload.tokens)
             record("kafka_lag_at_end_of_puts", kafka.lag_at_end_of_puts)
+            if kafka.live_counters is not None:
+                record("kafka_freezes_answered_ahead", kafka.live_counters.freezes_answered_ahead)
             record("apply_events_per_s", kafka.apply.events_per_s)
             record("apply_tokens_per_s", kafka.apply.tokens_per_s)
             gc.collect()
