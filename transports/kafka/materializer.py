@@ -132,6 +132,9 @@ _COMMAND_BUDGET = 100
 _COMMAND_BUDGET_MOST = 3_200
 """The largest block of a burst of commands: each block of a burst doubles, up to this."""
 
+_ANSWERS_KEPT = 1_000
+"""Freezes answered ahead and not taken yet; a source that finds its answer forgotten waits for the apply."""
+
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
 
@@ -681,7 +684,7 @@ class Materializer:
             return
         try:
             answer = self._store.snapshot_ahead(rollout_id, pending)
-        except TokcapError as exc:
+        except (TokcapError, OSError) as exc:
             # The apply meets the same problem and answers the source with it.
             logger.debug(
                 "freeze at partition %d offset %d not answered ahead: %s", partition, read.offset, exc
@@ -692,7 +695,7 @@ class Materializer:
         read.answered_ahead = True
         with self._condition:
             self._answers[(partition, read.offset)] = answer
-            while len(self._answers) > _RESULTS_KEPT:
+            while len(self._answers) > _ANSWERS_KEPT:
                 self._answers.popitem(last=False)
             self._counters.freezes_answered_ahead += 1
             self._condition.notify_all()

@@ -164,7 +164,13 @@ class KafkaTokenSource:
                 f"{self._topic!r}, which {self._store.root} does not own; every producer of the run must use "
                 "the partitioner the source computes with (librdkafka's default, consistent_random)"
             )
-        await self._wait_applied(delivered, event.rollout_id, what)
+        await self._wait_applied(
+            delivered.partition,
+            delivered.offset,
+            event.rollout_id,
+            what,
+            ahead=isinstance(event, FreezeEvent),
+        )
         result = None
         if self._materializer is not None:
             result = self._materializer.result_at(delivered.partition, delivered.offset)
@@ -172,7 +178,10 @@ class KafkaTokenSource:
             result = await asyncio.to_thread(self._rederive, event, delivered)
         return result, LogPosition(self._topic, delivered.partition, delivered.offset)
 
-    async def _wait_applied(self, delivered: Delivered, rollout_id: str, what: str) -> None:
+    async def _wait_applied(
+        self, partition: int, offset: int, rollout_id: str, what: str, *, ahead: bool = False
+    ) -> None:
+        """Wait until the command is applied (with ``ahead``, or answered ahead of its apply)."""
         deadline = time.monotonic() + self._timeout_s
         applied = False
         while not applied:
@@ -180,20 +189,16 @@ class KafkaTokenSource:
             if left <= 0:
                 break
             if self._materializer is not None:
-                applied = await self._materializer.applied(
-                    delivered.partition, delivered.offset, left, command=True, ahead=what == "freeze"
-                )
+                applied = await self._materializer.applied(partition, offset, left, command=True, ahead=ahead)
                 break
             assert self._external is not None
-            applied = await self._external.applied(
-                delivered.partition, delivered.offset, min(left, _OWNER_CHECK_S)
-            )
+            applied = await self._external.applied(partition, offset, min(left, _OWNER_CHECK_S))
             if not applied and self._shares_materializer:
                 await asyncio.to_thread(self._take_over_if_owner_left)
         if not applied:
             raise DeliveryTimeoutError(
-                f"{what} of rollout {rollout_id!r} was written at partition {delivered.partition} offset "
-                f"{delivered.offset} of {self._topic!r} but not applied within {self._timeout_s} s; "
+                f"{what} of rollout {rollout_id!r} was written at partition {partition} offset "
+                f"{offset} of {self._topic!r} but not applied within {self._timeout_s} s; "
                 "check that the materializer is running and keeping up",
                 rollout_id=rollout_id,
             )
@@ -240,6 +245,8 @@ class KafkaTokenSource:
             ahead = self._materializer.take_snapshot_ahead(position.partition, position.offset)
             if ahead is not None:
                 return ahead
+            # Answered by its apply, or answered ahead and forgotten since: read the snapshot once applied.
+            await self._wait_applied(position.partition, position.offset, rollout_id, "freeze")
         # The snapshot as of the freeze's position: writes applied after it move the version past it.
         return await asyncio.to_thread(functools.partial(self._store.snapshot, rollout_id, as_of=position))
 
