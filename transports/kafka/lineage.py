@@ -70,6 +70,8 @@ __all__ = ["KafkaLineageResolver"]
 _PACKED_MAGIC = b"TKP1"
 _ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 _FORGETTING_EVENTS = frozenset({"drop", "retire"})
+_FOLD_STEP = 16
+"""Messages folded per hold of the lock."""
 
 
 class _SharedQuestion:
@@ -402,9 +404,16 @@ class KafkaLineageResolver:
             self._lock.acquire()
             self._unassigned.extend(unassigned)  # not assigned: the next reader tries again
         # Every message is folded before a failure is raised: the consumer will not hand them out again.
+        # A few at a time, letting the callers already read answer in between rather than after the batch.
         failure: TransportError | None = None
-        for message in messages:
-            failure = self._take(message) or failure
+        for start in range(0, len(messages), _FOLD_STEP):
+            if start:
+                self._read.notify_all()
+                self._lock.release()
+                time.sleep(0)  # yields the GIL to the callers just woken
+                self._lock.acquire()
+            for message in messages[start : start + _FOLD_STEP]:
+                failure = self._take(message) or failure
         if failure is not None:
             raise failure
 
