@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,7 @@ from transports.kafka.codec import (
     read_chunk_header,
     rollout_of_key,
 )
-from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
 from transports.kafka.router import LogMessage
 from transports.kafka.topics import resolve_topic
@@ -72,6 +73,8 @@ _ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log
 _FORGETTING_EVENTS = frozenset({"drop", "retire"})
 _FOLD_STEP = 16
 """Messages folded per hold of the lock."""
+_RESTORE_STRIPES = 8
+"""Wire-delta restorers, each with its own lock, serving a share of the rollouts."""
 
 
 class _SharedQuestion:
@@ -231,8 +234,12 @@ class KafkaLineageResolver:
         self._ends = _SharedQuestion()
         self._rollouts: dict[str, _RolloutLog] = {}
         self._chunks: dict[str, list[bytes]] = {}
-        self._restore_lock = threading.Lock()
-        self._restorer = ParentRestorer()
+        # Restoring is CPU work on one rollout; striped by rollout so concurrent calls do not queue on one lock,
+        # with the kept tokens still bounded overall.
+        self._restorers = [
+            (threading.Lock(), ParentRestorer(max_tokens=DEFAULT_KEPT_TOKENS // _RESTORE_STRIPES))
+            for _ in range(_RESTORE_STRIPES)
+        ]
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokcap-lineage")
         self._closed = False
 
@@ -514,18 +521,19 @@ class KafkaLineageResolver:
     def _restored(self, log: _RolloutLog, stored: _StoredPut) -> PutEvent:
         """A wire delta's exact put, rebuilt from the rollout's whole puts read so far; its digest is checked.
 
-        One restorer keeps recent parents for every rollout (bounded in tokens); a parent it forgot is taken
-        again from the rollout's puts this resolver read.
+        A few restorers, each for a share of the rollouts, keep recent parents (bounded in tokens); a parent
+        one forgot is taken again from the rollout's puts this resolver read.
         """
 
         def read(partition: int, offset: int) -> LogMessage | None:
             parent = log.at.get(offset)
             return None if parent is None or parent.partition != partition else parent.as_message()
 
-        with self._restore_lock:
+        lock, restorer = self._restorers[zlib.crc32(stored.key) % _RESTORE_STRIPES]
+        with lock:
             try:
                 delta = decode_wire_delta(stored.key, stored.value, stored.headers)
-                return self._restorer.restore(stored.key, stored.partition, stored.offset, delta, read=read)
+                return restorer.restore(stored.key, stored.partition, stored.offset, delta, read=read)
             except EventDecodeError as exc:
                 raise LineageLookupError(
                     f"call {stored.call_id}'s wire delta cannot be restored: {exc}"
