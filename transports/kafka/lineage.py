@@ -346,7 +346,11 @@ class KafkaLineageResolver:
                 self._unassigned.append(TopicPartition(self._topic, partition, int(low)))
 
     def _ends_of(self, partitions: frozenset[int]) -> dict[int, int]:
-        """Each partition's offset after its last message, asked of the broker now in one request."""
+        """Each partition's offset after its last message, asked of the broker now in one request.
+
+        Asked with the consumer's own settings, so under ``isolation.level=read_committed`` (the default) it is
+        the last stable offset: the end that reading can reach (the high watermark when nothing is transactional).
+        """
         wanted = [TopicPartition(self._topic, partition, OFFSET_END) for partition in sorted(partitions)]
         try:
             answered = self._asker.offsets_for_times(wanted, timeout=self._timeout_s)
