@@ -133,35 +133,63 @@ def _until(condition: Any) -> None:
 def test_a_caller_arriving_while_a_question_is_in_flight_gets_the_answer_of_a_later_question() -> None:
     shared = kafka_lineage._SharedQuestion()
     release_first = threading.Event()
-    asked: list[int] = []
+    asked: list[frozenset[int]] = []
 
-    def question() -> tuple[int, int]:
-        asked.append(len(asked) + 1)
+    def question(partitions: frozenset[int]) -> dict[int, int]:
+        asked.append(partitions)
         if len(asked) == 1:
             release_first.wait(30)
-        return (0, len(asked))
+        return dict.fromkeys(partitions, len(asked))
 
-    answers: dict[str, tuple[int, int]] = {}
-    first = threading.Thread(target=lambda: answers.update(first=shared.ask(question)))
+    answers: dict[str, int] = {}
+    first = threading.Thread(target=lambda: answers.update(first=shared.ask(0, question)))
     first.start()
     _until(lambda: asked)  # the first question is in flight
-    second = threading.Thread(target=lambda: answers.update(second=shared.ask(question)))
+    second = threading.Thread(target=lambda: answers.update(second=shared.ask(0, question)))
     second.start()
     _until(lambda: shared._condition._waiters)  # the second caller waits
     release_first.set()
     first.join(30)
     second.join(30)
-    assert answers == {"first": (0, 1), "second": (0, 2)}
+    assert answers == {"first": 1, "second": 2}
+
+
+def test_callers_on_different_partitions_arriving_during_a_question_share_the_next_one() -> None:
+    shared = kafka_lineage._SharedQuestion()
+    release_first = threading.Event()
+    asked: list[frozenset[int]] = []
+
+    def question(partitions: frozenset[int]) -> dict[int, int]:
+        asked.append(partitions)
+        if len(asked) == 1:
+            release_first.wait(30)
+        return {partition: 10 * partition + len(asked) for partition in partitions}
+
+    answers: dict[int, int] = {}
+    first = threading.Thread(target=lambda: answers.update({0: shared.ask(0, question)}))
+    first.start()
+    _until(lambda: asked)  # the first question is in flight
+    later = [
+        threading.Thread(target=lambda p=p: answers.update({p: shared.ask(p, question)})) for p in (1, 2)
+    ]
+    for thread in later:
+        thread.start()
+    _until(lambda: len(shared._condition._waiters) == 2)  # both later callers wait
+    release_first.set()
+    for thread in (first, *later):
+        thread.join(30)
+    assert asked == [frozenset({0}), frozenset({1, 2})]
+    assert answers == {0: 1, 1: 12, 2: 22}
 
 
 def test_a_failed_question_fails_every_caller_it_answers() -> None:
     shared = kafka_lineage._SharedQuestion()
 
-    def question() -> tuple[int, int]:
+    def question(partitions: frozenset[int]) -> dict[int, int]:
         raise OSError("broker gone")
 
     with pytest.raises(OSError, match="broker gone"):
-        shared.ask(question)
+        shared.ask(0, question)
 
 
 def test_a_put_sent_as_a_wire_delta_resolves_with_its_restored_cumulative_tokens(

@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, Message, TopicPartition
 
 from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, TransportError
 from tokcap.events import PutEvent
@@ -60,7 +61,7 @@ from transports.kafka.codec import (
     read_chunk_header,
     rollout_of_key,
 )
-from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
 from transports.kafka.router import LogMessage
 from transports.kafka.topics import resolve_topic
@@ -70,50 +71,65 @@ __all__ = ["KafkaLineageResolver"]
 _PACKED_MAGIC = b"TKP1"
 _ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 _FORGETTING_EVENTS = frozenset({"drop", "retire"})
+_FOLD_STEP = 16
+"""Messages folded per hold of the lock."""
+_RESTORE_STRIPES = 8
+"""Wire-delta restorers, each with its own lock, serving a share of the rollouts."""
 
 
 class _SharedQuestion:
-    """One broker question answering every caller that arrived before it was sent.
+    """One broker question, for every partition asked about, answering every caller that arrived before it was sent.
 
-    A caller that finds a question in flight waits for it to finish and then for the next one, which is
-    sent after the caller arrived: no answer is older than the call it answers (read-your-writes), and
-    many concurrent callers cost two round trips rather than one queued round trip each.
+    A caller that finds a question in flight adds its partition to the next one and waits for it, which is
+    sent after the caller arrived: no answer is older than the call it answers (read-your-writes). Concurrent
+    callers, whatever their partitions, cost two round trips rather than one queued round trip each.
     """
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
         self._asking = False
         self._sent = 0
-        self._answered = 0
-        self._answer: tuple[int, int] = (0, 0)
-        self._failure: BaseException | None = None
+        self._wanted: set[int] = set()
+        """The partitions the next question will ask about."""
+        self._answers: dict[int, tuple[int, int | BaseException]] = {}
+        """Per partition: the number of the last question that asked about it, and its answer or failure."""
 
-    def ask(self, question: Callable[[], tuple[int, int]]) -> tuple[int, int]:
-        """The answer of a question sent after this call began (this caller's, or a concurrent caller's)."""
+    def ask(self, partition: int, question: Callable[[frozenset[int]], Mapping[int, int]]) -> int:
+        """The partition's answer from a question sent after this call began (this caller's or another's)."""
         with self._condition:
             wanted = self._sent + 1
-            while self._answered < wanted:
+            self._wanted.add(partition)
+            while self._answers.get(partition, (0, 0))[0] < wanted:
                 if self._asking:
                     self._condition.wait()
                     continue
                 self._asking = True
                 self._sent += 1
-                number = self._sent
+                number, partitions = self._sent, frozenset(self._wanted)
+                self._wanted = set()
                 self._condition.release()
-                answer: tuple[int, int] = (0, 0)
-                failure: BaseException | None = None
+                answers: dict[int, int | BaseException] = {}
                 try:
-                    answer = question()
+                    answered = question(partitions)
+                    for asked in partitions:
+                        answers[asked] = answered.get(
+                            asked, TransportError(f"no end offset for partition {asked}")
+                        )
                 except BaseException as exc:
-                    failure = exc
+                    answers = dict.fromkeys(partitions, exc)
                 finally:
                     self._condition.acquire()
                     self._asking = False
-                    self._answered, self._answer, self._failure = number, answer, failure
+                    for asked in partitions:
+                        self._answers[asked] = (
+                            number,
+                            answers.get(asked, TransportError("question not sent")),
+                        )
                     self._condition.notify_all()
-            if self._failure is not None:
-                raise self._failure
-            return self._answer
+            answer = self._answers[partition][1]
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
 
 
 @dataclass
@@ -201,14 +217,29 @@ class KafkaLineageResolver:
             defaults={"fetch.wait.max.ms": 10},
         )
         self._consumer: Consumer = build_client(Consumer, settings, self._context, "consumer")
+        # A second handle asks the broker questions (metadata, offsets): a request on the reading handle waits
+        # behind another thread's consume call (measured: seconds, past its own timeout), one here does not.
+        self._asker: Consumer = build_client(Consumer, settings, self._context, "consumer")
+        self._unassigned: list[TopicPartition] = []
+        """Partitions to start reading; the reader assigns them, as the consumer is used by one thread at a time."""
         self._lock = threading.Lock()
+        """Guards the folded state; never held while waiting on the broker."""
+        self._read = threading.Condition(self._lock)
+        """Notified whenever the reader has folded what it read (or given up reading)."""
+        self._reading = False
+        """True while one caller reads for every waiting caller; the consumer is never read from two threads."""
         self._partitions: int | None = None
         self._next: dict[int, int] = {}
-        self._ends: defaultdict[int, _SharedQuestion] = defaultdict(_SharedQuestion)
+        self._assigning: defaultdict[int, threading.Lock] = defaultdict(threading.Lock)
+        self._ends = _SharedQuestion()
         self._rollouts: dict[str, _RolloutLog] = {}
         self._chunks: dict[str, list[bytes]] = {}
-        self._restore_lock = threading.Lock()
-        self._restorer = ParentRestorer()
+        # Restoring is CPU work on one rollout; striped by rollout so concurrent calls do not queue on one lock,
+        # with the kept tokens still bounded overall.
+        self._restorers = [
+            (threading.Lock(), ParentRestorer(max_tokens=DEFAULT_KEPT_TOKENS // _RESTORE_STRIPES))
+            for _ in range(_RESTORE_STRIPES)
+        ]
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokcap-lineage")
         self._closed = False
 
@@ -236,16 +267,17 @@ class KafkaLineageResolver:
         if not assistant_fingerprint(request_items):
             return LineageResolution(ParentResolutionStatus.ROOT)
         with self._lock:
-            if self._closed:
-                raise TransportError(f"{self!r} is closed; build a new resolver")
+            self._raise_if_closed()
             partition = self._partition_of(rollout_id)
-        # The end of the partition is asked outside the lock, and concurrent calls share one question.
-        low, high = self._ends[partition].ask(lambda: self._end_of(partition))
-        with self._lock:
-            if self._closed:
-                raise TransportError(f"{self!r} is closed; build a new resolver")
-            self._catch_up(partition, low, high)
+        self._assign(partition)
+        # The end is asked outside the lock, and concurrent calls share one question for all their partitions.
+        high = self._ends.ask(partition, self._ends_of)
+        self._catch_up(partition, high)
         return self._answer(rollout_id, request_items)
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise TransportError(f"{self!r} is closed; build a new resolver")
 
     def _answer(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
         """The decision over what has been read of the log so far."""
@@ -270,69 +302,144 @@ class KafkaLineageResolver:
             self._closed = True
             self._rollouts.clear()
             self._chunks.clear()
+            self._read.notify_all()
+        await asyncio.to_thread(self._stop_reading)
         await asyncio.to_thread(self._consumer.close)
+        await asyncio.to_thread(self._asker.close)
         self._executor.shutdown(wait=False)
+
+    def _stop_reading(self) -> None:
+        """Wait for a read in progress (at most one short consume) to end: the consumer is closed after it."""
+        with self._read:
+            while self._reading:
+                self._read.wait()
 
     # ------------------------------------------------------------------ reading the log
 
     def _partition_of(self, rollout_id: str) -> int:
         if self._partitions is None:
-            metadata = list_topics(self._consumer, self._watch, self._context, self._timeout_s, self._topic)
+            metadata = list_topics(self._asker, self._watch, self._context, self._timeout_s, self._topic)
             described = metadata.topics.get(self._topic)
             if described is None or described.error is not None or not described.partitions:
                 raise TransportError(f"topic {self._topic!r} has no readable partitions; create it first")
             self._partitions = len(described.partitions)
         return partition_of_rollout(rollout_id, self._partitions, self._partitioner)
 
-    def _end_of(self, partition: int) -> tuple[int, int]:
-        """The partition's first held offset and the offset after its last message, asked of the broker now."""
-        where = TopicPartition(self._topic, partition)
-        try:
-            low, high = self._consumer.get_watermark_offsets(where, timeout=self._timeout_s, cached=False)
-        except KafkaException as exc:
-            raise request_error(
-                exc,
-                doing=f"read the end of {self._topic!r}",
-                context=self._context,
-                timeout_s=self._timeout_s,
-            ) from None
-        return int(low), int(high)
+    def _assign(self, partition: int) -> None:
+        """Start reading the partition from its first held offset, once; other partitions' calls go on meanwhile."""
+        with self._lock:
+            if partition in self._next:
+                return
+            assigning = self._assigning[partition]
+        with assigning:
+            with self._lock:
+                if partition in self._next:
+                    return
+            where = TopicPartition(self._topic, partition)
+            try:
+                low, _ = self._asker.get_watermark_offsets(where, timeout=self._timeout_s, cached=False)
+            except KafkaException as exc:
+                raise self._request_error(exc) from None
+            with self._lock:
+                self._raise_if_closed()
+                self._next[partition] = int(low)
+                self._unassigned.append(TopicPartition(self._topic, partition, int(low)))
 
-    def _catch_up(self, partition: int, low: int, high: int) -> None:
-        """Read the partition up to ``high``, its end as of the call."""
-        if partition not in self._next:
-            self._next[partition] = int(low)
-            self._consumer.incremental_assign([TopicPartition(self._topic, partition, int(low))])
+    def _ends_of(self, partitions: frozenset[int]) -> dict[int, int]:
+        """Each partition's offset after its last message, asked of the broker now in one request.
+
+        Asked with the consumer's own settings, so under ``isolation.level=read_committed`` (the default) it is
+        the last stable offset: the end that reading can reach (the high watermark when nothing is transactional).
+        """
+        wanted = [TopicPartition(self._topic, partition, OFFSET_END) for partition in sorted(partitions)]
+        try:
+            answered = self._asker.offsets_for_times(wanted, timeout=self._timeout_s)
+        except KafkaException as exc:
+            raise self._request_error(exc) from None
+        ends: dict[int, int] = {}
+        for where in answered:
+            if where.error is not None:
+                raise self._request_error(KafkaException(where.error))
+            ends[where.partition] = int(where.offset)
+        return ends
+
+    def _request_error(self, exc: KafkaException) -> TransportError:
+        return request_error(
+            exc, doing=f"read the end of {self._topic!r}", context=self._context, timeout_s=self._timeout_s
+        )
+
+    def _catch_up(self, partition: int, high: int) -> None:
+        """Wait until the partition is read up to ``high``, its end as of the call.
+
+        One caller at a time reads, without the lock, for every waiting caller; the others wait until what
+        it read is folded. A caller whose partition is read returns at once, whatever the others wait for.
+        """
         deadline = time.monotonic() + self._timeout_s
-        while self._next[partition] < high:
-            self._watch.raise_if_failed()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransportError(
-                    f"could not read partition {partition} of {self._topic!r} up to offset {high} within "
-                    f"{self._timeout_s:g} s (at {self._next[partition]}); is the broker reachable?"
-                )
-            messages = self._consumer.consume(1, min(remaining, 0.5))
+        with self._read:
+            while self._next[partition] < high:
+                self._raise_if_closed()
+                self._watch.raise_if_failed()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportError(
+                        f"could not read partition {partition} of {self._topic!r} up to offset {high} within "
+                        f"{self._timeout_s:g} s (at {self._next[partition]}); is the broker reachable?"
+                    )
+                if self._reading:
+                    self._read.wait(remaining)
+                    continue
+                self._reading = True
+                try:
+                    self._read_once(min(remaining, 0.1))
+                finally:
+                    self._reading = False
+                    self._read.notify_all()
+
+    def _read_once(self, timeout_s: float) -> None:
+        """Read what the consumer has (waiting up to ``timeout_s`` for one message) and fold it; lock held."""
+        unassigned, self._unassigned = self._unassigned, []
+        messages: list[Message] = []
+        self._lock.release()
+        try:
+            if unassigned:
+                self._consumer.incremental_assign(unassigned)
+                unassigned = []
+            messages = self._consumer.consume(1, timeout_s)
             if messages:
                 messages.extend(self._consumer.consume(500, 0))
-            for message in messages:
-                self._take(message)
+        except KafkaException as exc:
+            raise request_error(
+                exc, doing=f"read {self._topic!r}", context=self._context, timeout_s=self._timeout_s
+            ) from None
+        finally:
+            self._lock.acquire()
+            self._unassigned.extend(unassigned)  # not assigned: the next reader tries again
+        # Every message is folded before a failure is raised: the consumer will not hand them out again.
+        # A few at a time, letting the callers already read answer in between rather than after the batch.
+        failure: TransportError | None = None
+        for start in range(0, len(messages), _FOLD_STEP):
+            if start:
+                self._read.notify_all()
+                self._lock.release()
+                time.sleep(0)  # yields the GIL to the callers just woken
+                self._lock.acquire()
+            for message in messages[start : start + _FOLD_STEP]:
+                failure = self._take(message) or failure
+        if failure is not None:
+            raise failure
 
-    def _take(self, message: Message) -> None:
+    def _take(self, message: Message) -> TransportError | None:
         error = message.error()
         if error is not None:
-            failure = read_error(error, topic=self._topic, context=self._context)
-            if failure is not None:
-                raise failure
-            return
+            return read_error(error, topic=self._topic, context=self._context)
         partition, offset = message.partition(), message.offset()
         if partition is None or offset is None or offset < self._next.get(partition, 0):
-            return
+            return None
         self._next[partition] = offset + 1
         rollout_id = rollout_of_key(message.key())
         value = message.value()
         if rollout_id is None or value is None:
-            return
+            return None
         try:
             headers = headers_to_dict(message.headers())
             chunk = read_chunk_header(headers)
@@ -340,17 +447,18 @@ class KafkaLineageResolver:
                 parts = self._chunks.setdefault(chunk.group, [])
                 if chunk.index != len(parts):
                     self._chunks.pop(chunk.group, None)
-                    return
+                    return None
                 parts.append(value)
                 if len(parts) < chunk.count:
-                    return
+                    return None
                 value = b"".join(self._chunks.pop(chunk.group))
                 if hashlib.sha256(value).hexdigest() != chunk.digest:
-                    return
+                    return None
             self._fold(rollout_id, value, headers, partition, offset if chunk is None else -1)
         except (EventDecodeError, orjson.JSONDecodeError, ValueError, KeyError, TypeError):
             # The materializer dead-letters what it cannot decode; for lineage it is simply not a candidate.
-            return
+            pass
+        return None
 
     def _fold(
         self, rollout_id: str, value: bytes, headers: dict[str, str], partition: int = 0, offset: int = -1
@@ -417,18 +525,19 @@ class KafkaLineageResolver:
     def _restored(self, log: _RolloutLog, stored: _StoredPut) -> PutEvent:
         """A wire delta's exact put, rebuilt from the rollout's whole puts read so far; its digest is checked.
 
-        One restorer keeps recent parents for every rollout (bounded in tokens); a parent it forgot is taken
-        again from the rollout's puts this resolver read.
+        A few restorers, each for a share of the rollouts, keep recent parents (bounded in tokens); a parent
+        one forgot is taken again from the rollout's puts this resolver read.
         """
 
         def read(partition: int, offset: int) -> LogMessage | None:
             parent = log.at.get(offset)
             return None if parent is None or parent.partition != partition else parent.as_message()
 
-        with self._restore_lock:
+        lock, restorer = self._restorers[zlib.crc32(stored.key) % _RESTORE_STRIPES]
+        with lock:
             try:
                 delta = decode_wire_delta(stored.key, stored.value, stored.headers)
-                return self._restorer.restore(stored.key, stored.partition, stored.offset, delta, read=read)
+                return restorer.restore(stored.key, stored.partition, stored.offset, delta, read=read)
             except EventDecodeError as exc:
                 raise LineageLookupError(
                     f"call {stored.call_id}'s wire delta cannot be restored: {exc}"
