@@ -186,7 +186,13 @@ ISSUE_12_TARGETS = (
         lambda v: v >= 0.5,
     ),
     Target(
-        "Kafka resolve p99 under the main load (ms)",
+        "Kafka resolve p99 under the main load, from a model-server process of its own (ms)",
+        "< 20",
+        _at("resolve.figures.probe_p99_ms"),
+        lambda v: v < 20.0,
+    ),
+    Target(
+        "Kafka resolve p99 inside the main load's own closed loop (ms)",
         "< 20",
         _at("resolve.figures.kafka_p99_ms"),
         lambda v: v < 20.0,
@@ -466,21 +472,33 @@ def growth_rows(growth: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-RESOLVE_COLUMNS = ("resolver", "resolves per run", "p50 ms", "p99 ms", "max ms")
+RESOLVE_COLUMNS = ("KafkaLineageResolver", "resolves per run", "p50 ms", "p99 ms", "max ms")
 
 
 def resolve_rows(resolve: dict[str, Any]) -> list[list[str]]:
-    """The Kafka resolver's latency row."""
+    """The Kafka resolver's latency rows: probed from a process of its own, and inside the load's closed loop."""
     f = resolve["figures"]
-    return [
+    rows = []
+    if "probe_p99_ms" in f:
+        rows.append(
+            [
+                "model-server process of its own, main load running",
+                _fmt(f["probe_resolves"]),
+                _fmt(f["probe_p50_ms"], 2),
+                _fmt(f["probe_p99_ms"], 2),
+                _fmt(f["probe_max_ms"], 2),
+            ]
+        )
+    rows.append(
         [
-            "KafkaLineageResolver",
+            "the main shape's 64 rollouts, resolve then put, in one process",
             _fmt(f["resolves"]),
             _fmt(f["kafka_p50_ms"], 2),
             _fmt(f["kafka_p99_ms"], 2),
             _fmt(f["kafka_max_ms"], 2),
         ]
-    ]
+    )
+    return rows
 
 
 def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -539,8 +557,10 @@ def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
     if resolve is not None:
         tables.append(
             (
-                "Lineage resolve under the main load (`python -m bench --only resolve`): the main shape's "
-                f"rollouts resolve their parent, then put, one resolver for all; median of {repeats}",
+                "Lineage resolve under the main load (`python -m bench --only resolve`): a probe process resolves "
+                "then puts its own rollouts of the main shape on the run topic while the main load runs "
+                "(`bench/resolve_probe.py`); and the main shape's rollouts resolve their parent, then put, one "
+                f"resolver for all (`bench/lineage_resolve.py`); median of {repeats}",
                 list(RESOLVE_COLUMNS),
                 resolve_rows(resolve),
             )

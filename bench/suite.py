@@ -33,6 +33,7 @@ from bench.lineage_resolve import kafka_resolve, resolve_args
 from bench.load import BenchmarkCheckError, PreparedWorkload, drive, prepare
 from bench.options import BenchOptions, WorkloadShape
 from bench.physical import encode_and_write_rate, fsync_rate, rename_rate, syncfs_rate
+from bench.resolve_probe import probe_under_main_load
 from bench.sizes import wire_sizes
 from bench.stats import median, percentile
 from bench.workers import run_workers, summarize
@@ -233,9 +234,14 @@ def _ratios(figures: dict[str, Any]) -> dict[str, float]:
     return ratios
 
 
-def _resolve(options: BenchOptions, bootstrap: str, progress: Progress) -> dict[str, Any]:
-    """Kafka resolve latency p50/p99 with the main shape's rollouts putting beside it, median over repeats."""
+def _resolve(options: BenchOptions, bootstrap: str, work_dir: Path, progress: Progress) -> dict[str, Any]:
+    """Kafka resolve latency p50/p99 under the main load, median over repeats, measured two ways.
+
+    A probe process resolves its own rollouts on the run topic while the main load runs (``bench.resolve_probe``),
+    and the main shape's rollouts resolve in the load's own closed loop (``bench.lineage_resolve``).
+    """
     shape = options.shape
+    workload = prepare(shape, "probe")
     args = resolve_args(
         rollouts=shape.rollouts,
         turns=shape.turns,
@@ -243,9 +249,23 @@ def _resolve(options: BenchOptions, bootstrap: str, progress: Progress) -> dict[
         generated_tokens=shape.generated_tokens,
         tool_tokens=shape.tool_tokens,
     )
-    runs: dict[str, list[float]] = {"kafka_p50_ms": [], "kafka_p99_ms": [], "kafka_max_ms": [], "wrong": []}
+    runs: dict[str, list[float]] = {
+        name: [] for name in ("kafka_p50_ms", "kafka_p99_ms", "kafka_max_ms", "wrong")
+    } | {
+        name: []
+        for name in ("probe_p50_ms", "probe_p99_ms", "probe_max_ms", "probe_resolves", "probe_puts_per_s")
+    }
     for repeat in range(options.repeats):
         progress(f"resolve: repeat {repeat + 1}/{options.repeats}")
+        probe = asyncio.run(probe_under_main_load(workload, bootstrap, _fresh(work_dir, "probe")))
+        if probe.wrong:
+            raise BenchmarkCheckError(f"{probe.wrong} probe continuations resolved to another parent")
+        probe_ms = [value * 1000.0 for value in probe.latencies]
+        runs["probe_p50_ms"].append(percentile(probe_ms, 0.50))
+        runs["probe_p99_ms"].append(percentile(probe_ms, 0.99))
+        runs["probe_max_ms"].append(max(probe_ms) if probe_ms else float("nan"))
+        runs["probe_resolves"].append(float(len(probe_ms)))
+        runs["probe_puts_per_s"].append(probe.load.puts_per_s)
         latencies, wrong = kafka_resolve(args, bootstrap)
         ms = [value * 1000.0 for value in latencies]
         runs["kafka_p50_ms"].append(percentile(ms, 0.50))
@@ -335,7 +355,7 @@ def run_suite(options: BenchOptions, bootstrap: str | None, progress: Progress) 
             progress("growth grid")
             results["growth"] = measure_growth(options, bootstrap, work_dir, repeats=options.repeats)
         if "resolve" in options.only and bootstrap is not None:
-            results["resolve"] = _resolve(options, bootstrap, progress)
+            results["resolve"] = _resolve(options, bootstrap, work_dir, progress)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     return {

@@ -40,6 +40,7 @@ from tokcap.durable_io import (
     replace_atomically,
     truncate_no_follow,
 )
+from tokcap.entry_copies import fresh_read_copy
 from tokcap.errors import (
     ConflictingEntryError,
     InvalidInputError,
@@ -631,18 +632,24 @@ class TokenCaptureStore:
             if recovered.repairs:
                 return None
             state = recovered.state
-            lines: list[bytes] = []
+            appended: list[tuple[TokenEntry, bytes]] = []
             verdict: ApplyResult | None = None
             for event, position in pending:
                 decision = decide(state, event, position)
                 if not all(_carried_in_memory(effect) for effect in decision.effects):
                     return None
-                lines.extend(effect.line for effect in decision.effects if isinstance(effect, AppendEntry))
+                if isinstance(event, PutEvent):
+                    lines = (effect.line for effect in decision.effects if isinstance(effect, AppendEntry))
+                    appended.extend((event.entry, line) for line in lines)
                 state, verdict = decision.state, decision.verdict
             if not state.frozen or state.retired or state.answer_at(pending[-1][1]) is None:
                 return None
             applied = self._entries_of(paths, recovered.state)
-        entries = [*applied, *(TokenEntry.from_json(line) for line in lines)]
+        # The pending puts' entries are copied rather than parsed from their lines, where a copy is exact.
+        entries = [
+            *applied,
+            *(fresh_read_copy(entry) or TokenEntry.from_json(line) for entry, line in appended),
+        ]
         assert verdict is not None
         return verdict, self._snapshot_from(rollout_id, state, entries, pending[-1][1])
 

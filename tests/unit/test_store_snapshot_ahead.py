@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from store_contract import directory_contents, make_entry
 
+from tests.exact_shape import snapshot_shape
 from tokcap.errors import InvalidInputError, TokcapError
 from tokcap.events import (
     CancelEvent,
@@ -118,6 +119,8 @@ def test_a_freeze_answered_ahead_equals_its_apply_and_deciding_ahead_writes_noth
         assert not answerable
         return
     assert answer == (verdict, snapshot)
+    # Exactly, not just equal: types, key order, fields-set (the pending puts' entries are copies, not parses).
+    assert snapshot_shape(answer[1]) == snapshot_shape(snapshot)
     # The apply that follows the answer leaves what it leaves without one.
     applied_answer(ahead_store, events[applied_before:])
     assert files(ahead_dir) == files(applied_dir)
