@@ -322,11 +322,16 @@ class WireDelta:
                 f"parent {self.link.model_call_id!r} at offset {self.link.offset} holds {len(prefix)} tokens, "
                 f"the delta was cut after {self.link.length}"
             )
+        # The head and the suffix are validated; the prefix is the parent's prompt and generation, validated
+        # when the parent was decoded, so it is put in after validation instead of being checked again. No
+        # rule of an entry depends on its prompt beyond each id being an int, and the digest below proves
+        # the whole restored entry is the one the sink sent.
         mapping = dict(self.mapping)
-        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": prefix + self.suffix}
+        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": self.suffix}
         event = event_from_mapping(mapping)
         if not isinstance(event, PutEvent):
             raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
+        event.entry.__dict__["prompt_token_ids"] = prefix + self.suffix
         if event.entry.payload_digest() != self.entry_digest:
             raise WireDeltaError(
                 f"the entry restored from parent {self.link.model_call_id!r} at offset {self.link.offset} "
