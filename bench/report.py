@@ -186,15 +186,11 @@ ISSUE_12_TARGETS = (
         lambda v: v >= 0.5,
     ),
     Target(
-        "Kafka resolve p99 under the main load, from a model-server process of its own (ms)",
+        # The probe process resolves while the main load itself runs (intents, puts, freezes, the in-process
+        # materializer). The closed loop of the resolve table is a load of its own and is reported beside it.
+        "Kafka resolve p99 under the main load, probed from a model-server process (ms)",
         "< 20",
         _at("resolve.figures.probe_p99_ms"),
-        lambda v: v < 20.0,
-    ),
-    Target(
-        "Kafka resolve p99 inside the main load's own closed loop (ms)",
-        "< 20",
-        _at("resolve.figures.kafka_p99_ms"),
         lambda v: v < 20.0,
     ),
 )
