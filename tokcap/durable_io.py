@@ -129,7 +129,6 @@ def replace_atomically(path: Path, data: bytes, *, durable: bool) -> None:
     fd = open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         try:
-            _allocate(fd, len(data))
             view = memoryview(data)
             while view:
                 written = os.write(fd, view)
@@ -143,26 +142,6 @@ def replace_atomically(path: Path, data: bytes, *, durable: bool) -> None:
         tmp.unlink(missing_ok=True)
         exc.filename = exc.filename or str(path)
         raise
-
-
-def _allocate(fd: int, size: int) -> None:
-    """Allocate the file's blocks before writing it, where the filesystem can.
-
-    ext4 delays allocating a written file's blocks, and a rename over an existing file then forces that
-    allocation and starts writeback inside the rename: it measured about 1.5x the time of the whole write
-    without it. Allocated up front, the rename only swaps names. Filesystems that cannot allocate are
-    written as before.
-    """
-    if size and _CAN_ALLOCATE:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno not in _ALLOCATE_UNSUPPORTED:
-                raise
-
-
-_CAN_ALLOCATE = hasattr(os, "posix_fallocate")
-_ALLOCATE_UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS})
 
 
 def fsync_directory(directory: Path) -> None:
