@@ -29,7 +29,7 @@ from tokcap.protocols import LineageResolver, TokenSink
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokcap.store import TokenCaptureStore
 
-__all__ = ["kafka_resolve", "main", "resolve_args"]
+__all__ = ["kafka_resolve", "main", "resolve_args", "resolve_then_put"]
 
 
 def _entry(rollout: str, turn: int, prompt: list[int], generation: list[int]) -> TokenEntry:
@@ -44,10 +44,12 @@ def _entry(rollout: str, turn: int, prompt: list[int], generation: list[int]) ->
     )
 
 
-async def _rollout(
+async def resolve_then_put(
     rollout: str, args: argparse.Namespace, sink: TokenSink, resolver: LineageResolver, latencies: list[float]
 ) -> int:
-    """Run one rollout; return how many continuations did not resolve to the previous call."""
+    """Run one rollout, each turn resolving its parent (timed into ``latencies``, continuations only) and then
+    putting the call stamped with that decision; return how many continuations did not resolve to the previous
+    call."""
     request: list[dict[str, Any]] = [{"role": "user", "content": f"task {rollout}"}]
     prompt = list(range(1, args.prompt_tokens + 1))
     wrong = 0
@@ -77,7 +79,7 @@ async def _measure(
     latencies: list[float] = []
     run = uuid.uuid4().hex[:6]
     wrong = await asyncio.gather(
-        *(_rollout(f"b{run}-{n}", args, sink, resolver, latencies) for n in range(args.rollouts))
+        *(resolve_then_put(f"b{run}-{n}", args, sink, resolver, latencies) for n in range(args.rollouts))
     )
     await asyncio.gather(sink.close(), resolver.close())
     return latencies, sum(wrong)

@@ -23,14 +23,13 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.kafka_trial import KafkaTarget, delete_topic
-from bench.lineage_resolve import _entry
+from bench.lineage_resolve import resolve_args, resolve_then_put
 from bench.load import BenchmarkCheckError, LoadResult, PreparedWorkload, drive
 from bench.options import WorkloadShape
 
@@ -50,42 +49,18 @@ class ProbeResult:
     load: LoadResult
 
 
-async def _probe_rollout(
-    rollout: str, shape: WorkloadShape, sink: Any, resolver: Any, latencies: list[float] | None
-) -> int:
-    """One rollout of the main shape, resolve then put per turn; return how many turns resolved wrong."""
-    from tokcap.lineage import stamp_continuation
-    from tokcap.records import ParentResolutionStatus
-    from tokcap.sink import stamp_lineage
-
-    request: list[dict[str, Any]] = [{"role": "user", "content": f"task {rollout}"}]
-    prompt = list(range(1, shape.prompt_tokens + 1))
-    wrong = 0
-    for turn in range(shape.turns):
-        started = time.perf_counter()
-        resolution = await resolver.resolve(rollout, request)
-        if turn:
-            if latencies is not None:
-                latencies.append(time.perf_counter() - started)
-            match = resolution.match
-            if match is None or match.model_call_id != f"{rollout}-call-{turn - 1}":
-                wrong += 1
-        generation = [50_000 + turn * 1000 + n for n in range(shape.generated_tokens)]
-        entry = _entry(rollout, turn, prompt, generation)
-        stamp_continuation(entry, request)
-        parent = resolution.match.model_call_id if resolution.match is not None else None
-        stamp_lineage(entry, parent, parent_resolution=ParentResolutionStatus(resolution.status.value))
-        await sink.put(entry)
-        prompt = [*prompt, *generation, *(90_000 + turn * 1000 + n for n in range(shape.tool_tokens))]
-        request = [*request, *entry.output_items, {"role": "tool", "tool_call_id": "", "content": f"r{turn}"}]
-    return wrong
-
-
 async def _probe(bootstrap: str, topic: str) -> dict[str, Any]:
     from transports.kafka import KafkaTokenSink
     from transports.kafka.lineage import KafkaLineageResolver
 
     shape = WorkloadShape()
+    args = resolve_args(
+        rollouts=1,
+        turns=shape.turns,
+        prompt_tokens=shape.prompt_tokens,
+        generated_tokens=shape.generated_tokens,
+        tool_tokens=shape.tool_tokens,
+    )
     run = uuid.uuid4().hex[:6]
     sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
     resolver = KafkaLineageResolver(bootstrap_servers=bootstrap, topic=topic)
@@ -95,14 +70,14 @@ async def _probe(bootstrap: str, topic: str) -> dict[str, Any]:
     try:
         # A long-lived model server has assigned and fetched every partition before the run: not timed.
         for n in range(_WARM_UP_ROLLOUTS):
-            wrong += await _probe_rollout(f"probe-{run}-warm-{n}", shape, sink, resolver, None)
+            wrong += await resolve_then_put(f"probe-{run}-warm-{n}", args, sink, resolver, [])
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
             raise SystemExit("the probe expected 'go' on its standard input")
         threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
         rollout = 0
         while not stop.is_set():
-            wrong += await _probe_rollout(f"probe-{run}-{rollout}", shape, sink, resolver, latencies)
+            wrong += await resolve_then_put(f"probe-{run}-{rollout}", args, sink, resolver, latencies)
             rollout += 1
     finally:
         await sink.close()
