@@ -121,7 +121,7 @@ _BATCH_SIZE = 200
 """Messages applied in log order per loop turn; a command read meanwhile waits at most one such batch."""
 
 _SWEEP_STEP = 25
-"""Messages swept between two reads: how long a waited-for freeze can sit unread behind the sweep."""
+"""Messages swept between two reads: how long an in-process source's freeze can sit unread behind the sweep."""
 
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
@@ -561,7 +561,7 @@ class Materializer:
             self._checkpoint()
 
     def _sweep_reading(self, consumer: Consumer) -> None:
-        """Sweep one batch in steps, reading and answering waited-for freezes between them.
+        """Sweep one batch in steps, reading (and answering in-process sources' freezes) between them.
 
         A freeze answered ahead of its apply needs only to be read, so reading between steps keeps its wait
         to one step of the sweep rather than a whole batch; a command that must be carried out ends the batch.
