@@ -4,9 +4,10 @@
 1k-token system prompt) and measures, one call at a time from one thread, with real syncs:
 
 - the apply step: ``store.apply(event, position)`` over the event stream a materializer applies (intent and
-  put per turn, a freeze per rollout, log positions on four partitions), in deferred-durability blocks of
-  200 like the materializer; CPU per event by kind, and each block's end (state writes and the sync) shared
-  out over its events;
+  put per turn, a freeze per rollout, log positions on four partitions), in deferred-durability blocks of the
+  size the measured tree's materializer sweeps (``SWEEP_BLOCK_MESSAGES``; 200 before it existed), or
+  ``--block``; CPU per event by kind, and each block's end (state writes and the sync) shared out over its
+  events;
 - the file sink: ``begin_call_now`` + ``append`` per turn and ``freeze_now`` per rollout, as ``bench/cpu_cost``;
 - Gym 0.7.0's file store (its wheel, loaded as the tests load it) on the same entries, as the anchor.
 
@@ -34,7 +35,8 @@ from typing import Any
 __all__ = ["main", "measure"]
 
 _REPO = Path(__file__).resolve().parent.parent
-_BLOCK = 200
+_BLOCK_BEFORE_IT_WAS_NAMED = 200
+"""The materializer's block size in trees older than ``SWEEP_BLOCK_MESSAGES``."""
 _PARTITIONS = 4
 
 
@@ -82,7 +84,7 @@ def _events(workload: Any) -> list[tuple[str, Any, Any]]:
     return stream
 
 
-def _apply_step(workload: Any, directory: Path, block_size: int = _BLOCK) -> dict[str, float]:
+def _apply_step(workload: Any, directory: Path, block_size: int) -> dict[str, float]:
     """CPU us per event of ``store.apply`` in deferred blocks, by kind; block ends shared over all events."""
     from tokcap.store import TokenCaptureStore
 
@@ -109,7 +111,7 @@ def _apply_step(workload: Any, directory: Path, block_size: int = _BLOCK) -> dic
     return figures
 
 
-def _apply_step_grouped(workload: Any, directory: Path, block_size: int = _BLOCK) -> float:
+def _apply_step_grouped(workload: Any, directory: Path, block_size: int) -> float:
     """CPU us per event of ``store.apply_many`` over the same blocks (each rollout's events under one lock hold)."""
     from tokcap.store import TokenCaptureStore
 
@@ -241,13 +243,21 @@ def _load_gym() -> Any:
     return gym_wheel.load_gym()
 
 
+def _materializer_block() -> int:
+    """The block size the imported tree's materializer sweeps in."""
+    materializer = importlib.import_module("transports.kafka.materializer")
+    return int(getattr(materializer, "SWEEP_BLOCK_MESSAGES", _BLOCK_BEFORE_IT_WAS_NAMED))
+
+
 def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """One trial of every measurement this process's tokcap can run; Gym's store when asked."""
     import tokcap
     from bench.load import prepare
 
     workload = prepare(_shape(args), "apply")
-    figures: dict[str, Any] = {"tokcap": str(Path(tokcap.__file__).resolve().parent)}
+    if args.block is None:
+        args.block = _materializer_block()
+    figures: dict[str, Any] = {"tokcap": str(Path(tokcap.__file__).resolve().parent), "block": args.block}
     if args.grouped_only:
         # A process of its own: run after the other figures, it would pay for their dirty pages and heap.
         figures["grouped_us_per_event"] = _apply_step_grouped(workload, directory / "grouped", args.block)
@@ -271,8 +281,9 @@ def _trial(tree: Path, args: argparse.Namespace, *, gym: bool, grouped_only: boo
         f"--rounds={args.rounds}",
         f"--turns={args.turns}",
         f"--prompt={args.prompt}",
-        f"--block={args.block}",
     ]
+    if args.block is not None:
+        command.append(f"--block={args.block}")
     if args.dir is not None:
         command.append(f"--dir={args.dir}")
     if not gym:
@@ -312,6 +323,10 @@ def _report(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> No
         ("main load, freeze p99 ms (wall, sanity)", "load", "freeze_p99_ms"),
     ]
     print(f"tokcap: {current[0]['tokcap']}" + (f"  baseline: {baseline[0]['tokcap']}" if baseline else ""))
+    blocks = f"apply-step blocks of {current[0].get('block', '?')} events"
+    if baseline:
+        blocks += f" (baseline: {baseline[0].get('block', '?')})"
+    print(blocks)
     print(f"median of {len(current)} trials; CPU us (process_time)")
     header = f"{'figure':36} {'tokcap':>10}"
     if baseline:
@@ -369,7 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=1000, help="system prompt tokens")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument(
-        "--block", type=int, default=_BLOCK, help="events per deferred-durability block of the apply step"
+        "--block",
+        type=int,
+        default=None,
+        help="events per deferred-durability block of the apply step (default: what each tree's materializer sweeps)",
     )
     parser.add_argument(
         "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"

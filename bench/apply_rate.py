@@ -18,10 +18,9 @@ from tokcap.events import Event, LogPosition, PutEvent
 from tokcap.store import TokenCaptureStore
 from transports.kafka.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
 from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.materializer import SWEEP_BLOCK_MESSAGES
 
 __all__ = ["ApplyRate", "measure_apply_rate"]
-
-_BATCH = 200
 
 
 @dataclass(frozen=True)
@@ -81,9 +80,9 @@ def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directo
     # Wire deltas are restored as the materializer restores them, from the puts decoded before them.
     parents = ParentRestorer()
     started = time.perf_counter()
-    for first in range(0, len(messages), _BATCH):
+    for first in range(0, len(messages), SWEEP_BLOCK_MESSAGES):
         with store.deferred_durability():
-            for partition, offset, value, raw_headers, key in messages[first : first + _BATCH]:
+            for partition, offset, value, raw_headers, key in messages[first : first + SWEEP_BLOCK_MESSAGES]:
                 headers = headers_to_dict(raw_headers)
                 event: Event
                 if is_wire_delta(headers):

@@ -137,10 +137,14 @@ def checkpointed(store_dir: Path, topic: str) -> dict[int, int]:
     return {partition: applied_next_offset(store_dir, topic, partition) for partition in range(PARTITIONS)}
 
 
-def start_process(bootstrap: str, topic: str, store_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+def start_process(
+    bootstrap: str, topic: str, store_dir: Path, log: Path, block_messages: int | None = None
+) -> subprocess.Popen[bytes]:
     """Start a materializer process logging to ``log``; return once it has assigned its partitions."""
     command = [sys.executable, "-m", "transports.kafka.materializer", "--bootstrap", bootstrap]
     command += ["--topic", topic, "--dir", str(store_dir)]
+    if block_messages is not None:
+        command += ["--block-messages", str(block_messages)]
     with log.open("ab") as handle:
         start = handle.tell()
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=handle)
@@ -151,15 +155,20 @@ def start_process(bootstrap: str, topic: str, store_dir: Path, log: Path) -> sub
     return process
 
 
+KILL_POINT_BLOCK = 200
+"""Messages per durable block of the materializers killed at random points."""
+
+
 def kill_at_a_random_point(
     bootstrap: str, topic: str, crashed: Path, log: Path, rng: random.Random, total: int
 ) -> None:
     """Start a materializer and SIGKILL it at a random point of the remaining log.
 
     It waits for a random amount of progress, then a random few milliseconds more, so kills land mid-batch and
-    between batches however fast the machine is.
+    between batches however fast the machine is. Blocks of 200 messages give these short logs many checkpoints
+    for that progress to be seen at; the fifty-kill test keeps the default block.
     """
-    process = start_process(bootstrap, topic, crashed, log)
+    process = start_process(bootstrap, topic, crashed, log, block_messages=KILL_POINT_BLOCK)
     already = sum(checkpointed(crashed, topic).values())
     target = already + rng.uniform(0.05, 0.5) * (total - already)
     deadline = time.monotonic() + 10

@@ -144,9 +144,11 @@ class MemoryConsumer:
         self._positions = {}
 
 
-def materialize(topic: MemoryTopic, directory: Path) -> Materializer:
+def materialize(topic: MemoryTopic, directory: Path, *, block_messages: int | None = None) -> Materializer:
     """Run a materializer over everything in the double's topic into ``directory``, then stop it."""
-    materializer = Materializer("memory", topic.name, directory, consumer_factory=topic.consumer)
+    materializer = Materializer(
+        "memory", topic.name, directory, consumer_factory=topic.consumer, block_messages=block_messages
+    )
     materializer.start()
     try:
         assert materializer.wait_until_caught_up(60)

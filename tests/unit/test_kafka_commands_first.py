@@ -68,7 +68,7 @@ def files(directory: Path) -> dict[str, bytes]:
 def loop_sizes(*, batch: int, step: int, read_ahead: int | None = None) -> Iterator[None]:
     """Small loop turns, so a short log still takes many turns and commands jump many messages."""
     with (
-        mock.patch.object(materializer_module, "_BATCH_SIZE", batch),
+        mock.patch.object(materializer_module, "SWEEP_BLOCK_MESSAGES", batch),
         mock.patch.object(materializer_module, "_READ_STEP", step),
     ):
         if read_ahead is None:

@@ -1,0 +1,74 @@
+"""The in-order sweep's durable blocks: their size changes how often states are written, never what is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from kafka_topic_double import MemoryTopic, materialize
+from store_contract import directory_contents, make_entry
+
+import tokcap.store as store_module
+from tokcap.errors import InvalidInputError
+from tokcap.events import IntentEvent, PutEvent
+from transports.kafka.materializer import SWEEP_BLOCK_MESSAGES, Materializer, main
+
+TOPIC = "tokcap.sweep-blocks-test"
+ROLLOUTS = 30
+CALLS = 10
+
+
+def interleaved_topic() -> MemoryTopic:
+    """Every rollout's calls interleaved turn by turn, as concurrent agents write them; no commands."""
+    topic = MemoryTopic(TOPIC)
+    for call in range(CALLS):
+        for rollout in range(ROLLOUTS):
+            rollout_id = f"r{rollout}"
+            topic.publish(IntentEvent(rollout_id=rollout_id, model_call_id=f"c{call}"))
+            topic.publish(PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, f"c{call}")))
+    return topic
+
+
+def state_writes_of(topic: MemoryTopic, directory: Path, block_messages: int) -> tuple[int, dict[str, bytes]]:
+    """How many state files a catch-up replaced, and every file it left but the locks."""
+    real = store_module.replace_atomically
+    writes = []
+
+    def counted(path: Path, data: bytes, *, durable: bool) -> None:
+        if path.name.endswith(".state.json"):
+            writes.append(path.name)
+        real(path, data, durable=durable)
+
+    with mock.patch.object(store_module, "replace_atomically", counted):
+        materialize(topic, directory, block_messages=block_messages)
+    files = {name: data for name, data in directory_contents(directory).items() if not name.endswith(".lock")}
+    return len(writes), files
+
+
+def test_larger_sweep_blocks_write_each_state_once_per_block_and_leave_the_same_bytes(tmp_path: Path) -> None:
+    topic = interleaved_topic()
+    messages = 2 * ROLLOUTS * CALLS
+    small, small_files = state_writes_of(topic, tmp_path / "small", block_messages=20)
+    large, large_files = state_writes_of(topic, tmp_path / "large", block_messages=messages)
+    assert large_files == small_files
+    # One block holds the whole log: each rollout's state is written once. A block of 20 messages holds one
+    # intent and put of ten rollouts, so a block of 20 writes ten states.
+    assert large == ROLLOUTS
+    assert small == (messages // 20) * 10
+    assert SWEEP_BLOCK_MESSAGES >= 1_000
+
+
+@pytest.mark.parametrize("block", [0, -5, True, 2.5, "1000"])
+def test_a_block_size_that_is_not_a_positive_count_of_messages_is_refused(block: Any, tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="block_messages must be a positive number"):
+        Materializer("memory", TOPIC, tmp_path, block_messages=block)
+
+
+def test_the_materializer_process_refuses_a_block_size_of_zero_before_it_connects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--bootstrap", "127.0.0.1:1", "--topic", TOPIC, "--dir", str(tmp_path), "--block-messages", "0"]
+    assert main(argv) == 2
+    assert "block_messages must be a positive number of messages, got 0" in capsys.readouterr().err
