@@ -127,8 +127,8 @@ SWEEP_BLOCK_MESSAGES = 1_000
 """Most messages the in-order sweep applies in one deferred-durability block, then one sync and a checkpoint.
 
 Each rollout's state file is replaced once per block it has events in: a file create and a rename, the
-largest cost of the apply step on ext4. Blocks of 1,000 messages instead of 200 halve the store's CPU per
-event on the main workload (``python -m bench.apply_cost --block``). Nothing urgent waits for a block to end:
+largest cost of the apply step on ext4. Blocks of 1,000 messages instead of 200 cut the store's CPU per
+event on the main workload by about a third (``python -m bench.apply_cost --baseline``). Nothing urgent waits for a block to end:
 a command read meanwhile ends it at the next step, and in-process freezes are answered ahead. A crash inside a
 block applies at most one block again."""
 
