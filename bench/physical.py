@@ -16,7 +16,7 @@ from bench.options import WorkloadShape
 from bench.workload import rollouts_of, tokens_of
 from tokcap.group_commit import filesystem_sync_for
 
-__all__ = ["EncodeRate", "encode_and_write_rate", "fsync_rate", "rename_rate", "syncfs_rate"]
+__all__ = ["EncodeRate", "create_rate", "encode_and_write_rate", "fsync_rate", "rename_rate", "syncfs_rate"]
 
 _LINE = b'{"model_call_id":"call-0000","op":"intent","rollout_id":"bench-reference"}\n'
 
@@ -64,6 +64,24 @@ def rename_rate(directory: Path, seconds: float) -> float:
         os.replace(temp, target)
         count += 1
     target.unlink()
+    return count / elapsed
+
+
+def create_rate(directory: Path, seconds: float) -> float:
+    """New empty files created per second (no write, no fsync): what each rollout's first files cost.
+
+    A store creates a rollout's lock, intents and entries files once, and a new temporary file for every state
+    it replaces, so this rate bounds the apply step where rollouts are many and short.
+    """
+    scratch = directory / "create-reference"
+    scratch.mkdir()
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        os.close(os.open(scratch / f"f{count}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        count += 1
+    for index in range(count):
+        (scratch / f"f{index}").unlink()
+    scratch.rmdir()
     return count / elapsed
 
 

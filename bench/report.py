@@ -310,7 +310,12 @@ def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             g("kafka_generated_tokens_per_s"),
             f"rename/s {g('rename_per_s')}",
         ),
-        ("freeze p50 under load (ms)", g("file_freeze_p50_ms", 1), g("kafka_freeze_p50_ms", 1), ""),
+        (
+            "freeze p50 under load (ms)",
+            g("file_freeze_p50_ms", 1),
+            g("kafka_freeze_p50_ms", 1),
+            f"file create/s {g('create_per_s')}",
+        ),
         ("freeze p99 under load (ms)", g("file_freeze_p99_ms", 1), g("kafka_freeze_p99_ms", 1), ""),
         ("puts per filesystem sync", g("file_puts_per_sync", 1), "", ""),
         ("freeze alone, no load (ms)", g("file_freeze_unloaded_ms", 1), "", ""),

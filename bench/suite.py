@@ -32,7 +32,7 @@ from bench.kafka_trial import run_kafka_trial, warm_up_broker
 from bench.lineage_resolve import kafka_resolve, resolve_args
 from bench.load import BenchmarkCheckError, PreparedWorkload, drive, prepare
 from bench.options import BenchOptions, WorkloadShape
-from bench.physical import encode_and_write_rate, fsync_rate, rename_rate, syncfs_rate
+from bench.physical import create_rate, encode_and_write_rate, fsync_rate, rename_rate, syncfs_rate
 from bench.resolve_probe import probe_under_main_load
 from bench.sizes import wire_sizes
 from bench.stats import median, percentile
@@ -134,6 +134,7 @@ async def measure_shape(
         record("fsync_per_s", fsync_rate(reference_dir, _REFERENCE_SECONDS))
         record("syncfs_per_s", syncfs_rate(reference_dir, _REFERENCE_SECONDS))
         record("rename_per_s", rename_rate(reference_dir, _REFERENCE_SECONDS / 2))
+        record("create_per_s", create_rate(reference_dir, _REFERENCE_SECONDS / 2))
         encode = encode_and_write_rate(reference_dir, shape)
         record("orjson_entries_per_s", encode.entries_per_s)
         record("orjson_tokens_per_s", encode.tokens_per_s)
