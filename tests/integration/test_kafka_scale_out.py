@@ -85,6 +85,19 @@ def test_two_workers_write_the_same_bytes_as_one_worker_and_as_a_clean_replay(
     assert written == directory_contents(live)
 
 
+def test_workers_with_small_durable_blocks_write_the_same_bytes_as_one_worker_with_the_default(
+    filled_topic: tuple[str, Path], kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    topic, _ = filled_topic
+    small, default = tmp_path / "small", tmp_path / "default"
+    completed = _materialize(kafka_bootstrap, topic, small, "--workers", "2", "--block-messages", "7")
+    assert completed.returncode == 0, completed.stderr
+    assert _materialize(kafka_bootstrap, topic, default).returncode == 0
+    assert directory_contents(small) == directory_contents(default)
+    refused = _materialize(kafka_bootstrap, topic, tmp_path / "refused", "--block-messages", "0")
+    assert refused.returncode == 2 and "--block-messages" in refused.stderr
+
+
 def test_more_workers_than_partitions_is_refused_in_one_line(
     filled_topic: tuple[str, Path], kafka_bootstrap: str, tmp_path: Path
 ) -> None:

@@ -14,6 +14,7 @@ import tokcap.store as store_module
 from tokcap.errors import InvalidInputError
 from tokcap.events import IntentEvent, PutEvent
 from transports.kafka.materializer import SWEEP_BLOCK_MESSAGES, Materializer, main
+from transports.kafka.workers import MaterializerWorkers
 
 TOPIC = "tokcap.sweep-blocks-test"
 ROLLOUTS = 30
@@ -72,3 +73,9 @@ def test_the_materializer_process_refuses_a_block_size_of_zero_before_it_connect
     argv = ["--bootstrap", "127.0.0.1:1", "--topic", TOPIC, "--dir", str(tmp_path), "--block-messages", "0"]
     assert main(argv) == 2
     assert "block_messages must be a positive number of messages, got 0" in capsys.readouterr().err
+
+
+def test_workers_refuse_a_block_size_of_zero_before_any_worker_starts(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="block_messages must be a positive number"):
+        MaterializerWorkers("127.0.0.1:1", TOPIC, tmp_path, [0, 1], 2, block_messages=0)
+    assert list(tmp_path.iterdir()) == []

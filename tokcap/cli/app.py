@@ -201,6 +201,14 @@ def materialize(
         bool, typer.Option("--until-caught-up", help="Stop once everything in the log at start is applied.")
     ] = False,
     interval: Annotated[float, typer.Option(help="Seconds between lag reports.", min=0.1)] = 2.0,
+    block_messages: Annotated[
+        int | None,
+        typer.Option(
+            help="Most messages applied per durable block before a checkpoint (default 1000). Smaller blocks "
+            "checkpoint more often; larger ones write each rollout's state fewer times.",
+            min=1,
+        ),
+    ] = None,
     kafka_option: _ClientOptions = None,
     timeout: _Timeout = 10.0,
 ) -> None:
@@ -216,6 +224,7 @@ def materialize(
         workers=workers,
         until_caught_up=until_caught_up,
         interval_s=interval,
+        block_messages=block_messages,
         client_options=kafka_option or [],
         timeout_s=timeout,
         console=progress_console(),

@@ -59,6 +59,7 @@ def run_materializer(
     until_caught_up: bool,
     workers: int = 1,
     interval_s: float,
+    block_messages: int | None = None,
     client_options: Sequence[str],
     timeout_s: float,
     console: Console,
@@ -84,7 +85,7 @@ def run_materializer(
     if workers > 1:
         return _run_workers(
             bootstrap, directory, name, workers, target, until_caught_up, interval_s, client_config,
-            timeout_s, console,
+            timeout_s, console, block_messages,
         )  # fmt: skip
     dead_letters: queue.SimpleQueue[Any] = queue.SimpleQueue()
     materializer = Materializer(
@@ -94,6 +95,7 @@ def run_materializer(
         chosen,
         consumer_config=client_config,
         on_dead_letter=dead_letters.put,
+        block_messages=block_messages,
     )
 
     def report_dead_letters() -> None:
@@ -138,6 +140,7 @@ def _run_workers(
     client_config: dict[str, Any],
     timeout_s: float,
     console: Console,
+    block_messages: int | None = None,
 ) -> dict[str, Any]:
     """``--workers N``: N processes apply disjoint partition subsets into the one directory; one lag report."""
     from transports.kafka.admin import watermarks
@@ -155,6 +158,7 @@ def _run_workers(
         consumer_config=client_config,
         until=target if until_caught_up else None,
         on_dead_letter=report_dead_letter,
+        block_messages=block_messages,
     )
     subsets = "; ".join(f"worker {i}: {list(subset)}" for i, subset in enumerate(supervisor.subsets))
     console.print(

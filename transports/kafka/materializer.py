@@ -100,6 +100,7 @@ __all__ = [
     "READ_AHEAD_BYTES",
     "READ_AHEAD_MESSAGES",
     "SWEEP_BLOCK_MESSAGES",
+    "check_block_messages",
     "DeadLetterLog",
     "Materializer",
     "MaterializerCounters",
@@ -208,6 +209,15 @@ class _PartitionProgress:
     """Offsets of commands carried out ahead in the current batch; published once the batch is durable."""
 
 
+def check_block_messages(block_messages: object) -> int:
+    """A durable block bound, refused unless it is a positive whole number of messages."""
+    if isinstance(block_messages, bool) or not isinstance(block_messages, int) or block_messages < 1:
+        raise InvalidInputError(
+            f"block_messages must be a positive number of messages, got {block_messages!r}"
+        )
+    return block_messages
+
+
 def _rollout_of(routed: Routed) -> str | None:
     """The rollout whose files a decision changes; ``None`` when it changes none."""
     if isinstance(routed, ApplyEvent):
@@ -247,13 +257,9 @@ class Materializer:
         more often (a resume applies less again), larger ones write each rollout's state fewer times; the
         default is ``SWEEP_BLOCK_MESSAGES``.
         """
-        if block_messages is None:
-            block_messages = SWEEP_BLOCK_MESSAGES
-        if isinstance(block_messages, bool) or not isinstance(block_messages, int) or block_messages < 1:
-            raise InvalidInputError(
-                f"block_messages must be a positive number of messages, got {block_messages!r}"
-            )
-        self._block_messages = block_messages
+        self._block_messages = check_block_messages(
+            SWEEP_BLOCK_MESSAGES if block_messages is None else block_messages
+        )
         self._bootstrap = bootstrap_servers
         self._on_dead_letter = on_dead_letter
         self._new_consumer = consumer_factory

@@ -77,6 +77,8 @@ class WorkerSpec:
     """Client settings; kept out of ``repr``, since they may hold credentials."""
     until: Mapping[int, int] | None = None
     """Stop once every partition has applied the offsets below these (``--until-caught-up``)."""
+    block_messages: int | None = None
+    """The worker's durable block bound (``Materializer(block_messages=...)``); ``None`` for the default."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ def _worker_main(spec: WorkerSpec, control: Connection, reports: Connection) -> 
             spec.partitions,
             consumer_config=spec.consumer_config,
             on_dead_letter=lambda line: report("dead_letter", text=line.describe()),
+            block_messages=spec.block_messages,
         )
         materializer.start()
         try:
@@ -213,8 +216,16 @@ class MaterializerWorkers:
         consumer_config: Mapping[str, Any] | None = None,
         until: Mapping[int, int] | None = None,
         on_dead_letter: Callable[[str], object] | None = None,
+        block_messages: int | None = None,
     ) -> None:
-        """``on_dead_letter`` gets each dead-letter line (``partition P offset O rollout R: reason``) in ``poll``."""
+        """``on_dead_letter`` gets each dead-letter line (``partition P offset O rollout R: reason``) in ``poll``.
+
+        ``block_messages`` is each worker's durable block bound, checked here before any worker starts.
+        """
+        if block_messages is not None:
+            from transports.kafka.materializer import check_block_messages
+
+            check_block_messages(block_messages)
         context = multiprocessing.get_context("spawn")
         self._on_dead_letter = on_dead_letter
         self._until = until
@@ -229,6 +240,7 @@ class MaterializerWorkers:
                 partitions=tuple(subset),
                 consumer_config=dict(consumer_config or {}),
                 until=None if until is None else {p: until[p] for p in subset if p in until},
+                block_messages=block_messages,
             )
             receiving, sending = context.Pipe(duplex=False)
             control_end, control = context.Pipe(duplex=False)
