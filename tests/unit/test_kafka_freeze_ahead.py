@@ -145,3 +145,49 @@ def test_freezes_of_a_writer_no_source_in_the_process_answers_for_are_not_decide
 
     assert asyncio.run(wait_for_all()) == 0
     assert materialize(topic, tmp_path / "replay").counters().freezes_answered_ahead == 0
+
+
+def test_each_answer_ahead_ends_only_its_own_freezes_wait_without_rescanning_every_wait(
+    tmp_path: Path,
+) -> None:
+    topic = MemoryTopic(TOPIC)
+    freezes = rollouts_then_freezes(topic, rollouts=40, calls=2)
+    checks = []
+    real_is_answered = Materializer._is_answered
+
+    def counted(self: Materializer, partition: int, offset: int, command: bool, ahead: bool) -> bool:
+        checks.append(offset)
+        return real_is_answered(self, partition, offset, command, ahead)
+
+    async def wait_all(release: threading.Event) -> tuple[list[bool], bool, int]:
+        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer.answer_freezes_ahead_for(TRAINER)
+        # Every wait begins before anything is read: the answers arrive while all of them are waiting.
+        ahead = [
+            asyncio.ensure_future(materializer.applied(0, at, 60, command=True, ahead=True))
+            for at in freezes.values()
+        ]
+        applied = [asyncio.ensure_future(materializer.applied(0, at, 60)) for at in freezes.values()]
+        await asyncio.sleep(0)
+        checks.clear()
+        materializer.start()
+        try:
+            answered = await asyncio.gather(*ahead)
+            checks_while_answering = len(checks)
+            # An answer ahead ends no wait for the apply itself: those wait until the backlog is applied.
+            still_waiting = not any(wait.done() for wait in applied)
+            release.set()
+            assert all(await asyncio.gather(*applied))
+            return answered, still_waiting, checks_while_answering
+        finally:
+            release.set()
+            materializer.stop()
+
+    with (
+        mock.patch.object(Materializer, "_is_answered", counted),
+        nothing_applied_until_released() as release,
+    ):
+        answered, still_waiting, checks_while_answering = asyncio.run(wait_all(release))
+    assert all(answered) and still_waiting
+    # 80 waits and 40 answers: rescanning every wait at each answer would check 3,200 times.
+    assert checks_while_answering <= 2 * 80

@@ -100,11 +100,11 @@ __all__ = [
     "READ_AHEAD_BYTES",
     "READ_AHEAD_MESSAGES",
     "SWEEP_BLOCK_MESSAGES",
-    "check_block_messages",
     "DeadLetterLog",
     "Materializer",
     "MaterializerCounters",
     "PartitionCheckpoint",
+    "check_block_messages",
     "logger",
     "main",
     "remove_stale_temp_files",
@@ -227,6 +227,17 @@ def _rollout_of(routed: Routed) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _AsyncWaiter:
+    """One wait of ``applied``: the position it waits for, how, and the event loop its future belongs to."""
+
+    partition: int
+    offset: int
+    command: bool
+    ahead: bool
+    loop: asyncio.AbstractEventLoop
+
+
 def _resolve_waiter(future: asyncio.Future[None]) -> None:
     """Runs on the waiter's loop: wake it unless it already gave up."""
     if not future.done():
@@ -293,9 +304,10 @@ class Materializer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._async_waiters: list[
-            tuple[int, int, bool, bool, asyncio.AbstractEventLoop, asyncio.Future[None]]
-        ] = []
+        self._async_waiters: dict[asyncio.Future[None], _AsyncWaiter] = {}
+        """Every wait in progress, by its future, in the order they began."""
+        self._ahead_waiters: dict[tuple[int, int], list[asyncio.Future[None]]] = {}
+        """The waits an answer ahead can end, by position: a burst of answers must not rescan every wait."""
 
     # ---------------------------------------------------------------- public
 
@@ -415,36 +427,57 @@ class Materializer:
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        waiter = (partition, offset, command, ahead, loop, future)
+        waiter = _AsyncWaiter(partition, offset, command, ahead, loop)
         with self._condition:
             if self._failure is None and self._is_answered(partition, offset, command, ahead):
                 return True
             if self._failure is None:
-                self._async_waiters.append(waiter)
+                self._async_waiters[future] = waiter
+                if ahead:
+                    self._ahead_waiters.setdefault((partition, offset), []).append(future)
         if self._failure is not None:
             self._raise_if_failed()
         try:
             await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             with self._condition:
-                if waiter in self._async_waiters:
-                    self._async_waiters.remove(waiter)
+                self._forget_waiter(future)
             return False
         self._raise_if_failed()
         return True
 
     def _wake_async_waiters(self) -> None:
         """Resolve the waits that are now applied, or all of them when the loop failed; caller holds the condition."""
-        still_waiting = []
-        for waiter in self._async_waiters:
-            partition, offset, command, ahead, loop, future = waiter
-            if self._failure is not None or self._is_answered(partition, offset, command, ahead):
-                # A closed event loop raises here: nobody is waiting on it any more.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(_resolve_waiter, future)
-            else:
-                still_waiting.append(waiter)
-        self._async_waiters = still_waiting
+        for future, waiter in list(self._async_waiters.items()):
+            if self._failure is not None or self._is_answered(
+                waiter.partition, waiter.offset, waiter.command, waiter.ahead
+            ):
+                self._resolve(future)
+
+    def _wake_answered(self, partition: int, offset: int) -> None:
+        """Resolve the waits the freeze answered ahead at this position ends; caller holds the condition."""
+        for future in list(self._ahead_waiters.get((partition, offset), ())):
+            self._resolve(future)
+
+    def _resolve(self, future: asyncio.Future[None]) -> None:
+        """End one wait on its own event loop; caller holds the condition."""
+        waiter = self._forget_waiter(future)
+        if waiter is not None:
+            # A closed event loop raises here: nobody is waiting on it any more.
+            with contextlib.suppress(RuntimeError):
+                waiter.loop.call_soon_threadsafe(_resolve_waiter, future)
+
+    def _forget_waiter(self, future: asyncio.Future[None]) -> _AsyncWaiter | None:
+        """Drop a wait from both indexes; caller holds the condition."""
+        waiter = self._async_waiters.pop(future, None)
+        if waiter is not None and waiter.ahead:
+            position = (waiter.partition, waiter.offset)
+            waiting = self._ahead_waiters.get(position, [])
+            if future in waiting:
+                waiting.remove(future)
+            if not waiting:
+                self._ahead_waiters.pop(position, None)
+        return waiter
 
     def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
         """Per assigned partition, the offset after the last message currently in the log."""
@@ -729,7 +762,7 @@ class Materializer:
                 self._answers.popitem(last=False)
             self._counters.freezes_answered_ahead += 1
             self._condition.notify_all()
-            self._wake_async_waiters()
+            self._wake_answered(partition, read.offset)
 
     def _pending_events(
         self, partition: int, rollout_id: str, read: _Read, index: int
