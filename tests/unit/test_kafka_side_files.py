@@ -8,8 +8,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from tokcap.cli.inspect import describe_store
+from tokcap.errors import StoreCorruptionError
 from transports.kafka.checkpoint import PartitionCheckpoint, applied_next_offset, checkpoint_path
 from transports.kafka.dead_letters import DeadLetterLog
+from transports.kafka.ownership import write_owner_records
 
 _PROBE = textwrap.dedent(
     """
@@ -26,8 +31,11 @@ _PROBE = textwrap.dedent(
 )
 
 
-def test_inspect_reads_checkpoints_and_dead_letters_without_loading_the_kafka_client(tmp_path: Path) -> None:
+def test_inspect_reads_checkpoints_owners_and_dead_letters_without_loading_the_kafka_client(
+    tmp_path: Path,
+) -> None:
     checkpoint_path(tmp_path, 1).write_bytes(PartitionCheckpoint("tokcap.t", 1, next_offset=9).encode())
+    write_owner_records(tmp_path, "tokcap.t", [1, 3])
     DeadLetterLog.of_directory(tmp_path, 1).record(1, 4, "bad", "r1")
     completed = subprocess.run(
         [sys.executable, "-c", _PROBE, str(tmp_path)],
@@ -47,6 +55,10 @@ def test_inspect_reads_checkpoints_and_dead_letters_without_loading_the_kafka_cl
             "topic": "tokcap.t",
         }
     }
+    assert report["described"]["kafka_owners"] == {
+        "kafka-owner-p1.json": {"partition": 1, "topic": "tokcap.t"},
+        "kafka-owner-p3.json": {"partition": 3, "topic": "tokcap.t"},
+    }
     assert report["described"]["dead_letters"] == {
         "kafka-dead-letter-p1.jsonl": [{"offset": 4, "partition": 1, "reason": "bad", "rollout_id": "r1"}]
     }
@@ -58,3 +70,9 @@ def test_the_applied_offset_of_a_directory_is_its_checkpoints_next_offset_and_ze
     assert applied_next_offset(tmp_path, "tokcap.t", 0) == 0
     checkpoint_path(tmp_path, 0).write_bytes(PartitionCheckpoint("tokcap.t", 0, next_offset=17).encode())
     assert applied_next_offset(tmp_path, "tokcap.t", 0) == 17
+
+
+def test_inspect_names_a_damaged_side_file_instead_of_failing_without_its_name(tmp_path: Path) -> None:
+    (tmp_path / "kafka-owner-p2.json").write_bytes(b"{not json")
+    with pytest.raises(StoreCorruptionError, match=r"kafka-owner-p2\.json is not valid JSON"):
+        describe_store(tmp_path)

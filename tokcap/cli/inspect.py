@@ -20,7 +20,7 @@ import orjson
 from tokcap.builder import BuildOutput, Chain
 from tokcap.consumer import TrajectoryResult, trajectories_from_source
 from tokcap.delta_records import lineage_report
-from tokcap.errors import InvalidInputError
+from tokcap.errors import InvalidInputError, StoreCorruptionError
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.state import RolloutState
@@ -108,18 +108,32 @@ def describe_store(directory: Path) -> dict[str, Any]:
     """Every rollout of a store, plus the materializer files a Kafka projection leaves there."""
     store = open_existing_store(directory)
     rollouts = [summarize_rollout(store, rollout_id) for rollout_id in store.rollout_ids()]
-    # The transport's own modules name its files; these two import no Kafka client.
+    # The transport's own modules name its files; these three import no Kafka client.
     from transports.kafka.checkpoint import checkpoint_files
     from transports.kafka.dead_letters import dead_letter_files
+    from transports.kafka.ownership import owner_record_files
 
-    checkpoints = {path.name: orjson.loads(path.read_bytes()) for path in checkpoint_files(directory)}
+    checkpoints = {path.name: _json_file(path) for path in checkpoint_files(directory)}
+    owners = {path.name: _json_file(path) for path in owner_record_files(directory)}
     dead_letters = {path.name: _json_lines(path) for path in dead_letter_files(directory)}
     return {
         "store_dir": str(directory),
         "rollouts": [summary.to_dict() for summary in rollouts],
         "kafka_checkpoints": checkpoints,
+        "kafka_owners": owners,
         "dead_letters": dead_letters,
     }
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A side file's JSON object; a damaged one is named, so inspecting never hides which file it was."""
+    try:
+        value = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as exc:
+        raise StoreCorruptionError(f"{path} is not valid JSON ({exc}): the side file is damaged") from exc
+    if not isinstance(value, dict):
+        raise StoreCorruptionError(f"{path} holds {type(value).__name__}, not a JSON object")
+    return value
 
 
 class PreviewSource:

@@ -117,6 +117,8 @@ def render_store(description: dict[str, Any], console: Console) -> None:
     console.print(table)
     for name, checkpoint in description["kafka_checkpoints"].items():
         console.print(f"{name}: topic {checkpoint['topic']} next offset {checkpoint['next_offset']}")
+    for name, owner in description.get("kafka_owners", {}).items():
+        console.print(f"{name}: owns partition {owner.get('partition')} of topic {owner.get('topic')}")
     for name, lines in description["dead_letters"].items():
         console.print(f"{name}: {len(lines)} dead-lettered messages")
 

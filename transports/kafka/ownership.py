@@ -31,7 +31,14 @@ import orjson
 from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError, StoreCorruptionError
 
-__all__ = ["OWNER_PREFIX", "PartitionOwners", "owned_partitions", "owner_record_path", "write_owner_records"]
+__all__ = [
+    "OWNER_PREFIX",
+    "PartitionOwners",
+    "owned_partitions",
+    "owner_record_files",
+    "owner_record_path",
+    "write_owner_records",
+]
 
 OWNER_PREFIX = "kafka-owner-p"
 """Owner record of partition N: ``kafka-owner-p<N>.json``."""
@@ -63,6 +70,15 @@ def write_owner_records(directory: Path, topic: str, partitions: Iterable[int]) 
         written = True
     if written:
         fsync_directory(directory)
+
+
+def owner_record_files(directory: Path) -> list[Path]:
+    """Every owner record of a store directory, sorted by name: what ``tokcap inspect`` lists."""
+    try:
+        names = [path.name for path in directory.iterdir()]
+    except FileNotFoundError:
+        return []
+    return [directory / name for name in sorted(names) if _RECORD.match(name)]
 
 
 def owned_partitions(directory: Path, topic: str) -> set[int]:
