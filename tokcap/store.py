@@ -624,34 +624,57 @@ class TokenCaptureStore:
         ``pending`` must be every event of the rollout after what is applied here, in log order, ending with
         the freeze. Return ``None`` when the answer needs something carried out first (a removal, a repair of
         the files, a state written whole) or the freeze leaves no snapshot; the caller waits for the apply.
+        The caller is the rollout's one applier: a rollout with no file yet is decided without taking its lock.
         """
         if not pending or not isinstance(pending[-1][0], FreezeEvent):
             raise InvalidInputError("snapshot_ahead needs the rollout's pending events ending with a freeze")
+        paths = self._paths_of(rollout_id)
+        if self._holds_nothing_yet(paths):
+            # Nothing of it is on disk to read consistently, so its lock is not taken: creating the lock file
+            # (the costliest step of an answer for a new rollout on ext4) is left to the apply.
+            return self._decided_ahead(
+                paths, Recovered(RolloutState(rollout_id=rollout_id), (), 0, False), pending
+            )
         with self._locked(rollout_id) as paths:
             recovered = self._recovered(paths, replaying=True, writing=False)
-            if recovered.repairs:
+            return self._decided_ahead(paths, recovered, pending)
+
+    def _holds_nothing_yet(self, paths: RolloutPaths) -> bool:
+        """Whether no file of the rollout exists and no open deferred block keeps a state of it."""
+        if self._deferral.active and paths.rollout_id in self._deferral.states:
+            return False
+        return not any(
+            os.path.lexists(path)
+            for path in (paths.lock, paths.state, paths.entries, paths.intents, paths.incomplete, paths.fence)
+        )
+
+    def _decided_ahead(
+        self, paths: RolloutPaths, recovered: Recovered, pending: Sequence[tuple[Event, LogPosition]]
+    ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
+        """The verdict and snapshot of ``snapshot_ahead``, from the rollout's state as applied so far."""
+        if recovered.repairs:
+            return None
+        state = recovered.state
+        appended: list[tuple[TokenEntry, bytes]] = []
+        verdict: ApplyResult | None = None
+        for event, position in pending:
+            decision = decide(state, event, position)
+            if not all(_carried_in_memory(effect) for effect in decision.effects):
                 return None
-            state = recovered.state
-            appended: list[tuple[TokenEntry, bytes]] = []
-            verdict: ApplyResult | None = None
-            for event, position in pending:
-                decision = decide(state, event, position)
-                if not all(_carried_in_memory(effect) for effect in decision.effects):
-                    return None
-                if isinstance(event, PutEvent):
-                    lines = (effect.line for effect in decision.effects if isinstance(effect, AppendEntry))
-                    appended.extend((event.entry, line) for line in lines)
-                state, verdict = decision.state, decision.verdict
-            if not state.frozen or state.retired or state.answer_at(pending[-1][1]) is None:
-                return None
-            applied = self._entries_of(paths, recovered.state)
+            if isinstance(event, PutEvent):
+                lines = (effect.line for effect in decision.effects if isinstance(effect, AppendEntry))
+                appended.extend((event.entry, line) for line in lines)
+            state, verdict = decision.state, decision.verdict
+        if not state.frozen or state.retired or state.answer_at(pending[-1][1]) is None:
+            return None
+        applied = self._entries_of(paths, recovered.state)
         # The pending puts' entries are copied rather than parsed from their lines, where a copy is exact.
         entries = [
             *applied,
             *(fresh_read_copy(entry) or TokenEntry.from_json(line) for entry, line in appended),
         ]
         assert verdict is not None
-        return verdict, self._snapshot_from(rollout_id, state, entries, pending[-1][1])
+        return verdict, self._snapshot_from(paths.rollout_id, state, entries, pending[-1][1])
 
     def _snapshot_of(
         self, paths: RolloutPaths, state: RolloutState, as_of: LogPosition | None

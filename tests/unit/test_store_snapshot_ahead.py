@@ -159,3 +159,15 @@ def test_deciding_ahead_needs_the_pending_events_to_end_with_a_freeze(tmp_path: 
     store = TokenCaptureStore(tmp_path)
     with pytest.raises(InvalidInputError, match="ending with a freeze"):
         store.snapshot_ahead(ROLLOUT, history([("put", 0)]))
+
+
+def test_a_rollout_with_no_files_yet_is_answered_without_creating_its_lock_file(tmp_path: Path) -> None:
+    ops = [("intent", 0), ("put", 0), ("intent", 1), ("put", 1)]
+    events = [*history(ops), (FreezeEvent(rollout_id=ROLLOUT), LogPosition(TOPIC, 0, len(ops)))]
+    store = TokenCaptureStore(tmp_path / "ahead")
+    answer = store.snapshot_ahead(ROLLOUT, events)
+    assert list((tmp_path / "ahead").iterdir()) == []
+    assert answer == applied_answer(TokenCaptureStore(tmp_path / "applied"), events)
+    # Once any file of it exists (here only the lock, taken by a read), the lock is taken again.
+    store.read_state(ROLLOUT)
+    assert store.snapshot_ahead(ROLLOUT, events) == answer
