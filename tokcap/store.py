@@ -613,7 +613,10 @@ class TokenCaptureStore:
             return self._snapshot_of(paths, state, as_of)
 
     def snapshot_ahead(
-        self, rollout_id: str, pending: Sequence[tuple[Event, LogPosition]]
+        self,
+        rollout_id: str,
+        pending: Sequence[tuple[Event, LogPosition]],
+        applied: Sequence[TokenEntry] | None = None,
     ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
         """Decide a rollout's events not applied yet in memory; return the verdict and snapshot of the last, a freeze.
 
@@ -625,6 +628,8 @@ class TokenCaptureStore:
         the freeze. Return ``None`` when the answer needs something carried out first (a removal, a repair of
         the files, a state written whole) or the freeze leaves no snapshot; the caller waits for the apply.
         The caller is the rollout's one applier: a rollout with no file yet is decided without taking its lock.
+        ``applied`` may hold the entries the caller applied to the rollout so far, in order, exactly as it
+        applied them: when they are one per stored call, they are copied instead of parsed from the file.
         """
         if not pending or not isinstance(pending[-1][0], FreezeEvent):
             raise InvalidInputError("snapshot_ahead needs the rollout's pending events ending with a freeze")
@@ -633,11 +638,11 @@ class TokenCaptureStore:
             # Nothing of it is on disk to read consistently, so its lock is not taken: creating the lock file
             # (the costliest step of an answer for a new rollout on ext4) is left to the apply.
             return self._decided_ahead(
-                paths, Recovered(RolloutState(rollout_id=rollout_id), (), 0, False), pending
+                paths, Recovered(RolloutState(rollout_id=rollout_id), (), 0, False), pending, applied
             )
         with self._locked(rollout_id) as paths:
             recovered = self._recovered(paths, replaying=True, writing=False)
-            return self._decided_ahead(paths, recovered, pending)
+            return self._decided_ahead(paths, recovered, pending, applied)
 
     def _holds_nothing_yet(self, paths: RolloutPaths) -> bool:
         """Whether no file of the rollout exists and no open deferred block keeps a state of it."""
@@ -649,7 +654,11 @@ class TokenCaptureStore:
         )
 
     def _decided_ahead(
-        self, paths: RolloutPaths, recovered: Recovered, pending: Sequence[tuple[Event, LogPosition]]
+        self,
+        paths: RolloutPaths,
+        recovered: Recovered,
+        pending: Sequence[tuple[Event, LogPosition]],
+        applied_by_caller: Sequence[TokenEntry] | None,
     ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
         """The verdict and snapshot of ``snapshot_ahead``, from the rollout's state as applied so far."""
         if recovered.repairs:
@@ -667,7 +676,9 @@ class TokenCaptureStore:
             state, verdict = decision.state, decision.verdict
         if not state.frozen or state.retired or state.answer_at(pending[-1][1]) is None:
             return None
-        applied = self._entries_of(paths, recovered.state)
+        applied = _copies_of_applied(recovered.state, applied_by_caller)
+        if applied is None:
+            applied = self._entries_of(paths, recovered.state)
         # The pending puts' entries are copied rather than parsed from their lines, where a copy is exact.
         entries = [
             *applied,
@@ -921,6 +932,20 @@ def _files_identity(paths: RolloutPaths, state_bytes: bytes | None = None) -> _F
         _size_of(paths.intents),
         _size_of(paths.incomplete),
     )
+
+
+def _copies_of_applied(state: RolloutState, kept: Sequence[TokenEntry] | None) -> list[TokenEntry] | None:
+    """Exact copies of a caller's applied entries when they are one per call the state stored; else ``None``.
+
+    The caller applied them itself, so they are the lines' own entries; one per stored call id rules out a list
+    that misses some (applied before it started, or forgotten).
+    """
+    if kept is None or state.retired or len(kept) != len(state.entry_digests):
+        return None
+    if {entry.model_call_id for entry in kept} != set(state.entry_digests):
+        return None
+    copies = [fresh_read_copy(entry) for entry in kept]
+    return None if any(copy is None for copy in copies) else [copy for copy in copies if copy is not None]
 
 
 def _carried_in_memory(effect: object) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -31,8 +32,10 @@ from tokcap.events import (
     RetireEvent,
 )
 from tokcap.protocols import TokenCaptureSnapshot
+from tokcap.records import TokenEntry
 from tokcap.rules import ApplyResult
 from tokcap.store import TokenCaptureStore
+from transports.kafka.applied_entries import AppliedEntries
 
 TOPIC = "tokcap.ahead-test"
 ROLLOUT = "r"
@@ -99,13 +102,19 @@ def test_a_freeze_answered_ahead_equals_its_apply_and_deciding_ahead_writes_noth
     applied_before = data.draw(st.integers(0, len(events) - 1), label="applied before the freeze is read")
     # The materializer also reads (and answers) between the steps of a sweep, inside its deferred block.
     in_open_block = data.draw(st.booleans(), label="answered inside the block applying what came before")
+    # It hands over the entries it applied, which are copied instead of parsed; some it may have forgotten.
+    handed_over = data.draw(st.sampled_from(["none", "all", "one forgotten"]), label="applied entries given")
     ahead_dir, applied_dir = tmp_path_factory.mktemp("ahead"), tmp_path_factory.mktemp("applied")
     ahead_store, applied_store = TokenCaptureStore(ahead_dir), TokenCaptureStore(applied_dir)
+    kept = AppliedEntries()
     with ahead_store.deferred_durability() if in_open_block else nullcontext():
         for event, position in events[:applied_before]:
-            ahead_store.apply(event, position)
+            kept.note(event, ahead_store.apply(event, position))
+        given_entries = None if handed_over == "none" else list(kept.of(ROLLOUT) or [])
+        if handed_over == "one forgotten" and given_entries:
+            given_entries.pop(0)
         before = files(ahead_dir)
-        answer = ahead_store.snapshot_ahead(ROLLOUT, events[applied_before:])
+        answer = ahead_store.snapshot_ahead(ROLLOUT, events[applied_before:], given_entries)
         assert files(ahead_dir) == before
     with applied_store.deferred_durability() if in_open_block else nullcontext():
         for event, position in events[:applied_before]:
@@ -171,3 +180,35 @@ def test_a_rollout_with_no_files_yet_is_answered_without_creating_its_lock_file(
     # Once any file of it exists (here only the lock, taken by a read), the lock is taken again.
     store.read_state(ROLLOUT)
     assert store.snapshot_ahead(ROLLOUT, events) == answer
+
+
+def test_applied_entries_handed_over_are_copied_not_parsed_and_share_nothing_with_the_callers(
+    tmp_path: Path,
+) -> None:
+    ops = [("intent", 0), ("put", 0), ("intent", 1), ("put", 1), ("put", 1), ("intent", 2), ("put", 2)]
+    events = [*history(ops), (FreezeEvent(rollout_id=ROLLOUT), LogPosition(TOPIC, 0, len(ops)))]
+    store, kept = TokenCaptureStore(tmp_path / "ahead"), AppliedEntries()
+    for event, position in events[:5]:
+        kept.note(event, store.apply(event, position))
+    handed = kept.of(ROLLOUT)
+    assert handed is not None and [entry.model_call_id for entry in handed] == ["c0", "c1"]
+    parsed = []
+    real = TokenEntry.from_json
+
+    def counted(data: bytes | str) -> TokenEntry:
+        parsed.append(data)
+        return real(data)
+
+    with mock.patch.object(TokenEntry, "from_json", counted):
+        answer = store.snapshot_ahead(ROLLOUT, events[5:], handed)
+        assert answer is not None
+        assert parsed == []
+        # A list missing an entry is not the file's: the applied lines are parsed instead.
+        assert store.snapshot_ahead(ROLLOUT, events[5:], handed[1:]) == answer
+        assert len(parsed) == 2
+    assert answer == applied_answer(TokenCaptureStore(tmp_path / "applied"), events)
+    entries = answer[1].entries
+    assert all(copy is not original for copy, original in zip(entries, handed, strict=False))
+    prompt_before = list(handed[0].prompt_token_ids)
+    entries[0].prompt_token_ids.append(7)
+    assert handed[0].prompt_token_ids == prompt_before

@@ -71,6 +71,7 @@ from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPositio
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import list_topics
+from transports.kafka.applied_entries import AppliedEntries
 from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
 from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
@@ -297,6 +298,8 @@ class Materializer:
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
         self._answers: OrderedDict[tuple[int, int], tuple[ApplyResult, TokenCaptureSnapshot]] = OrderedDict()
         """Freezes answered ahead of their apply, by position: the verdict and the snapshot, taken once."""
+        self._applied_entries = AppliedEntries()
+        """The entries this loop applied, per rollout: an answer ahead copies them instead of parsing the file."""
         self._ahead_writers: Counter[str] = Counter()
         """Writer ids of the in-process sources whose freezes are answered ahead of their apply."""
         self._condition = threading.Condition()
@@ -746,7 +749,7 @@ class Materializer:
         if pending is None:
             return
         try:
-            answer = self._store.snapshot_ahead(rollout_id, pending)
+            answer = self._store.snapshot_ahead(rollout_id, pending, self._applied_entries.of(rollout_id))
         except (TokcapError, OSError) as exc:
             # The apply meets the same problem and answers the source with it.
             logger.debug(
@@ -871,6 +874,8 @@ class Materializer:
     def _apply(self, progress: _PartitionProgress, routed: Routed) -> None:
         """Carry one routing decision out on the store and remember its verdict."""
         result = carry_out(self._store, self._topic, routed)
+        if result is not None and isinstance(routed, ApplyEvent):
+            self._applied_entries.note(routed.event, result)
         if result is not None and (
             isinstance(routed, ApplyEvent) or (isinstance(routed, DeadLetter) and routed.positioned)
         ):
