@@ -944,8 +944,13 @@ def _copies_of_applied(state: RolloutState, kept: Sequence[TokenEntry] | None) -
         return None
     if {entry.model_call_id for entry in kept} != set(state.entry_digests):
         return None
-    copies = [fresh_read_copy(entry) for entry in kept]
-    return None if any(copy is None for copy in copies) else [copy for copy in copies if copy is not None]
+    copies = []
+    for entry in kept:
+        copy = fresh_read_copy(entry)
+        if copy is None:
+            return None
+        copies.append(copy)
+    return copies
 
 
 def _carried_in_memory(effect: object) -> bool:
