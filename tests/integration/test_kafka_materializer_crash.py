@@ -169,6 +169,7 @@ def kill_at_a_random_point(
     for that progress to be seen at; the fifty-kill test keeps the default block.
     """
     process = start_process(bootstrap, topic, crashed, log, block_messages=KILL_POINT_BLOCK)
+    assert f"blocks of up to {KILL_POINT_BLOCK} messages" in log.read_text()
     already = sum(checkpointed(crashed, topic).values())
     target = already + rng.uniform(0.05, 0.5) * (total - already)
     deadline = time.monotonic() + 10

@@ -31,6 +31,7 @@ from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflict
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer, PartitionedTokenSource
 from transports.kafka.materializer import OWNER_LOCK_PREFIX
 from transports.kafka.ownership import owned_partitions
+from transports.kafka.workers import MaterializerWorkers
 
 pytestmark = pytest.mark.kafka
 
@@ -96,6 +97,24 @@ def test_workers_with_small_durable_blocks_write_the_same_bytes_as_one_worker_wi
     assert directory_contents(small) == directory_contents(default)
     refused = _materialize(kafka_bootstrap, topic, tmp_path / "refused", "--block-messages", "0")
     assert refused.returncode == 2 and "--block-messages" in refused.stderr
+
+
+def test_each_worker_applies_in_the_block_size_it_was_given(
+    filled_topic: tuple[str, Path], kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    topic, _ = filled_topic
+    supervisor = MaterializerWorkers(
+        kafka_bootstrap, topic, tmp_path / "d", list(range(_PARTITIONS)), 2, block_messages=7
+    )
+    try:
+        supervisor.start()
+        deadline = time.monotonic() + 60
+        while None in supervisor.ready_reports() and time.monotonic() < deadline:
+            supervisor.poll(0.2)
+    finally:
+        supervisor.stop()
+    texts = [report.text if report is not None else None for report in supervisor.ready_reports()]
+    assert texts == ["blocks of up to 7 messages"] * 2
 
 
 def test_more_workers_than_partitions_is_refused_in_one_line(

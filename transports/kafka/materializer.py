@@ -324,6 +324,11 @@ class Materializer:
         """The topic this materializer reads."""
         return self._topic
 
+    @property
+    def block_messages(self) -> int:
+        """The most messages the in-order sweep applies per durable block."""
+        return self._block_messages
+
     def start(self) -> None:
         """Run in a background thread until ``stop``; returns once partitions are assigned."""
         if self._thread is not None:
@@ -600,9 +605,10 @@ class Materializer:
             assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
         consumer.assign(assignment)
         logger.info(
-            "materializer ready: topic %s, resuming at %s",
+            "materializer ready: topic %s, resuming at %s, blocks of up to %d messages",
             self._topic,
             {tp.partition: tp.offset for tp in assignment},
+            self._block_messages,
         )
         self._ready.set()
         budget = _COMMAND_BUDGET

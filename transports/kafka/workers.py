@@ -160,7 +160,7 @@ def _worker_main(spec: WorkerSpec, control: Connection, reports: Connection) -> 
         try:
             applied = materializer.applied_offsets()
             until = spec.until or {}
-            report("ready", applied)
+            report("ready", applied, text=f"blocks of up to {materializer.block_messages} messages")
             while not stop.is_set():
                 behind = [p for p, end in until.items() if applied.get(p, 0) < end]
                 if spec.until is not None and not behind:
