@@ -79,3 +79,28 @@ def test_workers_refuse_a_block_size_of_zero_before_any_worker_starts(tmp_path: 
     with pytest.raises(InvalidInputError, match="block_messages must be a positive number"):
         MaterializerWorkers("127.0.0.1:1", TOPIC, tmp_path, [0, 1], 2, block_messages=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_step_past_its_time_bound_stops_after_one_message_and_the_files_are_the_same(
+    tmp_path: Path,
+) -> None:
+    """The loop reads again after each step; a step that overran its time ends early, never applying less."""
+    import transports.kafka.materializer as materializer_module
+
+    real_sweep = Materializer._sweep
+    steps: list[int] = []
+
+    def recorded(self: Materializer, budget: int, deadline: float | None = None) -> int:
+        swept = real_sweep(self, budget, deadline)
+        steps.append(swept)
+        return swept
+
+    with mock.patch.object(Materializer, "_sweep", recorded):
+        materialize(interleaved_topic(), tmp_path / "untimed")
+        assert max(steps) > 1
+        steps.clear()
+        with mock.patch.object(materializer_module, "_SWEEP_STEP_S", -1.0):
+            materialize(interleaved_topic(), tmp_path / "overran")
+    assert steps and max(steps) == 1
+    assert sum(steps) == ROLLOUTS * CALLS * 2
+    assert directory_contents(tmp_path / "overran") == directory_contents(tmp_path / "untimed")

@@ -21,6 +21,10 @@ Commands first (a freeze never waits behind other rollouts' backlog):
 
 - The loop reads ahead of what it applied (bounded by ``READ_AHEAD_MESSAGES`` and ``READ_AHEAD_BYTES``) and
   routes every message in log order, so the router's chunk state is exactly a clean run's.
+- Routing a capture message (intent, cancel, put, incomplete) reads only its headers and key; it is decoded
+  when its own rollout needs it (a freeze answered ahead, the rollout's apply), in that rollout's log order.
+  So reading ahead of a backlog costs a few microseconds a message, and a freeze is read without first
+  decoding every other rollout's puts before it.
 - Routing decisions are then carried out per rollout in log order, but not across rollouts: when the
   read-ahead holds a source command (freeze, drop, retire, delete), that rollout's decisions up to the command
   are carried out first. A rollout's files depend only on its own events and their positions, so every
@@ -48,6 +52,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -83,6 +88,7 @@ from transports.kafka.router import (
     ORPHAN_AFTER_OFFSETS,
     ApplyEvent,
     DeadLetter,
+    Deferred,
     InboundRouter,
     LogMessage,
     Routed,
@@ -135,7 +141,15 @@ waits for a block to end: a command read meanwhile ends it at the next step, and
 answered ahead. A crash inside a block applies at most one block again."""
 
 _SWEEP_STEP = 25
-"""Messages swept between two reads: how long an in-process source's freeze can sit unread behind the sweep."""
+"""Most messages swept between two reads: how long an in-process source's freeze can sit unread behind the sweep."""
+
+_SWEEP_STEP_S = 0.005
+"""Longest a sweep step runs before the loop reads again, whatever it has swept.
+
+Each message swept makes several system calls, and after each one the thread waits to take the GIL back
+from whichever thread holds it. In a process whose other threads keep the CPU busy (a model server's event
+loop, a trainer), 25 messages measured up to 460 ms, and every freeze read behind them waited that long.
+"""
 
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
@@ -179,7 +193,8 @@ class _Read:
     """One routed message whose decisions are not all carried out yet."""
 
     offset: int
-    routed: list[Routed]
+    routed: list[Routed | Deferred]
+    """Its decisions; a deferred one is replaced by what it settles to (``_settled``)."""
     done: list[bool]
     chunks_before: tuple[int, ...]
     """The partition's open chunk offsets before this message was routed: a checkpoint here names them."""
@@ -219,10 +234,12 @@ def check_block_messages(block_messages: object) -> int:
     return block_messages
 
 
-def _rollout_of(routed: Routed) -> str | None:
+def _rollout_of(routed: Routed | Deferred) -> str | None:
     """The rollout whose files a decision changes; ``None`` when it changes none."""
     if isinstance(routed, ApplyEvent):
         return routed.event.rollout_id
+    if isinstance(routed, Deferred):
+        return routed.rollout_id
     if isinstance(routed, DeadLetter) and routed.mask is not None:
         return routed.mask.rollout_id
     return None
@@ -640,7 +657,9 @@ class Materializer:
         """
         swept = 0
         while swept < self._block_messages:
-            step = self._sweep(min(_SWEEP_STEP, self._block_messages - swept))
+            step = self._sweep(
+                min(_SWEEP_STEP, self._block_messages - swept), time.monotonic() + _SWEEP_STEP_S
+            )
             swept += step
             if not step or not self._held_messages:
                 return
@@ -720,7 +739,7 @@ class Materializer:
             return
         log_message = LogMessage.of(message)
         chunks_before = tuple(self._router.open_chunk_offsets(partition))
-        routed = self._router.route(log_message)
+        routed = self._router.route_deferring(log_message)
         read = _Read(offset, routed, [False] * len(routed), chunks_before, log_message.size)
         progress.pending.append(read)
         for index, decision in enumerate(routed):
@@ -735,6 +754,14 @@ class Materializer:
         self._held_messages += 1
         self._held_bytes += read.size
         self._counters.messages_routed += 1
+
+    def _settled(self, read: _Read, index: int) -> Routed:
+        """The decision at ``read``/``index``, decoding it first (and its rollout's earlier ones) if deferred."""
+        decision = read.routed[index]
+        if isinstance(decision, Deferred):
+            decision = self._router.settle(decision)
+            read.routed[index] = decision
+        return decision
 
     def _answers_ahead_for(self, writer: str) -> bool:
         with self._condition:
@@ -782,7 +809,7 @@ class Materializer:
         """
         events: list[tuple[Event, LogPosition]] = []
         for earlier, earlier_index in self._progress[partition].by_rollout.get(rollout_id, ()):
-            routed = earlier.routed[earlier_index]
+            routed = self._settled(earlier, earlier_index)
             position = LogPosition(self._topic, routed.partition, routed.offset)
             if isinstance(routed, ApplyEvent):
                 events.append((routed.event, position))
@@ -821,7 +848,7 @@ class Materializer:
                 waiting = progress.by_rollout[rollout_id]
                 while True:
                     earlier, earlier_index = waiting.popleft()
-                    self._apply(progress, earlier.routed[earlier_index])
+                    self._apply(progress, self._settled(earlier, earlier_index))
                     earlier.done[earlier_index] = True
                     self._counters.decisions_ahead += 1
                     carried += 1
@@ -841,10 +868,11 @@ class Materializer:
                     backlog,
                 )
 
-    def _sweep(self, budget: int) -> int:
+    def _sweep(self, budget: int, deadline: float | None = None) -> int:
         """Finish up to ``budget`` messages in log order, shared between the partitions that have some.
 
-        Return how many were finished.
+        Stop early once ``deadline`` (``time.monotonic``) passed, after at least one message. Return how many
+        were finished.
         """
         active = [progress for progress in self._progress.values() if progress.pending]
         if not active:
@@ -853,8 +881,11 @@ class Materializer:
         share = max(1, budget // len(active))
         for progress in active:
             for _ in range(min(share, len(progress.pending))):
+                if swept and deadline is not None and time.monotonic() > deadline:
+                    return swept
                 read = progress.pending.popleft()
-                for index, decision in enumerate(read.routed):
+                for index in range(len(read.routed)):
+                    decision = self._settled(read, index)
                     if not read.done[index]:
                         rollout_id = _rollout_of(decision)
                         if rollout_id is not None:

@@ -5,6 +5,8 @@ Both readers of a topic route through here, the materializer and the timeline be
 
 - ``ApplyEvent``: a whole event, or the last chunk of a complete chunk group, to apply at its log position;
 - ``Buffered``: a chunk that waits for the rest of its group;
+- ``Deferred``: a whole capture message (intent, cancel, put, incomplete) of a valid rollout key, routed by its
+  headers and key alone when the router defers decoding; ``settle`` decodes it later into one of the others;
 - ``DeadLetter``: a message that cannot be applied (undecodable headers or value, unknown type, newer schema,
   a key that does not name the event's rollout, a chunk that continues no group, a group whose bytes do not
   match their digest), or a chunk group that can never complete. Where the key names a valid rollout, the
@@ -16,11 +18,19 @@ frozen first, or when it is still open ``ORPHAN_AFTER_OFFSETS`` offsets after it
 abandons its rollout's open groups before it applies: whatever completes after the cut is never part of
 the snapshot, so a snapshot taken while a group is open must be masked, not returned complete. The router
 only decides; ``carry_out`` applies a decision to a store, and only the materializer writes dead-letter lines.
+
+Deferred decoding (the materializer's router): decoding and validating a put costs far more than reading its
+headers, and a freeze waits for every message before it to be routed. A deferred message is decoded when
+its own rollout needs it: when that rollout's freeze is answered or its events are applied. A rollout's
+messages are always decoded in their log order, whichever path asks first, so wire deltas meet the same
+parents and every deferred message settles to the decision routing it at once would have given. Commands,
+chunks, messages without a type header and keys that name no rollout are never deferred.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,6 +39,7 @@ from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.events import DeleteEvent, Event, FreezeEvent, IncompleteEvent, LogPosition, PutEvent, RetireEvent
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.codec import (
+    HEADER_TYPE,
     ChunkHeader,
     decode_message,
     decode_wire_delta,
@@ -49,6 +60,7 @@ __all__ = [
     "ApplyEvent",
     "Buffered",
     "DeadLetter",
+    "Deferred",
     "InboundRouter",
     "LogMessage",
     "Routed",
@@ -60,6 +72,9 @@ MATERIALIZER_WRITER = "tokcap-materializer"
 
 ORPHAN_AFTER_OFFSETS = 100_000
 """A chunk group still open this many offsets after its first chunk will never complete."""
+
+_DEFERRABLE_TYPES = frozenset({"intent", "cancel", "put", "incomplete"})
+"""Type headers of the messages whose decoding may wait: a rollout's capture, never a command a source waits on."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +158,22 @@ class DeadLetter:
     decided_at: int = -1
 
 
+@dataclass(eq=False)
+class Deferred:
+    """A whole capture message routed by its headers and key only; ``InboundRouter.settle`` decodes it.
+
+    ``decided`` is what it settled to; until then ``message`` holds its bytes.
+    """
+
+    partition: int
+    offset: int
+    headers: Mapping[str, str]
+    size: int
+    rollout_id: str
+    message: LogMessage | None
+    decided: ApplyEvent | DeadLetter | None = None
+
+
 Routed = ApplyEvent | Buffered | DeadLetter
 """What one message, or one abandoned group, becomes."""
 
@@ -167,6 +198,8 @@ class InboundRouter:
     parents: ParentRestorer = field(default_factory=ParentRestorer)
     """Restores wire deltas; give it a way to read the log (``OffsetReader``) where parents may be forgotten."""
     _groups: dict[int, dict[str, _OpenGroup]] = field(default_factory=dict)
+    _deferred: dict[bytes, deque[Deferred]] = field(default_factory=dict)
+    """Per key, its deferred messages not settled yet, in log order."""
 
     # ------------------------------------------------------------ what is open
 
@@ -178,11 +211,51 @@ class InboundRouter:
         """Chunk groups still waiting for chunks, in every partition."""
         return sorted(group for groups in self._groups.values() for group in groups)
 
+    def unsettled(self) -> int:
+        """Deferred messages not decoded yet, over every rollout."""
+        return sum(len(waiting) for waiting in self._deferred.values())
+
+    # ------------------------------------------------------------- settling
+
+    def settle(self, deferred: Deferred) -> ApplyEvent | DeadLetter:
+        """The decision a deferred message stands for, decoding its rollout's earlier deferred ones first."""
+        if deferred.decided is None:
+            key = (deferred.message.key if deferred.message is not None else None) or b""
+            self._settle_key(key, until=deferred)
+        assert deferred.decided is not None, "a deferred message was settled out of its rollout's order"
+        return deferred.decided
+
+    def _settle_key(self, key: bytes, until: Deferred | None = None) -> None:
+        """Decode the key's deferred messages in log order, all of them or up to and including ``until``."""
+        waiting = self._deferred.get(key)
+        while waiting:
+            head = waiting.popleft()
+            message = head.message
+            assert message is not None
+            head.decided = self._decode_now(
+                message, message.key, message.value, head.headers, head.size, whole=True
+            )
+            head.message = None
+            if head is until:
+                break
+        if waiting is not None and not waiting:
+            del self._deferred[key]
+
     # ---------------------------------------------------------------- routing
 
     def route(self, message: LogMessage) -> list[Routed]:
         """What the message becomes, preceded and followed by the groups it makes abandoned."""
-        routed: list[Routed]
+        return [
+            self.settle(decision) if isinstance(decision, Deferred) else decision
+            for decision in self._route(message, defer=False)
+        ]
+
+    def route_deferring(self, message: LogMessage) -> list[Routed | Deferred]:
+        """As ``route``, but a capture message may come back ``Deferred``: settle it before using it."""
+        return self._route(message, defer=True)
+
+    def _route(self, message: LogMessage, *, defer: bool) -> list[Routed | Deferred]:
+        routed: list[Routed | Deferred]
         try:
             headers = headers_to_dict(message.headers)
             chunk = read_chunk_header(headers)
@@ -190,11 +263,9 @@ class InboundRouter:
             routed = [self._dead_letter(message, {}, message.size, f"undecodable headers: {exc}")]
         else:
             if chunk is None:
-                routed = [
-                    self._decode(message, message.key, message.value, headers, message.size, whole=True)
-                ]
+                routed = [self._whole(message, headers, defer=defer)]
             else:
-                routed = self._take_chunk(message, headers, chunk)
+                routed = [*self._take_chunk(message, headers, chunk)]
         return self._abandon_before_freeze(message, routed) + self._abandon_stale(message)
 
     def pass_over(self, message: LogMessage) -> list[Routed]:
@@ -234,6 +305,18 @@ class InboundRouter:
 
     # ------------------------------------------------------------ the rules
 
+    def _whole(self, message: LogMessage, headers: dict[str, str], *, defer: bool) -> Routed | Deferred:
+        """A message that is not a chunk: deferred when asked and allowed, else decoded now."""
+        if defer and headers.get(HEADER_TYPE) in _DEFERRABLE_TYPES and message.key:
+            rollout_id = rollout_of_key(message.key)
+            if rollout_id is not None:
+                deferred = Deferred(
+                    message.partition, message.offset, headers, message.size, rollout_id, message
+                )
+                self._deferred.setdefault(message.key, deque()).append(deferred)
+                return deferred
+        return self._decode(message, message.key, message.value, headers, message.size, whole=True)
+
     def _decode(
         self,
         message: LogMessage,
@@ -243,10 +326,29 @@ class InboundRouter:
         size: int,
         *,
         whole: bool = False,
-    ) -> Routed:
-        """The event of a whole message (``whole``) or of a reassembled chunk group; a wire delta is restored.
+    ) -> ApplyEvent | DeadLetter:
+        """The event of a whole message (``whole``) or of a reassembled chunk group, after the key's deferred ones.
 
-        A whole put is kept as a possible parent of later wire deltas.
+        A rollout's messages thereby always meet the parent restorer in log order.
+        """
+        if key is not None and key in self._deferred:
+            self._settle_key(key)
+        return self._decode_now(message, key, value, headers, size, whole=whole)
+
+    def _decode_now(
+        self,
+        message: LogMessage,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Mapping[str, str],
+        size: int,
+        *,
+        whole: bool,
+    ) -> ApplyEvent | DeadLetter:
+        """Decode one message or group; a wire delta is restored, a whole put kept as a possible parent.
+
+        An event whose type is not the one its header names is refused: a reader that routes by the header
+        must not be misled by it.
         """
         try:
             if is_wire_delta(headers):
@@ -254,8 +356,10 @@ class InboundRouter:
                 event: Event = self.parents.restore(
                     key or b"", message.partition, message.offset, delta, keep=whole
                 )
+                _check_named_type(headers, event)
             else:
                 event = decode_message(key, value, headers)
+                _check_named_type(headers, event)
                 if whole and isinstance(event, PutEvent):
                     self.parents.remember(key or b"", message.partition, message.offset, event)
         except (EventDecodeError, NewerSchemaError) as exc:
@@ -319,12 +423,14 @@ class InboundRouter:
             if group.header.session == chunk.session
         ]
 
-    def _abandon_before_freeze(self, message: LogMessage, routed: list[Routed]) -> list[Routed]:
+    def _abandon_before_freeze(
+        self, message: LogMessage, routed: list[Routed | Deferred]
+    ) -> list[Routed | Deferred]:
         """A freeze first abandons its rollout's open groups: a group completing after the cut is never applied.
 
         Their masks go before the freeze, so the snapshot it answers is incomplete.
         """
-        decided: list[Routed] = []
+        decided: list[Routed | Deferred] = []
         for item in routed:
             if isinstance(item, ApplyEvent) and isinstance(item.event, FreezeEvent):
                 rollout_id = item.event.rollout_id
@@ -386,6 +492,13 @@ class InboundRouter:
         )
 
 
+def _check_named_type(headers: Mapping[str, str], event: Event) -> None:
+    """Refuse an event whose type header names another type: routing by the header would be misled."""
+    named = headers.get(HEADER_TYPE)
+    if named is not None and named != event.type.value:
+        raise EventDecodeError(f"type header {named!r} does not name the event's type {event.type.value!r}")
+
+
 def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResult | None:
     """Apply a routing decision to a store: the event, or the dead letter's mask; a buffered chunk is nothing yet.
 
@@ -393,6 +506,8 @@ def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResu
     """
     if isinstance(routed, ApplyEvent):
         return store.apply(routed.event, LogPosition(topic, routed.partition, routed.offset))
+    if isinstance(routed, Deferred):
+        raise TypeError("a deferred decision is settled by its router before it is carried out")
     if isinstance(routed, Buffered) or routed.mask is None:
         return None
     if routed.positioned:
