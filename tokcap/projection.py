@@ -31,7 +31,6 @@ take loss mask 1, the rest 0. Gym's own ``assert_prefix_contiguity`` accepts thi
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ import orjson
 
 from tokcap.builder import BuildOutput, Chain
 from tokcap.errors import PrefixContiguityError, TrajectoryBuildError
+from tokcap.hashing import sha256_hex
 from tokcap.records import REQUIRED_TOKEN_FIELDS, strip_token_arrays
 
 __all__ = [
@@ -51,7 +51,7 @@ __all__ = [
 
 def token_sequence_digest(token_ids: Sequence[int]) -> str:
     """sha256 hex of a token sequence written as a compact JSON array."""
-    return hashlib.sha256(orjson.dumps(list(token_ids))).hexdigest()
+    return sha256_hex(orjson.dumps(list(token_ids)))
 
 
 def _synthetic_message() -> dict[str, Any]:

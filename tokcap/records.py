@@ -22,6 +22,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokcap.errors import NewerSchemaError, RecordValidationError, TokenExtractionError
+from tokcap.hashing import sha256_hex
 
 __all__ = [
     "DIGEST_VERSION",
@@ -237,7 +238,7 @@ def _check_lineage(parent_call_id: str | None, resolution: ParentResolutionStatu
 
 def entry_digest(canonical: bytes) -> str:
     """sha256 hex of a canonical entry line (without its newline)."""
-    return hashlib.sha256(canonical).hexdigest()
+    return sha256_hex(canonical)
 
 
 def as_token_entry(entry: Any) -> TokenEntry:
@@ -279,7 +280,7 @@ def compute_digest(token_ids: Sequence[int]) -> str:
     """
     if not token_ids:
         return hashlib.sha256(_DIGEST_DOMAIN).hexdigest()
-    return hashlib.sha256(_DIGEST_DOMAIN + encode_token_ids(token_ids)).hexdigest()
+    return sha256_hex(_DIGEST_DOMAIN + encode_token_ids(token_ids))
 
 
 def cumulative_tokens(entry: TokenEntry) -> list[int]:

@@ -18,7 +18,6 @@ A value larger than the chunk size is split into chunk messages that carry
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import sys
 from array import array
@@ -36,6 +35,7 @@ from tokcap.errors import (
     WireDeltaError,
 )
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event, event_from_mapping
+from tokcap.hashing import sha256_hex
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 
@@ -481,7 +481,7 @@ def encode_event_messages(
     if len(value) <= chunk_bytes:
         return [OutgoingMessage(key, value, base_headers)]
     group = next_chunk_group()
-    digest = hashlib.sha256(value).hexdigest()
+    digest = sha256_hex(value)
     count = -(-len(value) // chunk_bytes)
     return [
         OutgoingMessage(

@@ -39,6 +39,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, Message, Topic
 from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, TransportError
 from tokcap.events import PutEvent
 from tokcap.fingerprint import assistant_fingerprint
+from tokcap.hashing import sha256_hex
 from tokcap.lineage import LineageIndex, LineageNode, LineageResolution, materialize_tokens, resolution_of
 from tokcap.records import ParentResolutionStatus, TokenEntry
 from transports.kafka.admin import list_topics
@@ -452,7 +453,7 @@ class KafkaLineageResolver:
                 if len(parts) < chunk.count:
                     return None
                 value = b"".join(self._chunks.pop(chunk.group))
-                if hashlib.sha256(value).hexdigest() != chunk.digest:
+                if sha256_hex(value) != chunk.digest:
                     return None
             self._fold(rollout_id, value, headers, partition, offset if chunk is None else -1)
         except (EventDecodeError, orjson.JSONDecodeError, ValueError, KeyError, TypeError):

@@ -29,7 +29,6 @@ chunks, messages without a type header and keys that name no rollout are never d
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.events import DeleteEvent, Event, FreezeEvent, IncompleteEvent, LogPosition, PutEvent, RetireEvent
+from tokcap.hashing import sha256_hex
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.codec import (
     HEADER_TYPE,
@@ -406,7 +406,7 @@ class InboundRouter:
             return [Buffered(message.partition, message.offset, headers, size, self._progress(chunk))]
         del groups[chunk.group]
         whole = b"".join(group.pieces)
-        if hashlib.sha256(whole).hexdigest() != group.header.digest:
+        if sha256_hex(whole) != group.header.digest:
             why = f"chunk group {chunk.group} reassembles to a different digest"
             return [self._dead_letter(message, headers, group.size, why)]
         return [self._decode(message, group.key, whole, group.headers, group.size)]
