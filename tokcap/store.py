@@ -645,13 +645,16 @@ class TokenCaptureStore:
             return self._decided_ahead(paths, recovered, pending, applied)
 
     def _holds_nothing_yet(self, paths: RolloutPaths) -> bool:
-        """Whether no file of the rollout exists and no open deferred block keeps a state of it."""
+        """Whether no file of the rollout exists and no open deferred block keeps a state of it.
+
+        Every writer of the format (this store, Gym's) creates a rollout's lock file before any of its record
+        files and removes it last, so a missing lock file means no record file; only a tokcap 0.1 fence is
+        looked for besides. Each check is a system call, and in a busy process each one waits to take the
+        GIL back: a trainer's burst of freezes of new rollouts made six of them per answer.
+        """
         if self._deferral.active and paths.rollout_id in self._deferral.states:
             return False
-        return not any(
-            os.path.lexists(path)
-            for path in (paths.lock, paths.state, paths.entries, paths.intents, paths.incomplete, paths.fence)
-        )
+        return not (os.path.lexists(paths.lock) or os.path.lexists(paths.fence))
 
     def _decided_ahead(
         self,

@@ -148,3 +148,37 @@ def test_a_rollout_deleted_by_gym_is_reusable_by_tokcap(
     ours.append(_gym_entry(gym, "r", "c2"))
     reused = ours.freeze_now("r")
     assert _ids(reused) == ["c2"] and reused.snapshot_id != first.snapshot_id
+
+
+def _record_files_without_a_lock(directory: Path) -> list[str]:
+    """Record files of rollouts whose lock file is missing; an answer ahead relies on there being none."""
+    names = {path.name for path in directory.iterdir()}
+    stems = {name.split(".tokens.")[0] for name in names if ".tokens." in name}
+    return sorted(
+        name
+        for stem in stems
+        if f"{stem}.tokens.lock" not in names
+        for name in names
+        if name.startswith(f"{stem}.tokens.")
+    )
+
+
+def test_every_write_of_gyms_store_leaves_a_rollouts_lock_file_beside_its_record_files(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    """tokcap answers a freeze ahead without reading when a rollout has no lock file: Gym must agree."""
+    theirs = gym.store.TokenCaptureStore(tmp_path)
+    steps = [
+        lambda: theirs._begin_call("r", "c1"),
+        lambda: theirs.append(_gym_entry(gym, "r", "c1")),
+        lambda: theirs._mark_incomplete("m", "c9"),
+        lambda: theirs._begin_call("s", "c1"),
+        lambda: theirs.freeze_now("r"),
+        lambda: theirs.freeze_now("s"),
+        lambda: theirs._drop("s", theirs.freeze_now("s").snapshot_id, theirs.freeze_now("s").version),
+        lambda: theirs.delete("r"),
+        lambda: theirs.sweep_retired(older_than_seconds=-1),
+    ]
+    for step in steps:
+        step()
+        assert _record_files_without_a_lock(tmp_path) == []

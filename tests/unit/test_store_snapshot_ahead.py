@@ -8,6 +8,7 @@ cannot answer without carrying something out, it says so (``None``) and the call
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -212,3 +213,36 @@ def test_applied_entries_handed_over_are_copied_not_parsed_and_share_nothing_wit
     prompt_before = list(handed[0].prompt_token_ids)
     entries[0].prompt_token_ids.append(7)
     assert handed[0].prompt_token_ids == prompt_before
+
+
+def test_every_write_of_the_store_leaves_a_rollouts_lock_file_beside_its_record_files(tmp_path: Path) -> None:
+    """An answer ahead reads nothing of a rollout without a lock file, so no writer may leave files without one."""
+    ops = [("intent", 0), ("put", 0), ("intent", 1), ("put", 1)]
+    events = [*history(ops), (FreezeEvent(rollout_id=ROLLOUT), LogPosition(TOPIC, 0, len(ops)))]
+    store = TokenCaptureStore(tmp_path)
+    for event, position in events:
+        store.apply(event, position)
+        names = {path.name for path in tmp_path.iterdir()}
+        assert f"{ROLLOUT}.tokens.lock" in names, names
+    store.begin_call_now("other", "c0")
+    store.mark_incomplete_now("third", "c0")
+    names = {path.name for path in tmp_path.iterdir()}
+    assert {"other.tokens.lock", "third.tokens.lock"} <= names
+
+
+def test_a_rollout_without_a_lock_file_is_answered_after_two_existence_checks(tmp_path: Path) -> None:
+    ops = [("intent", 0), ("put", 0)]
+    events = [*history(ops), (FreezeEvent(rollout_id=ROLLOUT), LogPosition(TOPIC, 0, len(ops)))]
+    store = TokenCaptureStore(tmp_path)
+    checked: list[str] = []
+    real = os.path.lexists
+
+    def counted(path: object) -> bool:
+        checked.append(str(path))
+        return real(path)  # type: ignore[arg-type]
+
+    expected = applied_answer(TokenCaptureStore(tmp_path / "applied"), events)
+    with mock.patch("tokcap.store.os.path.lexists", counted):
+        answer = store.snapshot_ahead(ROLLOUT, events)
+    assert answer == expected
+    assert len(checked) == 2
