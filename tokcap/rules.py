@@ -53,7 +53,6 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from tokcap.records import entry_digest
 from tokcap.state import FreezeAnswer, IncompleteMark, IntentOp, Lifecycle, Rejection, RolloutState
 
 __all__ = [
@@ -310,8 +309,8 @@ def _put(state: RolloutState, event: PutEvent, position: LogPosition | None) -> 
     call_id = event.entry.model_call_id
     if state.retired:
         return _unchanged(state, _refused_by_fence(state, EventType.PUT, call_id), position)
-    canonical = event.entry.canonical_json()
-    digest = entry_digest(canonical)
+    canonical = event.entry_line
+    digest = event.payload_digest
     known = state.entry_digests.get(call_id)
     if known == digest:
         verdict = ApplyResult(

@@ -25,7 +25,7 @@ from tokcap.events import (
     decode_event,
     encode_event,
 )
-from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION
+from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
 
 _EVERY_KIND: list[Event] = [
     IntentEvent(rollout_id="r1", writer="w", model_call_id="c1"),
@@ -86,3 +86,14 @@ def test_a_put_keyed_by_one_rollout_cannot_carry_another_rollouts_entry() -> Non
     smuggled["rollout_id"] = "r2"
     with pytest.raises(EventDecodeError, match="put event for rollout 'r2' carries an entry of rollout 'r1'"):
         decode_event(orjson.dumps(smuggled))
+
+
+def test_a_puts_line_and_digest_are_its_entrys_and_are_no_fields_of_the_event() -> None:
+    """Kept on the event once computed, they change neither its dump, its equality nor its encoding."""
+    entry = make_entry("r", "c", prompt=range(3000))
+    read, fresh = PutEvent(rollout_id="r", entry=entry), PutEvent(rollout_id="r", entry=entry)
+    assert read.entry_line == entry.canonical_json()
+    assert read.payload_digest == entry.payload_digest() == entry_digest(entry.canonical_json())
+    assert read == fresh
+    assert read.model_dump() == fresh.model_dump()
+    assert encode_event(read) == encode_event(fresh)

@@ -8,6 +8,7 @@ are never deferred.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,21 @@ def test_a_message_decoded_at_once_first_settles_its_rollouts_deferred_ones_in_o
     assert isinstance(delete, ApplyEvent) and isinstance(delete.event, DeleteEvent)
     assert all(d.decided is not None for d in r2)
     assert all(isinstance(d.decided, ApplyEvent) for d in r2)
+
+
+def test_settling_the_oldest_decodes_in_arrival_order_until_the_deadline(topic: MemoryTopic) -> None:
+    router = InboundRouter()
+    capture = topic.messages()[:24]
+    decided = [d for message in capture for d in router.route_deferring(log_message(message))]
+    deferred = [d for d in decided if isinstance(d, Deferred)]
+    assert len(deferred) == len(capture)
+    assert router.settle_oldest(time.monotonic() - 1) == 0
+    assert router.unsettled() == len(deferred)
+    router.settle(deferred[5])  # its rollout's earlier ones with it, out of arrival order
+    settled_early = sum(d.decided is not None for d in deferred)
+    assert 1 < settled_early < 6
+    assert router.settle_oldest(time.monotonic() + 60) == len(deferred) - settled_early
+    assert router.unsettled() == 0
+    eager = InboundRouter()
+    expected = [d for message in capture for d in eager.route(log_message(message))]
+    assert [router.settle(d) if isinstance(d, Deferred) else d for d in decided] == expected

@@ -332,7 +332,7 @@ class WireDelta:
         if not isinstance(event, PutEvent):
             raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
         event.entry.__dict__["prompt_token_ids"] = prefix + self.suffix
-        if event.entry.payload_digest() != self.entry_digest:
+        if event.payload_digest != self.entry_digest:
             raise WireDeltaError(
                 f"the entry restored from parent {self.link.model_call_id!r} at offset {self.link.offset} "
                 "does not match the digest of the entry the sink sent"

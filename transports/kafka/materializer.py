@@ -151,6 +151,14 @@ from whichever thread holds it. In a process whose other threads keep the CPU bu
 loop, a trainer), 25 messages measured up to 460 ms, and every freeze read behind them waited that long.
 """
 
+_SETTLE_STEP_S = 0.005
+"""Time given to decoding messages read ahead (oldest first) between two steps of the sweep.
+
+Reading defers decoding, so a freeze is read without waiting for other rollouts' puts to be decoded; with
+time to spare the loop decodes them anyway, so a trainer's burst of freezes does not pay for its rollouts'
+decoding all at once (a batch of 200 freezes spent about 0.7 s instead of 0.45 s of CPU without this).
+"""
+
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
 
@@ -667,6 +675,7 @@ class Materializer:
                 self._take(message)
             if self._commands_waiting():
                 return
+            self._router.settle_oldest(time.monotonic() + _SETTLE_STEP_S)
 
     def _read(self, consumer: Consumer) -> list[Message]:
         """The next messages to route, as many as the read-ahead has room for (none when it is full).

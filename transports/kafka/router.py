@@ -21,7 +21,8 @@ only decides; ``carry_out`` applies a decision to a store, and only the material
 
 Deferred decoding (the materializer's router): decoding and validating a put costs far more than reading its
 headers, and a freeze waits for every message before it to be routed. A deferred message is decoded when
-its own rollout needs it: when that rollout's freeze is answered or its events are applied. A rollout's
+its own rollout needs it (when that rollout's freeze is answered or its events are applied), or when the
+reader has time to spare (``settle_oldest``). A rollout's
 messages are always decoded in their log order, whichever path asks first, so wire deltas meet the same
 parents and every deferred message settles to the decision routing it at once would have given. Commands,
 chunks, messages without a type header and keys that name no rollout are never deferred.
@@ -29,6 +30,7 @@ chunks, messages without a type header and keys that name no rollout are never d
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -200,6 +202,8 @@ class InboundRouter:
     _groups: dict[int, dict[str, _OpenGroup]] = field(default_factory=dict)
     _deferred: dict[bytes, deque[Deferred]] = field(default_factory=dict)
     """Per key, its deferred messages not settled yet, in log order."""
+    _arrived: deque[Deferred] = field(default_factory=deque)
+    """Every deferred message in the order it was routed; those settled meanwhile are skipped."""
 
     # ------------------------------------------------------------ what is open
 
@@ -224,6 +228,21 @@ class InboundRouter:
             self._settle_key(key, until=deferred)
         assert deferred.decided is not None, "a deferred message was settled out of its rollout's order"
         return deferred.decided
+
+    def settle_oldest(self, deadline: float) -> int:
+        """Decode deferred messages oldest first until ``deadline`` (``time.monotonic``) passes; return how many.
+
+        A reader with time to spare calls this, so the decoding a freeze would otherwise pay for its rollout
+        is mostly done before the freeze arrives, while reading itself never waits for it.
+        """
+        settled = 0
+        while self._arrived and time.monotonic() < deadline:
+            oldest = self._arrived.popleft()
+            if oldest.decided is None:
+                # Its rollout's earlier messages arrived earlier and are settled already: one decode.
+                self.settle(oldest)
+                settled += 1
+        return settled
 
     def _settle_key(self, key: bytes, until: Deferred | None = None) -> None:
         """Decode the key's deferred messages in log order, all of them or up to and including ``until``."""
@@ -314,6 +333,7 @@ class InboundRouter:
                     message.partition, message.offset, headers, message.size, rollout_id, message
                 )
                 self._deferred.setdefault(message.key, deque()).append(deferred)
+                self._arrived.append(deferred)
                 return deferred
         return self._decode(message, message.key, message.value, headers, message.size, whole=True)
 
