@@ -251,8 +251,8 @@ class InboundRouter:
             head = waiting.popleft()
             message = head.message
             assert message is not None
-            head.decided = self._decode_now(
-                message, message.key, message.value, head.headers, head.size, whole=True
+            head.decided = self._decode(
+                message, message.key, message.value, head.headers, head.size, whole=True, settle_first=False
             )
             head.message = None
             if head is until:
@@ -346,30 +346,17 @@ class InboundRouter:
         size: int,
         *,
         whole: bool = False,
+        settle_first: bool = True,
     ) -> ApplyEvent | DeadLetter:
-        """The event of a whole message (``whole``) or of a reassembled chunk group, after the key's deferred ones.
+        """Decode a whole message (``whole``) or a reassembled chunk group; a wire delta is restored.
 
-        A rollout's messages thereby always meet the parent restorer in log order.
+        The key's deferred messages are decoded first (unless the caller is settling them, in order), so a
+        rollout's messages always meet the parent restorer in log order. A whole put is kept as a possible
+        parent. An event whose type is not the one its header names is refused: a reader that routes by the
+        header must not be misled by it.
         """
-        if key is not None and key in self._deferred:
+        if settle_first and key is not None and key in self._deferred:
             self._settle_key(key)
-        return self._decode_now(message, key, value, headers, size, whole=whole)
-
-    def _decode_now(
-        self,
-        message: LogMessage,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Mapping[str, str],
-        size: int,
-        *,
-        whole: bool,
-    ) -> ApplyEvent | DeadLetter:
-        """Decode one message or group; a wire delta is restored, a whole put kept as a possible parent.
-
-        An event whose type is not the one its header names is refused: a reader that routes by the header
-        must not be misled by it.
-        """
         try:
             if is_wire_delta(headers):
                 delta = decode_wire_delta(key, value, headers)
