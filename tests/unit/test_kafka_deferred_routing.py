@@ -179,3 +179,15 @@ def test_settling_the_oldest_decodes_in_arrival_order_until_the_deadline(topic: 
     eager = InboundRouter()
     expected = [d for message in capture for d in eager.route(log_message(message))]
     assert [router.settle(d) if isinstance(d, Deferred) else d for d in decided] == expected
+
+
+def test_a_router_whose_messages_were_all_settled_keeps_none_of_them_once_asked_to_settle(
+    topic: MemoryTopic,
+) -> None:
+    router = InboundRouter()
+    decided = [d for message in topic.messages()[:24] for d in router.route_deferring(log_message(message))]
+    for deferred in decided:
+        assert isinstance(deferred, Deferred)
+        router.settle(deferred)
+    assert router.settle_oldest(0.0) == 0
+    assert not router._arrived

@@ -669,7 +669,10 @@ class Materializer:
                 min(_SWEEP_STEP, self._block_messages - swept), time.monotonic() + _SWEEP_STEP_S
             )
             swept += step
-            if not step or not self._held_messages:
+            if not self._held_messages:
+                self._router.settle_oldest(0.0)  # everything is applied: let go of what it was
+                return
+            if not step:
                 return
             for message in self._read(consumer):
                 self._take(message)

@@ -234,14 +234,19 @@ class InboundRouter:
 
         A reader with time to spare calls this, so the decoding a freeze would otherwise pay for its rollout
         is mostly done before the freeze arrives, while reading itself never waits for it.
+        Messages settled meanwhile by their rollout are let go of whatever the deadline, so a reader that
+        applied everything keeps no reference to what it applied.
         """
         settled = 0
-        while self._arrived and time.monotonic() < deadline:
-            oldest = self._arrived.popleft()
+        while self._arrived:
+            oldest = self._arrived[0]
             if oldest.decided is None:
+                if time.monotonic() >= deadline:
+                    break
                 # Its rollout's earlier messages arrived earlier and are settled already: one decode.
                 self.settle(oldest)
                 settled += 1
+            self._arrived.popleft()
         return settled
 
     def _settle_key(self, key: bytes, until: Deferred | None = None) -> None:
