@@ -20,12 +20,12 @@ the snapshot, so a snapshot taken while a group is open must be masked, not retu
 only decides; ``carry_out`` applies a decision to a store, and only the materializer writes dead-letter lines.
 
 Deferred decoding (the materializer's router): decoding and validating a put costs far more than reading its
-headers, and a freeze waits for every message before it to be routed. A deferred message is decoded when
-its own rollout needs it (when that rollout's freeze is answered or its events are applied), or when the
-reader has time to spare (``settle_oldest``). A rollout's
-messages are always decoded in their log order, whichever path asks first, so wire deltas meet the same
-parents and every deferred message settles to the decision routing it at once would have given. Commands,
-chunks, messages without a type header and keys that name no rollout are never deferred.
+headers, and a freeze waits for every message before it to be routed. A deferred message is decoded when its
+own rollout needs it (that rollout's freeze is answered or its events are applied), or when the reader has
+time to spare (``settle_oldest``). A rollout's messages are always decoded in their log order, whichever path
+asks first, so wire deltas meet the same parents and every deferred message settles to the decision routing
+it at once would have given. Commands, chunks, messages without a type header and keys that name no rollout
+are never deferred.
 """
 
 from __future__ import annotations
