@@ -104,3 +104,31 @@ def test_a_sweep_step_past_its_time_bound_stops_after_one_message_and_the_files_
     assert steps and max(steps) == 1
     assert sum(steps) == ROLLOUTS * CALLS * 2
     assert directory_contents(tmp_path / "overran") == directory_contents(tmp_path / "untimed")
+
+
+def test_sweep_steps_cut_short_by_their_time_bound_take_turns_between_partitions(tmp_path: Path) -> None:
+    """With every step ending after one message, each partition still advances: none waits for another to empty."""
+    import transports.kafka.materializer as materializer_module
+
+    topic = MemoryTopic(TOPIC, partitions=2)
+    for call in range(CALLS):
+        for rollout in range(4):
+            rollout_id = f"r{rollout}"
+            partition = rollout % 2
+            topic.publish(IntentEvent(rollout_id=rollout_id, model_call_id=f"c{call}"), partition=partition)
+    real_sweep = Materializer._sweep
+    order: list[int] = []
+
+    def recorded(self: Materializer, budget: int, deadline: float | None = None) -> int:
+        before = {p: len(progress.pending) for p, progress in self._progress.items()}
+        swept = real_sweep(self, budget, deadline)
+        order.extend(p for p, progress in self._progress.items() if len(progress.pending) < before[p])
+        return swept
+
+    with (
+        mock.patch.object(Materializer, "_sweep", recorded),
+        mock.patch.object(materializer_module, "_SWEEP_STEP_S", -1.0),
+    ):
+        materialize(topic, tmp_path)
+    first_half = order[: len(order) // 2]
+    assert set(first_half) == {0, 1}, order

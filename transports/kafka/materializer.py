@@ -320,6 +320,7 @@ class Materializer:
         self._counters = MaterializerCounters()
         self._held_messages = 0
         self._held_bytes = 0
+        self._sweep_turn = 0
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
         self._answers: OrderedDict[tuple[int, int], tuple[ApplyResult, TokenCaptureSnapshot]] = OrderedDict()
         """Freezes answered ahead of their apply, by position: the verdict and the snapshot, taken once."""
@@ -889,6 +890,10 @@ class Materializer:
         active = [progress for progress in self._progress.values() if progress.pending]
         if not active:
             return 0
+        # Each step starts at the next partition, so a step cut short by its deadline starves none of them.
+        first = self._sweep_turn % len(active)
+        active = active[first:] + active[:first]
+        self._sweep_turn += 1
         swept = 0
         share = max(1, budget // len(active))
         for progress in active:
