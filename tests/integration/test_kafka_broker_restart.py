@@ -22,11 +22,18 @@ ROLLOUTS_PER_WORKER = 4
 PUTS_PER_WORKER = 160
 
 
-def write_entries(bootstrap: str, topic: str, worker: int, ack_log: str) -> None:
-    """Worker process: put entries in small concurrent waves and log each acknowledged one."""
+def write_entries(bootstrap: str, topic: str, worker: int, ack_log: str, ready: Any, go: Any) -> None:
+    """Worker process: put entries in small concurrent waves and log each acknowledged one.
+
+    It starts writing only once every worker is ready (``go``): a worker that started early could otherwise
+    finish all its puts while another is still importing, before the broker restart the test is about.
+    """
 
     async def run() -> None:
         sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, delivery_timeout_s=60)
+        ready.set()
+        if not go.wait(120):
+            raise TimeoutError("the test never let the workers start")
         try:
             with Path(ack_log).open("ab", buffering=0) as acknowledged:
                 for wave in range(0, PUTS_PER_WORKER, 4):
@@ -59,12 +66,20 @@ def test_every_acknowledged_entry_is_in_its_snapshot_exactly_once_across_a_broke
     topic = kafka_topic_factory("restart", partitions=2)
     logs = [tmp_path / f"acks-{worker}.jsonl" for worker in range(WORKERS)]
     context = multiprocessing.get_context("spawn")
+    ready = [context.Event() for _ in range(WORKERS)]
+    go = context.Event()
     workers = [
-        context.Process(target=write_entries, args=(kafka_bootstrap, topic, worker, str(logs[worker])))
+        context.Process(
+            target=write_entries,
+            args=(kafka_bootstrap, topic, worker, str(logs[worker]), ready[worker], go),
+        )
         for worker in range(WORKERS)
     ]
     for process in workers:
         process.start()
+    for worker, event in enumerate(ready):
+        assert event.wait(120), f"writer {worker} never became ready"
+    go.set()
     deadline = time.monotonic() + 120
     while min(acknowledged_count(logs)) < 20:
         assert time.monotonic() < deadline and all(p.is_alive() for p in workers), acknowledged_count(logs)
