@@ -75,12 +75,13 @@ def open_for_append(path: Path) -> int:
     return open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
 
-def append_to(fd: int, path: Path, data: bytes, *, durable: bool = False) -> int:
+def append_to(fd: int, path: Path, data: bytes, *, durable: bool = False, measure: bool = True) -> int:
     """Append ``data`` to an ``open_for_append`` descriptor of ``path``; return the file size before the append.
 
-    One ``write`` on an ``O_APPEND`` descriptor keeps concurrent appenders from interleaving.
+    One ``write`` on an ``O_APPEND`` descriptor keeps concurrent appenders from interleaving. A caller that
+    counts the size itself passes ``measure=False`` to skip asking for it (and gets -1).
     """
-    start = os.fstat(fd).st_size
+    start = os.fstat(fd).st_size if measure else -1
     view = memoryview(data)
     try:
         while view:

@@ -26,6 +26,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -98,6 +99,7 @@ __all__ = [
     "INCOMPLETE_SUFFIX",
     "INDEX_FLUSH_ENTRIES",
     "INTENTS_SUFFIX",
+    "KEPT_APPENDERS",
     "LOCK_SUFFIX",
     "STATE_SUFFIX",
     "ApplyOutcome",
@@ -133,6 +135,19 @@ _REMEMBERED_LINES = 65_536
 """How many appended lines' call ids a store remembers to re-index its lagging tails without parsing them."""
 
 
+KEPT_APPENDERS = 128
+"""Side files a deferred block keeps open at most (each rollout has up to three)."""
+
+
+@dataclass
+class _KeptAppender:
+    """A side file a deferred block keeps open, and the size it must have: its size when opened plus the
+    block's own appends."""
+
+    fd: int
+    size: int
+
+
 class _Deferral(threading.local):
     """The deferred-durability block of one thread: states kept in memory, which of them await a write, and
     the side files it appends to, kept open until the block ends (an ``open`` and a ``close`` per event cost
@@ -144,13 +159,55 @@ class _Deferral(threading.local):
     def __init__(self) -> None:
         self.states: dict[str, RolloutState] = {}
         self.dirty: set[str] = set()
-        self.appenders: dict[Path, int] = {}
+        self.appenders: dict[Path, _KeptAppender] = {}
 
-    def close_appenders(self, paths: Iterable[Path] | None = None) -> None:
-        """Close the kept descriptors of ``paths`` (all of them by default), before the files are cut or removed."""
+    def append(self, path: Path, line: bytes) -> int:
+        """Append one line through the kept descriptor of ``path`` (opened now if not kept); return the size
+        the file had before it.
+
+        The size is asked of the file once, when the descriptor is opened; after that the block counts its
+        own appends, and the count is checked against the file when the descriptor is closed, so a write
+        from outside the block is still caught before the block ends. At most ``KEPT_APPENDERS`` stay open,
+        the oldest closed first: a block over a thousand rollouts would otherwise run out of descriptors (a
+        soft limit of 1,024 is common).
+        """
+        kept = self.appenders.get(path)
+        if kept is None:
+            if len(self.appenders) >= KEPT_APPENDERS:
+                self._close(next(iter(self.appenders)), check=True)
+            fd = open_for_append(path)
+            try:
+                kept = _KeptAppender(fd, os.fstat(fd).st_size)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.appenders[path] = kept
+        start = kept.size
+        append_to(kept.fd, path, line, measure=False)
+        kept.size = start + len(line)
+        return start
+
+    def close_appenders(self, paths: Iterable[Path] | None = None, *, check: bool = True) -> None:
+        """Close the kept descriptors of ``paths`` (all of them by default), before the files are cut or removed.
+
+        ``check`` compares each file's size with the block's count first (skipped when the block is failing).
+        """
         chosen = list(self.appenders) if paths is None else [path for path in paths if path in self.appenders]
         for path in chosen:
-            os.close(self.appenders.pop(path))
+            self._close(path, check=check)
+
+    def _close(self, path: Path, *, check: bool) -> None:
+        kept = self.appenders.pop(path)
+        try:
+            found = os.fstat(kept.fd).st_size if check else kept.size
+        finally:
+            os.close(kept.fd)
+        if found != kept.size:
+            raise StoreCorruptionError(
+                f"{path} grew outside the rollout lock while a deferred block kept it open (the block wrote it "
+                f"to {kept.size} bytes, found {found}); another program is writing to the store. Stop it, then "
+                "restart the projection: it cuts the files back to their states and applies the events again"
+            )
 
 
 class TokenCaptureStore:
@@ -226,22 +283,28 @@ class TokenCaptureStore:
         Ordering barriers (a retired state before the removals it guards) still sync at once.
         Only a single-writer projection that records its own checkpoint after the block should use this:
         if the process dies inside the block, the files may be ahead of their states, and the projection's
-        next apply cuts them back and applies the same events again.
+        next apply cuts them back and applies the same events again. The block owns the rollouts it touches
+        until it ends: nothing else may write or remove their files, so it also keeps their lock files open
+        between events (readers still take each lock between two events).
         """
         deferral = self._deferral
         outermost = not deferral.active
-        deferral.active = True
-        if outermost:
-            deferral.states, deferral.dirty = {}, set()
-        try:
+        if not outermost:
             yield
-        finally:
-            if outermost:
+            return
+        deferral.active = True
+        deferral.states, deferral.dirty = {}, set()
+        self._rollout_locks.keep_files_open()
+        try:
+            failed = True
+            try:
+                yield
+                failed = False
+            finally:
                 deferral.active = False
-                deferral.close_appenders()
                 states, dirty = deferral.states, deferral.dirty
                 deferral.states, deferral.dirty = {}, set()
-        if outermost:
+                deferral.close_appenders(check=not failed)
             for rollout_id in sorted(dirty):
                 paths = self._paths_of(rollout_id)
                 with self._rollout_locks.hold(paths.lock):
@@ -253,6 +316,8 @@ class TokenCaptureStore:
                     )
             self._commit.note_write()
             self._barrier()
+        finally:
+            self._rollout_locks.stop_keeping_files_open()
 
     # ----------------------------------------------------------------- paths
 
@@ -342,7 +407,7 @@ class TokenCaptureStore:
     def _cut(self, cut: CutTail) -> None:
         """Cut bytes no state covers: a torn line never acknowledged, or a projection's unapplied tail."""
         logger.warning("cutting %s back to %d bytes: they were never committed", cut.path, cut.size)
-        self._deferral.close_appenders((cut.path,))
+        self._deferral.close_appenders((cut.path,), check=False)
         if cut.size == 0:
             remove_if_exists(cut.path)
         else:
@@ -455,13 +520,7 @@ class TokenCaptureStore:
         The line becomes durable at the operation's barrier, before the caller returns.
         """
         deferral = self._deferral
-        if deferral.active:
-            fd = deferral.appenders.get(path)
-            if fd is None:
-                fd = deferral.appenders[path] = open_for_append(path)
-            start = append_to(fd, path, line)
-        else:
-            start = append_durably(path, line, durable=False)
+        start = deferral.append(path, line) if deferral.active else append_durably(path, line, durable=False)
         self._commit.note_write()
         if start != expected_start:
             raise StoreCorruptionError(
@@ -507,9 +566,15 @@ class TokenCaptureStore:
         Rejections are returned, never raised; the file store's methods raise them to their callers.
         A failed write or sync raises ``StoreWriteError`` naming the operation, the rollout and the file.
         """
-        with self._locked(event.rollout_id) as paths, _write_errors_named(event):
-            decision = self._apply_locked(paths, event, position)
-            self._end_of_operation(forced=decision.sync_even_if_unchanged)
+        paths = self._paths_of(event.rollout_id)
+        with self._rollout_locks.hold(paths.lock):
+            try:
+                decision = self._apply_locked(paths, event, position)
+                self._end_of_operation(forced=decision.sync_even_if_unchanged)
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _named_write_error(event, exc) from exc
             return decision.verdict
 
     def apply_many(self, events: Sequence[tuple[Event, LogPosition | None]]) -> list[ApplyResult]:
@@ -968,23 +1033,28 @@ def _write_errors_named(event: Event) -> Iterator[None]:
     """Turn an operating-system error of one operation into a tokcap error that says what failed where."""
     try:
         yield
+    except StoreWriteError:
+        raise
     except OSError as exc:
-        if isinstance(exc, StoreWriteError):
-            raise
-        call_id = getattr(event, "model_call_id", "") or (
-            event.entry.model_call_id if isinstance(event, PutEvent) else ""
-        )
-        call = f" call {call_id!r}" if call_id else ""
-        where = exc.filename or "the store directory (sync)"
-        error = StoreWriteError(
-            f"{event.type.value} of rollout {event.rollout_id!r}{call} failed writing {where}: "
-            f"{exc.strerror or exc}; nothing of it was acknowledged and the files stay readable. "
-            "Free space or fix the device, then retry",
-            rollout_id=event.rollout_id,
-            model_call_id=call_id or None,
-        )
-        error.errno, error.filename = exc.errno, exc.filename
-        raise error from exc
+        raise _named_write_error(event, exc) from exc
+
+
+def _named_write_error(event: Event, exc: OSError) -> StoreWriteError:
+    """The tokcap error for an operating-system error of one operation: what failed, where, what to do."""
+    call_id = getattr(event, "model_call_id", "") or (
+        event.entry.model_call_id if isinstance(event, PutEvent) else ""
+    )
+    call = f" call {call_id!r}" if call_id else ""
+    where = exc.filename or "the store directory (sync)"
+    error = StoreWriteError(
+        f"{event.type.value} of rollout {event.rollout_id!r}{call} failed writing {where}: "
+        f"{exc.strerror or exc}; nothing of it was acknowledged and the files stay readable. "
+        "Free space or fix the device, then retry",
+        rollout_id=event.rollout_id,
+        model_call_id=call_id or None,
+    )
+    error.errno, error.filename = exc.errno, exc.filename
+    return error
 
 
 def _removal_payload(ids: Sequence[str], removed: dict[str, bool]) -> RolloutRemovalPayload:

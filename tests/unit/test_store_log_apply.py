@@ -20,8 +20,9 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
+from tokcap.locks import KEPT_LOCK_FILES
 from tokcap.state import RolloutState
-from tokcap.store import ApplyOutcome, TokenCaptureStore
+from tokcap.store import KEPT_APPENDERS, ApplyOutcome, TokenCaptureStore
 
 
 def _at(offset: int) -> LogPosition:
@@ -168,3 +169,57 @@ def test_applying_a_block_rollout_by_rollout_leaves_the_same_bytes_and_verdicts_
     }
     assert _files(tmp_path / "grouped") == _files(tmp_path / "one")
     assert grouped.apply_many(log) == [one_by_one.apply(event, position) for event, position in log]
+
+
+def test_a_deferred_block_over_more_rollouts_than_the_open_file_limit_keeps_every_line(
+    tmp_path: Path,
+) -> None:
+    """A block keeps side files open to save an open per event; it must not run out of descriptors doing so.
+
+    A materializer's block may touch a thousand rollouts (a replay of many short rollouts), and a process's
+    soft limit is often 1,024 descriptors.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    limit = in_use + KEPT_APPENDERS + KEPT_LOCK_FILES + 16  # what a block keeps open, and a few more
+    rollouts = [f"r{index}" for index in range(limit + 64)]
+    store = TokenCaptureStore(tmp_path)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        with store.deferred_durability():
+            for offset, rollout_id in enumerate(rollouts):
+                store.apply(IntentEvent(rollout_id=rollout_id, model_call_id="c1"), _at(2 * offset))
+                store.apply(
+                    PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, "c1")), _at(2 * offset + 1)
+                )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert _files_open_under(tmp_path) == []
+    reopened = TokenCaptureStore(tmp_path)
+    for rollout_id in rollouts:
+        assert [entry.model_call_id for entry in reopened.read_entries(rollout_id)] == ["c1"]
+        assert reopened.intents_path_for(rollout_id).read_bytes() == b"c1\n"
+
+
+def test_a_side_file_another_program_appends_to_during_a_deferred_block_is_refused_as_corruption(
+    tmp_path: Path,
+) -> None:
+    """A block owns its rollouts' files and keeps their states in memory, so bytes written beside it would
+    be counted as the block's own: the block must fail before its end, and before any checkpoint.
+
+    It counts its own appends and checks the count against the file when it lets go of the file.
+    """
+    from tokcap.errors import StoreCorruptionError
+
+    store = TokenCaptureStore(tmp_path)
+    with (
+        pytest.raises(StoreCorruptionError, match="grew outside the rollout lock"),
+        store.deferred_durability(),
+    ):
+        store.apply(IntentEvent(rollout_id="r", model_call_id="c1"), _at(0))
+        with store.intents_path_for("r").open("ab") as foreign:
+            foreign.write(b"planted\n")
+        store.apply(IntentEvent(rollout_id="r", model_call_id="c2"), _at(1))
+    assert _files_open_under(tmp_path) == []

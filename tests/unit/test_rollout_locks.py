@@ -1,0 +1,74 @@
+"""Per-rollout locks: what other lockers see, and what a deferred block keeps open."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from tokcap.events import IntentEvent, LogPosition
+from tokcap.locks import KEPT_LOCK_FILES, RolloutLocks
+from tokcap.store import TokenCaptureStore
+
+
+def _try_lock(path: Path) -> bool:
+    """Whether another open file description can take the lock now (flock locks belong to descriptions)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _lock_files_open(directory: Path) -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)) and target.endswith(".tokens.lock"):
+            count += 1
+    return count
+
+
+def test_a_held_rollout_lock_excludes_other_lockers_and_is_free_once_released(tmp_path: Path) -> None:
+    locks = RolloutLocks()
+    path = tmp_path / "r.tokens.lock"
+    with locks.hold(path):
+        assert not _try_lock(path)
+        with locks.hold(path):  # the holding thread may enter again
+            assert not _try_lock(path)
+        assert not _try_lock(path)
+    assert _try_lock(path)
+    assert _lock_files_open(tmp_path) == 0
+
+
+def test_a_deferred_block_keeps_lock_files_open_but_unlocked_between_events(tmp_path: Path) -> None:
+    """Readers take a rollout's lock between two events of a block; the block must not hold it for them."""
+    store = TokenCaptureStore(tmp_path)
+    with store.deferred_durability():
+        store.apply(IntentEvent(rollout_id="r", model_call_id="c1"), LogPosition("run", 0, 0))
+        assert _lock_files_open(tmp_path) == 1
+        assert _try_lock(store.lock_path_for("r"))
+        with store._rollout_locks.hold(store.lock_path_for("r")):
+            assert not _try_lock(store.lock_path_for("r"))
+        store.apply(IntentEvent(rollout_id="r", model_call_id="c2"), LogPosition("run", 0, 1))
+        assert _try_lock(store.lock_path_for("r"))
+    assert _lock_files_open(tmp_path) == 0
+    assert store.intents_path_for("r").read_bytes() == b"c1\nc2\n"
+
+
+def test_a_deferred_block_keeps_at_most_its_bound_of_lock_files_open(tmp_path: Path) -> None:
+    store = TokenCaptureStore(tmp_path)
+    most = 0
+    with store.deferred_durability():
+        for offset in range(KEPT_LOCK_FILES + 40):
+            store.apply(IntentEvent(rollout_id=f"r{offset}", model_call_id="c1"), LogPosition("run", 0, offset))
+            if offset % 20 == 0:
+                most = max(most, _lock_files_open(tmp_path))
+    assert KEPT_LOCK_FILES // 2 < most <= KEPT_LOCK_FILES
+    assert _lock_files_open(tmp_path) == 0
