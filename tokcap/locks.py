@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from tokcap.durable_io import open_no_follow
@@ -19,14 +18,20 @@ KEPT_LOCK_FILES = 128
 """Unlocked lock files kept open at most while a deferred block runs."""
 
 
-@dataclass
-class _HeldLock:
-    """One rollout's lock inside this process: who waits for it, and the locked file while held."""
+class _RolloutLock:
+    """One rollout's lock inside this process.
 
-    thread_lock: threading.RLock
-    users: int = 0
-    depth: int = 0
-    fd: int = -1
+    ``users`` counts the threads holding or waiting for it; ``fd`` is the open lock file, locked while
+    ``depth`` > 0 and kept open unlocked between holds while lock files are kept.
+    """
+
+    __slots__ = ("depth", "fd", "thread_lock", "users")
+
+    def __init__(self) -> None:
+        self.thread_lock = threading.RLock()
+        self.users = 0
+        self.depth = 0
+        self.fd = -1
 
 
 class RolloutLocks:
@@ -40,30 +45,32 @@ class RolloutLocks:
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._held: dict[str, _HeldLock] = {}
+        self._locks: dict[str, _RolloutLock] = {}
         self._keeping = 0
-        self._kept: dict[str, int] = {}
+        self._kept: dict[str, None] = {}
+        """Rollouts whose lock file is kept open and unlocked, oldest first."""
 
     def keep_files_open(self) -> None:
         """Keep released lock files open (unlocked) for the next hold, until ``stop_keeping_files_open``.
 
-        A deferred block takes each rollout's lock once per event; reopening the lock file by name is the
-        dearest part of that. A kept descriptor is only right while the lock file is not removed and
-        recreated, which a deferred block already requires of the rollouts it touches (its states live
-        in memory until it ends). Calls nest; at most ``KEPT_LOCK_FILES`` are kept, the oldest closed first.
+        A deferred block takes each rollout's lock once per event; opening the lock file by name and the
+        bookkeeping around it were a quarter of an event's cost. A kept descriptor is only right while the
+        lock file is not removed and recreated, which a deferred block already requires of the rollouts it
+        touches (their states live in memory until it ends). Calls nest; at most ``KEPT_LOCK_FILES`` are
+        kept, the oldest closed first.
         """
         with self._guard:
             self._keeping += 1
 
     def stop_keeping_files_open(self) -> None:
-        """End one ``keep_files_open``; the last one closes every kept lock file."""
+        """End one ``keep_files_open``; the last one closes every kept lock file (held ones when released)."""
         with self._guard:
             self._keeping -= 1
             if self._keeping:
                 return
             kept, self._kept = self._kept, {}
-        for fd in kept.values():
-            os.close(fd)
+            for key in kept:
+                self._close_kept(key)
 
     def hold(self, path: Path) -> _Hold:
         """Hold the lock of ``path`` for the duration of a ``with`` block.
@@ -73,105 +80,106 @@ class RolloutLocks:
         """
         return _Hold(self, str(path))
 
-    def _acquire(self, key: str) -> _HeldLock:
+    def _acquire(self, key: str) -> _RolloutLock:
         with self._guard:
-            held = self._held.get(key)
-            if held is None:
-                held = self._held[key] = _HeldLock(threading.RLock())
-            held.users += 1
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = _RolloutLock()
+            lock.users += 1
+            self._kept.pop(key, None)
         try:
-            held.thread_lock.acquire()
+            lock.thread_lock.acquire()
             try:
-                if held.depth == 0:
-                    held.fd = self._lock_kept_file(key)
-                held.depth += 1
+                if lock.depth == 0:
+                    lock.fd = _lock_file(key) if lock.fd < 0 else _lock_open_file(lock.fd)
+                lock.depth += 1
             except BaseException:
-                held.thread_lock.release()
+                lock.fd = -1  # closed by the helper that failed
+                lock.thread_lock.release()
                 raise
         except BaseException:
-            self._forget(key, held)
+            self._done(key, lock)
             raise
-        return held
+        return lock
 
-    def _release(self, key: str, held: _HeldLock) -> None:
+    def _release(self, key: str, lock: _RolloutLock) -> None:
         try:
-            held.depth -= 1
-            if held.depth == 0:
-                fd, held.fd = held.fd, -1
+            lock.depth -= 1
+            if lock.depth == 0:
                 try:
-                    self._unlock_file(key, fd)
+                    if self._keeping:
+                        fcntl.flock(lock.fd, fcntl.LOCK_UN)
+                    else:
+                        fd, lock.fd = lock.fd, -1
+                        os.close(fd)
+                except BaseException:
+                    if lock.fd >= 0:
+                        fd, lock.fd = lock.fd, -1
+                        os.close(fd)
+                    raise
                 finally:
-                    held.thread_lock.release()
+                    lock.thread_lock.release()
             else:
-                held.thread_lock.release()
+                lock.thread_lock.release()
         finally:
-            self._forget(key, held)
+            self._done(key, lock)
 
-    def _lock_kept_file(self, key: str) -> int:
-        """Lock the kept descriptor of ``key`` if there is one, else open the lock file and lock it."""
+    def _done(self, key: str, lock: _RolloutLock) -> None:
+        """One user less; a lock nobody uses is forgotten, or kept with its file open while files are kept."""
         with self._guard:
-            fd = self._kept.pop(key, -1)
-        if fd < 0:
-            return _lock_file(key)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+            lock.users -= 1
+            if lock.users:
+                return
+            if lock.fd < 0:
+                del self._locks[key]
+                return
+            if not self._keeping:
+                self._close_kept(key)
+                return
+            self._kept[key] = None
+            if len(self._kept) > KEPT_LOCK_FILES:
+                oldest = next(iter(self._kept))
+                del self._kept[oldest]
+                self._close_kept(oldest)
 
-    def _unlock_file(self, key: str, fd: int) -> None:
-        """Unlock and keep the descriptor while files are kept open, else close it (which unlocks)."""
-        with self._guard:
-            keep = self._keeping > 0
-        if not keep:
-            os.close(fd)
+    def _close_kept(self, key: str) -> None:
+        """Close a lock file kept open for a lock nobody uses (the guard is held)."""
+        lock = self._locks[key]
+        if lock.users:
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except BaseException:
+        fd, lock.fd = lock.fd, -1
+        del self._locks[key]
+        if fd >= 0:
             os.close(fd)
-            raise
-        evicted = -1
-        with self._guard:
-            if self._keeping <= 0:
-                evicted = fd
-            else:
-                if len(self._kept) >= KEPT_LOCK_FILES:
-                    evicted = self._kept.pop(next(iter(self._kept)))
-                self._kept[key] = fd
-        if evicted >= 0:
-            os.close(evicted)
-
-    def _forget(self, key: str, held: _HeldLock) -> None:
-        with self._guard:
-            held.users -= 1
-            if held.users == 0:
-                del self._held[key]
 
 
 class _Hold:
     """One ``with`` block holding a rollout's lock."""
 
-    __slots__ = ("_held", "_key", "_locks")
+    __slots__ = ("_key", "_lock", "_locks")
 
     def __init__(self, locks: RolloutLocks, key: str) -> None:
         self._locks = locks
         self._key = key
-        self._held: _HeldLock | None = None
+        self._lock: _RolloutLock | None = None
 
     def __enter__(self) -> None:
-        self._held = self._locks._acquire(self._key)
+        self._lock = self._locks._acquire(self._key)
 
     def __exit__(self, *exc_info: object) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            self._locks._release(self._key, held)
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            self._locks._release(self._key, lock)
 
 
 def _lock_file(path: str) -> int:
-    """Open the lock file (never removed, so every locker shares one inode) and wait for its ``flock``."""
+    """Open the lock file (never removed by tokcap, so every locker shares one inode) and wait for its ``flock``."""
     fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
+    return _lock_open_file(fd)
+
+
+def _lock_open_file(fd: int) -> int:
+    """Wait for the ``flock`` of an open lock file; the file is closed if that fails."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:

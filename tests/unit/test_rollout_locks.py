@@ -67,7 +67,9 @@ def test_a_deferred_block_keeps_at_most_its_bound_of_lock_files_open(tmp_path: P
     most = 0
     with store.deferred_durability():
         for offset in range(KEPT_LOCK_FILES + 40):
-            store.apply(IntentEvent(rollout_id=f"r{offset}", model_call_id="c1"), LogPosition("run", 0, offset))
+            store.apply(
+                IntentEvent(rollout_id=f"r{offset}", model_call_id="c1"), LogPosition("run", 0, offset)
+            )
             if offset % 20 == 0:
                 most = max(most, _lock_files_open(tmp_path))
     assert KEPT_LOCK_FILES // 2 < most <= KEPT_LOCK_FILES
