@@ -74,3 +74,58 @@ def test_a_deferred_block_keeps_at_most_its_bound_of_lock_files_open(tmp_path: P
                 most = max(most, _lock_files_open(tmp_path))
     assert KEPT_LOCK_FILES // 2 < most <= KEPT_LOCK_FILES
     assert _lock_files_open(tmp_path) == 0
+
+
+def test_threads_sharing_rollout_locks_exclude_each_other_and_leave_no_file_open(tmp_path: Path) -> None:
+    """Many threads take a few rollouts' locks while another thread starts and ends keeping files open.
+
+    A rollout's lock is held by one thread at a time, another description of its lock file can never take
+    the ``flock`` meanwhile, and once everyone is done no lock file is open and no lock is remembered.
+    """
+    import random
+    import threading
+
+    locks = RolloutLocks()
+    paths = [tmp_path / f"r{index}.tokens.lock" for index in range(5)]
+    inside: dict[Path, int] = dict.fromkeys(paths, 0)
+    guard = threading.Lock()
+    failures: list[str] = []
+    done = threading.Event()
+
+    def worker(seed: int) -> None:
+        chooser = random.Random(seed)
+        for _ in range(300):
+            path = chooser.choice(paths)
+            with locks.hold(path):
+                with guard:
+                    inside[path] += 1
+                    if inside[path] != 1:
+                        failures.append(f"two holders of {path.name}")
+                if chooser.random() < 0.1 and _try_lock(path):
+                    failures.append(f"{path.name} was not flocked while held")
+                if chooser.random() < 0.2:
+                    with locks.hold(path):  # re-entry by the holder
+                        pass
+                with guard:
+                    inside[path] -= 1
+
+    def keeper() -> None:
+        while not done.is_set():
+            locks.keep_files_open()
+            locks.keep_files_open()
+            locks.stop_keeping_files_open()
+            locks.stop_keeping_files_open()
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+    toggler = threading.Thread(target=keeper)
+    toggler.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    done.set()
+    toggler.join()
+    assert failures == []
+    assert _lock_files_open(tmp_path) == 0
+    assert locks._locks == {} and locks._kept == {}
+    assert all(_try_lock(path) for path in paths)
