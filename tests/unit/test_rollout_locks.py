@@ -104,8 +104,11 @@ def test_threads_sharing_rollout_locks_exclude_each_other_and_leave_no_file_open
                 if chooser.random() < 0.1 and _try_lock(path):
                     failures.append(f"{path.name} was not flocked while held")
                 if chooser.random() < 0.2:
-                    with locks.hold(path):  # re-entry by the holder
-                        pass
+                    with locks.hold(path):  # re-entry by the holder keeps it exclusive
+                        if _try_lock(path):
+                            failures.append(f"{path.name} was not flocked inside a re-entry")
+                    if _try_lock(path):
+                        failures.append(f"{path.name} was let go by the end of a re-entry")
                 with guard:
                     inside[path] -= 1
 
