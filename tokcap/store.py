@@ -193,8 +193,14 @@ class _Deferral(threading.local):
         ``check`` compares each file's size with the block's count first (skipped when the block is failing).
         """
         chosen = list(self.appenders) if paths is None else [path for path in paths if path in self.appenders]
+        first_error: StoreCorruptionError | None = None
         for path in chosen:
-            self._close(path, check=check)
+            try:
+                self._close(path, check=check)
+            except StoreCorruptionError as exc:  # close the others first: none may stay open
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     def _close(self, path: Path, *, check: bool) -> None:
         kept = self.appenders.pop(path)

@@ -219,7 +219,8 @@ def test_a_side_file_another_program_appends_to_during_a_deferred_block_is_refus
         store.deferred_durability(),
     ):
         store.apply(IntentEvent(rollout_id="r", model_call_id="c1"), _at(0))
+        store.apply(IntentEvent(rollout_id="other", model_call_id="c1"), _at(1))
         with store.intents_path_for("r").open("ab") as foreign:
             foreign.write(b"planted\n")
-        store.apply(IntentEvent(rollout_id="r", model_call_id="c2"), _at(1))
-    assert _files_open_under(tmp_path) == []
+        store.apply(IntentEvent(rollout_id="r", model_call_id="c2"), _at(2))
+    assert _files_open_under(tmp_path) == []  # the other rollout's file too, closed after r's check failed
