@@ -688,6 +688,8 @@ class TokenCaptureStore:
         rollout_id: str,
         pending: Sequence[tuple[Event, LogPosition]],
         applied: Sequence[TokenEntry] | None = None,
+        *,
+        entries_exact: bool = False,
     ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
         """Decide a rollout's events not applied yet in memory; return the verdict and snapshot of the last, a freeze.
 
@@ -701,6 +703,9 @@ class TokenCaptureStore:
         The caller is the rollout's one applier: a rollout with no file yet is decided without taking its lock.
         ``applied`` may hold the entries the caller applied to the rollout so far, in order, exactly as it
         applied them: when they are one per stored call, they are copied instead of parsed from the file.
+        ``entries_exact`` says the caller built every entry of ``pending`` and ``applied`` itself (decoded and
+        validated) and nothing else holds them: their token arrays hold exact ints and floats, so the copies
+        skip checking each value's type (``fresh_read_copy``).
         """
         if not pending or not isinstance(pending[-1][0], FreezeEvent):
             raise InvalidInputError("snapshot_ahead needs the rollout's pending events ending with a freeze")
@@ -709,11 +714,15 @@ class TokenCaptureStore:
             # Nothing of it is on disk to read consistently, so its lock is not taken: creating the lock file
             # (the costliest step of an answer for a new rollout on ext4) is left to the apply.
             return self._decided_ahead(
-                paths, Recovered(RolloutState(rollout_id=rollout_id), (), 0, False), pending, applied
+                paths,
+                Recovered(RolloutState(rollout_id=rollout_id), (), 0, False),
+                pending,
+                applied,
+                entries_exact,
             )
         with self._locked(rollout_id) as paths:
             recovered = self._recovered(paths, replaying=True, writing=False)
-            return self._decided_ahead(paths, recovered, pending, applied)
+            return self._decided_ahead(paths, recovered, pending, applied, entries_exact)
 
     def _holds_nothing_yet(self, paths: RolloutPaths) -> bool:
         """Whether no file of the rollout exists and no open deferred block keeps a state of it.
@@ -733,6 +742,7 @@ class TokenCaptureStore:
         recovered: Recovered,
         pending: Sequence[tuple[Event, LogPosition]],
         applied_by_caller: Sequence[TokenEntry] | None,
+        entries_exact: bool,
     ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
         """The verdict and snapshot of ``snapshot_ahead``, from the rollout's state as applied so far."""
         if recovered.repairs:
@@ -750,13 +760,16 @@ class TokenCaptureStore:
             state, verdict = decision.state, decision.verdict
         if not state.frozen or state.retired or state.answer_at(pending[-1][1]) is None:
             return None
-        applied = _copies_of_applied(recovered.state, applied_by_caller)
+        applied = _copies_of_applied(recovered.state, applied_by_caller, entries_exact)
         if applied is None:
             applied = self._entries_of(paths, recovered.state)
         # The pending puts' entries are copied rather than parsed from their lines, where a copy is exact.
         entries = [
             *applied,
-            *(fresh_read_copy(entry) or TokenEntry.from_json(line) for entry, line in appended),
+            *(
+                fresh_read_copy(entry, arrays_exact=entries_exact) or TokenEntry.from_json(line)
+                for entry, line in appended
+            ),
         ]
         assert verdict is not None
         return verdict, self._snapshot_from(paths.rollout_id, state, entries, pending[-1][1])
@@ -1008,7 +1021,9 @@ def _files_identity(paths: RolloutPaths, state_bytes: bytes | None = None) -> _F
     )
 
 
-def _copies_of_applied(state: RolloutState, kept: Sequence[TokenEntry] | None) -> list[TokenEntry] | None:
+def _copies_of_applied(
+    state: RolloutState, kept: Sequence[TokenEntry] | None, arrays_exact: bool
+) -> list[TokenEntry] | None:
     """Exact copies of a caller's applied entries when they are one per call the state stored; else ``None``.
 
     The caller applied them itself, so they are the lines' own entries; one per stored call id rules out a list
@@ -1020,7 +1035,7 @@ def _copies_of_applied(state: RolloutState, kept: Sequence[TokenEntry] | None) -
         return None
     copies = []
     for entry in kept:
-        copy = fresh_read_copy(entry)
+        copy = fresh_read_copy(entry, arrays_exact=arrays_exact)
         if copy is None:
             return None
         copies.append(copy)

@@ -37,9 +37,15 @@ class _Color(enum.StrEnum):
     RED = "red"
 
 
-_NOT_EXACT = [
+_ARRAYS_NOT_EXACT = [
     lambda entry: entry.prompt_token_ids.append(True),
     lambda entry: entry.generation_log_probs.append(-1),
+]
+"""Changes only the per-value check of the token arrays finds; a caller passing ``arrays_exact`` rules them out."""
+
+_NOT_EXACT = [
+    *_ARRAYS_NOT_EXACT,
+    lambda entry: setattr(entry, "prompt_token_ids", (1, 2)),
     lambda entry: entry.output_items.append({"tuple": (1, 2)}),
     lambda entry: entry.output_items.append({1: "int key"}),
     lambda entry: setattr(entry, "model", _Color.RED),
@@ -51,8 +57,11 @@ _NOT_EXACT = [
 
 
 @st.composite
-def _entries(draw: st.DrawFn) -> tuple[TokenEntry, bool]:
-    """An entry the store accepts, Gym-shaped fields included; maybe changed afterwards into one not exact."""
+def _entries(draw: st.DrawFn, arrays_changed: bool = True) -> tuple[TokenEntry, bool]:
+    """An entry the store accepts, Gym-shaped fields included; maybe changed afterwards into one not exact.
+
+    With ``arrays_changed`` false, no change puts a value of another type into a token array.
+    """
     prompt = draw(_token_ids)
     generation = draw(_token_ids)
     log_probs = draw(
@@ -97,7 +106,8 @@ def _entries(draw: st.DrawFn) -> tuple[TokenEntry, bool]:
     )
     spoiled = draw(st.booleans())
     if spoiled:
-        draw(st.sampled_from(_NOT_EXACT))(entry)
+        changes = _NOT_EXACT if arrays_changed else _NOT_EXACT[len(_ARRAYS_NOT_EXACT) :]
+        draw(st.sampled_from(changes))(entry)
     return entry, not spoiled
 
 
@@ -116,6 +126,23 @@ def test_a_copy_is_exactly_what_a_fresh_read_of_the_line_gives_or_none_is_made(
     assert copy.canonical_json() == line
     assert exact_shape(copy) == exact_shape(TokenEntry.from_json(line))
     assert TokenEntry.from_json(line) == copy
+
+
+@settings(max_examples=300, deadline=None)
+@given(_entries(arrays_changed=False))
+def test_an_entry_whose_arrays_its_caller_vouches_for_is_copied_exactly_without_checking_each_value(
+    drawn: tuple[TokenEntry, bool],
+) -> None:
+    entry, exact = drawn
+    copy = fresh_read_copy(entry, arrays_exact=True)
+    if exact:
+        assert copy is not None, "an entry of JSON values only must be copied"
+    if copy is None:
+        return
+    line = entry.canonical_json()
+    assert exact_shape(copy) == exact_shape(TokenEntry.from_json(line))
+    for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+        assert getattr(copy, name) is not getattr(entry, name), f"{name} must be a copy, not the same list"
 
 
 def test_a_copy_shares_nothing_a_caller_could_change_with_the_original() -> None:

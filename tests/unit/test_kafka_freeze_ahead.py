@@ -18,6 +18,7 @@ from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
 import transports.kafka.materializer as materializer_module
+from tests.exact_shape import snapshot_shape
 from tokcap.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
 from transports.kafka.materializer import Materializer
 from transports.kafka.router import Routed
@@ -99,6 +100,10 @@ def test_waited_for_freezes_are_answered_before_any_event_is_applied_and_equal_t
         ahead, applied_then, later = asyncio.run(freeze_all(release))
     assert applied_then == {0: 0}
     assert ahead == later
+    # Exactly, not just ``==``: the answers copy the router's decoded entries without checking each token's type.
+    assert {rollout: snapshot_shape(snapshot) for rollout, (_, snapshot) in ahead.items()} == {
+        rollout: snapshot_shape(snapshot) for rollout, (_, snapshot) in later.items()
+    }
     assert all(len(snapshot.entries) == 4 for _, snapshot in ahead.values())
     assert files(tmp_path / "live") == files(materialize(topic, tmp_path / "replay").store.root)
 

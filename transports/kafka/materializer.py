@@ -795,7 +795,11 @@ class Materializer:
         if pending is None:
             return
         try:
-            answer = self._store.snapshot_ahead(rollout_id, pending, self._applied_entries.of(rollout_id))
+            # The router decoded every entry itself (validated, or unpacked from arrays) and nothing else holds
+            # them, so their arrays are exact and the copies skip checking each value.
+            answer = self._store.snapshot_ahead(
+                rollout_id, pending, self._applied_entries.of(rollout_id), entries_exact=True
+            )
         except (TokcapError, OSError) as exc:
             # The apply meets the same problem and answers the source with it.
             logger.debug(
