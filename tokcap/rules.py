@@ -228,7 +228,7 @@ def decide(
         return Decision(
             state, ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, state.rollout_id), changed=False
         )
-    new = state.model_copy()
+    new = state.next_copy()
     new.record_position(position)
     if isinstance(event, PutEvent):
         return _put(new, event, position)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from functools import partial
 from typing import Annotated, Any
 
 import orjson
@@ -209,6 +210,20 @@ class RolloutState(BaseModel):
         """Whether a retire or delete of this rollout would remove anything (an empty open state holds nothing)."""
         return not self.retired and not self.is_pristine
 
+    def next_copy(self) -> RolloutState:
+        """A shallow copy for a rule to change: what ``model_copy()`` gives, at a third of its cost.
+
+        Every event's decision copies the state before its rule changes it, so the copy is on the apply step's
+        hot path (1.0 against 3.5 us). The containers are shared: rules replace a container instead of
+        changing it in place, so the original stays as it was.
+        """
+        copied = _new_state()
+        _set_slot(copied, "__dict__", self.__dict__.copy())
+        _set_slot(copied, "__pydantic_fields_set__", set(self.__pydantic_fields_set__))
+        _set_slot(copied, "__pydantic_extra__", None)
+        _set_slot(copied, "__pydantic_private__", None)
+        return copied
+
     def answer_at(self, position: LogPosition) -> FreezeAnswer | None:
         """The answer a freeze applied at ``position`` gave, if one did."""
         wanted = position.to_dict()
@@ -319,3 +334,7 @@ class RolloutState(BaseModel):
                 f"{origin} is not a valid rollout state: {exc}", rollout_id=rollout_id
             ) from exc
         return state
+
+
+_new_state = partial(object.__new__, RolloutState)
+_set_slot = object.__setattr__

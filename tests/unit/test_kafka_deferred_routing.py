@@ -191,3 +191,27 @@ def test_a_router_whose_messages_were_all_settled_keeps_none_of_them_once_asked_
         router.settle(deferred)
     assert router.settle_oldest(0.0) == 0
     assert not router._arrived
+
+
+def test_tokens_decoded_ahead_are_counted_until_their_messages_are_asked_for(topic: MemoryTopic) -> None:
+    router = InboundRouter()
+    decided = [d for message in topic.messages()[:24] for d in router.route_deferring(log_message(message))]
+    deferred = [d for d in decided if isinstance(d, Deferred)]
+    router.settle(deferred[3])  # asked for: decoded, never counted as ahead
+    assert router.decoded_ahead_tokens == 0
+    assert not router.all_decoded()
+    router.settle_oldest(time.monotonic() + 60)
+    assert router.all_decoded()
+    ahead = [d for d in deferred if d.decoded_ahead]
+    assert ahead and deferred[3] not in ahead
+    puts = [d for d in ahead if isinstance(d.decided, ApplyEvent) and isinstance(d.decided.event, PutEvent)]
+    expected = 0
+    for put in puts:
+        assert isinstance(put.decided, ApplyEvent) and isinstance(put.decided.event, PutEvent)
+        entry = put.decided.event.entry
+        expected += len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+    assert expected > 0 and router.decoded_ahead_tokens == expected
+    for waiting in ahead:
+        router.settle(waiting)
+        router.settle(waiting)  # asked for again: counted off once
+    assert router.decoded_ahead_tokens == 0

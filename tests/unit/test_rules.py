@@ -94,6 +94,27 @@ def test_deciding_never_changes_the_state_it_was_given_and_always_decides_the_sa
         state = first.state
 
 
+@settings(max_examples=60, deadline=None)
+@given(_events)
+def test_the_state_copy_a_rule_changes_is_what_pydantic_copies(events: list[Event]) -> None:
+    state, _ = _run(events)
+    mine, theirs = state.next_copy(), state.model_copy()
+    assert mine.__dict__ == theirs.__dict__
+    assert mine.model_fields_set == theirs.model_fields_set
+    assert (
+        (mine.__pydantic_extra__, mine.__pydantic_private__)
+        == (None, None)
+        == (
+            theirs.__pydantic_extra__,
+            theirs.__pydantic_private__,
+        )
+    )
+    mine.version += 1
+    mine.entry_digests = {**mine.entry_digests, "new": "digest"}
+    assert state.encode() == theirs.encode() != mine.encode()
+    assert "version" in mine.model_fields_set
+
+
 def test_deciding_touches_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the rules opened a file")

@@ -174,6 +174,8 @@ class Deferred:
     rollout_id: str
     message: LogMessage | None
     decided: ApplyEvent | DeadLetter | None = None
+    decoded_ahead: bool = False
+    """Decoded by ``settle_oldest`` before anything asked for it; counted in ``decoded_ahead_tokens``."""
 
 
 Routed = ApplyEvent | Buffered | DeadLetter
@@ -204,6 +206,9 @@ class InboundRouter:
     """Per key, its deferred messages not settled yet, in log order."""
     _arrived: deque[Deferred] = field(default_factory=deque)
     """Every deferred message in the order it was routed; those settled meanwhile are skipped."""
+    decoded_ahead_tokens: int = 0
+    """Tokens of the puts ``settle_oldest`` decoded that nobody has asked for yet: memory a reader that
+    decodes ahead holds on top of the messages' bytes, which it may bound."""
 
     # ------------------------------------------------------------ what is open
 
@@ -227,10 +232,15 @@ class InboundRouter:
             key = (deferred.message.key if deferred.message is not None else None) or b""
             self._settle_key(key, until=deferred)
         assert deferred.decided is not None, "a deferred message was settled out of its rollout's order"
+        if deferred.decoded_ahead:
+            deferred.decoded_ahead = False
+            self.decoded_ahead_tokens -= _tokens_of(deferred.decided)
         return deferred.decided
 
-    def settle_oldest(self, deadline: float) -> int:
+    def settle_oldest(self, deadline: float, max_tokens: int | None = None) -> int:
         """Decode deferred messages oldest first until ``deadline`` (``time.monotonic``) passes; return how many.
+
+        With ``max_tokens``, decoding also stops once ``decoded_ahead_tokens`` reaches it.
 
         A reader with time to spare calls this, so the decoding a freeze would otherwise pay for its rollout
         is mostly done before the freeze arrives, while reading itself never waits for it.
@@ -241,13 +251,23 @@ class InboundRouter:
         while self._arrived:
             oldest = self._arrived[0]
             if oldest.decided is None:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or (
+                    max_tokens is not None and self.decoded_ahead_tokens >= max_tokens
+                ):
                     break
                 # Its rollout's earlier messages arrived earlier and are settled already: one decode.
-                self.settle(oldest)
+                decided = self.settle(oldest)
+                oldest.decoded_ahead = True
+                self.decoded_ahead_tokens += _tokens_of(decided)
                 settled += 1
             self._arrived.popleft()
         return settled
+
+    def all_decoded(self) -> bool:
+        """Whether every deferred message routed so far is decoded (``settle_oldest`` has nothing left)."""
+        while self._arrived and self._arrived[0].decided is not None:
+            self._arrived.popleft()
+        return not self._arrived
 
     def _settle_key(self, key: bytes, until: Deferred | None = None) -> None:
         """Decode the key's deferred messages in log order, all of them or up to and including ``until``."""
@@ -533,3 +553,11 @@ def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResu
     if store.has_incomplete_mark(mask.rollout_id, mask.model_call_id, mask.reason):
         return None
     return store.apply(mask)
+
+
+def _tokens_of(decided: ApplyEvent | DeadLetter) -> int:
+    """The prompt and generated tokens a decoded message holds in memory (a put's; none otherwise)."""
+    if isinstance(decided, ApplyEvent) and isinstance(decided.event, PutEvent):
+        entry = decided.event.entry
+        return len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+    return 0

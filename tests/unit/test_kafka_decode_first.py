@@ -1,0 +1,95 @@
+"""While an in-process source is answered ahead, the materializer decodes what it read before sweeping any of it.
+
+A burst of freezes then finds its rollouts decoded, instead of each answer first decoding its rollout's puts
+while the next freezes wait. Decoding first stops at a bound on the tokens it holds, and a materializer no
+source answers ahead from (a replay) sweeps first as before. Every apply is held back here, so only the
+order of the work is observed: the sweep blocks at its first apply.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+from kafka_topic_double import MemoryTopic
+from store_contract import make_entry
+from test_kafka_freeze_ahead import TRAINER, nothing_applied_until_released
+
+import transports.kafka.materializer as materializer_module
+from tokcap.events import IntentEvent, PutEvent
+from transports.kafka.materializer import Materializer
+
+TOPIC = "tokcap.decode-first-test"
+
+
+def puts_of_many_rollouts(rollouts: int = 8, calls: int = 3) -> MemoryTopic:
+    topic = MemoryTopic(TOPIC)
+    for call in range(calls):
+        for rollout in range(rollouts):
+            rollout_id = f"r{rollout}"
+            topic.publish(IntentEvent(rollout_id=rollout_id, model_call_id=f"c{call}"))
+            topic.publish(
+                PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, f"c{call}", tokens=50))
+            )
+    return topic
+
+
+@contextmanager
+def running(materializer: Materializer) -> Iterator[Materializer]:
+    materializer.start()
+    try:
+        yield materializer
+    finally:
+        materializer.stop()
+
+
+def settles_within(materializer: Materializer, seconds: float) -> bool:
+    """Whether the router ends with nothing left to decode within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if materializer._router.unsettled() == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_with_a_source_answered_ahead_everything_read_is_decoded_before_anything_is_applied(
+    tmp_path: Path,
+) -> None:
+    topic = puts_of_many_rollouts()
+    with nothing_applied_until_released() as release:
+        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer.answer_freezes_ahead_for(TRAINER)
+        with running(materializer):
+            assert settles_within(materializer, 30), "the sweep went first and blocked the decoding"
+            assert materializer.applied_offsets() == {0: 0}
+            release.set()
+            assert materializer.wait_for(0, len(topic.messages()) - 1, 60)
+    assert materializer._router.decoded_ahead_tokens == 0
+
+
+def test_a_materializer_no_source_is_answered_from_sweeps_first(tmp_path: Path) -> None:
+    topic = puts_of_many_rollouts()
+    with nothing_applied_until_released() as release:
+        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        with running(materializer):
+            decoded_all = settles_within(materializer, 0.5)
+            release.set()
+    assert not decoded_all
+
+
+def test_decoding_first_stops_at_its_bound_on_tokens_held(tmp_path: Path) -> None:
+    topic = puts_of_many_rollouts()
+    bound = mock.patch.object(materializer_module, "_DECODE_FIRST_TOKENS", 200)
+    with nothing_applied_until_released() as release, bound:
+        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer.answer_freezes_ahead_for(TRAINER)
+        with running(materializer):
+            decoded_all = settles_within(materializer, 0.5)
+            held = materializer._router.decoded_ahead_tokens
+            release.set()
+    assert not decoded_all
+    assert 200 <= held < 200 + 150, "decoding went on past the bound (one put of 100 tokens may cross it)"
