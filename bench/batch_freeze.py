@@ -217,10 +217,15 @@ async def run_batch_freeze(
     runs: dict[str, list[BatchFigures]] = {"gym": [], "file": [], "kafka": []}
     if bootstrap is not None:
         await warm_up_broker(bootstrap)
-    for repeat in range(repeats):
-        print(f"batch freeze: repeat {repeat + 1}/{repeats}", file=sys.stderr)
-        trial_dir = Path(tempfile.mkdtemp(prefix="batch-", dir=work_dir))
-        try:
+    # Every trial directory is removed after the last repeat, not after its own: on ext4 a file created within
+    # half a minute of thousands being removed costs several times more, and the next repeat's first store
+    # (Gym's) would have paid for the removal of all three.
+    trial_dirs: list[Path] = []
+    try:
+        for repeat in range(repeats):
+            print(f"batch freeze: repeat {repeat + 1}/{repeats}", file=sys.stderr)
+            trial_dir = Path(tempfile.mkdtemp(prefix="batch-", dir=work_dir))
+            trial_dirs.append(trial_dir)
             runs["gym"].append(
                 await _write_and_freeze(gyms, gym_store_class(trial_dir / "gym"), shape.concurrency)
             )
@@ -233,7 +238,8 @@ async def run_batch_freeze(
                 runs["kafka"].append(
                     await _kafka_trial(ours, bootstrap, trial_dir / "kafka", shape.concurrency)
                 )
-        finally:
+    finally:
+        for trial_dir in trial_dirs:
             shutil.rmtree(trial_dir, ignore_errors=True)
     summary: dict[str, Any] = {"shape": asdict(shape), "repeats": repeats, "targets": {}}
     gym_puts = median([r.puts_per_s for r in runs["gym"]])
