@@ -24,7 +24,7 @@ from typing import Any
 
 from tokcap.errors import LineageLookupError
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
-from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
+from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest, token_count
 from tokcap.store import TokenCaptureStore
 
 __all__ = [
@@ -128,7 +128,7 @@ class LineageNode:
         """The node of a full stored entry."""
         return cls.from_fields(
             entry.__dict__,
-            token_count=len(entry.prompt_token_ids) + len(entry.generation_token_ids),
+            token_count=token_count(entry),
             payload=entry.payload_digest(),
         )
 

@@ -44,6 +44,7 @@ __all__ = [
     "stamp_lineage",
     "strip_token_arrays",
     "strip_token_fields",
+    "token_count",
 ]
 
 TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
@@ -281,6 +282,11 @@ def compute_digest(token_ids: Sequence[int]) -> str:
     if not token_ids:
         return hashlib.sha256(_DIGEST_DOMAIN).hexdigest()
     return sha256_hex(_DIGEST_DOMAIN + encode_token_ids(token_ids))
+
+
+def token_count(entry: TokenEntry) -> int:
+    """Prompt plus generated tokens the entry carries as stored: what bounds on kept entries count."""
+    return len(entry.prompt_token_ids) + len(entry.generation_token_ids)
 
 
 def cumulative_tokens(entry: TokenEntry) -> list[int]:

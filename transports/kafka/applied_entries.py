@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tokcap.events import DeleteEvent, Event, PutEvent, RetireEvent
-from tokcap.records import TokenEntry
+from tokcap.records import TokenEntry, token_count
 from tokcap.rules import ApplyOutcome, ApplyResult
 
 __all__ = ["DEFAULT_KEPT_TOKENS", "AppliedEntries"]
@@ -39,7 +39,7 @@ class AppliedEntries:
             self._forget(rollout_id)
         elif isinstance(event, PutEvent) and result.outcome is ApplyOutcome.ACCEPTED:
             entry = event.entry
-            tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+            tokens = token_count(entry)
             self._kept.setdefault(rollout_id, []).append(entry)
             self._kept.move_to_end(rollout_id)
             self._tokens[rollout_id] = self._tokens.get(rollout_id, 0) + tokens

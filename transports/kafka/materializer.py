@@ -680,7 +680,11 @@ class Materializer:
         while swept < self._block_messages:
             if self._decodes_first():
                 self._router.settle_oldest(time.monotonic() + _SETTLE_STEP_S, _DECODE_FIRST_TOKENS)
-                if not self._router.all_decoded() and self._decodes_first():
+                # Left undecoded: the deadline passed (read, then decode on), or the bound is reached (sweep).
+                if (
+                    not self._router.all_decoded()
+                    and self._router.decoded_ahead_tokens < _DECODE_FIRST_TOKENS
+                ):
                     for message in self._read(consumer):
                         self._take(message)
                     if self._commands_waiting():

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.events import DeleteEvent, Event, FreezeEvent, IncompleteEvent, LogPosition, PutEvent, RetireEvent
 from tokcap.hashing import sha256_hex
+from tokcap.records import token_count
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.codec import (
     HEADER_TYPE,
@@ -558,6 +559,5 @@ def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResu
 def _tokens_of(decided: ApplyEvent | DeadLetter) -> int:
     """The prompt and generated tokens a decoded message holds in memory (a put's; none otherwise)."""
     if isinstance(decided, ApplyEvent) and isinstance(decided.event, PutEvent):
-        entry = decided.event.entry
-        return len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+        return token_count(decided.event.entry)
     return 0

@@ -31,7 +31,7 @@ from typing import Any
 from tokcap.errors import ConfigError, ConflictingEntryError, DeliveryError, TransportError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
 from tokcap.input_rules import accept_entry, check_call_id
-from tokcap.records import TokenEntry
+from tokcap.records import TokenEntry, token_count
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
@@ -198,7 +198,7 @@ class KafkaTokenSink:
         digest = entry.payload_digest()
         added = self._reserve_digest(rollout_id, call_id, digest)
         event = PutEvent(rollout_id=rollout_id, writer=self._writer_id, entry=entry)
-        tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+        tokens = token_count(entry)
         try:
             delivered = await self._publish(
                 event,
