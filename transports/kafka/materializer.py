@@ -169,6 +169,9 @@ work before the burst; past this bound the sweep goes first again, so memory sta
 falls far behind (a replay answers no source and never decodes first).
 """
 
+_UNKNOWN_TOPIC_WAIT_S = 5.0
+"""How long a materializer starting on a topic its broker does not know yet asks again before failing."""
+
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
 
@@ -564,14 +567,26 @@ class Materializer:
     def _partitions(self, consumer: Consumer, timeout_s: float = 30.0) -> list[int]:
         if self._requested_partitions is not None:
             return list(self._requested_partitions)
-        metadata = list_topics(consumer, self._watch, self._client, timeout_s, self._topic).topics.get(
-            self._topic
-        )
-        if metadata is None or metadata.error is not None or not metadata.partitions:
-            raise MaterializerFailedError(
-                f"topic {self._topic!r} has no readable partitions ({metadata and metadata.error}); create it first"
+        # Right after a topic is created, a broker other than the controller may not know it yet (seen on a
+        # 3-node cluster): an unknown topic is asked about again for a few seconds before it is reported.
+        deadline = time.monotonic() + _UNKNOWN_TOPIC_WAIT_S
+        while True:
+            metadata = list_topics(consumer, self._watch, self._client, timeout_s, self._topic).topics.get(
+                self._topic
             )
-        return sorted(metadata.partitions)
+            if metadata is not None and metadata.error is None and metadata.partitions:
+                return sorted(metadata.partitions)
+            unknown = (
+                metadata is None
+                or metadata.error is None
+                or (metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART)
+            )
+            if not unknown or time.monotonic() >= deadline or self._stop.is_set():
+                raise MaterializerFailedError(
+                    f"topic {self._topic!r} has no readable partitions ({metadata and metadata.error}); "
+                    "create it first"
+                )
+            time.sleep(0.2)
 
     def _raise_if_failed(self) -> None:
         if isinstance(self._failure, MaterializerOwnedElsewhereError):
