@@ -64,6 +64,7 @@ from tokcap.events import (
 )
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.input_rules import accept_entry, check_call_id
+from tokcap.kept_entries import KEPT_ENTRY_TOKENS, KeptEntries
 from tokcap.layout import (
     ENTRIES_SUFFIX,
     INCOMPLETE_SUFFIX,
@@ -223,7 +224,12 @@ class TokenCaptureStore:
     Async methods run their blocking work on the store's writer thread, never on the event loop.
     """
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, *, kept_entry_tokens: int = KEPT_ENTRY_TOKENS) -> None:
+        """Open (or create) the store in ``root``.
+
+        ``kept_entry_tokens`` bounds the tokens of entries kept in memory for freezes (``tokcap.kept_entries``);
+        0 keeps none, and every freeze parses its rollout's file.
+        """
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(self._root)
@@ -234,6 +240,7 @@ class TokenCaptureStore:
         self._call_ids_of_written_lines: dict[str, str] = {}
         self._paths: dict[str, RolloutPaths] = {}
         self._recovered_states: dict[str, tuple[_FilesIdentity, Recovered]] = {}
+        self._kept_entries = KeptEntries(kept_entry_tokens)
 
     @property
     def commit_stats(self) -> dict[str, int]:
@@ -404,6 +411,8 @@ class TokenCaptureStore:
         self._recovered_states[rollout_id] = (identity, recovered)
 
     def _repair(self, paths: RolloutPaths, recovered: Recovered) -> None:
+        if recovered.repairs:
+            self._kept_entries.forget(paths.rollout_id)
         for repair in recovered.repairs:
             if isinstance(repair, CutTail):
                 self._cut(repair)
@@ -439,6 +448,8 @@ class TokenCaptureStore:
             state_written, known = self._carry_out(
                 paths, decision, recovered, identity, fence_only=fence_only
             )
+            if position is None and isinstance(event, PutEvent) and not self._deferral.active:
+                self._keep_appended_entry(paths.rollout_id, event, decision)
             if not self._deferral.active and not fence_only:
                 lagging = 0 if state_written else recovered.lagging_lines + 1
                 if known is None:
@@ -516,6 +527,14 @@ class TokenCaptureStore:
             return state_written, None
         return state_written, (known_state, entries_size, intents_size, incomplete_size)
 
+    def _keep_appended_entry(self, rollout_id: str, event: PutEvent, decision: Decision) -> None:
+        """Keep an exact copy of the entry a put of the store's own appended, for the rollout's freeze."""
+        for effect in decision.effects:
+            if isinstance(effect, AppendEntry):
+                self._kept_entries.appended(
+                    rollout_id, event.entry, effect.start, len(effect.line), effect.digest
+                )
+
     def _index_write_due(self, recovered: Recovered) -> bool:
         """An index-only change of the file store is written every few lines, or when there is no state file."""
         return recovered.lagging_lines + 1 >= INDEX_FLUSH_ENTRIES or not recovered.state_file_exists
@@ -549,6 +568,7 @@ class TokenCaptureStore:
             self._commit.note_write()
 
     def _remove_records(self, paths: RolloutPaths) -> None:
+        self._kept_entries.forget(paths.rollout_id)
         for path in paths.records:
             self._remove(path)
 
@@ -887,7 +907,13 @@ class TokenCaptureStore:
             # On the writer thread the batch's one barrier makes it durable before the caller is answered, so
             # a batch of freezes (a trainer freezing its batch) shares one sync instead of one sync each.
             self._end_of_operation()
-            return self._snapshot_of(paths, decision.state, None)
+            state = decision.state
+            return self._snapshot_from(
+                rollout_id,
+                state,
+                lambda: self._kept_entries.take(rollout_id, state) or self._entries_of(paths, state),
+                None,
+            )
 
     def drop_now(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the exact frozen snapshot if nothing changed since; keep the fence either way."""
