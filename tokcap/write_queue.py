@@ -44,14 +44,15 @@ class _Operation(Generic[_Result]):
     error: BaseException | None = None
 
 
-def _settle(operation: _Operation[Any]) -> None:
-    """Runs on the caller's loop: complete the future unless the caller gave up on it."""
-    if operation.future.done():
-        return
-    if operation.error is not None:
-        operation.future.set_exception(operation.error)
-    else:
-        operation.future.set_result(operation.result)
+def _settle(operations: list[_Operation[Any]]) -> None:
+    """Runs on the callers' loop: complete each future unless its caller gave up on it."""
+    for operation in operations:
+        if operation.future.done():
+            continue
+        if operation.error is not None:
+            operation.future.set_exception(operation.error)
+        else:
+            operation.future.set_result(operation.result)
 
 
 class WriteQueue:
@@ -151,8 +152,13 @@ class WriteQueue:
                 for operation in batch:
                     operation.error = exc
             self.batches += 1
+            # One wake-up per event loop for the whole batch: each ``call_soon_threadsafe`` writes to the loop's
+            # wake-up pipe, and the loop runs its callbacks in order, so the batch's callers resume in order.
+            by_loop: dict[asyncio.AbstractEventLoop, list[_Operation[Any]]] = {}
             for operation in batch:
+                by_loop.setdefault(operation.loop, []).append(operation)
+            for loop, operations in by_loop.items():
                 try:
-                    operation.loop.call_soon_threadsafe(_settle, operation)
+                    loop.call_soon_threadsafe(_settle, operations)
                 except RuntimeError:
                     logger.warning("a caller's event loop closed before its store operation completed")

@@ -198,3 +198,35 @@ def test_an_urgent_operation_arriving_mid_batch_closes_that_batch_after_the_runn
         *[f"w{n}" for n in range(1, 6)],
         "barrier",
     ]
+
+
+def test_a_batch_wakes_its_callers_loop_once_and_resumes_them_in_queue_order() -> None:
+    recorder = Recorder()
+    queue = WriteQueue(recorder.run, recorder.barrier, name="test-writer")
+    resumed: list[str] = []
+    wakeups: list[int] = []
+
+    async def one(name: str) -> None:
+        await queue.submit(recorder.op, name)
+        resumed.append(name)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counted(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(callback, "__module__", None) == "tokcap.write_queue":
+                wakeups.append(1)
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        names = [f"op{n}" for n in range(MAX_BATCH)]
+        await queue_behind_a_held_operation(
+            queue, recorder, lambda: [asyncio.ensure_future(one(name)) for name in names]
+        )
+
+    asyncio.run(main())
+    queue.close()
+    assert queue.batches == 2
+    assert len(wakeups) == queue.batches, "each batch must wake its callers' loop once, not once per caller"
+    assert resumed == [f"op{n}" for n in range(MAX_BATCH)]
