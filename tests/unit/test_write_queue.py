@@ -219,7 +219,7 @@ def test_a_batch_wakes_its_callers_loop_once_and_resumes_them_in_queue_order() -
                 wakeups.append(1)
             return original(callback, *args, **kwargs)
 
-        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
         names = [f"op{n}" for n in range(MAX_BATCH)]
         await queue_behind_a_held_operation(
             queue, recorder, lambda: [asyncio.ensure_future(one(name)) for name in names]
