@@ -1,6 +1,8 @@
 """The file store against a small in-memory reference model, driven by random event sequences.
 
 After every step the store's observable state (entries, incomplete, lifecycle, snapshot) must equal the model's.
+Some puts go through a second store instance on the same directory, as another process would write, and every
+snapshot must be exactly what a fresh read of the files gives (the freezing store may answer from kept copies).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from tests.exact_shape import exact_shape
 from tokcap.errors import ConflictingEntryError, RolloutFrozenError, RolloutRetiredError
 from tokcap.records import TokenEntry
 from tokcap.store import TokenCaptureStore
@@ -51,6 +54,7 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.directory = Path(tempfile.mkdtemp(prefix="tokcap-stateful-"))
         self.store = TokenCaptureStore(self.directory)
+        self.other = TokenCaptureStore(self.directory)
         self.model: dict[str, ModelRollout] = {rid: ModelRollout() for rid in ROLLOUTS}
 
     def teardown(self) -> None:
@@ -76,14 +80,20 @@ class StoreMachine(RuleBasedStateMachine):
         model.known = True
         return None
 
-    @rule(rollout_id=st.sampled_from(ROLLOUTS), call_id=st.sampled_from(CALLS), variant=st.integers(0, 1))
-    def put(self, rollout_id: str, call_id: str, variant: int) -> None:
+    @rule(
+        rollout_id=st.sampled_from(ROLLOUTS),
+        call_id=st.sampled_from(CALLS),
+        variant=st.integers(0, 1),
+        elsewhere=st.booleans(),
+    )
+    def put(self, rollout_id: str, call_id: str, variant: int, elsewhere: bool) -> None:
         expected = self._expect_put(rollout_id, call_id, variant)
+        writer = self.other if elsewhere else self.store
         if expected is None:
-            self.store.append(entry(rollout_id, call_id, variant))
+            writer.append(entry(rollout_id, call_id, variant))
         else:
             with pytest.raises(expected):
-                self.store.append(entry(rollout_id, call_id, variant))
+                writer.append(entry(rollout_id, call_id, variant))
 
     @rule(rollout_id=st.sampled_from(ROLLOUTS), variant=st.integers(0, 1), workers=st.integers(2, 4))
     def concurrent_repeated_puts_of_new_calls(self, rollout_id: str, variant: int, workers: int) -> None:
@@ -154,6 +164,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert snapshot.version == model.version
         assert snapshot.incomplete == model.incomplete
         assert {e.model_call_id: e.prompt_token_ids[2] for e in snapshot.entries} == model.entries
+        fresh = TokenCaptureStore(self.directory, kept_entry_tokens=0).read_entries(rollout_id)
+        assert [exact_shape(e) for e in snapshot.entries] == [exact_shape(e) for e in fresh]
 
     @rule(rollout_id=st.sampled_from(ROLLOUTS), stale=st.booleans())
     def drop(self, rollout_id: str, stale: bool) -> None:
