@@ -1,0 +1,131 @@
+"""The file-store main load, this checkout against another one, trials alternating, Gym 0.7.0's store beside each.
+
+    python -m bench.file_store_ab --baseline /var/tmp/base [--trials 5] [--dir /var/tmp]
+
+``git worktree add /var/tmp/base <rev>`` makes the baseline. Each trial runs in its own process with the
+tree's ``tokcap`` and ``bench`` first on ``sys.path`` (the baseline needs ``bench.load``,
+``bench.file_store_trial`` and ``bench.batch_freeze.load_gym_store``, as every tree since the batch section
+has). Gym's store drives the main load first (the anchor), then the tree's ``TokenCaptureStore``, both into
+fresh directories that are removed only after the last trial (ext4 charges a removal of thousands of files to
+the creates of the next half minute). The trees alternate, so a slow stretch of the machine hits both. It
+prints each trial's figures and the medians per tree: put/s, put/s over Gym's in the same trial, freeze p50 and
+p99 under load, and the process CPU of the tokcap load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "run_trial"]
+
+_REPO = Path(__file__).resolve().parent.parent
+_FIGURES = ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "cpu_s")
+
+
+async def _trial(directory: Path) -> dict[str, float]:
+    """One trial in this process: Gym's store, then tokcap's, on the same prepared entries."""
+    from bench.batch_freeze import load_gym_store
+    from bench.file_store_trial import run_file_store_trial
+    from bench.load import drive, prepare
+    from bench.options import WorkloadShape
+    from bench.stats import percentile
+
+    workload = prepare(WorkloadShape(), "ab")
+    gym_store_class, gym_entry_class = load_gym_store()
+    # Written out here rather than shared with bench.suite: a baseline tree older than any shared helper runs this.
+    gym_workload = replace(
+        workload,
+        slots=[
+            [
+                (rid, [gym_entry_class.model_validate(e.model_dump()) for e in entries])
+                for rid, entries in slot
+            ]
+            for slot in workload.slots
+        ],
+    )
+    gym_store = gym_store_class(directory / "gym")
+    try:
+        gym_load = await drive(gym_workload, gym_store)
+    finally:
+        await gym_store.close()
+    started = time.process_time()
+    trial = await run_file_store_trial(workload, directory / "tokcap")
+    cpu = time.process_time() - started
+    freezes = trial.load.freeze_under_load_ms
+    return {
+        "puts_per_s": trial.load.puts_per_s,
+        "vs_gym": trial.load.puts_per_s / gym_load.puts_per_s,
+        "freeze_p50_ms": percentile(freezes, 0.50),
+        "freeze_p99_ms": percentile(freezes, 0.99),
+        "cpu_s": cpu,
+    }
+
+
+def run_trial(tree: Path, directory: Path) -> dict[str, float]:
+    """Run one trial of ``tree`` in a fresh interpreter; return its figures."""
+    # This file's ``_trial`` runs against the tree's packages (the baseline may predate this file).
+    code = (
+        "import asyncio, json, runpy, sys; from pathlib import Path; "
+        f"sys.path.insert(0, {str(tree)!r}); "
+        f"trial = runpy.run_path({__file__!r})['_trial']; "
+        f"print(json.dumps(asyncio.run(trial(Path({str(directory)!r})))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"trial of {tree} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.file_store_ab", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--baseline", type=Path, required=True, help="another checkout (a git worktree)")
+    parser.add_argument("--trials", type=int, default=5, help="trials per tree (default 5)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the alternating trials and print every trial and the medians per tree."""
+    args = _parse_args(argv)
+    if not (args.baseline / "tokcap").is_dir():
+        print(f"--baseline {args.baseline} holds no tokcap/ directory; give a checkout of this repository")
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="tokcap-file-ab-", dir=args.dir))
+    trees = {"this": _REPO, "baseline": args.baseline.resolve()}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    try:
+        for trial in range(args.trials):
+            order = list(trees) if trial % 2 == 0 else list(reversed(trees))
+            for name in order:
+                figures = run_trial(trees[name], work / f"{name}-{trial}")
+                results[name].append(figures)
+                shown = " ".join(f"{key} {figures[key]:.2f}" for key in _FIGURES)
+                print(f"trial {trial + 1} {name}: {shown}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"medians of {args.trials} trials:")
+    print(f"{'figure':<16}" + "".join(f"{name:>12}" for name in trees))
+    for key in _FIGURES:
+        medians = [statistics.median(figures[key] for figures in results[name]) for name in trees]
+        print(f"{key:<16}" + "".join(f"{value:>12.2f}" for value in medians))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
