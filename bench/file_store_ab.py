@@ -33,7 +33,7 @@ _REPO = Path(__file__).resolve().parent.parent
 _FIGURES = ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "cpu_s")
 
 
-async def _trial(directory: Path) -> dict[str, float]:
+async def _trial(directory: Path, rollouts: int) -> dict[str, float]:
     """One trial in this process: Gym's store, then tokcap's, on the same prepared entries."""
     from bench.batch_freeze import load_gym_store
     from bench.file_store_trial import run_file_store_trial
@@ -41,7 +41,7 @@ async def _trial(directory: Path) -> dict[str, float]:
     from bench.options import WorkloadShape
     from bench.stats import percentile
 
-    workload = prepare(WorkloadShape(), "ab")
+    workload = prepare(WorkloadShape(rollouts=rollouts), "ab")
     gym_store_class, gym_entry_class = load_gym_store()
     # Written out here rather than shared with bench.suite: a baseline tree older than any shared helper runs this.
     gym_workload = replace(
@@ -72,14 +72,14 @@ async def _trial(directory: Path) -> dict[str, float]:
     }
 
 
-def run_trial(tree: Path, directory: Path) -> dict[str, float]:
+def run_trial(tree: Path, directory: Path, rollouts: int = 64) -> dict[str, float]:
     """Run one trial of ``tree`` in a fresh interpreter; return its figures."""
     # This file's ``_trial`` runs against the tree's packages (the baseline may predate this file).
     code = (
         "import asyncio, json, runpy, sys; from pathlib import Path; "
         f"sys.path.insert(0, {str(tree)!r}); "
         f"trial = runpy.run_path({__file__!r})['_trial']; "
-        f"print(json.dumps(asyncio.run(trial(Path({str(directory)!r})))))"
+        f"print(json.dumps(asyncio.run(trial(Path({str(directory)!r}), {int(rollouts)}))))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -94,6 +94,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--baseline", type=Path, required=True, help="another checkout (a git worktree)")
     parser.add_argument("--trials", type=int, default=5, help="trials per tree (default 5)")
+    parser.add_argument(
+        "--rollouts", type=int, default=64, help="concurrent rollouts of the main shape (default 64)"
+    )
     parser.add_argument(
         "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
     )
@@ -113,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for trial in range(args.trials):
             order = list(trees) if trial % 2 == 0 else list(reversed(trees))
             for name in order:
-                figures = run_trial(trees[name], work / f"{name}-{trial}")
+                figures = run_trial(trees[name], work / f"{name}-{trial}", args.rollouts)
                 results[name].append(figures)
                 shown = " ".join(f"{key} {figures[key]:.2f}" for key in _FIGURES)
                 print(f"trial {trial + 1} {name}: {shown}", flush=True)
