@@ -9,7 +9,7 @@ has). Gym's store drives the main load first (the anchor), then the tree's ``Tok
 fresh directories that are removed only after the last trial (ext4 charges a removal of thousands of files to
 the creates of the next half minute). The trees alternate, so a slow stretch of the machine hits both. It
 prints each trial's figures and the medians per tree: put/s, put/s over Gym's in the same trial, freeze p50 and
-p99 under load, and the process CPU of the tokcap load.
+p99 under load, puts per filesystem sync, and the process CPU of the tokcap load.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 __all__ = ["main", "run_trial"]
 
 _REPO = Path(__file__).resolve().parent.parent
-_FIGURES = ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "cpu_s")
+_FIGURES = ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "puts_per_sync", "cpu_s")
 
 
 async def _trial(directory: Path, rollouts: int) -> dict[str, float]:
@@ -68,6 +68,7 @@ async def _trial(directory: Path, rollouts: int) -> dict[str, float]:
         "vs_gym": trial.load.puts_per_s / gym_load.puts_per_s,
         "freeze_p50_ms": percentile(freezes, 0.50),
         "freeze_p99_ms": percentile(freezes, 0.99),
+        "puts_per_sync": trial.puts_per_sync,
         "cpu_s": cpu,
     }
 

@@ -25,7 +25,8 @@ MAX_BATCH = 32
 """Most operations one batch runs before its barrier: bounds how long a caller waits for the others' work.
 
 A batch of 32 puts costs about 10 ms of CPU; syncing every 32 operations is far below the disk's sync rate.
-A freeze does not wait for a batch of puts to finish: its arrival closes the batch after the running operation.
+A freeze does not wait for a batch of puts to finish: after the running operation, the waiting urgent
+operations (up to 32 more) run in the same batch, and one barrier closes it.
 """
 
 _Result = TypeVar("_Result")
@@ -80,9 +81,10 @@ class WriteQueue:
     async def submit(self, function: Callable[..., _Result], *args: Any, urgent: bool = False) -> _Result:
         """Queue one operation and wait until it ran and its writes are durable.
 
-        An urgent operation (a trainer's freeze) goes ahead of queued ones, and a running batch of other
-        operations closes early when it arrives (the operations it did not run yet go back to the queue), so it
-        waits for at most the operation already running and the barrier, then only for other urgent ones.
+        An urgent operation (a trainer's freeze) goes ahead of queued ones. When it arrives during a batch of
+        other operations, it runs right after the running one, in that batch (the operations the batch did not
+        run yet go back to the queue), so it waits for at most the operation already running, other urgent
+        ones and the batch's one barrier.
         """
         loop = asyncio.get_running_loop()
         operation: _Operation[_Result] = _Operation(function, args, loop, loop.create_future(), urgent)
@@ -133,19 +135,31 @@ class WriteQueue:
             for offset, operation in enumerate(operations):
                 self._pending.insert(index + offset, operation)
 
+    def _take_urgent(self) -> list[_Operation[Any]]:
+        """Take the urgent operations at the front of the queue, at most ``MAX_BATCH``."""
+        with self._condition:
+            taken: list[_Operation[Any]] = []
+            while self._pending and self._pending[0].urgent and len(taken) < MAX_BATCH:
+                taken.append(self._pending.popleft())
+            return taken
+
     def _work(self) -> None:
         while (batch := self._next_batch()) is not None:
-            for ran, operation in enumerate(batch):
-                if ran and not operation.urgent and self._urgent_waiting():
-                    # A freeze arrived: close this batch now (barrier, answers) instead of making it wait for
-                    # the rest of the batch; the operations not run yet go back to the front of the queue.
-                    self._requeue(batch[ran:])
-                    batch = batch[:ran]
-                    break
+            index = 0
+            while index < len(batch):
+                operation = batch[index]
+                if index and not operation.urgent and self._urgent_waiting():
+                    # A freeze arrived: run the urgent operations next, in this batch, and close it with one
+                    # barrier for all, instead of a barrier for the operations already run and another for the
+                    # freezes. The operations not run yet go back to the front of the queue, behind any urgent.
+                    self._requeue(batch[index:])
+                    batch = batch[:index] + self._take_urgent()
+                    continue
                 try:
                     operation.result = self._run_deferred(operation.function, operation.args)
                 except BaseException as exc:  # handed to the caller, never swallowed
                     operation.error = exc
+                index += 1
             try:
                 self._barrier()
             except BaseException as exc:

@@ -23,7 +23,7 @@ def test_the_ab_command_alternates_the_trees_and_prints_their_medians(
     trials = [line.split(":")[0] for line in lines if line.startswith("trial")]
     assert trials == ["trial 1 this", "trial 1 baseline", "trial 2 baseline", "trial 2 this"]
     assert "medians of 2 trials:" in lines
-    for figure in ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "cpu_s"):
+    for figure in ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "puts_per_sync", "cpu_s"):
         assert any(line.startswith(figure) for line in lines), figure
     assert list(tmp_path.iterdir()) == [], "trial directories are removed after the last trial"
 

@@ -166,7 +166,7 @@ def test_store_errors_keep_their_type_through_the_writer_thread(tmp_path: Path) 
     asyncio.run(main())
 
 
-def test_an_urgent_operation_arriving_mid_batch_closes_that_batch_after_the_running_operation() -> None:
+def test_an_urgent_operation_arriving_mid_batch_runs_next_and_shares_that_batchs_one_barrier() -> None:
     recorder = Recorder()
     queue = WriteQueue(recorder.run, recorder.barrier, name="test-writer")
 
@@ -181,23 +181,17 @@ def test_an_urgent_operation_arriving_mid_batch_closes_that_batch_after_the_runn
 
         await queue_behind_a_held_operation(queue, recorder, submit_batch)
         assert await asyncio.to_thread(running.wait, 30)
-        freeze = asyncio.ensure_future(queue.submit(recorder.op, "freeze", urgent=True))
-        await asyncio.sleep(0)  # the freeze is queued while w0 runs
+        freezes = [asyncio.ensure_future(queue.submit(recorder.op, f"f{n}", urgent=True)) for n in range(3)]
+        await asyncio.sleep(0)  # the freezes are queued while w0 runs
         release.set()
-        await asyncio.gather(freeze, *writes)
+        await asyncio.gather(*freezes, *writes)
 
     asyncio.run(main())
     queue.close()
-    assert recorder.events == [
-        "held",
-        "barrier",
-        "w0",
-        "barrier",
-        "freeze",
-        "barrier",
-        *[f"w{n}" for n in range(1, 6)],
-        "barrier",
-    ]
+    events = recorder.events
+    assert events[:3] == ["held", "barrier", "w0"]
+    assert sorted(events[3:6]) == ["f0", "f1", "f2"], "the freezes run right after the running write"
+    assert events[6:] == ["barrier", *[f"w{n}" for n in range(1, 6)], "barrier"]
 
 
 def test_a_batch_wakes_its_callers_loop_once_and_resumes_them_in_queue_order() -> None:
