@@ -95,6 +95,26 @@ def test_a_refused_login_names_broker_and_mechanism_but_not_a_mechanism_value_th
     assert SECRET not in str(caught.value) and "unrecognised value of sasl.mechanism" in str(caught.value)
 
 
+def test_a_handshake_cut_by_the_connection_is_not_a_refused_login_but_a_refusal_still_is() -> None:
+    cut = KafkaError(
+        KafkaError._AUTHENTICATION,
+        "sasl_ssl://127.0.0.1:9093/1: SASL SCRAM-SHA-512 mechanism handshake failed: Local: Broker transport "
+        "failure: broker's supported mechanisms: (n/a) (after 0ms in state DOWN)",
+    )
+    watch = AuthenticationWatch(CONTEXT)
+    watch(cut)
+    watch.raise_if_failed()
+    assert watch.failure is None
+    refused = KafkaError(
+        KafkaError._AUTHENTICATION,
+        "sasl_ssl://127.0.0.1:9093/1: SASL authentication error: Authentication failed during authentication "
+        "due to invalid credentials with SASL mechanism SCRAM-SHA-512 (after 3ms in state AUTH_REQ)",
+    )
+    watch(refused)
+    with pytest.raises(BrokerAuthenticationError, match="refused the login"):
+        watch.raise_if_failed()
+
+
 def test_the_chained_cause_carries_the_code_but_not_the_secret() -> None:
     cause = scrubbed_cause(
         KafkaException(KafkaError(KafkaError._INVALID_ARG, f"Unsupported: {SECRET}")), CONTEXT

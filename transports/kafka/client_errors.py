@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 _KNOWN_MECHANISMS = frozenset({"PLAIN", "GSSAPI", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"})
 _KNOWN_PROTOCOLS = frozenset({"PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"})
 _AUTHENTICATION_CODES = frozenset({KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED})
+_TRANSPORT_FAILURE = "Local: Broker transport failure"
+"""What librdkafka's ``_AUTHENTICATION`` text holds when the connection, not the broker, ended the handshake."""
 _AUTHORIZATION_CODES = frozenset(
     {
         KafkaError.TOPIC_AUTHORIZATION_FAILED,
@@ -193,6 +195,11 @@ def authentication_failure(error: KafkaError, context: ClientContext) -> Transpo
             "ssl.ca.location names the CA that signed the broker's certificate and that the certificate "
             "names the host in the bootstrap address"
         )
+    if code == KafkaError._AUTHENTICATION and _TRANSPORT_FAILURE in sentence:
+        # The connection dropped during the SASL handshake, before the broker said anything about the login
+        # ("broker's supported mechanisms: (n/a)"): librdkafka reconnects, and a refusal would end a run that
+        # can go on (seen once on a busy machine, right after the broker answered the same client).
+        return None
     if code in _AUTHENTICATION_CODES:
         return BrokerAuthenticationError(
             f"the broker at {context.bootstrap} refused the login with SASL mechanism {context.mechanism} "
