@@ -130,7 +130,11 @@ async def measure_shape(
 
     for repeat in range(repeats):
         progress(f"{shape.label()}: repeat {repeat + 1}/{repeats}")
-        reference_dir = _fresh(work_dir, "reference")
+        # Each repeat writes into directories of its own, removed with the work directory after the last
+        # section: on ext4 a removal of thousands of files slows the file creates of the next half minute,
+        # which every trial here makes (a freeze creates the state's temporary file).
+        repeat_dir = work_dir / f"main-repeat-{repeat + 1}"
+        reference_dir = _fresh(repeat_dir, "reference")
         record("fsync_per_s", fsync_rate(reference_dir, _REFERENCE_SECONDS))
         record("syncfs_per_s", syncfs_rate(reference_dir, _REFERENCE_SECONDS))
         record("rename_per_s", rename_rate(reference_dir, _REFERENCE_SECONDS / 2))
@@ -140,7 +144,7 @@ async def measure_shape(
         record("orjson_tokens_per_s", encode.tokens_per_s)
         gc.collect()
 
-        costs = measure_call_costs(workload, _fresh(work_dir, "call-costs"))
+        costs = measure_call_costs(workload, _fresh(repeat_dir, "call-costs"))
         record("file_intent_cpu_us", costs.intent_cpu_us)
         record("file_put_cpu_us", costs.put_cpu_us)
         record("file_freeze_cpu_us", costs.freeze_cpu_us)
@@ -151,7 +155,7 @@ async def measure_shape(
         gc.collect()
 
         if gym_store_class is not None:
-            gym_store = gym_store_class(_fresh(work_dir, "gym-store"))
+            gym_store = gym_store_class(_fresh(repeat_dir, "gym-store"))
             try:
                 gym_load = await drive(gym_workload, gym_store)
             finally:
@@ -163,7 +167,7 @@ async def measure_shape(
             record("gym_freeze_p99_ms", percentile(gym_load.freeze_under_load_ms, 0.99))
             gc.collect()
 
-        trial = await run_file_store_trial(workload, _fresh(work_dir, "file-store"))
+        trial = await run_file_store_trial(workload, _fresh(repeat_dir, "file-store"))
         record("file_puts_per_s", trial.load.puts_per_s)
         record("file_calls_per_s", trial.load.calls_per_s)
         record("file_generated_tokens_per_s", trial.load.generated_tokens_per_s)
@@ -176,7 +180,7 @@ async def measure_shape(
         gc.collect()
 
         if bootstrap is not None:
-            kafka = await run_kafka_trial(workload, bootstrap, _fresh(work_dir, "kafka"))
+            kafka = await run_kafka_trial(workload, bootstrap, _fresh(repeat_dir, "kafka"))
             record("kafka_puts_per_s", kafka.load.puts_per_s)
             record("kafka_calls_per_s", kafka.load.calls_per_s)
             record("kafka_generated_tokens_per_s", kafka.load.generated_tokens_per_s)
@@ -197,7 +201,7 @@ async def measure_shape(
             gc.collect()
             if with_materializer_process:
                 external = await run_with_materializer_process(
-                    workload, bootstrap, _fresh(work_dir, "kafka-external")
+                    workload, bootstrap, _fresh(repeat_dir, "kafka-external")
                 )
                 record("kafka_ext_puts_per_s", external.load.puts_per_s)
                 record("kafka_ext_freeze_p50_ms", percentile(external.load.freeze_under_load_ms, 0.50))
@@ -258,7 +262,8 @@ def _resolve(options: BenchOptions, bootstrap: str, work_dir: Path, progress: Pr
     }
     for repeat in range(options.repeats):
         progress(f"resolve: repeat {repeat + 1}/{options.repeats}")
-        probe = asyncio.run(probe_under_main_load(workload, bootstrap, _fresh(work_dir, "probe")))
+        probe_dir = _fresh(work_dir / f"resolve-repeat-{repeat + 1}", "probe")
+        probe = asyncio.run(probe_under_main_load(workload, bootstrap, probe_dir))
         if probe.wrong:
             raise BenchmarkCheckError(f"{probe.wrong} probe continuations resolved to another parent")
         probe_ms = [value * 1000.0 for value in probe.latencies]
