@@ -15,33 +15,23 @@ p99 under load, puts per filesystem sync, and the process CPU of the tokcap load
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "run_trial"]
+__all__ = ["gym_anchor", "main", "run_trial"]
 
-_REPO = Path(__file__).resolve().parent.parent
 _FIGURES = ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "puts_per_sync", "cpu_s")
 
 
-async def _trial(directory: Path, rollouts: int) -> dict[str, float]:
-    """One trial in this process: Gym's store, then tokcap's, on the same prepared entries."""
+async def gym_anchor(workload: Any, directory: Path) -> Any:
+    """Gym 0.7.0's own store driven by the main load on the same entries: the anchor of a trial."""
     from bench.batch_freeze import load_gym_store
-    from bench.file_store_trial import run_file_store_trial
-    from bench.load import drive, prepare
-    from bench.options import WorkloadShape
-    from bench.stats import percentile
+    from bench.load import drive
 
-    workload = prepare(WorkloadShape(rollouts=rollouts), "ab")
     gym_store_class, gym_entry_class = load_gym_store()
     # Written out here rather than shared with bench.suite: a baseline tree older than any shared helper runs this.
     gym_workload = replace(
@@ -54,11 +44,22 @@ async def _trial(directory: Path, rollouts: int) -> dict[str, float]:
             for slot in workload.slots
         ],
     )
-    gym_store = gym_store_class(directory / "gym")
+    gym_store = gym_store_class(directory)
     try:
-        gym_load = await drive(gym_workload, gym_store)
+        return await drive(gym_workload, gym_store)
     finally:
         await gym_store.close()
+
+
+async def _trial(directory: Path, rollouts: int) -> dict[str, float]:
+    """One trial in this process: Gym's store, then tokcap's, on the same prepared entries."""
+    from bench.file_store_trial import run_file_store_trial
+    from bench.load import prepare
+    from bench.options import WorkloadShape
+    from bench.stats import percentile
+
+    workload = prepare(WorkloadShape(rollouts=rollouts), "ab")
+    gym_load = await gym_anchor(workload, directory / "gym")
     started = time.process_time()
     trial = await run_file_store_trial(workload, directory / "tokcap")
     cpu = time.process_time() - started
@@ -75,18 +76,10 @@ async def _trial(directory: Path, rollouts: int) -> dict[str, float]:
 
 def run_trial(tree: Path, directory: Path, rollouts: int = 64) -> dict[str, float]:
     """Run one trial of ``tree`` in a fresh interpreter; return its figures."""
-    # This file's ``_trial`` runs against the tree's packages (the baseline may predate this file).
-    code = (
-        "import asyncio, json, runpy, sys; from pathlib import Path; "
-        f"sys.path.insert(0, {str(tree)!r}); "
-        f"trial = runpy.run_path({__file__!r})['_trial']; "
-        f"print(json.dumps(asyncio.run(trial(Path({str(directory)!r}), {int(rollouts)}))))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"trial of {tree} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return figures
+    # Imported here, not at the top: a trial runs this file against a tree that may predate the module.
+    from bench.alternating import run_trial_file
+
+    return run_trial_file(Path(__file__).resolve(), tree, directory, [int(rollouts)])
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -110,24 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (args.baseline / "tokcap").is_dir():
         print(f"--baseline {args.baseline} holds no tokcap/ directory; give a checkout of this repository")
         return 2
-    work = Path(tempfile.mkdtemp(prefix="tokcap-file-ab-", dir=args.dir))
-    trees = {"this": _REPO, "baseline": args.baseline.resolve()}
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    try:
-        for trial in range(args.trials):
-            order = list(trees) if trial % 2 == 0 else list(reversed(trees))
-            for name in order:
-                figures = run_trial(trees[name], work / f"{name}-{trial}", args.rollouts)
-                results[name].append(figures)
-                shown = " ".join(f"{key} {figures[key]:.2f}" for key in _FIGURES)
-                print(f"trial {trial + 1} {name}: {shown}", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"medians of {args.trials} trials:")
-    print(f"{'figure':<16}" + "".join(f"{name:>12}" for name in trees))
-    for key in _FIGURES:
-        medians = [statistics.median(figures[key] for figures in results[name]) for name in trees]
-        print(f"{key:<16}" + "".join(f"{value:>12.2f}" for value in medians))
+    from bench.alternating import alternate
+
+    alternate(Path(__file__).resolve(), args.baseline, args.trials, [args.rollouts], _FIGURES, args.dir)
     return 0
 
 

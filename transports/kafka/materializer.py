@@ -485,7 +485,9 @@ class Materializer:
         if self._failure is not None:
             self._raise_if_failed()
         try:
-            await asyncio.wait_for(future, timeout_s)
+            # A plain await under a timeout: ``wait_for`` would resume this caller one event-loop turn later.
+            async with asyncio.timeout(timeout_s):
+                await future
         except TimeoutError:
             with self._condition:
                 self._forget_waiter(future)

@@ -1,0 +1,76 @@
+"""Trials of this checkout and another one, alternating, each in a fresh interpreter: the A/B runs' loop.
+
+A change is judged by trials run side by side: the machine's speed moves between runs, so a figure
+compared across runs says more about the machine than about the change. The trees take turns (this,
+baseline, then baseline, this, ...), so a slow stretch hits both. Each trial is a coroutine ``_trial``
+defined in a bench file, run with the tree's ``tokcap`` and ``bench`` first on ``sys.path``; the file
+itself is read from this checkout, so a baseline older than the file can still be measured.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["REPO", "alternate", "run_trial_file"]
+
+REPO = Path(__file__).resolve().parent.parent
+"""The root of this checkout."""
+
+
+def run_trial_file(
+    trial_file: Path, tree: Path, directory: Path, arguments: Sequence[Any]
+) -> dict[str, float]:
+    """Run ``_trial(directory, *arguments)`` of ``trial_file`` against ``tree`` in a fresh interpreter."""
+    code = (
+        "import asyncio, json, runpy, sys; from pathlib import Path; "
+        f"sys.path.insert(0, {str(tree)!r}); "
+        f"trial = runpy.run_path({str(trial_file)!r})['_trial']; "
+        f"print(json.dumps(asyncio.run(trial(Path({str(directory)!r}), *{list(arguments)!r}))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"trial of {tree} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def alternate(
+    trial_file: Path,
+    baseline: Path,
+    trials: int,
+    arguments: Sequence[Any],
+    figures: Sequence[str],
+    parent: Path | None,
+) -> dict[str, list[dict[str, float]]]:
+    """Run ``trials`` trials of each tree, alternating; print each trial and the medians per tree.
+
+    Trial directories are removed only after the last trial: ext4 charges a removal of thousands of files to
+    the creates of the next half minute, which would slow the next tree's trial.
+    """
+    work = Path(tempfile.mkdtemp(prefix="tokcap-ab-", dir=parent))
+    trees = {"this": REPO, "baseline": baseline.resolve()}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    try:
+        for trial in range(trials):
+            order = list(trees) if trial % 2 == 0 else list(reversed(trees))
+            for name in order:
+                measured = run_trial_file(trial_file, trees[name], work / f"{name}-{trial}", arguments)
+                results[name].append(measured)
+                shown = " ".join(f"{key} {measured[key]:.2f}" for key in figures)
+                print(f"trial {trial + 1} {name}: {shown}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"medians of {trials} trials:")
+    print(f"{'figure':<16}" + "".join(f"{name:>12}" for name in trees))
+    for key in figures:
+        medians = [statistics.median(measured[key] for measured in results[name]) for name in trees]
+        print(f"{key:<16}" + "".join(f"{value:>12.2f}" for value in medians))
+    return results

@@ -1,0 +1,109 @@
+"""How a send waits for its delivery reports: every report read, one event-loop turn, nothing left behind.
+
+The reports are settled here by hand on the loop, as the poll thread's ``call_soon_threadsafe`` does; the
+bridge's producer points at a closed local port and never sends anything. Real deliveries are covered by
+the integration tests against a broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import KafkaError
+
+from tokcap.errors import DeliveryTimeoutError
+from transports.kafka import producer_bridge
+from transports.kafka.producer_bridge import Delivered, ProducerBridge, _resolve
+
+
+@pytest.fixture
+def bridge() -> Iterator[ProducerBridge]:
+    made = ProducerBridge("127.0.0.1:1", delivery_timeout_s=0.05)
+    try:
+        yield made
+    finally:
+        made.close(timeout_s=0)
+
+
+async def _turns_until(future: asyncio.Future[object]) -> int:
+    """How many event-loop turns pass before ``future`` is done, counted by a task yielding once per turn."""
+    turns = 0
+    while not future.done():
+        await asyncio.sleep(0)
+        turns += 1
+    return turns
+
+
+def test_a_report_reaches_the_sender_within_two_turns_of_the_loop(bridge: ProducerBridge) -> None:
+    async def scenario() -> int:
+        loop = asyncio.get_running_loop()
+        report: asyncio.Future[Delivered] = loop.create_future()
+        sender = asyncio.ensure_future(bridge._reports(loop, [report], what="put", topic="t"))
+        await asyncio.sleep(0)  # the sender now awaits its report
+        loop.call_soon(_resolve, report, None, Delivered(0, 7))  # what the poll thread posts
+        turns = await _turns_until(sender)
+        assert sender.result() == [Delivered(0, 7)]
+        return turns
+
+    # wait_for(gather(...)) took four turns: the report, gather's callback, wait_for's, then the sender.
+    assert asyncio.run(scenario()) <= 2
+
+
+def test_a_failed_report_is_returned_in_its_place_after_every_other_report(bridge: ProducerBridge) -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[Delivered] = loop.create_future()
+        second: asyncio.Future[Delivered] = loop.create_future()
+        sender = asyncio.ensure_future(bridge._reports(loop, [first, second], what="put", topic="t"))
+        _resolve(first, KafkaError(KafkaError._MSG_TIMED_OUT), None)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not sender.done(), "the send must wait for the second report before failing"
+        _resolve(second, None, Delivered(1, 3))
+        outcomes = await sender
+        assert isinstance(outcomes[0], producer_bridge.KafkaException)
+        assert outcomes[0].args[0].code() == KafkaError._MSG_TIMED_OUT
+        assert outcomes[1] == Delivered(1, 3)
+
+    asyncio.run(scenario())
+
+
+def test_a_send_past_its_bound_fails_and_leaves_no_report_pending_or_unread(
+    bridge: ProducerBridge, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(producer_bridge, "_ANSWER_GRACE_S", 0.0)
+
+    async def scenario() -> list[asyncio.Future[Delivered]]:
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Delivered]] = [loop.create_future() for _ in range(3)]
+        # The last report failed already; the first never comes, so the send times out waiting for it.
+        _resolve(futures[2], KafkaError(KafkaError._MSG_TIMED_OUT), None)
+        with bridge._produce_lock:
+            bridge._waiting.update((loop, future) for future in futures)
+        with pytest.raises(DeliveryTimeoutError, match="no delivery report within"):
+            await bridge._reports(loop, futures, what="put", topic="t")
+        assert not bridge._waiting
+        return futures
+
+    futures = asyncio.run(scenario())
+    assert futures[0].cancelled() and futures[1].cancelled()
+    del futures
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
+def test_a_cancelled_sender_cancels_its_pending_reports(bridge: ProducerBridge) -> None:
+    async def scenario() -> asyncio.Future[Delivered]:
+        loop = asyncio.get_running_loop()
+        report: asyncio.Future[Delivered] = loop.create_future()
+        sender = asyncio.ensure_future(bridge._reports(loop, [report], what="put", topic="t"))
+        await asyncio.sleep(0)
+        sender.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sender
+        return report
+
+    assert asyncio.run(scenario()).cancelled()
