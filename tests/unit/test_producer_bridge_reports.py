@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from tokcap.errors import DeliveryTimeoutError
 from transports.kafka import producer_bridge
@@ -28,7 +29,7 @@ def bridge() -> Iterator[ProducerBridge]:
         made.close(timeout_s=0)
 
 
-async def _turns_until(future: asyncio.Future[object]) -> int:
+async def _turns_until(future: asyncio.Future[Any]) -> int:
     """How many event-loop turns pass before ``future`` is done, counted by a task yielding once per turn."""
     turns = 0
     while not future.done():
@@ -64,7 +65,7 @@ def test_a_failed_report_is_returned_in_its_place_after_every_other_report(bridg
         assert not sender.done(), "the send must wait for the second report before failing"
         _resolve(second, None, Delivered(1, 3))
         outcomes = await sender
-        assert isinstance(outcomes[0], producer_bridge.KafkaException)
+        assert isinstance(outcomes[0], KafkaException)
         assert outcomes[0].args[0].code() == KafkaError._MSG_TIMED_OUT
         assert outcomes[1] == Delivered(1, 3)
 
@@ -107,3 +108,63 @@ def test_a_cancelled_sender_cancels_its_pending_reports(bridge: ProducerBridge) 
         return report
 
     assert asyncio.run(scenario()).cancelled()
+
+
+class _Acknowledged:
+    """What librdkafka hands ``on_delivery`` for a stored message: its partition and offset."""
+
+    def __init__(self, partition: int, offset: int) -> None:
+        self._partition, self._offset = partition, offset
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+
+def test_the_reports_of_one_poll_reach_their_loop_in_one_wake_up_and_in_order(
+    bridge: ProducerBridge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario() -> tuple[int, list[Delivered | BaseException]]:
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        real_post = loop.call_soon_threadsafe
+
+        def counted(*args: Any) -> Any:
+            nonlocal wake_ups
+            if (
+                getattr(args[0], "__module__", None) == producer_bridge.__name__
+            ):  # not asyncio.to_thread's own
+                wake_ups += 1
+            return real_post(*args)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+        futures: list[asyncio.Future[Delivered]] = [loop.create_future() for _ in range(4)]
+        for offset, future in enumerate(futures):  # what one poll() serves for a batch acknowledged together
+            error = KafkaError(KafkaError._MSG_TIMED_OUT) if offset == 2 else None
+            bridge._on_delivery(loop, future, error, _Acknowledged(0, offset))  # type: ignore[arg-type]
+        await asyncio.to_thread(bridge._post_reports)
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        return wake_ups, outcomes
+
+    wake_ups, outcomes = asyncio.run(scenario())
+    assert wake_ups == 1
+    assert outcomes[:2] == [Delivered(0, 0), Delivered(0, 1)] and outcomes[3] == Delivered(0, 3)
+    assert isinstance(outcomes[2], KafkaException)
+
+
+def test_a_report_served_while_closing_still_reaches_its_sender() -> None:
+    closing = ProducerBridge("127.0.0.1:1", delivery_timeout_s=0.05)
+
+    async def scenario() -> Delivered:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Delivered] = loop.create_future()
+        # Served by close()'s flush after the poll thread's last round: nobody else will post it.
+        closing._stopping.set()
+        await asyncio.to_thread(closing._poller.join)
+        closing._on_delivery(loop, future, None, _Acknowledged(1, 9))  # type: ignore[arg-type]
+        await asyncio.to_thread(closing.close, 0)
+        return await asyncio.wait_for(future, 5)
+
+    assert asyncio.run(scenario()) == Delivered(1, 9)

@@ -1,7 +1,8 @@
 """One idempotent Kafka producer whose delivery reports resolve asyncio futures.
 
-librdkafka reports deliveries from ``poll()``; a background thread polls, and each report
-resolves its future on the owning event loop with ``call_soon_threadsafe``.
+librdkafka reports deliveries from ``poll()``; a background thread polls, collects the reports of each
+``poll()``, and hands them to each owning event loop with one ``call_soon_threadsafe``, which resolves
+their futures.
 Awaiting callers therefore never block the loop, and many concurrent sends share batches.
 Failures are translated by ``transports.kafka.client_errors``. A refused login or TLS handshake fails every
 waiting send at once, instead of after ``delivery_timeout_s``, since retrying cannot help.
@@ -56,6 +57,10 @@ were no slower (concurrent sends still share batches)."""
 _TIMEOUT_KEYS = ("message.timeout.ms", "delivery.timeout.ms")
 
 
+_Report = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Delivered]", KafkaError | None, "Delivered | None"]
+"""One delivery report waiting to be handed to its event loop: the loop, the future, the error or the place."""
+
+
 @dataclass(frozen=True)
 class Delivered:
     """Where the broker stored an acknowledged message."""
@@ -89,20 +94,12 @@ def _abandon(futures: Sequence[asyncio.Future[Delivered]]) -> None:
             future.exception()
 
 
-def _on_delivery(
-    loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future[Delivered],
-    error: KafkaError | None,
-    message: Message,
+def _resolve_all(
+    reports: Sequence[tuple[asyncio.Future[Delivered], KafkaError | None, Delivered | None]],
 ) -> None:
-    """Runs on the poll thread: hand the report to the future's loop."""
-    delivered = (
-        None if error is not None else Delivered(int(message.partition() or 0), int(message.offset() or 0))
-    )
-    try:
-        loop.call_soon_threadsafe(_resolve, future, error, delivered)
-    except RuntimeError:
-        logger.debug("delivery report arrived after its event loop closed")
+    """Runs on the event loop: settle the futures of one poll's reports, in the order they came."""
+    for future, error, delivered in reports:
+        _resolve(future, error, delivered)
 
 
 class ProducerBridge:
@@ -137,6 +134,8 @@ class ProducerBridge:
             defaults=_DEFAULTS,
         )
         self._produce_lock = threading.Lock()
+        self._unposted_lock = threading.Lock()
+        self._unposted: list[_Report] = []
         self._fatal: KafkaError | None = None
         self._waiting: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[Delivered]]] = set()
         self._producer = build_client(Producer, self._config, self._context, "producer")
@@ -181,6 +180,43 @@ class ProducerBridge:
                 producer.poll(0.1)
             except KafkaException as exc:
                 logger.error("kafka producer poll failed: %s", self._context.scrub(str(exc)))
+            self._post_reports()
+
+    def _on_delivery(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Delivered],
+        error: KafkaError | None,
+        message: Message,
+    ) -> None:
+        """Runs inside ``poll()`` or ``flush()``: keep the report until that call returns."""
+        delivered = (
+            None
+            if error is not None
+            else Delivered(int(message.partition() or 0), int(message.offset() or 0))
+        )
+        with self._unposted_lock:
+            self._unposted.append((loop, future, error, delivered))
+
+    def _post_reports(self) -> None:
+        """Hand the reports collected so far to their event loops, one wake-up per loop.
+
+        librdkafka serves every report ready at once (a batch acknowledged together), and each
+        ``call_soon_threadsafe`` writes to the loop's pipe and costs the loop one more callback.
+        """
+        with self._unposted_lock:
+            reports, self._unposted = self._unposted, []
+        by_loop: dict[
+            asyncio.AbstractEventLoop,
+            list[tuple[asyncio.Future[Delivered], KafkaError | None, Delivered | None]],
+        ] = {}
+        for loop, future, error, delivered in reports:
+            by_loop.setdefault(loop, []).append((future, error, delivered))
+        for loop, settled in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve_all, settled)
+            except RuntimeError:
+                logger.debug("%d delivery reports arrived after their event loop closed", len(settled))
 
     def _producer_for_send(self) -> Producer:
         """The live producer; a producer that hit a fatal error is replaced first (its messages already failed)."""
@@ -191,6 +227,7 @@ class ProducerBridge:
             )
             self._fatal = None
             old.flush(0)
+            self._post_reports()
         return self._producer
 
     async def send(self, topic: str, messages: Sequence[OutgoingMessage], *, what: str) -> list[Delivered]:
@@ -214,7 +251,7 @@ class ProducerBridge:
                         value=message.value,
                         key=message.key,
                         headers=list(message.headers),
-                        on_delivery=partial(_on_delivery, loop, future),
+                        on_delivery=partial(self._on_delivery, loop, future),
                         # -1 is librdkafka's "let the partitioner choose".
                         partition=-1 if message.partition is None else message.partition,
                     )
@@ -293,6 +330,7 @@ class ProducerBridge:
         remaining = int(self._producer.flush(wait_s))
         self._stopping.set()
         self._poller.join()
+        self._post_reports()  # what the flush served after the poll thread's last round
         if remaining:
             logger.error(
                 "kafka producer closed with %d undelivered messages; their senders saw a failure", remaining
