@@ -67,6 +67,11 @@ def rename_rate(directory: Path, seconds: float) -> float:
     return count / elapsed
 
 
+_MOST_CREATES = 4_000
+"""Files the create reference makes at most: each one is removed with the work directory, and every removal
+slows the file system's next creates."""
+
+
 def create_rate(directory: Path, seconds: float) -> float:
     """New empty files created per second (no write, no fsync): what each rollout's first files cost.
 
@@ -79,7 +84,7 @@ def create_rate(directory: Path, seconds: float) -> float:
     scratch = directory / "create-reference"
     scratch.mkdir()
     count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
+    while (elapsed := time.perf_counter() - start) < seconds and count < _MOST_CREATES:
         os.close(os.open(scratch / f"f{count}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         count += 1
     return count / elapsed
