@@ -57,8 +57,8 @@ were no slower (concurrent sends still share batches)."""
 _TIMEOUT_KEYS = ("message.timeout.ms", "delivery.timeout.ms")
 
 
-_Report = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Delivered]", KafkaError | None, "Delivered | None"]
-"""One delivery report waiting to be handed to its event loop: the loop, the future, the error or the place."""
+_Settled = tuple["asyncio.Future[Delivered]", KafkaError | None, "Delivered | None"]
+"""One delivery report for its event loop: the future, and the error or where the message was stored."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,7 @@ def _abandon(futures: Sequence[asyncio.Future[Delivered]]) -> None:
             future.exception()
 
 
-def _resolve_all(
-    reports: Sequence[tuple[asyncio.Future[Delivered], KafkaError | None, Delivered | None]],
-) -> None:
+def _resolve_all(reports: Sequence[_Settled]) -> None:
     """Runs on the event loop: settle the futures of one poll's reports, in the order they came."""
     for future, error, delivered in reports:
         _resolve(future, error, delivered)
@@ -135,7 +133,8 @@ class ProducerBridge:
         )
         self._produce_lock = threading.Lock()
         self._unposted_lock = threading.Lock()
-        self._unposted: list[_Report] = []
+        self._unposted: list[tuple[asyncio.AbstractEventLoop, _Settled]] = []
+        """Reports served by ``poll()`` or ``flush()`` and not yet handed to their event loops."""
         self._fatal: KafkaError | None = None
         self._waiting: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[Delivered]]] = set()
         self._producer = build_client(Producer, self._config, self._context, "producer")
@@ -196,7 +195,7 @@ class ProducerBridge:
             else Delivered(int(message.partition() or 0), int(message.offset() or 0))
         )
         with self._unposted_lock:
-            self._unposted.append((loop, future, error, delivered))
+            self._unposted.append((loop, (future, error, delivered)))
 
     def _post_reports(self) -> None:
         """Hand the reports collected so far to their event loops, one wake-up per loop.
@@ -206,17 +205,16 @@ class ProducerBridge:
         """
         with self._unposted_lock:
             reports, self._unposted = self._unposted, []
-        by_loop: dict[
-            asyncio.AbstractEventLoop,
-            list[tuple[asyncio.Future[Delivered], KafkaError | None, Delivered | None]],
-        ] = {}
-        for loop, future, error, delivered in reports:
-            by_loop.setdefault(loop, []).append((future, error, delivered))
-        for loop, settled in by_loop.items():
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Settled]] = {}
+        for loop, settled in reports:
+            by_loop.setdefault(loop, []).append(settled)
+        for loop, reports_of_loop in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_resolve_all, settled)
+                loop.call_soon_threadsafe(_resolve_all, reports_of_loop)
             except RuntimeError:
-                logger.debug("%d delivery reports arrived after their event loop closed", len(settled))
+                logger.debug(
+                    "%d delivery reports arrived after their event loop closed", len(reports_of_loop)
+                )
 
     def _producer_for_send(self) -> Producer:
         """The live producer; a producer that hit a fatal error is replaced first (its messages already failed)."""
