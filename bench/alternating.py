@@ -9,6 +9,7 @@ itself is read from this checkout, so a baseline older than the file can still b
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import statistics
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO", "alternate", "run_trial_file"]
+__all__ = ["REPO", "ab_parser", "alternate", "run_against_baseline", "run_trial_file"]
 
 REPO = Path(__file__).resolve().parent.parent
 """The root of this checkout."""
@@ -74,3 +75,37 @@ def alternate(
         medians = [statistics.median(measured[key] for measured in results[name]) for name in trees]
         print(f"{key:<16}" + "".join(f"{value:>12.2f}" for value in medians))
     return results
+
+
+def ab_parser(prog: str, doc: str, *, trials: int, kafka: bool, load: bool) -> argparse.ArgumentParser:
+    """The arguments the A/B commands share: the baseline, the trials, the broker, the load's shape and place."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, required=True, help="another checkout (a git worktree)")
+    if kafka:
+        parser.add_argument("--bootstrap", required=True, help="the broker, HOST:PORT")
+    parser.add_argument("--trials", type=int, default=trials, help=f"trials per tree (default {trials})")
+    if load:
+        parser.add_argument(
+            "--rollouts", type=int, default=64, help="concurrent rollouts of the main shape (default 64)"
+        )
+        parser.add_argument(
+            "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
+        )
+    return parser
+
+
+def run_against_baseline(
+    trial_file: Path,
+    baseline: Path,
+    needs: str,
+    trials: int,
+    arguments: Sequence[Any],
+    figures: Sequence[str],
+    parent: Path | None = None,
+) -> int:
+    """Alternate the trees and return 0; return 2, saying why, when the baseline lacks the ``needs`` directory."""
+    if not (baseline / needs).is_dir():
+        print(f"--baseline {baseline} holds no {needs}/; give a checkout of this repository")
+        return 2
+    alternate(trial_file, baseline, trials, arguments, figures, parent)
+    return 0

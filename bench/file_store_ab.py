@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["gym_anchor", "main", "run_trial"]
+__all__ = ["gym_anchor", "load_figures", "main", "run_trial"]
 
 _FIGURES = ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "puts_per_sync", "cpu_s")
 
@@ -56,21 +56,25 @@ async def _trial(directory: Path, rollouts: int) -> dict[str, float]:
     from bench.file_store_trial import run_file_store_trial
     from bench.load import prepare
     from bench.options import WorkloadShape
-    from bench.stats import percentile
 
     workload = prepare(WorkloadShape(rollouts=rollouts), "ab")
     gym_load = await gym_anchor(workload, directory / "gym")
     started = time.process_time()
     trial = await run_file_store_trial(workload, directory / "tokcap")
     cpu = time.process_time() - started
-    freezes = trial.load.freeze_under_load_ms
+    return {**load_figures(trial.load, gym_load), "puts_per_sync": trial.puts_per_sync, "cpu_s": cpu}
+
+
+def load_figures(load: Any, gym_load: Any) -> dict[str, float]:
+    """The main load's figures every A/B trial prints: put/s, put/s over Gym's, freeze p50 and p99 under load."""
+    from bench.stats import percentile
+
+    freezes = load.freeze_under_load_ms
     return {
-        "puts_per_s": trial.load.puts_per_s,
-        "vs_gym": trial.load.puts_per_s / gym_load.puts_per_s,
+        "puts_per_s": load.puts_per_s,
+        "vs_gym": load.puts_per_s / gym_load.puts_per_s,
         "freeze_p50_ms": percentile(freezes, 0.50),
         "freeze_p99_ms": percentile(freezes, 0.99),
-        "puts_per_sync": trial.puts_per_sync,
-        "cpu_s": cpu,
     }
 
 
@@ -83,30 +87,22 @@ def run_trial(tree: Path, directory: Path, rollouts: int = 64) -> dict[str, floa
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.file_store_ab", description=__doc__.split("\n\n")[0]
+    from bench.alternating import ab_parser
+
+    return ab_parser("python -m bench.file_store_ab", __doc__, trials=5, kafka=False, load=True).parse_args(
+        argv
     )
-    parser.add_argument("--baseline", type=Path, required=True, help="another checkout (a git worktree)")
-    parser.add_argument("--trials", type=int, default=5, help="trials per tree (default 5)")
-    parser.add_argument(
-        "--rollouts", type=int, default=64, help="concurrent rollouts of the main shape (default 64)"
-    )
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
-    )
-    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the alternating trials and print every trial and the medians per tree."""
-    args = _parse_args(argv)
-    if not (args.baseline / "tokcap").is_dir():
-        print(f"--baseline {args.baseline} holds no tokcap/ directory; give a checkout of this repository")
-        return 2
-    from bench.alternating import alternate
+    from bench.alternating import run_against_baseline
 
-    alternate(Path(__file__).resolve(), args.baseline, args.trials, [args.rollouts], _FIGURES, args.dir)
-    return 0
+    args = _parse_args(argv)
+    trial_file = Path(__file__).resolve()
+    return run_against_baseline(
+        trial_file, args.baseline, "tokcap", args.trials, [args.rollouts], _FIGURES, args.dir
+    )
 
 
 if __name__ == "__main__":

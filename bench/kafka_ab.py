@@ -29,49 +29,32 @@ async def _trial(directory: Path, rollouts: int, bootstrap: str) -> dict[str, fl
     from bench.kafka_trial import run_kafka_trial
     from bench.load import prepare
     from bench.options import WorkloadShape
-    from bench.stats import percentile
 
-    # The anchor is this checkout's, read from its file: the baseline tree may predate it.
-    gym_anchor = runpy.run_path(str(Path(__file__).with_name("file_store_ab.py")))["gym_anchor"]
+    # The anchor and the shared figures are this checkout's, read from its file: the baseline may predate them.
+    file_store_ab = runpy.run_path(str(Path(__file__).with_name("file_store_ab.py")))
     workload = prepare(WorkloadShape(rollouts=rollouts), "ab")
-    gym_load = await gym_anchor(workload, directory / "gym")
+    gym_load = await file_store_ab["gym_anchor"](workload, directory / "gym")
     trial = await run_kafka_trial(workload, bootstrap, directory / "tokcap")
-    freezes = trial.load.freeze_under_load_ms
-    return {
-        "puts_per_s": trial.load.puts_per_s,
-        "vs_gym": trial.load.puts_per_s / gym_load.puts_per_s,
-        "freeze_p50_ms": percentile(freezes, 0.50),
-        "freeze_p99_ms": percentile(freezes, 0.99),
-        "replay_per_s": trial.replay.puts_per_s,
-        "backlog": float(trial.lag_at_end_of_puts),
-    }
+    figures: dict[str, float] = file_store_ab["load_figures"](trial.load, gym_load)
+    return {**figures, "replay_per_s": trial.replay.puts_per_s, "backlog": float(trial.lag_at_end_of_puts)}
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.kafka_ab", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", type=Path, required=True, help="another checkout (a git worktree)")
-    parser.add_argument("--bootstrap", required=True, help="the broker, HOST:PORT")
-    parser.add_argument("--trials", type=int, default=5, help="trials per tree (default 5)")
-    parser.add_argument(
-        "--rollouts", type=int, default=64, help="concurrent rollouts of the main shape (default 64)"
-    )
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
-    )
-    return parser.parse_args(argv)
+    from bench.alternating import ab_parser
+
+    return ab_parser("python -m bench.kafka_ab", __doc__, trials=5, kafka=True, load=True).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the alternating trials and print every trial and the medians per tree."""
-    args = _parse_args(argv)
-    if not (args.baseline / "transports" / "kafka").is_dir():
-        print(f"--baseline {args.baseline} holds no transports/kafka/; give a checkout of this repository")
-        return 2
-    from bench.alternating import alternate
+    from bench.alternating import run_against_baseline
 
+    args = _parse_args(argv)
     arguments = [args.rollouts, args.bootstrap]
-    alternate(Path(__file__).resolve(), args.baseline, args.trials, arguments, _FIGURES, args.dir)
-    return 0
+    trial_file = Path(__file__).resolve()
+    return run_against_baseline(
+        trial_file, args.baseline, "transports/kafka", args.trials, arguments, _FIGURES, args.dir
+    )
 
 
 if __name__ == "__main__":

@@ -61,12 +61,9 @@ async def _trial(directory: Path, bootstrap: str, senders: int, sends: int) -> d
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.producer_sends", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--baseline", type=Path, required=True, help="another checkout (a git worktree)")
-    parser.add_argument("--bootstrap", required=True, help="the broker, HOST:PORT")
-    parser.add_argument("--trials", type=int, default=4, help="trials per tree (default 4)")
+    from bench.alternating import ab_parser
+
+    parser = ab_parser("python -m bench.producer_sends", __doc__, trials=4, kafka=True, load=False)
     parser.add_argument("--senders", type=int, default=64, help="concurrent senders (default 64)")
     parser.add_argument("--sends", type=int, default=60, help="sends per sender (default 60)")
     return parser.parse_args(argv)
@@ -74,15 +71,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the alternating trials and print every trial and the medians per tree."""
-    args = _parse_args(argv)
-    if not (args.baseline / "transports" / "kafka").is_dir():
-        print(f"--baseline {args.baseline} holds no transports/kafka/; give a checkout of this repository")
-        return 2
-    from bench.alternating import alternate
+    from bench.alternating import run_against_baseline
 
+    args = _parse_args(argv)
     arguments = [args.bootstrap, args.senders, args.sends]
-    alternate(Path(__file__).resolve(), args.baseline, args.trials, arguments, _FIGURES, None)
-    return 0
+    trial_file = Path(__file__).resolve()
+    return run_against_baseline(
+        trial_file, args.baseline, "transports/kafka", args.trials, arguments, _FIGURES
+    )
 
 
 if __name__ == "__main__":

@@ -32,4 +32,4 @@ def test_a_baseline_that_is_not_a_checkout_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["--baseline", str(tmp_path), "--trials", "1"]) == 2
-    assert "no tokcap/ directory" in capsys.readouterr().out
+    assert "holds no tokcap/" in capsys.readouterr().out

@@ -9,19 +9,11 @@ import asyncio
 from pathlib import Path
 
 from kafka_topic_double import MemoryTopic
+from loop_turns import turns_until
 
 from transports.kafka.materializer import Materializer
 
 TOPIC = "tokcap.waits-test"
-
-
-async def _turns_until(task: asyncio.Future[bool]) -> int:
-    """How many event-loop turns pass before ``task`` is done, counted by yielding once per turn."""
-    turns = 0
-    while not task.done():
-        await asyncio.sleep(0)
-        turns += 1
-    return turns
 
 
 def test_a_waiting_source_resumes_within_two_loop_turns_of_its_answer(tmp_path: Path) -> None:
@@ -33,7 +25,7 @@ def test_a_waiting_source_resumes_within_two_loop_turns_of_its_answer(tmp_path: 
         with materializer._condition:
             (future,) = list(materializer._async_waiters)
             materializer._resolve(future)  # what the materializer's thread does once the freeze is answered
-        turns = await _turns_until(wait)
+        turns = await turns_until(wait)
         assert wait.result() is True
         return turns
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
+from loop_turns import turns_until
 
 from tokcap.errors import DeliveryTimeoutError
 from transports.kafka import producer_bridge
@@ -29,15 +30,6 @@ def bridge() -> Iterator[ProducerBridge]:
         made.close(timeout_s=0)
 
 
-async def _turns_until(future: asyncio.Future[Any]) -> int:
-    """How many event-loop turns pass before ``future`` is done, counted by a task yielding once per turn."""
-    turns = 0
-    while not future.done():
-        await asyncio.sleep(0)
-        turns += 1
-    return turns
-
-
 def test_a_report_reaches_the_sender_within_two_turns_of_the_loop(bridge: ProducerBridge) -> None:
     async def scenario() -> int:
         loop = asyncio.get_running_loop()
@@ -45,7 +37,7 @@ def test_a_report_reaches_the_sender_within_two_turns_of_the_loop(bridge: Produc
         sender = asyncio.ensure_future(bridge._reports(loop, [report], what="put", topic="t"))
         await asyncio.sleep(0)  # the sender now awaits its report
         loop.call_soon(_resolve, report, None, Delivered(0, 7))  # what the poll thread posts
-        turns = await _turns_until(sender)
+        turns = await turns_until(sender)
         assert sender.result() == [Delivered(0, 7)]
         return turns
 
