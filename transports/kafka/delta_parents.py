@@ -151,10 +151,11 @@ class ParentRestorer:
             link = self._check_link(partition, link.offset, found.link)
         event: PutEvent | None = None
         for position, step in reversed(chain):
+            if event is not None:  # the link restored last is the parent of this one
+                prefix = event.entry.prompt_token_ids + event.entry.generation_token_ids
             event = step.restore(prefix)
             if keep or position != offset:
                 self.remember(key, partition, position, event)
-            prefix = event.entry.prompt_token_ids + event.entry.generation_token_ids
         assert event is not None
         return event
 
