@@ -82,6 +82,17 @@ def _resolve(
         future.set_result(delivered)
 
 
+class _ReportOverdueError(Exception):
+    """Set on a send's pending reports when its bound passes; the send raises ``DeliveryTimeoutError``."""
+
+
+def _fail_overdue(futures: Sequence[asyncio.Future[Delivered]]) -> None:
+    """Runs on the event loop when a send's bound passed: fail the reports still pending."""
+    for future in futures:
+        if not future.done():
+            future.set_exception(_ReportOverdueError())
+
+
 def _abandon(futures: Sequence[asyncio.Future[Delivered]]) -> None:
     """A send given up (timed out or cancelled): its pending reports are cancelled, the settled ones read.
 
@@ -291,20 +302,23 @@ class ProducerBridge:
         """
         outcomes: list[Delivered | BaseException] = []
         bound = self._delivery_timeout_s + _ANSWER_GRACE_S
+        # One timer for the send, which fails its pending reports when it fires: cheaper than a timeout scope,
+        # which cancels the waiting task and turns the cancellation back into a timeout.
+        overdue = loop.call_at(loop.time() + bound, _fail_overdue, futures)
         finished = False
         try:
-            async with asyncio.timeout(bound):
-                for future in futures:
-                    try:
-                        outcomes.append(await future)
-                    except KafkaException as exc:
-                        outcomes.append(exc)
+            for future in futures:
+                try:
+                    outcomes.append(await future)
+                except KafkaException as exc:
+                    outcomes.append(exc)
             finished = True
-        except TimeoutError as exc:
+        except _ReportOverdueError as exc:
             raise DeliveryTimeoutError(
                 f"{what} got no delivery report within {bound:.0f} s for topic {topic!r}"
             ) from exc
         finally:
+            overdue.cancel()
             self._forget(loop, futures)
             if not finished:
                 _abandon(futures)
