@@ -8,20 +8,37 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from bench.options import WorkloadShape
 from bench.workload import rollouts_of, tokens_of
-from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry
 
-__all__ = ["BenchmarkCheckError", "CaptureTarget", "LoadResult", "PreparedWorkload", "drive", "prepare"]
+__all__ = [
+    "BenchmarkCheckError",
+    "CaptureTarget",
+    "FrozenRollout",
+    "LoadResult",
+    "PreparedWorkload",
+    "drive",
+    "prepare",
+]
 
 
 class BenchmarkCheckError(RuntimeError):
     """A snapshot did not hold what the load wrote; the figures of such a run would be meaningless."""
+
+
+class FrozenRollout(Protocol):
+    """What the load checks of a freeze's answer: one entry per call written, nothing masked."""
+
+    @property
+    def entries(self) -> Sequence[object]: ...
+
+    @property
+    def incomplete(self) -> bool: ...
 
 
 class CaptureTarget(Protocol):
@@ -31,7 +48,7 @@ class CaptureTarget(Protocol):
 
     async def put(self, entry: TokenEntry) -> None: ...
 
-    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot: ...
+    async def freeze(self, rollout_id: str) -> FrozenRollout: ...
 
 
 @dataclass(frozen=True)

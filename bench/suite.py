@@ -28,6 +28,7 @@ from bench.file_store_trial import run_file_store_trial
 from bench.growth import measure_growth
 from bench.growth import wire_sizes as wire_sizes_per_call
 from bench.kafka_external import run_with_materializer_process
+from bench.kafka_split import run_with_trainer_process
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
 from bench.lineage_resolve import kafka_resolve, resolve_args
 from bench.load import BenchmarkCheckError, PreparedWorkload, drive, prepare
@@ -104,7 +105,8 @@ async def measure_shape(
 ) -> dict[str, Any]:
     """Every figure of one workload shape, as medians over ``repeats`` interleaved runs.
 
-    ``with_materializer_process`` adds a second Kafka load whose materializer runs in its own process;
+    ``with_materializer_process`` adds two more Kafka loads: one whose materializer runs in its own process,
+    one whose freezes a trainer process serves (its source and in-process materializer there, the sinks here);
     ``with_gym`` adds Gym 0.7.0's own file store on the same entries as the anchor column.
     """
     workload: PreparedWorkload = prepare(shape, "bench")
@@ -207,6 +209,12 @@ async def measure_shape(
                 record("kafka_ext_freeze_p50_ms", percentile(external.load.freeze_under_load_ms, 0.50))
                 record("kafka_ext_freeze_p99_ms", percentile(external.load.freeze_under_load_ms, 0.99))
                 record("kafka_ext_lag_at_end_of_puts", external.lag_at_end_of_puts)
+                gc.collect()
+                split = await run_with_trainer_process(workload, bootstrap, _fresh(repeat_dir, "kafka-split"))
+                record("kafka_split_puts_per_s", split.load.puts_per_s)
+                record("kafka_split_freeze_p50_ms", percentile(split.trainer_freeze_under_load_ms, 0.50))
+                record("kafka_split_freeze_p99_ms", percentile(split.trainer_freeze_under_load_ms, 0.99))
+                record("kafka_split_round_trip_p99_ms", percentile(split.load.freeze_under_load_ms, 0.99))
                 gc.collect()
 
     figures: dict[str, Any] = {name: median(values) for name, values in runs.items()}
