@@ -291,6 +291,15 @@ def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     def g(name: str, digits: int = 0) -> str:
         return _fmt(_lookup(f, name), digits)
 
+    def other_process(heading: str, prefix: str, when: str) -> list[tuple[str, str, str, str]]:
+        """The Kafka load run once more with one side in a process of its own: its put/s and freezes."""
+        freezes = f"{g(f'{prefix}_freeze_p50_ms', 1)} / {g(f'{prefix}_freeze_p99_ms', 1)}"
+        return [
+            (heading, "", "", ""),
+            ("  put calls/s", "", g(f"{prefix}_puts_per_s"), ""),
+            (f"  freeze p50 / p99 {when} (ms)", "", freezes, ""),
+        ]
+
     return [
         (
             "put calls/s (intents on)",
@@ -343,22 +352,12 @@ def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             g("kafka_freezes_answered_ahead"),
             "",
         ),
-        ("with the materializer in its own process:", "", "", ""),
-        ("  put calls/s", "", g("kafka_ext_puts_per_s"), ""),
-        (
-            "  freeze p50 / p99 under load (ms)",
-            "",
-            f"{g('kafka_ext_freeze_p50_ms', 1)} / {g('kafka_ext_freeze_p99_ms', 1)}",
-            "",
-        ),
+        *other_process("with the materializer in its own process:", "kafka_ext", "under load"),
         ("  backlog when the last put returned (events)", "", g("kafka_ext_lag_at_end_of_puts"), ""),
-        ("with the trainer in its own process (source and materializer there, sinks here):", "", "", ""),
-        ("  put calls/s", "", g("kafka_split_puts_per_s"), ""),
-        (
-            "  freeze p50 / p99 under load, as the trainer saw it (ms)",
-            "",
-            f"{g('kafka_split_freeze_p50_ms', 1)} / {g('kafka_split_freeze_p99_ms', 1)}",
-            "",
+        *other_process(
+            "with the trainer in its own process (source and materializer there, sinks here):",
+            "kafka_split",
+            "under load, as the trainer saw it",
         ),
         (
             "  freeze p99 round trip from the load's process (ms)",
