@@ -223,6 +223,8 @@ class KafkaLineageResolver:
         self._asker: Consumer = build_client(Consumer, settings, self._context, "consumer")
         self._unassigned: list[TopicPartition] = []
         """Partitions to start reading; the reader assigns them, as the consumer is used by one thread at a time."""
+        self._reader_knows_leaders = False
+        """Whether the reading handle has asked for the topic's metadata since it was first assigned a partition."""
         self._lock = threading.Lock()
         """Guards the folded state; never held while waiting on the broker."""
         self._read = threading.Condition(self._lock)
@@ -405,6 +407,12 @@ class KafkaLineageResolver:
             if unassigned:
                 self._consumer.incremental_assign(unassigned)
                 unassigned = []
+            if not self._reader_knows_leaders:
+                # librdkafka learns the leaders of a topic first assigned on a handle at its next topic scan,
+                # up to a second later, and fetches nothing until then (the first resolves of a run stalled
+                # 0.5-1 s so). Asking for the topic's metadata on this handle teaches it now.
+                list_topics(self._consumer, self._watch, self._context, self._timeout_s, self._topic)
+                self._reader_knows_leaders = True
             messages = self._consumer.consume(1, timeout_s)
             if messages:
                 messages.extend(self._consumer.consume(500, 0))

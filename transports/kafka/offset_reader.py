@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from tokcap.errors import TransportError
 from transports.kafka.router import LogMessage
@@ -47,7 +47,7 @@ class OffsetReader:
         not make it decide that the parent is gone.
         """
         if self._consumer is None:
-            self._consumer = self._open_consumer()
+            self._consumer = self._opened()
         consumer = self._consumer
         consumer.assign([TopicPartition(self._topic, partition, offset)])
         deadline = time.monotonic() + self._timeout_s
@@ -76,6 +76,23 @@ class OffsetReader:
                         return None
         finally:
             consumer.assign([])
+
+    def _opened(self) -> Any:
+        """A new consumer that knows the topic's leaders.
+
+        librdkafka learns the leaders of a topic first assigned on a handle at its next topic scan, up to a
+        second later, and fetches nothing until then; asking for the topic's metadata first saves that wait.
+        """
+        consumer = self._open_consumer()
+        try:
+            consumer.list_topics(topic=self._topic, timeout=self._timeout_s)
+        except KafkaException as exc:
+            consumer.close()
+            raise TransportError(
+                f"could not read the metadata of {self._topic!r} within {self._timeout_s:g} s to read a parent "
+                f"message: {exc.args[0] if exc.args else exc}; is the broker reachable?"
+            ) from None
+        return consumer
 
     def close(self) -> None:
         """Close the consumer, if one was opened."""

@@ -28,7 +28,7 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from tokcap.errors import TransportError
 from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
-from transports.kafka.admin import watermarks
+from transports.kafka.admin import list_topics, watermarks
 from transports.kafka.client_errors import (
     AuthenticationWatch,
     ClientContext,
@@ -151,6 +151,8 @@ def read_log(
     consumer = build_client(Consumer, settings, context, "consumer")
     try:
         consumer.assign([TopicPartition(topic, partition, 0) for partition in sorted(ends)])
+        # A new handle learns an assigned topic's leaders at its next topic scan, up to a second later.
+        list_topics(consumer, watch, context, timeout_s, topic)
         pending = dict(ends)
         last_progress = time.monotonic()
         while pending:

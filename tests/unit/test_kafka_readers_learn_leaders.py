@@ -1,0 +1,133 @@
+"""Readers that assign partitions on a new consumer handle ask for the topic's metadata on that handle.
+
+librdkafka learns the leaders of a topic first assigned on a handle only at its next topic scan, up to a
+second later, and fetches nothing until then: the first lineage resolves of a run stalled 0.5-1 s so (the
+closed-loop resolve benchmark, ``bench/README.md``). These tests pin the mechanism with recording fakes; the
+benchmark measures the effect against a real broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from tokcap.errors import TransportError
+from transports.kafka.lineage import KafkaLineageResolver
+from transports.kafka.offset_reader import OffsetReader
+
+
+class _RecordingConsumer:
+    """Records the calls a reader makes; refuses the metadata request while ``refuse_metadata`` is set."""
+
+    def __init__(self, messages: list[Any] | None = None) -> None:
+        self.calls: list[str] = []
+        self.refuse_metadata = False
+        self.closed = False
+        self._messages = messages or []
+
+    def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        self.calls.append("assign " + ",".join(str(p.partition) for p in partitions))
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        self.calls.append("assign " + ",".join(str(p.partition) for p in partitions))
+
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> object:
+        self.calls.append(f"metadata {topic}")
+        if self.refuse_metadata:
+            raise KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+        return object()
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Any]:
+        self.calls.append("consume")
+        return list(self._messages)
+
+    def poll(self, timeout: float = 0) -> None:
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def resolver() -> Iterator[KafkaLineageResolver]:
+    made = KafkaLineageResolver(bootstrap_servers="127.0.0.1:9", topic="leaders")
+    made._consumer.close()
+    yield made
+    asyncio.run(made.close())
+
+
+def _read_once(resolver: KafkaLineageResolver, *partitions: int) -> None:
+    resolver._unassigned.extend(TopicPartition("leaders", partition, 0) for partition in partitions)
+    with resolver._lock:
+        resolver._read_once(0.0)
+
+
+def test_the_lineage_reader_asks_its_own_handle_for_the_topic_once_after_its_first_assignment(
+    resolver: KafkaLineageResolver,
+) -> None:
+    reading = _RecordingConsumer()
+    resolver._consumer = reading  # type: ignore[assignment]
+    _read_once(resolver, 0)
+    _read_once(resolver, 1)
+    _read_once(resolver)
+    assert reading.calls == ["assign 0", "metadata leaders", "consume", "assign 1", "consume", "consume"]
+
+
+def test_a_refused_metadata_request_fails_the_resolve_and_is_asked_again_by_the_next_read(
+    resolver: KafkaLineageResolver,
+) -> None:
+    reading = _RecordingConsumer()
+    reading.refuse_metadata = True
+    resolver._consumer = reading  # type: ignore[assignment]
+    with pytest.raises(TransportError):
+        _read_once(resolver, 0)
+    reading.refuse_metadata = False
+    _read_once(resolver)
+    assert reading.calls == ["assign 0", "metadata leaders", "metadata leaders", "consume"]
+
+
+class _EndOfPartition:
+    def error(self) -> KafkaError:
+        return KafkaError(KafkaError._PARTITION_EOF)
+
+
+def test_the_parent_reader_asks_a_new_handle_for_the_topic_before_its_first_read_only() -> None:
+    opened: list[_RecordingConsumer] = []
+
+    def open_consumer() -> _RecordingConsumer:
+        opened.append(_RecordingConsumer([_EndOfPartition()]))
+        return opened[-1]
+
+    reader = OffsetReader(open_consumer, "leaders", timeout_s=5.0)
+    assert reader.read(0, 3) is None
+    assert reader.read(1, 4) is None
+    assert len(opened) == 1
+    assert opened[0].calls == [
+        "metadata leaders",
+        "assign 0",
+        "consume",
+        "assign ",
+        "assign 1",
+        "consume",
+        "assign ",
+    ]
+
+
+def test_a_parent_reader_that_cannot_learn_the_leaders_fails_and_opens_a_new_handle_next_time() -> None:
+    opened: list[_RecordingConsumer] = []
+
+    def open_consumer() -> _RecordingConsumer:
+        opened.append(_RecordingConsumer([_EndOfPartition()]))
+        opened[-1].refuse_metadata = len(opened) == 1
+        return opened[-1]
+
+    reader = OffsetReader(open_consumer, "leaders", timeout_s=5.0)
+    with pytest.raises(TransportError, match="metadata of 'leaders'"):
+        reader.read(0, 3)
+    assert opened[0].closed
+    assert reader.read(0, 3) is None
+    assert len(opened) == 2 and opened[1].calls[0] == "metadata leaders"
