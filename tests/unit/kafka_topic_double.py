@@ -72,6 +72,8 @@ class MemoryTopic:
         self.allowance: int | None = None
         """How many more messages consumers may hand out; ``None`` for no limit. Holds a batch where a test wants it."""
         self._groups = itertools.count()
+        self.consumers: list[MemoryConsumer] = []
+        """Every consumer handed out, in order, so a test can read what was asked of it."""
 
     def produce(
         self, key: bytes | None, value: bytes | None, headers: Headers | None = None, partition: int = 0
@@ -98,7 +100,8 @@ class MemoryTopic:
 
     def consumer(self, settings: dict[str, Any]) -> MemoryConsumer:
         """A ``consumer_factory`` for ``Materializer``."""
-        return MemoryConsumer(self)
+        self.consumers.append(MemoryConsumer(self))
+        return self.consumers[-1]
 
 
 class MemoryConsumer:
@@ -107,8 +110,11 @@ class MemoryConsumer:
     def __init__(self, topic: MemoryTopic) -> None:
         self._topic = topic
         self._positions: dict[int, int] = {}
+        self.requests: list[str] = []
+        """The metadata requests and assignments made on this consumer, in order."""
 
     def list_topics(self, topic: str, timeout: float) -> Any:
+        self.requests.append(f"metadata {topic}")
         partitions = {p: SimpleNamespace(id=p) for p in range(len(self._topic.partitions))}
         metadata = SimpleNamespace(error=None, partitions=partitions)
         return SimpleNamespace(topics={self._topic.name: metadata} if topic == self._topic.name else {})
@@ -117,6 +123,7 @@ class MemoryConsumer:
         return 0, len(self._topic.messages(partition.partition))
 
     def assign(self, assignment: Sequence[TopicPartition]) -> None:
+        self.requests.append("assign " + ",".join(str(tp.partition) for tp in assignment))
         self._positions = {tp.partition: tp.offset for tp in assignment}
 
     def consume(self, num_messages: int, timeout: float) -> list[StoredMessage]:

@@ -2,8 +2,9 @@
 
 librdkafka learns the leaders of a topic first assigned on a handle only at its next topic scan, up to a
 second later, and fetches nothing until then: the first lineage resolves of a run stalled 0.5-1 s so (the
-closed-loop resolve benchmark, ``bench/README.md``). These tests pin the mechanism with recording fakes; the
-benchmark measures the effect against a real broker.
+closed-loop resolve benchmark, ``bench/README.md``). A materializer given its partitions asks no metadata
+before assigning them, and its handle may connect first (while it clears a large directory's temporary files).
+These tests pin the mechanism with recording fakes; the benchmark measures the effect against a real broker.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from tests.unit.kafka_topic_double import MemoryTopic
 from tokcap.errors import TransportError
+from tokcap.events import IntentEvent
 from transports.kafka.lineage import KafkaLineageResolver
+from transports.kafka.materializer import Materializer
 from transports.kafka.offset_reader import OffsetReader
 
 
@@ -131,3 +135,22 @@ def test_a_parent_reader_that_cannot_learn_the_leaders_fails_and_opens_a_new_han
     assert opened[0].closed
     assert reader.read(0, 3) is None
     assert len(opened) == 2 and opened[1].calls[0] == "metadata leaders"
+
+
+@pytest.mark.parametrize("partitions", [None, [1]])
+def test_the_materializer_asks_its_handle_for_the_topic_after_assigning_its_partitions(
+    partitions: list[int] | None, tmp_path: Any
+) -> None:
+    topic = MemoryTopic("leaders", partitions=2)
+    topic.publish(IntentEvent(rollout_id="r", model_call_id="c"), partition=1)
+    materializer = Materializer(
+        "memory", topic.name, tmp_path, consumer_factory=topic.consumer, partitions=partitions
+    )
+    materializer.start()
+    try:
+        assert materializer.wait_until_caught_up(60)
+    finally:
+        materializer.stop()
+    requests = topic.consumers[0].requests
+    assigned = requests.index(next(request for request in requests if request.startswith("assign")))
+    assert requests[assigned + 1] == "metadata leaders", requests

@@ -172,6 +172,9 @@ falls far behind (a replay answers no source and never decodes first).
 _UNKNOWN_TOPIC_WAIT_S = 5.0
 """How long a materializer starting on a topic its broker does not know yet asks again before failing."""
 
+_METADATA_TIMEOUT_S = 30.0
+"""How long a metadata request may wait for the broker; a refused login ends it within a second."""
+
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
 
@@ -657,6 +660,10 @@ class Materializer:
                 self._applied_ahead[partition] = set()
             assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
         consumer.assign(assignment)
+        # A handle that connected before it knew the topic (partitions given, so no metadata asked) learns an
+        # assigned topic's leaders only at librdkafka's next topic scan, up to a second later, and fetches
+        # nothing until then; asking now starts the fetches at once.
+        list_topics(consumer, self._watch, self._client, _METADATA_TIMEOUT_S, self._topic)
         logger.info(
             "materializer ready: topic %s, resuming at %s, blocks of up to %d messages",
             self._topic,
