@@ -87,7 +87,11 @@ def spill_and_wait_to_be_killed(topic: str, spill_dir: str, ready: str) -> None:
             bootstrap_servers="127.0.0.1:1", topic=topic, delivery_timeout_s=1, spill_dir=spill_dir
         )
         await sink.mark_incomplete("r-killed", "c1", "lost before the crash")
-        Path(ready).write_text(sink.writer_id)
+        # Renamed into place: the parent kills this process as soon as the file exists, and a file created
+        # by ``write_text`` exists (empty) before its text is written (a fresh-clone CI run read "" so).
+        staged = Path(ready + ".tmp")
+        staged.write_text(sink.writer_id)
+        os.replace(staged, ready)
         await asyncio.Event().wait()
 
     asyncio.run(run())
