@@ -151,10 +151,21 @@ class MemoryConsumer:
         self._positions = {}
 
 
-def materialize(topic: MemoryTopic, directory: Path, *, block_messages: int | None = None) -> Materializer:
-    """Run a materializer over everything in the double's topic into ``directory``, then stop it."""
+def materialize(
+    topic: MemoryTopic,
+    directory: Path,
+    *,
+    block_messages: int | None = None,
+    partitions: Sequence[int] | None = None,
+) -> Materializer:
+    """Run a materializer over everything in the double's topic (or ``partitions``) into ``directory``, then stop it."""
     materializer = Materializer(
-        "memory", topic.name, directory, consumer_factory=topic.consumer, block_messages=block_messages
+        "memory",
+        topic.name,
+        directory,
+        consumer_factory=topic.consumer,
+        block_messages=block_messages,
+        partitions=partitions,
     )
     materializer.start()
     try:

@@ -16,11 +16,10 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from tests.unit.kafka_topic_double import MemoryTopic
+from tests.unit.kafka_topic_double import MemoryTopic, materialize
 from tokcap.errors import TransportError
 from tokcap.events import IntentEvent
 from transports.kafka.lineage import KafkaLineageResolver
-from transports.kafka.materializer import Materializer
 from transports.kafka.offset_reader import OffsetReader
 
 
@@ -143,14 +142,7 @@ def test_the_materializer_asks_its_handle_for_the_topic_after_assigning_its_part
 ) -> None:
     topic = MemoryTopic("leaders", partitions=2)
     topic.publish(IntentEvent(rollout_id="r", model_call_id="c"), partition=1)
-    materializer = Materializer(
-        "memory", topic.name, tmp_path, consumer_factory=topic.consumer, partitions=partitions
-    )
-    materializer.start()
-    try:
-        assert materializer.wait_until_caught_up(60)
-    finally:
-        materializer.stop()
+    materialize(topic, tmp_path, partitions=partitions)
     requests = topic.consumers[0].requests
     assigned = requests.index(next(request for request in requests if request.startswith("assign")))
     assert requests[assigned + 1] == "metadata leaders", requests
