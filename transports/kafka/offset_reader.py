@@ -88,9 +88,13 @@ class OffsetReader:
             consumer.list_topics(topic=self._topic, timeout=self._timeout_s)
         except KafkaException as exc:
             consumer.close()
+            # The error's code only: librdkafka's text can echo configured values, and this reader has no
+            # redactor of its own.
+            error = exc.args[0] if exc.args else None
+            code = error.name() if isinstance(error, KafkaError) else type(exc).__name__
             raise TransportError(
                 f"could not read the metadata of {self._topic!r} within {self._timeout_s:g} s to read a parent "
-                f"message: {exc.args[0] if exc.args else exc}; is the broker reachable?"
+                f"message ({code}); is the broker reachable and is this client allowed to describe the topic?"
             ) from None
         return consumer
 
