@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import kafka_ab, producer_sends
+from bench import apply_rate_ab, kafka_ab, producer_sends
 
 _REPO = Path(__file__).resolve().parents[2]
 _ORDER = ["trial 1 this", "trial 1 baseline", "trial 2 baseline", "trial 2 this"]
@@ -43,7 +43,24 @@ def test_the_producer_sends_command_alternates_the_trees_and_prints_their_median
         assert any(line.startswith(figure) for line in out.splitlines()), figure
 
 
-@pytest.mark.parametrize("command", [kafka_ab.main, producer_sends.main])
+def test_the_apply_rate_command_applies_every_event_of_each_trees_topic(
+    kafka_bootstrap: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--baseline", str(_REPO), "--bootstrap", kafka_bootstrap, "--trials", "2", "--rollouts", "2"]
+    assert apply_rate_ab.main([*argv, "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert _trials(out) == _ORDER
+    # 2 slots x 2 rounds of rollouts, each 8 intents, 8 puts and a freeze: 68 events in every trial.
+    for line in out.splitlines():
+        if line.startswith("trial"):
+            assert " events 68.00" in line, line
+    medians = {line.split()[0]: line.split()[1:] for line in out.splitlines()[-4:]}
+    assert medians["events"] == ["68.00", "68.00"]
+    assert all(float(value) > 0 for value in medians["us_per_put"]), medians
+    assert list(tmp_path.iterdir()) == [], "trial directories are removed after the last trial"
+
+
+@pytest.mark.parametrize("command", [kafka_ab.main, producer_sends.main, apply_rate_ab.main])
 def test_a_baseline_that_is_not_a_checkout_is_refused(
     command: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
