@@ -1,0 +1,183 @@
+"""The file work of the main load with nothing around it: the floor tokcap's file store is read against.
+
+    python -m bench.file_floor [--dir /var/tmp] [--repeats 3] [--rollouts 64]
+
+The floor takes the main workload's entries in the order the load writes them (a round's rollouts turn by
+turn) and, from one thread, does only the writing a durable intent and put need:
+
+- a rollout's intents file and entries file are created at its first call and kept open;
+- per call, one small intent line is appended, then the entry's canonical line (``TokenEntry.canonical_json``,
+  the bytes tokcap stores), hashed with sha256;
+- after a rollout's last put, a state file is written beside it and renamed into place;
+- one ``syncfs`` of the directory's filesystem per ``--puts-per-sync`` puts (6: what the main load shares).
+
+It checks nothing, decides nothing, keeps no state, takes no lock and reads nothing back, so it shows how much
+of a put is the file work itself. Gym 0.7.0's store and tokcap's file store run the main load on the same
+entries in the same repeat, each in a fresh directory under ``--dir``; the figures are medians over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from bench.load import PreparedWorkload
+from tokcap.group_commit import filesystem_sync_for
+from tokcap.records import TokenEntry
+
+__all__ = ["FloorRun", "main", "run_floor"]
+
+PUTS_PER_SYNC = 6
+"""Puts that share one filesystem sync; the main load's tokcap file store shared one among 6.3 (11:15 run)."""
+
+
+@dataclass(frozen=True)
+class FloorRun:
+    """What the floor wrote and how long it took."""
+
+    puts: int
+    seconds: float
+    cpu_seconds: float
+
+    @property
+    def puts_per_s(self) -> float:
+        """Intent + put pairs written and made durable per second of wall time."""
+        return self.puts / self.seconds
+
+    @property
+    def cpu_us_per_put(self) -> float:
+        """Process CPU per intent + put, in microseconds."""
+        return self.cpu_seconds / self.puts * 1e6
+
+
+def _calls_in_load_order(workload: PreparedWorkload) -> list[tuple[str, TokenEntry, bool]]:
+    """Every call as (rollout, entry, is the rollout's last): a round's rollouts turn by turn, as the load runs."""
+    calls: list[tuple[str, TokenEntry, bool]] = []
+    rounds = max(len(slot) for slot in workload.slots)
+    for index in range(rounds):
+        rollouts = [slot[index] for slot in workload.slots if index < len(slot)]
+        turns = max(len(entries) for _, entries in rollouts)
+        for turn in range(turns):
+            for rollout_id, entries in rollouts:
+                if turn < len(entries):
+                    calls.append((rollout_id, entries[turn], turn == len(entries) - 1))
+    return calls
+
+
+def run_floor(workload: PreparedWorkload, directory: Path, puts_per_sync: int = PUTS_PER_SYNC) -> FloorRun:
+    """Write every call's intent and entry lines into ``directory`` as described in the module docstring."""
+    if puts_per_sync < 1:
+        raise ValueError(f"puts_per_sync must be 1 or more, got {puts_per_sync}")
+    calls = _calls_in_load_order(workload)
+    sync = filesystem_sync_for(directory)
+    files: dict[str, tuple[int, int]] = {}
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    wall_started, cpu_started = time.perf_counter(), time.process_time()
+    try:
+        for count, (rollout_id, entry, last) in enumerate(calls, start=1):
+            opened = files.get(rollout_id)
+            if opened is None:
+                base = directory / rollout_id
+                opened = files[rollout_id] = (
+                    os.open(f"{base}.intents.jsonl", flags, 0o644),
+                    os.open(f"{base}.tokens.jsonl", flags, 0o644),
+                )
+            intent = {"model_call_id": entry.model_call_id, "op": "begin", "rollout_id": rollout_id}
+            os.write(opened[0], orjson.dumps(intent, option=orjson.OPT_SORT_KEYS) + b"\n")
+            line = entry.canonical_json() + b"\n"
+            digest = hashlib.sha256(line).hexdigest()
+            os.write(opened[1], line)
+            if last:
+                state = directory / f"{rollout_id}.state.json"
+                temporary = state.with_suffix(".tmp")
+                temporary.write_bytes(orjson.dumps({"last_digest": digest, "lines": count}))
+                os.replace(temporary, state)
+            if count % puts_per_sync == 0:
+                sync()
+        sync()
+    finally:
+        for descriptors in files.values():
+            for descriptor in descriptors:
+                os.close(descriptor)
+    return FloorRun(len(calls), time.perf_counter() - wall_started, time.process_time() - cpu_started)
+
+
+async def _loads(workload: PreparedWorkload, directory: Path) -> tuple[float, float, float]:
+    """Gym's store, then tokcap's file store, on the main load: their put/s and tokcap's CPU per intent + put."""
+    from bench.file_store_ab import gym_anchor
+    from bench.file_store_trial import run_file_store_trial
+
+    gym = await gym_anchor(workload, directory / "gym")
+    started = time.process_time()
+    trial = await run_file_store_trial(workload, directory / "tokcap")
+    cpu = time.process_time() - started
+    return gym.puts_per_s, trial.load.puts_per_s, cpu / trial.load.puts * 1e6
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.file_floor", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where the repeats write (default: a temp dir)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="repeats, each floor then Gym then tokcap")
+    parser.add_argument("--rollouts", type=int, default=64, help="concurrent rollouts of the main shape")
+    parser.add_argument("--puts-per-sync", type=int, default=PUTS_PER_SYNC, help="the floor's puts per sync")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the repeats and print the medians side by side."""
+    from bench.load import prepare
+    from bench.options import WorkloadShape
+
+    args = _parse_args(argv)
+    workload = prepare(WorkloadShape(rollouts=args.rollouts), "floor")
+    parent = Path(tempfile.mkdtemp(prefix="tokcap-floor-", dir=args.dir))
+    figures: dict[str, list[float]] = {
+        name: [] for name in ("floor", "floor_cpu", "gym", "tokcap", "tokcap_cpu")
+    }
+    try:
+        for repeat in range(args.repeats):
+            floor_directory = parent / f"floor-{repeat}"
+            floor_directory.mkdir()
+            floor = run_floor(workload, floor_directory, args.puts_per_sync)
+            gym, tokcap, tokcap_cpu = asyncio.run(_loads(workload, parent / f"loads-{repeat}"))
+            for name, value in zip(
+                figures, (floor.puts_per_s, floor.cpu_us_per_put, gym, tokcap, tokcap_cpu), strict=True
+            ):
+                figures[name].append(value)
+            print(
+                f"repeat {repeat + 1}: floor {floor.puts_per_s:,.0f} put/s ({floor.cpu_us_per_put:.0f} us CPU), "
+                f"Gym {gym:,.0f} put/s, tokcap {tokcap:,.0f} put/s ({tokcap_cpu:.0f} us CPU)",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+    median = {name: statistics.median(values) for name, values in figures.items()}
+    print(f"medians of {args.repeats} repeats ({args.rollouts} rollouts, {workload.puts} puts each):")
+    print("| figure | Gym 0.7.0 file store | tokcap file store | file work alone (floor) |")
+    print("| --- | --- | --- | --- |")
+    print(f"| put/s | {median['gym']:,.0f} | {median['tokcap']:,.0f} | {median['floor']:,.0f} |")
+    print(
+        f"|   ÷ Gym | 1.00 | {median['tokcap'] / median['gym']:.2f} | {median['floor'] / median['gym']:.2f} |"
+    )
+    print(f"| CPU per intent + put (us) |  | {median['tokcap_cpu']:.0f} | {median['floor_cpu']:.0f} |")
+    share = median["tokcap"] / median["floor"]
+    print(f"7x Gym is {7 * median['gym']:,.0f} put/s; tokcap reaches {share:.2f}x the floor")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

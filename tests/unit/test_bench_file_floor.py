@@ -1,0 +1,47 @@
+"""The file-work floor writes exactly the lines tokcap stores, and its command prints the three stores side by side.
+
+The command drives Gym 0.7.0's store (the public wheel, cached by the tests' loader) and tokcap's file store on a
+small shape; no speed is checked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.file_floor import main, run_floor
+from bench.load import prepare
+from bench.options import WorkloadShape
+
+
+def test_the_floor_writes_every_entry_line_in_call_order_and_one_state_per_rollout(tmp_path: Path) -> None:
+    workload = prepare(WorkloadShape(rollouts=2, rounds=2, turns=3, prompt_tokens=20), "floor-test")
+    run = run_floor(workload, tmp_path, puts_per_sync=2)
+    assert run.puts == workload.puts == 12
+    for slot in workload.slots:
+        for rollout_id, entries in slot:
+            lines = (tmp_path / f"{rollout_id}.tokens.jsonl").read_bytes().splitlines(keepends=True)
+            assert lines == [entry.canonical_json() + b"\n" for entry in entries]
+            intents = (tmp_path / f"{rollout_id}.intents.jsonl").read_bytes().splitlines()
+            assert len(intents) == len(entries)
+            assert (tmp_path / f"{rollout_id}.state.json").is_file()
+    assert not list(tmp_path.glob("*.tmp")), "every state file was renamed into place"
+    assert run.puts_per_s > 0 and run.cpu_us_per_put > 0
+
+
+def test_the_floor_refuses_a_sync_interval_below_one(tmp_path: Path) -> None:
+    workload = prepare(WorkloadShape(rollouts=1, rounds=1, turns=1, prompt_tokens=4), "floor-test")
+    with pytest.raises(ValueError, match="puts_per_sync must be 1 or more"):
+        run_floor(workload, tmp_path, puts_per_sync=0)
+
+
+def test_the_command_prints_gym_tokcap_and_the_floor_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--rollouts", "2", "--repeats", "1", "--dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| figure | Gym 0.7.0 file store | tokcap file store | file work alone (floor) |" in lines
+    assert any(line.startswith("|   ÷ Gym | 1.00 |") for line in lines)
+    assert lines[-1].startswith("7x Gym is ")
+    assert list(tmp_path.iterdir()) == [], "the repeats' directories are removed"
