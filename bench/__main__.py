@@ -68,7 +68,7 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
     parser.add_argument(
         "--workers-turns", type=int, default=8, help="turns per rollout in the workers' topic"
     )
-    parser.add_argument("--workers-trials", type=int, default=2, help="runs per worker count, alternating")
+    parser.add_argument("--workers-trials", type=int, default=3, help="runs per worker count, alternating")
     parser.add_argument(
         "--growth-rollouts", type=int, default=8, help="concurrent rollouts in the growth grid"
     )

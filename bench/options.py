@@ -62,7 +62,7 @@ class BenchOptions:
     batch_rollouts: int = 200
     workers_rollouts: int = 1000
     workers_turns: int = 8
-    workers_trials: int = 2
+    workers_trials: int = 3
 
     def growth_shapes(self) -> list[WorkloadShape]:
         """The growth grid: every turn count with every prompt size, fewer rollouts so long ones fit in memory."""
