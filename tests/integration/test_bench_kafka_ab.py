@@ -6,6 +6,7 @@ Kafka load's trial also drives Gym 0.7.0's store (the public wheel, cached by th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,16 +21,24 @@ def _trials(out: str) -> list[str]:
     return [line.split(":")[0] for line in out.splitlines() if line.startswith("trial")]
 
 
+def _small_load_trials(
+    command: Callable[[list[str]], int], bootstrap: str, directory: Path, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """Run a load A/B command on 2 rollouts, 2 trials per tree; check the order and that nothing is left behind."""
+    argv = ["--baseline", str(_REPO), "--bootstrap", bootstrap, "--trials", "2", "--rollouts", "2"]
+    assert command([*argv, "--dir", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert _trials(out) == _ORDER
+    assert list(directory.iterdir()) == [], "trial directories are removed after the last trial"
+    return out
+
+
 def test_the_kafka_ab_command_alternates_the_trees_and_prints_their_medians(
     kafka_bootstrap: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--baseline", str(_REPO), "--bootstrap", kafka_bootstrap, "--trials", "2", "--rollouts", "2"]
-    assert kafka_ab.main([*argv, "--dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert _trials(out) == _ORDER
+    out = _small_load_trials(kafka_ab.main, kafka_bootstrap, tmp_path, capsys)
     for figure in ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms", "replay_per_s", "backlog"):
         assert any(line.startswith(figure) for line in out.splitlines()), figure
-    assert list(tmp_path.iterdir()) == [], "trial directories are removed after the last trial"
 
 
 def test_the_producer_sends_command_alternates_the_trees_and_prints_their_medians(
@@ -46,10 +55,7 @@ def test_the_producer_sends_command_alternates_the_trees_and_prints_their_median
 def test_the_apply_rate_command_applies_every_event_of_each_trees_topic(
     kafka_bootstrap: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--baseline", str(_REPO), "--bootstrap", kafka_bootstrap, "--trials", "2", "--rollouts", "2"]
-    assert apply_rate_ab.main([*argv, "--dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert _trials(out) == _ORDER
+    out = _small_load_trials(apply_rate_ab.main, kafka_bootstrap, tmp_path, capsys)
     # 2 slots x 2 rounds of rollouts, each 8 intents, 8 puts and a freeze: 68 events in every trial.
     for line in out.splitlines():
         if line.startswith("trial"):
@@ -57,7 +63,6 @@ def test_the_apply_rate_command_applies_every_event_of_each_trees_topic(
     medians = {line.split()[0]: line.split()[1:] for line in out.splitlines()[-4:]}
     assert medians["events"] == ["68.00", "68.00"]
     assert all(float(value) > 0 for value in medians["us_per_put"]), medians
-    assert list(tmp_path.iterdir()) == [], "trial directories are removed after the last trial"
 
 
 @pytest.mark.parametrize("command", [kafka_ab.main, producer_sends.main, apply_rate_ab.main])
