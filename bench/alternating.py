@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO", "ab_parser", "alternate", "run_against_baseline", "run_trial_file"]
+__all__ = ["REPO", "ab_parser", "alternate", "print_medians", "run_against_baseline", "run_trial_file"]
 
 REPO = Path(__file__).resolve().parent.parent
 """The root of this checkout."""
@@ -69,12 +69,18 @@ def alternate(
                 print(f"trial {trial + 1} {name}: {shown}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"medians of {trials} trials:")
-    print(f"{'figure':<16}" + "".join(f"{name:>12}" for name in trees))
-    for key in figures:
-        medians = [statistics.median(measured[key] for measured in results[name]) for name in trees]
-        print(f"{key:<16}" + "".join(f"{value:>12.2f}" for value in medians))
+    print_medians(results, figures)
     return results
+
+
+def print_medians(results: dict[str, list[dict[str, float]]], figures: Sequence[str]) -> None:
+    """Print each figure's median per arm (a tree, or a setting), one column per arm."""
+    trials = max(len(measured) for measured in results.values())
+    print(f"medians of {trials} trials:")
+    print(f"{'figure':<16}" + "".join(f"{name:>14}" for name in results))
+    for key in figures:
+        medians = [statistics.median(measured[key] for measured in results[name]) for name in results]
+        print(f"{key:<16}" + "".join(f"{value:>14.2f}" for value in medians))
 
 
 def ab_parser(prog: str, doc: str, *, trials: int, kafka: bool, load: bool) -> argparse.ArgumentParser:
