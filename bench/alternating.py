@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO", "ab_parser", "alternate", "print_medians", "run_against_baseline", "run_trial_file"]
+__all__ = [
+    "REPO",
+    "ab_parser",
+    "alternate",
+    "alternate_arms",
+    "print_medians",
+    "run_against_baseline",
+    "run_trial_file",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 """The root of this checkout."""
@@ -51,19 +59,32 @@ def alternate(
     figures: Sequence[str],
     parent: Path | None,
 ) -> dict[str, list[dict[str, float]]]:
-    """Run ``trials`` trials of each tree, alternating; print each trial and the medians per tree.
+    """Run ``trials`` trials of this checkout and of ``baseline``, alternating; print each and the medians."""
+    arms = {"this": (REPO, list(arguments)), "baseline": (baseline.resolve(), list(arguments))}
+    return alternate_arms(trial_file, arms, trials, figures, parent)
 
-    Trial directories are removed only after the last trial: ext4 charges a removal of thousands of files to
-    the creates of the next half minute, which would slow the next tree's trial.
+
+def alternate_arms(
+    trial_file: Path,
+    arms: dict[str, tuple[Path, list[Any]]],
+    trials: int,
+    figures: Sequence[str],
+    parent: Path | None,
+) -> dict[str, list[dict[str, float]]]:
+    """Run ``trials`` trials of each arm (a tree and its trial's arguments), alternating; print each and the medians.
+
+    The arms take turns (first, second, then second, first, ...), so a slow stretch hits both. Trial
+    directories are removed only after the last trial: ext4 charges a removal of thousands of files to the
+    creates of the next half minute, which would slow the next arm's trial.
     """
     work = Path(tempfile.mkdtemp(prefix="tokcap-ab-", dir=parent))
-    trees = {"this": REPO, "baseline": baseline.resolve()}
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     try:
         for trial in range(trials):
-            order = list(trees) if trial % 2 == 0 else list(reversed(trees))
+            order = list(arms) if trial % 2 == 0 else list(reversed(arms))
             for name in order:
-                measured = run_trial_file(trial_file, trees[name], work / f"{name}-{trial}", arguments)
+                tree, arguments = arms[name]
+                measured = run_trial_file(trial_file, tree, work / f"{name}-{trial}", arguments)
                 results[name].append(measured)
                 shown = " ".join(f"{key} {measured[key]:.2f}" for key in figures)
                 print(f"trial {trial + 1} {name}: {shown}", flush=True)

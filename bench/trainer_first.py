@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,7 +52,7 @@ async def _trial(directory: Path, rollouts: int, bootstrap: str, nice: int) -> d
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Alternate trials with the load at equal priority and at ``--nice``; print each and the medians."""
-    from bench.alternating import REPO, print_medians, run_trial_file
+    from bench.alternating import REPO, alternate_arms
 
     parser = argparse.ArgumentParser(
         prog="python -m bench.trainer_first", description=__doc__.split("\n\n")[0]
@@ -69,24 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.nice <= 19:
         parser.error(f"--nice must be 1 to 19 (a lower priority for the load), got {args.nice}")
-    arms = {"equal": 0, "trainer_first": args.nice}
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
-    trial_file = Path(__file__).resolve()
-    work = Path(tempfile.mkdtemp(prefix="tokcap-trainer-first-", dir=args.dir))
-    try:
-        for trial in range(args.trials):
-            order = list(arms) if trial % 2 == 0 else list(reversed(arms))
-            for name in order:
-                directory = work / f"{name}-{trial}"
-                measured = run_trial_file(
-                    trial_file, REPO, directory, [args.rollouts, args.bootstrap, arms[name]]
-                )
-                results[name].append(measured)
-                shown = " ".join(f"{key} {measured[key]:.2f}" for key in _FIGURES)
-                print(f"trial {trial + 1} {name}: {shown}", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print_medians(results, _FIGURES)
+    arguments = {"equal": 0, "trainer_first": args.nice}
+    arms = {name: (REPO, [args.rollouts, args.bootstrap, nice]) for name, nice in arguments.items()}
+    alternate_arms(Path(__file__).resolve(), arms, args.trials, _FIGURES, args.dir)
     return 0
 
 
