@@ -14,8 +14,8 @@ freeze in four phases:
 
 Every phase is measured on the freezes started while puts were still running (the figure the target is about).
 ``answers_wall_ms`` and ``answers_cpu_ms`` add each answer's wall and CPU time over those freezes: a round of
-rollouts ends in lockstep, so its freezes are answered one after another, and the last one waits for all of them. Each trial runs in a
-fresh interpreter with its own topic; the medians over trials are printed last.
+rollouts ends in lockstep, so its freezes are answered one after another, and the last one waits for all of them.
+Each trial runs in a fresh interpreter with its own topic; the medians over trials are printed last.
 
 The tracer wraps two private methods of one source (its producer bridge's ``send`` and its materializer's
 ``_answer_ahead``) on that instance only; a test runs this command against a real broker, so a rename fails it.
