@@ -104,13 +104,20 @@ def print_medians(results: dict[str, list[dict[str, float]]], figures: Sequence[
         print(f"{key:<16}" + "".join(f"{value:>14.2f}" for value in medians))
 
 
-def ab_parser(prog: str, doc: str, *, trials: int, kafka: bool, load: bool) -> argparse.ArgumentParser:
-    """The arguments the A/B commands share: the baseline, the trials, the broker, the load's shape and place."""
+def ab_parser(
+    prog: str, doc: str, *, trials: int, kafka: bool, load: bool, baseline: bool = True
+) -> argparse.ArgumentParser:
+    """The arguments the trial commands share: the baseline, the trials, the broker, the load's shape and place.
+
+    Without ``baseline`` the command's arms are settings of this checkout, not two trees.
+    """
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-    parser.add_argument("--baseline", type=Path, required=True, help="another checkout (a git worktree)")
+    if baseline:
+        parser.add_argument("--baseline", type=Path, required=True, help="another checkout (a git worktree)")
     if kafka:
         parser.add_argument("--bootstrap", required=True, help="the broker, HOST:PORT")
-    parser.add_argument("--trials", type=int, default=trials, help=f"trials per tree (default {trials})")
+    arm = "tree" if baseline else "arm"
+    parser.add_argument("--trials", type=int, default=trials, help=f"trials per {arm} (default {trials})")
     if load:
         parser.add_argument(
             "--rollouts", type=int, default=64, help="concurrent rollouts of the main shape (default 64)"

@@ -23,7 +23,6 @@ The tracer wraps two private methods of one source (its producer bridge's ``send
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextvars
 import sys
@@ -34,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.kafka_trial import KafkaTarget
 from bench.load import LoadResult, PreparedWorkload, drive
 from bench.stats import percentile
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import TokenEntry
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
 
@@ -189,21 +188,15 @@ class PhaseTracer:
         return phases
 
 
-class _TracedTarget:
-    """The load's view: the sink writes, the traced source freezes."""
+class _TracedTarget(KafkaTarget):
+    """The load's view of the Kafka path, with every freeze going through the tracer."""
 
     def __init__(self, sink: KafkaTokenSink, source: KafkaTokenSource, tracer: PhaseTracer) -> None:
-        self._sink = sink
-        self._source = source
+        super().__init__(sink, source)
         self._tracer = tracer
 
-    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
-        await self._sink.begin_call(rollout_id, model_call_id)
-
-    async def put(self, entry: TokenEntry) -> None:
-        await self._sink.put(entry)
-
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Freeze through the source, timed by the tracer."""
         return await self._tracer.freeze(self._source, rollout_id)
 
 
@@ -248,16 +241,10 @@ async def _trial(directory: Path, rollouts: int, bootstrap: str) -> dict[str, fl
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the traced trials, each in a fresh interpreter; print every trial and the medians."""
-    from bench.alternating import REPO, alternate_arms
+    from bench.alternating import REPO, ab_parser, alternate_arms
 
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.freeze_phases", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--bootstrap", required=True, help="the broker, HOST:PORT")
-    parser.add_argument("--trials", type=int, default=3, help="trials (default 3)")
-    parser.add_argument("--rollouts", type=int, default=64, help="concurrent rollouts of the main shape")
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
+    parser = ab_parser(
+        "python -m bench.freeze_phases", __doc__, trials=3, kafka=True, load=True, baseline=False
     )
     args = parser.parse_args(argv)
     if args.trials < 1 or args.rollouts < 1:

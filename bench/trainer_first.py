@@ -12,7 +12,6 @@ freeze p50, p99 and max under load, the load's put/s, and the load process's nic
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -52,18 +51,12 @@ async def _trial(directory: Path, rollouts: int, bootstrap: str, nice: int) -> d
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Alternate trials with the load at equal priority and at ``--nice``; print each and the medians."""
-    from bench.alternating import REPO, alternate_arms
+    from bench.alternating import REPO, ab_parser, alternate_arms
 
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.trainer_first", description=__doc__.split("\n\n")[0]
+    parser = ab_parser(
+        "python -m bench.trainer_first", __doc__, trials=3, kafka=True, load=True, baseline=False
     )
-    parser.add_argument("--bootstrap", required=True, help="the broker, HOST:PORT")
-    parser.add_argument("--trials", type=int, default=3, help="trials per priority (default 3)")
-    parser.add_argument("--rollouts", type=int, default=64, help="concurrent rollouts of the main shape")
     parser.add_argument("--nice", type=int, default=19, help="the load's niceness in the served-first trials")
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
-    )
     args = parser.parse_args(argv)
     if not 1 <= args.nice <= 19:
         parser.error(f"--nice must be 1 to 19 (a lower priority for the load), got {args.nice}")
