@@ -14,18 +14,25 @@ turn) and, from one thread, does only the writing a durable intent and put need:
 It checks nothing, decides nothing, keeps no state, takes no lock and reads nothing back, so it shows how much
 of a put is the file work itself. Gym 0.7.0's store and tokcap's file store run the main load on the same
 entries in the same repeat, each in a fresh directory under ``--dir``; the figures are medians over repeats.
+
+A fourth column runs the load's own driver (the same coroutines, awaiting each intent and put) against a
+target that hands every call to a ``WriteQueue`` thread, as tokcap's file store does, and does nothing there.
+It is the ceiling the load and the hop to the writer thread leave any store, so it shows whether the harness
+or the store bounds the put rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import hashlib
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +44,7 @@ from bench.load import PreparedWorkload
 from tokcap.group_commit import filesystem_sync_for
 from tokcap.records import TokenEntry
 
-__all__ = ["FloorRun", "main", "run_floor"]
+__all__ = ["FloorRun", "HopOnly", "main", "run_floor", "run_hop_only"]
 
 PUTS_PER_SYNC = 6
 """Puts that share one filesystem sync; the main load's tokcap file store shared one among 6.3 (11:15 run)."""
@@ -114,6 +121,58 @@ def run_floor(workload: PreparedWorkload, directory: Path, puts_per_sync: int = 
     return FloorRun(len(calls), time.perf_counter() - wall_started, time.process_time() - cpu_started)
 
 
+@dataclass(frozen=True)
+class _Unwritten:
+    """A freeze's answer from the hop-only target: as many entries as the load put, nothing masked."""
+
+    entries: list[None]
+    incomplete: bool = False
+
+
+class HopOnly:
+    """A capture target that hands each call to a writer thread and only counts it there."""
+
+    def __init__(self) -> None:
+        from tokcap.write_queue import WriteQueue
+
+        self._queue = WriteQueue(lambda function, args: function(*args), lambda: None, "tokcap-bench-hop")
+        self._puts: dict[str, int] = {}
+        self.ran_on = collections.Counter[str]()
+        """Calls run, by the name of the thread that ran them."""
+
+    def _count(self) -> None:
+        self.ran_on[threading.current_thread().name] += 1
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Hop to the writer thread."""
+        await self._queue.submit(self._count)
+
+    async def put(self, entry: TokenEntry) -> None:
+        """Hop to the writer thread; remember how many puts the rollout had."""
+        await self._queue.submit(self._count)
+        self._puts[entry.rollout_id] = self._puts.get(entry.rollout_id, 0) + 1
+
+    async def freeze(self, rollout_id: str) -> _Unwritten:
+        """Hop to the writer thread as an urgent call; answer as many entries as were put."""
+        await self._queue.submit(self._count, urgent=True)
+        return _Unwritten([None] * self._puts.get(rollout_id, 0))
+
+    def close(self) -> None:
+        """Stop the writer thread."""
+        self._queue.close()
+
+
+async def run_hop_only(workload: PreparedWorkload, target: HopOnly | None = None) -> float:
+    """The load's driver against a target that only hops each call to a writer thread; its put/s."""
+    from bench.load import drive
+
+    target = target or HopOnly()
+    try:
+        return (await drive(workload, target)).puts_per_s
+    finally:
+        target.close()
+
+
 async def _loads(workload: PreparedWorkload, directory: Path) -> tuple[float, float, float]:
     """Gym's store, then tokcap's file store, on the main load: their put/s and tokcap's CPU per intent + put."""
     from bench.file_store_ab import gym_anchor
@@ -146,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = prepare(WorkloadShape(rollouts=args.rollouts), "floor")
     parent = Path(tempfile.mkdtemp(prefix="tokcap-floor-", dir=args.dir))
     figures: dict[str, list[float]] = {
-        name: [] for name in ("floor", "floor_cpu", "gym", "tokcap", "tokcap_cpu")
+        name: [] for name in ("floor", "floor_cpu", "gym", "tokcap", "tokcap_cpu", "hop")
     }
     try:
         for repeat in range(args.repeats):
@@ -154,26 +213,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             floor_directory.mkdir()
             floor = run_floor(workload, floor_directory, args.puts_per_sync)
             gym, tokcap, tokcap_cpu = asyncio.run(_loads(workload, parent / f"loads-{repeat}"))
-            for name, value in zip(
-                figures, (floor.puts_per_s, floor.cpu_us_per_put, gym, tokcap, tokcap_cpu), strict=True
-            ):
+            hop = asyncio.run(run_hop_only(workload))
+            measured = (floor.puts_per_s, floor.cpu_us_per_put, gym, tokcap, tokcap_cpu, hop)
+            for name, value in zip(figures, measured, strict=True):
                 figures[name].append(value)
             print(
                 f"repeat {repeat + 1}: floor {floor.puts_per_s:,.0f} put/s ({floor.cpu_us_per_put:.0f} us CPU), "
-                f"Gym {gym:,.0f} put/s, tokcap {tokcap:,.0f} put/s ({tokcap_cpu:.0f} us CPU)",
+                f"Gym {gym:,.0f} put/s, tokcap {tokcap:,.0f} put/s ({tokcap_cpu:.0f} us CPU), "
+                f"load and hop alone {hop:,.0f} put/s",
                 flush=True,
             )
     finally:
         shutil.rmtree(parent, ignore_errors=True)
     median = {name: statistics.median(values) for name, values in figures.items()}
     print(f"medians of {args.repeats} repeats ({args.rollouts} rollouts, {workload.puts} puts each):")
-    print("| figure | Gym 0.7.0 file store | tokcap file store | file work alone (floor) |")
-    print("| --- | --- | --- | --- |")
-    print(f"| put/s | {median['gym']:,.0f} | {median['tokcap']:,.0f} | {median['floor']:,.0f} |")
+    gym = median["gym"]
     print(
-        f"|   ÷ Gym | 1.00 | {median['tokcap'] / median['gym']:.2f} | {median['floor'] / median['gym']:.2f} |"
+        "| figure | Gym 0.7.0 file store | tokcap file store | file work alone (floor) "
+        "| load and writer-thread hop alone |"
     )
-    print(f"| CPU per intent + put (us) |  | {median['tokcap_cpu']:.0f} | {median['floor_cpu']:.0f} |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| put/s | {gym:,.0f} | {median['tokcap']:,.0f} | {median['floor']:,.0f} | {median['hop']:,.0f} |")
+    print(
+        f"|   ÷ Gym | 1.00 | {median['tokcap'] / gym:.2f} | {median['floor'] / gym:.2f} "
+        f"| {median['hop'] / gym:.2f} |"
+    )
+    print(f"| CPU per intent + put (us) |  | {median['tokcap_cpu']:.0f} | {median['floor_cpu']:.0f} |  |")
     share = median["tokcap"] / median["floor"]
     print(f"7x Gym is {7 * median['gym']:,.0f} put/s; tokcap reaches {share:.2f}x the floor")
     return 0

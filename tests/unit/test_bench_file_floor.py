@@ -1,4 +1,4 @@
-"""The file-work floor writes exactly the lines tokcap stores, and its command prints the three stores side by side.
+"""The file-work floor writes exactly the lines tokcap stores; the command prints it beside the stores and the load.
 
 The command drives Gym 0.7.0's store (the public wheel, cached by the tests' loader) and tokcap's file store on a
 small shape; no speed is checked.
@@ -6,11 +6,12 @@ small shape; no speed is checked.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
-from bench.file_floor import main, run_floor
+from bench.file_floor import HopOnly, main, run_floor, run_hop_only
 from bench.load import prepare
 from bench.options import WorkloadShape
 
@@ -36,12 +37,23 @@ def test_the_floor_refuses_a_sync_interval_below_one(tmp_path: Path) -> None:
         run_floor(workload, tmp_path, puts_per_sync=0)
 
 
+def test_the_hop_only_target_runs_every_call_of_the_load_on_its_writer_thread() -> None:
+    workload = prepare(WorkloadShape(rollouts=3, rounds=2, turns=2, prompt_tokens=8), "hop-test")
+    target = HopOnly()
+    assert asyncio.run(run_hop_only(workload, target)) > 0
+    calls = 2 * workload.puts + workload.shape.total_rollouts
+    assert target.ran_on == {"tokcap-bench-hop": calls}
+
+
 def test_the_command_prints_gym_tokcap_and_the_floor_side_by_side(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["--rollouts", "2", "--repeats", "1", "--dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "| figure | Gym 0.7.0 file store | tokcap file store | file work alone (floor) |" in lines
+    assert (
+        "| figure | Gym 0.7.0 file store | tokcap file store | file work alone (floor) "
+        "| load and writer-thread hop alone |"
+    ) in lines
     assert any(line.startswith("|   ÷ Gym | 1.00 |") for line in lines)
     assert lines[-1].startswith("7x Gym is ")
     assert list(tmp_path.iterdir()) == [], "the repeats' directories are removed"
