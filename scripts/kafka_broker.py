@@ -334,6 +334,10 @@ def read_security(state_dir: Path) -> dict[str, object] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
+REAUTHENTICATE_MS = 4000
+"""How long a secured broker's SASL session lasts before the client must log in again."""
+
+
 def _secure_properties(props: dict[str, str], broker_port: int, security: dict[str, object]) -> None:
     """Turn the client listener into SASL_SSL with SCRAM, and deny everything not granted by an ACL."""
     users = security["users"]
@@ -362,6 +366,9 @@ def _secure_properties(props: dict[str, str], broker_port: int, security: dict[s
             # The controller listener is plaintext on loopback; its principal is ANONYMOUS.
             "super.users": "User:admin;User:ANONYMOUS",
             "allow.everyone.if.no.acl.found": "false",
+            # Sessions re-authenticate every few seconds (KIP-368), so a rotated password or a removed user
+            # reaches live connections mid-run, as on a production broker that sets this.
+            "connections.max.reauth.ms": str(REAUTHENTICATE_MS),
         }
     )
 

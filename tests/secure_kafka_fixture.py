@@ -99,6 +99,40 @@ class SecureKafka:
         for future in admin.create_acls(bindings, request_timeout=30).values():
             future.result(timeout=30)
 
+    def revoke(self, user: str, topic: str, operation: str) -> None:
+        """Take back one operation granted to ``user`` on ``topic``."""
+        from confluent_kafka.admin import (
+            AclBindingFilter,
+            AclOperation,
+            AclPermissionType,
+            ResourcePatternType,
+            ResourceType,
+        )
+
+        binding = AclBindingFilter(
+            ResourceType.TOPIC,
+            topic,
+            ResourcePatternType.LITERAL,
+            f"User:{user}",
+            "*",
+            getattr(AclOperation, operation),
+            AclPermissionType.ALLOW,
+        )
+        admin = self.admin()
+        for future in admin.delete_acls([binding], request_timeout=30).values():
+            assert future.result(timeout=30), f"no {operation} ACL of {user} on {topic} to revoke"
+
+    def set_password(self, user: str, password: str) -> None:
+        """Rotate ``user``'s SCRAM credential on the broker (``passwords`` keeps the original)."""
+        from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
+
+        upsertion = UserScramCredentialUpsertion(
+            user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), password.encode()
+        )
+        admin = self.admin()
+        for future in admin.alter_user_scram_credentials([upsertion], request_timeout=30).values():
+            future.result(timeout=30)
+
 
 @pytest.fixture(scope="module")
 def secure_kafka() -> Iterator[SecureKafka]:

@@ -258,4 +258,4 @@ class BrokerTlsError(BrokerAuthenticationError):
 
 
 class BrokerAuthorizationError(TransportError):
-    """The broker's ACLs do not allow this principal the operation; grant the role's ACLs."""
+    """The broker's ACLs do not allow the client's principal the operation; grant the role's ACLs."""

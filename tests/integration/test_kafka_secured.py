@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from factories import chat_response, make_entry
 from kafka_broker_fixture import load_broker_module
 from secure_kafka_fixture import SecureKafka
 
-from tokcap.errors import BrokerAuthenticationError, BrokerTlsError, TokcapError
+from tokcap.errors import BrokerAuthenticationError, BrokerAuthorizationError, BrokerTlsError, TokcapError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
 
 pytestmark = pytest.mark.kafka
@@ -157,9 +158,13 @@ def test_a_wrong_password_stops_the_materializer_and_the_source_with_a_clear_err
         tmp_path,
         consumer_config=secure_kafka.config("trainer", password="nope"),
     )
-    with pytest.raises(TokcapError, match="refused the login with SASL mechanism SCRAM-SHA-512"):
+    with pytest.raises(
+        TokcapError, match="refused the login of User:trainer with SASL mechanism SCRAM-SHA-512"
+    ):
         materializer.start()
-    with pytest.raises(TokcapError, match="refused the login with SASL mechanism SCRAM-SHA-512"):
+    with pytest.raises(
+        TokcapError, match="refused the login of User:trainer with SASL mechanism SCRAM-SHA-512"
+    ):
         KafkaTokenSource(
             bootstrap_servers=secure_kafka.bootstrap,
             topic=topic,
@@ -218,9 +223,9 @@ def test_a_writer_allowed_only_to_write_its_run_topic_cannot_read_or_delete_it(
 
     asyncio.run(put())
     base = ("--bootstrap", secure_kafka.bootstrap, "--run", run, *secure_kafka.options("writer"))
-    assert_one_line_error(tokcap("log", *base, "--rollout", "r1"), "does not allow this principal to read")
+    assert_one_line_error(tokcap("log", *base, "--rollout", "r1"), "does not allow User:writer to read")
     assert_one_line_error(
-        tokcap("topic", "delete", *base, "--yes"), f"does not allow this principal to delete topic {topic!r}"
+        tokcap("topic", "delete", *base, "--yes"), f"does not allow User:writer to delete topic {topic!r}"
     )
     still_there = tokcap(
         "topic", "describe", "--bootstrap", secure_kafka.bootstrap, "--run", run, "--json",
@@ -266,3 +271,106 @@ def test_the_lineage_resolver_links_calls_over_the_secured_broker_with_read_righ
             await asyncio.gather(sink.close(), resolver.close(), source.close())
 
     assert asyncio.run(two_calls()) == {"c1": ("root", None), "c2": ("resolved", "c1")}
+
+
+def put_until(
+    sink: KafkaTokenSink, rollout: str, done: Any, *, within_s: float
+) -> tuple[list[str], Exception]:
+    """Put one call a second until ``done(error)`` says the outcome looked for came; the calls acknowledged.
+
+    Returns the call ids the broker acknowledged and the last failure (or a placeholder when none failed).
+    """
+
+    async def loop() -> tuple[list[str], Exception]:
+        acknowledged: list[str] = []
+        last: Exception = AssertionError(f"nothing looked for happened within {within_s} s")
+        deadline = time.monotonic() + within_s
+        number = 0
+        while time.monotonic() < deadline:
+            number += 1
+            call = f"{rollout}-c{number}"
+            try:
+                await sink.put(make_entry(rollout, call))
+            except TokcapError as exc:
+                last = exc
+                if done(exc):
+                    return acknowledged, exc
+            else:
+                acknowledged.append(call)
+                if done(None):
+                    return acknowledged, last
+            await asyncio.sleep(1.0)
+        raise last
+
+    return asyncio.run(loop())
+
+
+def frozen_calls(secure_kafka: SecureKafka, run: str, store_dir: Path, rollouts: list[str]) -> set[str]:
+    """Every call id the trainer's freeze of ``rollouts`` holds."""
+
+    async def freeze() -> set[str]:
+        source = trainer_source(secure_kafka, run, store_dir)
+        try:
+            calls: set[str] = set()
+            for rollout in rollouts:
+                calls |= {entry.model_call_id for entry in (await source.freeze(rollout)).entries}
+            return calls
+        finally:
+            await source.close()
+
+    return asyncio.run(freeze())
+
+
+def test_a_revoked_acl_fails_puts_naming_principal_and_operation_and_the_sink_recovers_when_granted_again(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str], tmp_path: Path
+) -> None:
+    run, topic = run_topic
+    sink = writer_sink(secure_kafka, run)
+    try:
+        before, _ = put_until(sink, "r-before", lambda error: error is None, within_s=30)
+        secure_kafka.revoke("writer", topic, "WRITE")
+        during, refused = put_until(
+            sink, "r-during", lambda error: isinstance(error, BrokerAuthorizationError), within_s=30
+        )
+        shown = "".join(traceback.format_exception(refused))
+        assert f"does not allow User:writer to write to topic {topic!r}" in str(refused)
+        assert secure_kafka.passwords["writer"] not in shown
+        secure_kafka.grant("writer", topic, ("WRITE",))
+        after, _ = put_until(sink, "r-after", lambda error: error is None, within_s=30)
+    finally:
+        asyncio.run(sink.close())
+
+    acknowledged = set(before + during + after)
+    assert before and after
+    held = frozen_calls(secure_kafka, run, tmp_path / "store", ["r-before", "r-during", "r-after"])
+    assert acknowledged <= held, f"acknowledged but lost: {sorted(acknowledged - held)}"
+
+
+def test_a_rotated_password_fails_puts_clearly_and_the_sink_recovers_once_it_is_valid_again(
+    secure_kafka: SecureKafka, run_topic: tuple[str, str], tmp_path: Path
+) -> None:
+    run, _ = run_topic
+    original = secure_kafka.passwords["writer"]
+    rotated = f"rotated-{uuid.uuid4().hex}"
+    sink = writer_sink(secure_kafka, run)
+    try:
+        before, _ = put_until(sink, "r-before", lambda error: error is None, within_s=30)
+        secure_kafka.set_password("writer", rotated)
+        # The broker makes live sessions log in again every few seconds (connections.max.reauth.ms), so the
+        # rotation reaches the sink's open connection mid-run.
+        during, refused = put_until(
+            sink, "r-during", lambda error: isinstance(error, BrokerAuthenticationError), within_s=40
+        )
+        shown = "".join(traceback.format_exception(refused))
+        assert "refused the login of User:writer with SASL mechanism SCRAM-SHA-512" in str(refused)
+        assert original not in shown and rotated not in shown
+        secure_kafka.set_password("writer", original)
+        after, _ = put_until(sink, "r-after", lambda error: error is None, within_s=60)
+    finally:
+        secure_kafka.set_password("writer", original)
+        asyncio.run(sink.close())
+
+    acknowledged = set(before + during + after)
+    assert before and after
+    held = frozen_calls(secure_kafka, run, tmp_path / "store", ["r-before", "r-during", "r-after"])
+    assert acknowledged <= held, f"acknowledged but lost: {sorted(acknowledged - held)}"

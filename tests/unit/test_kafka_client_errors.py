@@ -122,3 +122,37 @@ def test_the_chained_cause_carries_the_code_but_not_the_secret() -> None:
     error = cause.args[0]
     assert error.code() == KafkaError._INVALID_ARG and SECRET not in error.str() and SECRET not in repr(cause)
     assert SECRET not in repr(CONTEXT)
+
+
+def test_a_refused_login_fails_requests_only_while_fresh_or_until_the_broker_accepts_something() -> None:
+    now = [100.0]
+    watch = AuthenticationWatch(CONTEXT, fresh_s=10.0, clock=lambda: now[0])
+    refused = KafkaError(KafkaError._AUTHENTICATION, "SASL authentication error: invalid credentials")
+    watch(refused)
+    now[0] += 9.0
+    with pytest.raises(BrokerAuthenticationError):
+        watch.raise_if_failed()
+    watch(refused)  # librdkafka's next retry of the login reports it again: still fresh
+    now[0] += 9.0
+    assert isinstance(watch.failure, BrokerAuthenticationError)
+    now[0] += 1.5  # no report for longer than the window: the credential works again
+    assert watch.failure is None
+    watch.raise_if_failed()
+    watch(refused)
+    watch.clear()  # a delivery the broker acknowledged
+    watch.raise_if_failed()
+    assert watch.failure is None
+
+
+def test_errors_name_the_sasl_principal_but_never_a_secret_typed_as_the_user_name() -> None:
+    writer = ClientContext("127.0.0.1:9093", {"sasl.username": "writer", "sasl.password": SECRET})
+    denied = delivery_error(
+        KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "denied"), what="a put", topic="t", context=writer
+    )
+    assert "does not allow User:writer to write to topic 't'" in str(denied)
+    refused = AuthenticationWatch(writer)
+    refused(KafkaError(KafkaError._AUTHENTICATION, "SASL authentication error"))
+    with pytest.raises(BrokerAuthenticationError, match="refused the login of User:writer with SASL"):
+        refused.raise_if_failed()
+    swapped = ClientContext("127.0.0.1:9093", {"sasl.username": SECRET, "sasl.password": SECRET})
+    assert SECRET not in swapped.principal and swapped.principal == "the client's principal"

@@ -9,9 +9,9 @@ its ``Redactor`` keeps every configured value out of them. Callers raise what th
 Which tokcap error a librdkafka error becomes:
 
 - an invalid client setting (``-X``, ``producer_config``) → ``ConfigError`` naming the property;
-- a refused SASL login → ``BrokerAuthenticationError`` naming broker and mechanism;
+- a refused SASL login → ``BrokerAuthenticationError`` naming broker, user and mechanism;
 - a failed TLS handshake (untrusted certificate, hostname mismatch) → ``BrokerTlsError``;
-- an ACL refusal → ``BrokerAuthorizationError`` naming the operation;
+- an ACL refusal → ``BrokerAuthorizationError`` naming the principal and the operation;
 - no answer at all → ``BrokerUnreachableError``; a missing topic → ``TopicNotFoundError``;
 - a delivery that timed out → ``DeliveryTimeoutError``; any other delivery failure → ``DeliveryError``;
 - a consumer that lost its place in the log → ``MaterializerFailedError``.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -41,9 +42,10 @@ from tokcap.errors import (
     TransportError,
 )
 from transports.kafka.client_log import ClientLog
-from transports.kafka.redaction import Redactor
+from transports.kafka.redaction import Redactor, is_secret_key
 
 __all__ = [
+    "REFUSAL_FRESH_S",
     "AuthenticationWatch",
     "ClientContext",
     "authentication_failure",
@@ -117,6 +119,20 @@ class ClientContext:
             if value:
                 return value if value.upper() in _KNOWN_MECHANISMS else f"(unrecognised value of {key})"
         return "GSSAPI (librdkafka's default)"
+
+    @property
+    def principal(self) -> str:
+        """The principal the broker sees, as its ACLs name it, when the settings say; never a secret.
+
+        A SASL login is ``User:<sasl.username>``. The name is shown only when it is not also the value of a
+        key that names a secret (a password typed into the wrong field).
+        """
+        username = self.config.get("sasl.username")
+        if isinstance(username, str) and username.strip():
+            secrets = {str(value) for key, value in self.config.items() if is_secret_key(key)}
+            if username not in secrets:
+                return f"User:{username.strip()}"
+        return "the client's principal"
 
     @property
     def security_protocol(self) -> str:
@@ -202,7 +218,8 @@ def authentication_failure(error: KafkaError, context: ClientContext) -> Transpo
         return None
     if code in _AUTHENTICATION_CODES:
         return BrokerAuthenticationError(
-            f"the broker at {context.bootstrap} refused the login with SASL mechanism {context.mechanism} "
+            f"the broker at {context.bootstrap} refused the login of {context.principal} with SASL mechanism "
+            f"{context.mechanism} "
             f"({sentence}); check sasl.username and sasl.password and that the user exists on the broker"
         )
     return None
@@ -212,7 +229,7 @@ def _authorization_failure(error: KafkaError, context: ClientContext, doing: str
     if error.code() not in _AUTHORIZATION_CODES:
         return None
     return BrokerAuthorizationError(
-        f"the broker at {context.bootstrap} does not allow this principal to {doing} "
+        f"the broker at {context.bootstrap} does not allow {context.principal} to {doing} "
         f"({error.name()}: {_sentence(error, context)}); docs/operations.md lists the ACLs each role needs"
     )
 
@@ -293,42 +310,76 @@ def read_error(error: KafkaError, *, topic: str, context: ClientContext) -> Tran
     return None
 
 
+REFUSAL_FRESH_S = 10.0
+"""How long a refused login fails new requests at once. librdkafka retries a refused login at least every
+10 s (its ``reconnect.backoff.max.ms``) and reports each refusal again, so a lasting refusal stays fresh; once the
+credential is valid again the reports stop and requests go through without a restart."""
+
+
 class AuthenticationWatch:
-    """An ``error_cb`` that remembers the first refused login or TLS handshake, so waits can end early.
+    """An ``error_cb`` that remembers the latest refused login or TLS handshake, so waits can end early.
 
     librdkafka reports a refused login only through the error callback and keeps retrying; without this a
-    request waits out its whole timeout and then says only that no broker answered.
+    request waits out its whole timeout and then says only that no broker answered. A refusal is held only
+    while it is fresh: a password rotated back or an ACL granted again must not leave a client refusing work
+    until it is restarted.
     """
 
-    def __init__(self, context: ClientContext, also: Callable[[KafkaError], None] | None = None) -> None:
+    def __init__(
+        self,
+        context: ClientContext,
+        also: Callable[[KafkaError], None] | None = None,
+        *,
+        fresh_s: float = REFUSAL_FRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._context = context
         self._also = also
+        self._fresh_s = fresh_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._failure: TransportError | None = None
         self._cause: KafkaException | None = None
+        self._seen_at = 0.0
 
     def __repr__(self) -> str:
-        """Says whether a failure was seen."""
-        return f"AuthenticationWatch(failed={self._failure is not None})"
+        """Says whether a fresh failure is held."""
+        return f"AuthenticationWatch(failed={self.failure is not None})"
 
     def __call__(self, error: KafkaError) -> None:
         """librdkafka's error callback."""
         failure = authentication_failure(error, self._context)
         if failure is not None:
+            cause = scrubbed_cause(error, self._context)
             with self._lock:
-                if self._failure is None:
-                    self._failure, self._cause = failure, scrubbed_cause(error, self._context)
+                self._failure, self._cause, self._seen_at = failure, cause, self._clock()
         if self._also is not None:
             self._also(error)
 
+    def _fresh(self) -> tuple[TransportError | None, KafkaException | None]:
+        with self._lock:
+            if self._failure is not None and self._clock() - self._seen_at > self._fresh_s:
+                self._failure = self._cause = None
+            return self._failure, self._cause
+
     @property
     def failure(self) -> TransportError | None:
-        """The translated failure, once one was reported."""
-        return self._failure
+        """The translated failure while it is fresh, else ``None``."""
+        if self._failure is None:  # the common case, without the lock
+            return None
+        return self._fresh()[0]
+
+    def clear(self) -> None:
+        """Forget the refusal: something the broker accepted since proves the login works again."""
+        if self._failure is None:
+            return
+        with self._lock:
+            self._failure = self._cause = None
 
     def raise_if_failed(self) -> None:
-        """Raise the remembered failure, chained to the scrubbed librdkafka error."""
-        with self._lock:
-            failure, cause = self._failure, self._cause
+        """Raise the fresh failure, if any, chained to the scrubbed librdkafka error."""
+        if self._failure is None:
+            return
+        failure, cause = self._fresh()
         if failure is not None:
             raise type(failure)(str(failure)) from cause

@@ -200,11 +200,11 @@ class ProducerBridge:
         message: Message,
     ) -> None:
         """Runs inside ``poll()`` or ``flush()``: keep the report until that call returns."""
-        delivered = (
-            None
-            if error is not None
-            else Delivered(int(message.partition() or 0), int(message.offset() or 0))
-        )
+        if error is None:
+            delivered: Delivered | None = Delivered(int(message.partition() or 0), int(message.offset() or 0))
+            self._watch.clear()  # the broker took a message, so the login works again
+        else:
+            delivered = None
         with self._unposted_lock:
             self._unposted.append((loop, (future, error, delivered)))
 
