@@ -129,3 +129,49 @@ def test_a_wire_delta_corrupted_on_the_log_is_dead_lettered_and_masks_its_rollou
         data for name, data in directory_contents(tmp_path / "store").items() if name.startswith("kafka-dead")
     ]
     assert b'"offset":2' in dead and b"digest" in dead
+
+
+def test_sinks_and_materializers_restarted_between_wire_delta_parents_and_children_lose_no_token(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """Each turn of every rollout goes through a new sink after a restart of the trainer's source."""
+    rollouts = [conversation(f"restart-{index}", 6, seed=index) for index in range(4)]
+
+    async def turn(number: int) -> None:
+        sink = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, wire_deltas=True)
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "store"
+        )
+        try:
+            for entries in rollouts:
+                # Two calls per sink: the second is a wire delta whose parent the restarted materializer has
+                # only on disk and in the log; the first follows a parent the new sink never sent.
+                for entry in entries[number : number + 2]:
+                    await sink.begin_call(entry.rollout_id, entry.model_call_id)
+                    await sink.put(entry)
+            assert source.materializer.wait_until_caught_up(60)
+        finally:
+            await sink.close()
+            await source.close()
+
+    for number in (0, 2, 4):
+        asyncio.run(turn(number))
+    assert deltas_in(kafka_bootstrap, kafka_topic) == 3 * len(rollouts)
+
+    async def freeze_all() -> dict[str, list[TokenEntry]]:
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "store"
+        )
+        try:
+            return {e[0].rollout_id: list((await source.freeze(e[0].rollout_id)).entries) for e in rollouts}
+        finally:
+            await source.close()
+
+    frozen = asyncio.run(freeze_all())
+    for entries in rollouts:
+        got = frozen[entries[0].rollout_id]
+        assert [(e.model_call_id, e.prompt_token_ids, e.generation_token_ids) for e in got] == [
+            (e.model_call_id, e.prompt_token_ids, e.generation_token_ids) for e in entries
+        ]
+    replay_topic(kafka_bootstrap, kafka_topic, tmp_path / "replayed")
+    assert store_files(tmp_path / "replayed") == store_files(tmp_path / "store")
