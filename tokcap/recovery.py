@@ -9,6 +9,11 @@ what is on disk and says what the state is and which repairs make the files agre
 - Past the state, the file store folds the tails in: every complete line was acknowledged, by tokcap or by
   Gym's store (which counts a version per entry it finds there, as this does).
   A torn final line was never acknowledged; it is cut before the next append.
+- Past a freeze tokcap recorded, only marker lines are folded: that freeze covered every line written before
+  it, so any other line raced it and is cut.
+- A frozen state that does not record the freeze was frozen by Gym's store, which refuses writes once frozen
+  but never records the intents size, so every line past it was committed before that freeze: it is folded
+  in and the freeze recorded as tokcap's would be, its dangling calls masking the snapshot.
 - A projection resuming from its log instead cuts every tail back to the state and applies those events
   again: whatever lies past the state was never covered by a checkpoint.
   Reads of a projected rollout ignore such tails.
@@ -32,7 +37,7 @@ from tokcap.durable_io import open_no_follow, read_no_follow
 from tokcap.errors import NewerSchemaError, RecordValidationError, StoreCorruptionError, StoreFormatError
 from tokcap.layout import RolloutPaths
 from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
-from tokcap.rules import CANCEL_PREFIX
+from tokcap.rules import CANCEL_PREFIX, record_freeze
 from tokcap.state import UPGRADE_STEP, IncompleteMark, IntentOp, RolloutState
 
 __all__ = [
@@ -123,16 +128,16 @@ def _tails(
             )
         if size > covered:
             grown.append(path)
-    if not grown:
-        return Recovered(state, tuple(cuts), 0, exists)
     projected = state.last_position is not None
-    if replaying or projected:
+    if grown and (replaying or projected):
         cuts.extend(CutTail(path, sizes[path]) for path in grown)
         return Recovered(state, tuple(cuts), 0, exists)
-    if not state.is_open:
-        # Nothing is appended to a frozen rollout but markers: other lines raced the freeze and are not part of it.
+    frozen_by_gym = not state.is_open and not state.covers_freeze and not projected
+    if not state.is_open and state.covers_freeze:
         cuts.extend(CutTail(path, sizes[path]) for path in grown if path != paths.incomplete)
         grown = [path for path in grown if path == paths.incomplete]
+    if not grown and not frozen_by_gym:
+        return Recovered(state, tuple(cuts), 0, exists)
     state = state.model_copy()
     lagging = 0
     if paths.entries in grown:
@@ -141,6 +146,8 @@ def _tails(
         lagging += _fold_intents(paths.intents, state, cuts)
     if paths.incomplete in grown:
         lagging += _fold_marks(paths.incomplete, state, cuts)
+    if frozen_by_gym:
+        record_freeze(state)
     return Recovered(state, tuple(cuts), lagging, exists)
 
 

@@ -18,6 +18,7 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - The version counts as Gym's does: one per accepted entry, per marker, per conflicting put, and the first freeze.
 - Every event but delete is refused by a retired rollout's fence.
 - A freeze records the calls whose intent has no entry and no cancel; they make the snapshot incomplete.
+- A freeze records that the state covers every line written before it; only a later line raced it.
 - A freeze is idempotent; its snapshot id comes from its log position, or from the caller without a log.
 - A freeze applied at a log position records the version it answered, so later events never leak into it.
 - A drop retires the rollout only while it is frozen in exactly that snapshot and version.
@@ -72,6 +73,7 @@ __all__ = [
     "decide",
     "intent_line",
     "mark_line",
+    "record_freeze",
     "snapshot_id_at",
 ]
 
@@ -409,12 +411,7 @@ def _freeze(state: RolloutState, position: LogPosition | None, new_snapshot_id: 
         return _unchanged(state, verdict, position)
     if position is None and not new_snapshot_id:
         raise ValueError("a freeze without a log position needs a snapshot id drawn by the caller")
-    state.dangling_intents = sorted(
-        call_id
-        for call_id, op in state.intents.items()
-        if op is IntentOp.INTENT and call_id not in state.entry_digests
-    )
-    state.incomplete = state.incomplete or bool(state.dangling_intents) or bool(state.incomplete_marks)
+    record_freeze(state)
     state.snapshot_id = snapshot_id_at(position) if position is not None else new_snapshot_id
     state.advance(Lifecycle.FROZEN)
     state.version += 1
@@ -428,6 +425,21 @@ def _freeze(state: RolloutState, position: LogPosition | None, new_snapshot_id: 
         version=state.version,
     )
     return Decision(state, verdict, (WriteState(durable=True),))
+
+
+def record_freeze(state: RolloutState) -> None:
+    """Record what a freeze fixes: the calls whose intent has no entry and no cancel, which make the snapshot
+    incomplete, and that the state's sizes cover every line written before it.
+
+    tokcap's freeze calls it, and so does recovery for a freeze Gym's store made (which records neither).
+    """
+    state.dangling_intents = sorted(
+        call_id
+        for call_id, op in state.intents.items()
+        if op is IntentOp.INTENT and call_id not in state.entry_digests
+    )
+    state.incomplete = state.incomplete or bool(state.dangling_intents) or bool(state.incomplete_marks)
+    state.covers_freeze = True
 
 
 def _record_answer(state: RolloutState, position: LogPosition) -> None:

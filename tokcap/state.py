@@ -16,6 +16,9 @@ The state is the commit record of the rollout's side files: ``indexed_size``, ``
 ``incomplete_size`` say how many bytes of each file it covers, and ``last_position`` which log position
 it reflects. Bytes past those sizes were written after the state and are either folded in (file store)
 or cut and applied again (a projection resuming from its log), see ``tokcap.recovery``.
+``covers_freeze`` says tokcap recorded the freeze, so those sizes cover every line written before it; Gym's
+store freezes by setting ``frozen`` alone and never records the intents size, so a frozen state without it
+was frozen by Gym.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ __all__ = [
     "RolloutState",
 ]
 
-STATE_SCHEMA_VERSION = 2
+STATE_SCHEMA_VERSION = 3
 """The newest schema of the ``tokcap`` part of a state file this reader understands."""
 
 
@@ -141,6 +144,7 @@ class _TokcapPart(BaseModel):
     incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
     incomplete_size: StrictInt = 0
     freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
+    covers_freeze: bool = False
     last_position: dict[str, Any] | None = None
     removed_records: bool | None = None
 
@@ -181,6 +185,8 @@ class RolloutState(BaseModel):
     incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
     incomplete_size: StrictInt = 0
     freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
+    covers_freeze: bool = False
+    """tokcap recorded the freeze: the sizes cover every line written before it (``tokcap.recovery``)."""
     last_position: dict[str, Any] | None = None
     removed_records: bool | None = None
     foreign_keys: dict[str, Any] = Field(default_factory=dict)
@@ -266,6 +272,7 @@ class RolloutState(BaseModel):
         of a state holding thousands of calls was most of the cost of a write.
         """
         tokcap_part = {
+            "covers_freeze": self.covers_freeze,
             "dangling_intents": self.dangling_intents,
             "freeze_answers": [answer.model_dump() for answer in self.freeze_answers],
             "incomplete_marks": [mark.model_dump() for mark in self.incomplete_marks],

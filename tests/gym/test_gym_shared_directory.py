@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +151,97 @@ def test_a_rollout_deleted_by_gym_is_reusable_by_tokcap(
     ours.append(_gym_entry(gym, "r", "c2"))
     reused = ours.freeze_now("r")
     assert _ids(reused) == ["c2"] and reused.snapshot_id != first.snapshot_id
+
+
+@pytest.mark.parametrize("first_call_by", ["gym", "tokcap"])
+def test_a_call_gym_began_and_never_delivered_keeps_masking_the_rollout_gym_froze_in_both_stores(
+    gym: GymModules, both: tuple[Any, TokenCaptureStore], first_call_by: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    theirs, ours = both
+    if first_call_by == "gym":
+        theirs._begin_call("r1", "c1")
+        theirs.append(_gym_entry(gym, "r1", "c1"))
+    else:
+        ours.begin_call_now("r1", "c1")
+        ours.append(_gym_entry(gym, "r1", "c1"))
+    theirs._begin_call("r1", "c2")
+    intents = ours.intents_path_for("r1").read_bytes()
+    with caplog.at_level(logging.WARNING, logger="tokcap"):
+        assert theirs.freeze_now("r1").incomplete
+        assert ours.freeze_now("r1").incomplete
+        assert ours.read_state("r1").dangling_intents == ["c2"]
+        assert theirs.freeze_now("r1").incomplete
+    assert ours.intents_path_for("r1").read_bytes() == intents
+    assert not [record for record in caplog.records if "cutting" in record.getMessage()]
+
+
+_STORES = ("gym", "tokcap")
+_BEGIN, _PUT, _FREEZE, _REFUSED_PUT, _REFUSED_INTENT = "begin", "put", "freeze", "late put", "late intent"
+
+Step = tuple[str, str, str]
+"""What happens, to which call, by which store: ("begin", "c2", "gym"), ("freeze", "", "tokcap")."""
+
+
+def _orders() -> Iterator[Any]:
+    """Every order of a complete call c1 and a dangling call c2, each write by either store, a freeze by either,
+    then a write tokcap refuses (c2's tokens arriving late, or a new call c3), or none, before or after the other
+    store's freeze."""
+    for writes in itertools.permutations(((_BEGIN, "c1"), (_PUT, "c1"), (_BEGIN, "c2"))):
+        if writes.index((_BEGIN, "c1")) > writes.index((_PUT, "c1")):
+            continue  # a call is begun before it is dispatched, so before its entry
+        for writers in itertools.product(_STORES, repeat=len(writes)):
+            for freezer, other in itertools.permutations(_STORES):
+                before: list[Step] = [
+                    (what, call, by) for (what, call), by in zip(writes, writers, strict=True)
+                ]
+                before.append((_FREEZE, "", freezer))
+                tails: list[tuple[Step, ...]] = [((_FREEZE, "", other),)]
+                for refused in ((_REFUSED_PUT, "c2", "tokcap"), (_REFUSED_INTENT, "c3", "tokcap")):
+                    tails.extend(itertools.permutations((refused, (_FREEZE, "", other))))
+                for tail in tails:
+                    steps = (*before, *tail)
+                    name = ", ".join(" ".join(part for part in step if part) for step in steps)
+                    yield pytest.param(steps, id=name)
+
+
+def _carry_out(gym: GymModules, theirs: Any, ours: TokenCaptureStore, step: Step) -> Any:
+    """Carry out one step on rollout ``r``; a freeze returns its snapshot."""
+    what, call, by = step
+    if what == _FREEZE:
+        return (theirs if by == "gym" else ours).freeze_now("r")
+    if what in (_REFUSED_PUT, _REFUSED_INTENT):
+        with pytest.raises(RolloutFrozenError):
+            if what == _REFUSED_PUT:
+                ours.append(_gym_entry(gym, "r", call))
+            else:
+                ours.begin_call_now("r", call)
+    elif what == _BEGIN:
+        (theirs._begin_call if by == "gym" else ours.begin_call_now)("r", call)
+    else:
+        (theirs.append if by == "gym" else ours.append)(_gym_entry(gym, "r", call))
+    return None
+
+
+@pytest.mark.parametrize("steps", list(_orders()))
+def test_a_dangling_call_masks_the_rollout_in_both_stores_and_no_line_written_before_the_freeze_is_removed(
+    gym: GymModules, both: tuple[Any, TokenCaptureStore], steps: tuple[Step, ...]
+) -> None:
+    theirs, ours = both
+    record_files = (ours.path_for("r"), ours.intents_path_for("r"))
+    committed: dict[Path, bytes] = {}
+    for step in steps:
+        if step[0] == _FREEZE and not committed:
+            committed = {path: path.read_bytes() for path in record_files}
+            assert sorted(committed[ours.intents_path_for("r")].split()) == [b"c1", b"c2"]
+        snapshot = _carry_out(gym, theirs, ours, step)
+        if snapshot is not None:
+            assert (_ids(snapshot), snapshot.incomplete) == (["c1"], True), step
+        if committed:
+            assert {path: path.read_bytes() for path in record_files} == committed, step
+    for store in (theirs, ours, theirs):
+        snapshot = store.freeze_now("r")
+        assert (_ids(snapshot), snapshot.incomplete) == (["c1"], True)
+    assert {path: path.read_bytes() for path in record_files} == committed
 
 
 def _record_files_without_a_lock(directory: Path) -> list[str]:

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from tests.factories import make_entry
-from tokcap.errors import NewerSchemaError, StoreCorruptionError, StoreFormatError
+from tokcap.errors import NewerSchemaError, RolloutFrozenError, StoreCorruptionError, StoreFormatError
 from tokcap.store import TokenCaptureStore
 
 
@@ -59,6 +59,31 @@ def test_a_malformed_line_followed_by_more_content_is_corruption(tmp_path: Path)
     _write_unindexed(store, b"{not json}\n" + make_entry("r", "c2").canonical_json() + b"\n")
     with pytest.raises(StoreCorruptionError, match="malformed line"):
         store.read_entries("r")
+
+
+def test_lines_that_raced_a_freeze_tokcap_recorded_are_cut_by_the_next_write_and_markers_are_kept(
+    tmp_path: Path,
+) -> None:
+    store = TokenCaptureStore(tmp_path)
+    store.begin_call_now("r", "c1")
+    store.append(make_entry("r", "c1"))
+    store.begin_call_now("r", "c2")
+    frozen = store.freeze_now("r")
+    files = {path: path.read_bytes() for path in (store.path_for("r"), store.intents_path_for("r"))}
+    _write_unindexed(store, make_entry("r", "c3").canonical_json() + b"\n")
+    with store.intents_path_for("r").open("ab") as handle:
+        handle.write(b"c3\n")
+    with store.incomplete_path_for("r").open("ab") as handle:
+        handle.write(b"c4\n")
+    with pytest.raises(RolloutFrozenError):
+        store.begin_call_now("r", "c5")
+    assert {path: path.read_bytes() for path in files} == files
+    assert store.incomplete_path_for("r").read_bytes() == b"c4\n"
+    state = store.read_state("r")
+    assert sorted(state.intents) == ["c1", "c2"] and state.dangling_intents == ["c2"]
+    assert [mark.model_call_id for mark in state.incomplete_marks] == ["c4"]
+    again = store.freeze_now("r")
+    assert (again.snapshot_id, again.entries, again.incomplete) == (frozen.snapshot_id, frozen.entries, True)
 
 
 def test_a_truncated_indexed_file_is_corruption(tmp_path: Path) -> None:
