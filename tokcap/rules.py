@@ -53,6 +53,7 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
+from tokcap.input_rules import check_line_call_id
 from tokcap.state import FreezeAnswer, IncompleteMark, IntentOp, Lifecycle, Rejection, RolloutState
 
 __all__ = [
@@ -183,8 +184,12 @@ class Decision:
 
 
 def intent_line(model_call_id: str) -> bytes:
-    """The stored line of one intent: the call id, as Gym writes it."""
-    return model_call_id.encode() + b"\n"
+    """The stored line of one intent: the call id, as Gym writes it.
+
+    Each line writer refuses a call id with a control character or over the length limit
+    (``check_line_call_id``): whatever let it through, it must never become a line read as another call.
+    """
+    return check_line_call_id(model_call_id).encode() + b"\n"
 
 
 CANCEL_PREFIX = "\x00"
@@ -196,12 +201,12 @@ def cancel_line(model_call_id: str) -> bytes:
 
     Gym 0.7.0 has no cancel; to Gym such a line dangles, so Gym masks the rollout (never the reverse).
     """
-    return (CANCEL_PREFIX + model_call_id).encode() + b"\n"
+    return (CANCEL_PREFIX + check_line_call_id(model_call_id)).encode() + b"\n"
 
 
 def mark_line(model_call_id: str) -> bytes:
     """The stored line of one incomplete marker: the call id (maybe empty), as Gym writes it."""
-    return model_call_id.encode() + b"\n"
+    return check_line_call_id(model_call_id).encode() + b"\n"
 
 
 def snapshot_id_at(position: LogPosition) -> str:

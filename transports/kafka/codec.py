@@ -12,6 +12,11 @@ Values:
   Ids are ``<i4`` when they fit, else ``<i8``; log probs are ``<f8``, so every value round-trips exactly.
   Ids beyond 64 bits are refused (the canonical JSON encoder cannot write them either).
 
+Every event decoded here passes the sinks' input rules (``tokcap.input_rules.accept_event``) before anyone
+gets it: what a sink would have refused to send is refused the same way when it is read, as an
+``EventDecodeError`` whose text names the field, which the router dead-letters. A packed id array must use
+an integer dtype and hold no negative value; that is checked on its bytes, before it is decoded.
+
 A value larger than the chunk size is split into chunk messages that carry
 ``(group id, index, count, sha256 of the whole value)`` headers; the materializer reassembles them.
 """
@@ -29,13 +34,15 @@ import orjson
 
 from tokcap.errors import (
     EventDecodeError,
+    InvalidInputError,
     InvalidRolloutIdError,
     NewerSchemaError,
     RecordValidationError,
     WireDeltaError,
 )
-from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event, event_from_mapping
+from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event
 from tokcap.hashing import sha256_hex
+from tokcap.input_rules import accept_event
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 
@@ -66,6 +73,7 @@ __all__ = [
     "headers_to_dict",
     "is_wire_delta",
     "read_chunk_header",
+    "read_packed_head",
     "rollout_of_key",
 ]
 
@@ -94,6 +102,9 @@ _DELTA_PROMPT_FIELD = "prompt_suffix_token_ids"
 _ARRAY_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _DELTA_FIELDS = (_DELTA_PROMPT_FIELD, "generation_token_ids", "generation_log_probs")
 _TYPECODES = {"<i4": "i", "<i8": "q", "<u8": "Q", "<f8": "d"}
+_ID_FIELDS = frozenset({"prompt_token_ids", _DELTA_PROMPT_FIELD, "generation_token_ids"})
+_SIGNED_WIDTHS = {"<i4": 4, "<i8": 8}
+"""Bytes per value of the signed integer dtypes: the last byte of each value holds its sign bit."""
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -230,11 +241,36 @@ def _pack(
 
 def _unpack_put(value: bytes) -> dict[str, Any]:
     """Rebuild the JSON mapping of a packed put event."""
-    return _unpack(value, _PACKED_MAGIC, _ARRAY_FIELDS)
+    return _unpack(value, _PACKED_MAGIC, _ARRAY_FIELDS)[0]
 
 
-def _unpack(value: bytes, magic: bytes, fields: tuple[str, ...]) -> dict[str, Any]:
-    """The head of a packed value with its arrays put back into ``entry`` under their field names."""
+def read_packed_head(value: bytes) -> tuple[dict[str, Any], int, int]:
+    """A packed put's entry fields without its arrays, its prompt and generation count, and where its arrays start.
+
+    For a reader that leaves the prompt undecoded (the lineage resolver): the put is refused exactly when
+    decoding it whole would refuse it. The prompt's bytes are checked, not decoded; the rest of the entry
+    is validated with an empty prompt standing in, which no rule of an entry depends on.
+    """
+    mapping, head_end, prompt_count = _unpack(
+        value, _PACKED_MAGIC, _ARRAY_FIELDS, undecoded="prompt_token_ids"
+    )
+    entry = mapping["entry"]
+    head = {name: field for name, field in entry.items() if name not in _ARRAY_FIELDS}
+    tokens = prompt_count + len(entry["generation_token_ids"])
+    event = _accepted(mapping, token_ids_checked=True)
+    if not isinstance(event, PutEvent):
+        raise EventDecodeError(f"a packed value must be a put event, got {event.type.value}")
+    return head, tokens, head_end
+
+
+def _unpack(
+    value: bytes, magic: bytes, fields: tuple[str, ...], *, undecoded: str = ""
+) -> tuple[dict[str, Any], int, int]:
+    """The head of a packed value with its arrays put back into ``entry`` under their field names.
+
+    Also return where the arrays start and the length of the ``undecoded`` array, which is checked but left
+    out (an empty list stands in for it).
+    """
     kind = magic.decode()
     if len(value) < 8 or value[:4] != magic:
         raise EventDecodeError(f"packed put value does not start with the {kind} magic")
@@ -259,6 +295,7 @@ def _unpack(value: bytes, magic: bytes, fields: tuple[str, ...]) -> dict[str, An
     ] != list(fields):
         raise EventDecodeError(f"packed put header must describe the arrays {list(fields)} in order")
     cursor = head_end
+    undecoded_count = 0
     for descriptor in descriptors:
         dtype, count = descriptor.get("dtype"), descriptor.get("count")
         if dtype not in _TYPECODES or not isinstance(count, int) or count < 0:
@@ -266,11 +303,51 @@ def _unpack(value: bytes, magic: bytes, fields: tuple[str, ...]) -> dict[str, An
         size = count * (4 if dtype == "<i4" else 8)
         if cursor + size > len(value):
             raise EventDecodeError(f"packed put value is truncated inside array {descriptor['field']}")
-        mapping["entry"][descriptor["field"]] = _unpack_array(value[cursor : cursor + size], dtype)
+        data = value[cursor : cursor + size]
+        if descriptor["field"] in _ID_FIELDS:
+            _check_packed_ids(mapping, descriptor["field"], dtype, data)
+        if descriptor["field"] == undecoded:
+            mapping["entry"][undecoded], undecoded_count = [], count
+        else:
+            mapping["entry"][descriptor["field"]] = _unpack_array(data, dtype)
         cursor += size
     if cursor != len(value):
         raise EventDecodeError(f"packed put value has {len(value) - cursor} trailing bytes")
-    return dict(mapping)
+    return dict(mapping), head_end, undecoded_count
+
+
+def _check_packed_ids(mapping: Mapping[str, Any], field: str, dtype: str, data: bytes) -> None:
+    """Refuse a packed id array a sink could not have sent: token ids are ints in [0, 2**64).
+
+    A float dtype is refused outright. A little-endian signed value is negative exactly when the top bit of
+    its last byte is set, so an array holds no negative id exactly when those bytes are all ASCII, which
+    ``isascii`` checks in C: about a thirtieth of the cost of decoding the array.
+    """
+    width = _SIGNED_WIDTHS.get(dtype)
+    if dtype in ("<u8", *_SIGNED_WIDTHS) and (width is None or data[width - 1 :: width].isascii()):
+        return
+    why = f"is packed as {dtype}, not as integers" if width is None else "holds a negative token id"
+    entry = mapping.get("entry") or {}
+    raise EventDecodeError(
+        f"refused by the input rules: rollout {mapping.get('rollout_id')!r} call {entry.get('model_call_id')!r}: "
+        f"{field} {why}; token ids are integers in [0, 2**64)"
+    )
+
+
+def _accepted(raw: object, *, token_ids_checked: bool) -> Event:
+    """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_event``).
+
+    A refusal becomes an ``EventDecodeError`` naming the field, so every reader dead-letters it as it does
+    any message it cannot apply.
+    """
+    try:
+        return accept_event(raw, token_ids_checked=token_ids_checked)
+    except (EventDecodeError, NewerSchemaError):
+        raise
+    except InvalidInputError as exc:
+        raise EventDecodeError(
+            f"refused by the input rules: {exc}", rollout_id=exc.rollout_id, model_call_id=exc.model_call_id
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -311,6 +388,19 @@ class WireDelta:
         """Tokens of the restored prompt."""
         return self.link.length + len(self.suffix)
 
+    def suffix_event(self) -> PutEvent:
+        """The put with the suffix as its prompt: the head validated and checked by the input rules.
+
+        The suffix's and generation's bytes were checked when the delta was decoded. A reader that does not
+        restore the prompt (the lineage resolver) calls this to refuse what restoring it would refuse.
+        """
+        mapping = dict(self.mapping)
+        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": self.suffix}
+        event = _accepted(mapping, token_ids_checked=True)
+        if not isinstance(event, PutEvent):
+            raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
+        return event
+
     def restore(self, prefix: list[int]) -> PutEvent:
         """The exact put the sink was given: ``prefix`` (the parent's prompt and generation) then the suffix.
 
@@ -322,15 +412,11 @@ class WireDelta:
                 f"parent {self.link.model_call_id!r} at offset {self.link.offset} holds {len(prefix)} tokens, "
                 f"the delta was cut after {self.link.length}"
             )
-        # The head and the suffix are validated; the prefix is the parent's prompt and generation, validated
-        # when the parent was decoded, so it is put in after validation instead of being checked again. No
-        # rule of an entry depends on its prompt beyond each id being an int, and the digest below proves
-        # the whole restored entry is the one the sink sent.
-        mapping = dict(self.mapping)
-        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": self.suffix}
-        event = event_from_mapping(mapping)
-        if not isinstance(event, PutEvent):
-            raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
+        # The prefix is the parent's prompt and generation, which passed the input rules when the parent was
+        # decoded, so it is put in after the head and suffix are checked instead of being checked again. No
+        # rule of an entry depends on its prompt beyond each id being one in range, and the digest below
+        # proves the whole restored entry is the one the sink sent.
+        event = self.suffix_event()
         event.entry.__dict__["prompt_token_ids"] = prefix + self.suffix
         if event.payload_digest != self.entry_digest:
             raise WireDeltaError(
@@ -417,7 +503,7 @@ def decode_wire_delta(key: bytes | None, value: bytes | None, headers: Mapping[s
     if value is None:
         raise EventDecodeError("message has no value")
     try:
-        mapping = _unpack(value, _DELTA_MAGIC, _DELTA_FIELDS)
+        mapping = _unpack(value, _DELTA_MAGIC, _DELTA_FIELDS)[0]
         parent, digest = mapping.pop("parent", None), mapping.pop("entry_sha256", None)
         if not isinstance(parent, dict):
             raise EventDecodeError("a wire delta head must carry its parent link")
@@ -556,7 +642,7 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
             "a wire delta (encoding 'delta') is decoded with its parent message: read it through the inbound router"
         )
     if encoding == ENCODING_PACKED:
-        event = event_from_mapping(_unpack_put(value))
+        event = _accepted(_unpack_put(value), token_ids_checked=True)
         if not isinstance(event, PutEvent):
             raise EventDecodeError(f"a packed value must be a put event, got {event.type.value}")
         return event
@@ -566,7 +652,7 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
         raw = orjson.loads(value)
     except orjson.JSONDecodeError as exc:
         raise EventDecodeError(f"event is not valid JSON: {exc}") from exc
-    return event_from_mapping(raw)
+    return _accepted(raw, token_ids_checked=False)
 
 
 def decode_message(key: bytes | None, value: bytes | None, headers: Mapping[str, str]) -> Event:
