@@ -26,7 +26,8 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ from tokcap.errors import (
 )
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event
 from tokcap.hashing import sha256_hex
-from tokcap.input_rules import accept_event
+from tokcap.input_rules import accept_event, check_entry_fields
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 
@@ -177,7 +178,7 @@ def _put_mapping_without_dump(event: PutEvent) -> dict[str, Any]:
     }
 
 
-def _unpack_array(data: bytes, dtype: str) -> list[Any]:
+def _unpack_array(data: bytes | memoryview, dtype: str) -> list[Any]:
     if dtype not in _TYPECODES:
         raise EventDecodeError(f"packed put uses unknown dtype {dtype!r}")
     unpacked = array(_TYPECODES[dtype])
@@ -247,29 +248,27 @@ def _unpack_put(value: bytes) -> dict[str, Any]:
 def read_packed_head(value: bytes) -> tuple[dict[str, Any], int, int]:
     """A packed put's entry fields without its arrays, its prompt and generation count, and where its arrays start.
 
-    For a reader that leaves the prompt undecoded (the lineage resolver): the put is refused exactly when
-    decoding it whole would refuse it. The prompt's bytes are checked, not decoded; the rest of the entry
-    is validated with an empty prompt standing in, which no rule of an entry depends on.
+    For a reader that leaves the arrays undecoded (the lineage resolver). The ids are checked on their
+    bytes and the other fields by the input rules (``check_entry_fields``); the rules that need the
+    decoded arrays (finite log probs, equal lengths) are applied when a put is decoded whole, which such a
+    reader does before using one.
     """
-    mapping, head_end, prompt_count = _unpack(
-        value, _PACKED_MAGIC, _ARRAY_FIELDS, undecoded="prompt_token_ids"
-    )
+    mapping, head_end, counts = _unpack(value, _PACKED_MAGIC, _ARRAY_FIELDS, decode=False)
+    if mapping.get("type") != "put":
+        raise EventDecodeError(f"a packed value must be a put event, got {mapping.get('type')!r}")
     entry = mapping["entry"]
-    head = {name: field for name, field in entry.items() if name not in _ARRAY_FIELDS}
-    tokens = prompt_count + len(entry["generation_token_ids"])
-    event = _accepted(mapping, token_ids_checked=True)
-    if not isinstance(event, PutEvent):
-        raise EventDecodeError(f"a packed value must be a put event, got {event.type.value}")
-    return head, tokens, head_end
+    with _input_rules():
+        check_entry_fields(entry)
+    return entry, counts["prompt_token_ids"] + counts["generation_token_ids"], head_end
 
 
 def _unpack(
-    value: bytes, magic: bytes, fields: tuple[str, ...], *, undecoded: str = ""
-) -> tuple[dict[str, Any], int, int]:
+    value: bytes, magic: bytes, fields: tuple[str, ...], *, decode: bool = True
+) -> tuple[dict[str, Any], int, dict[str, int]]:
     """The head of a packed value with its arrays put back into ``entry`` under their field names.
 
-    Also return where the arrays start and the length of the ``undecoded`` array, which is checked but left
-    out (an empty list stands in for it).
+    Also return where the arrays start and each array's length. Id arrays are checked on their bytes
+    (``_check_packed_ids``); without ``decode`` no array is decoded and ``entry`` holds none.
     """
     kind = magic.decode()
     if len(value) < 8 or value[:4] != magic:
@@ -294,37 +293,41 @@ def _unpack(
         d.get("field") for d in descriptors if isinstance(d, dict)
     ] != list(fields):
         raise EventDecodeError(f"packed put header must describe the arrays {list(fields)} in order")
+    entry = mapping["entry"]
     cursor = head_end
-    undecoded_count = 0
+    counts: dict[str, int] = {}
+    view = memoryview(value)
     for descriptor in descriptors:
-        dtype, count = descriptor.get("dtype"), descriptor.get("count")
+        dtype, count, field = descriptor.get("dtype"), descriptor.get("count"), descriptor["field"]
         if dtype not in _TYPECODES or not isinstance(count, int) or count < 0:
             raise EventDecodeError(f"packed put array descriptor {descriptor!r} is invalid")
         size = count * (4 if dtype == "<i4" else 8)
         if cursor + size > len(value):
-            raise EventDecodeError(f"packed put value is truncated inside array {descriptor['field']}")
-        data = value[cursor : cursor + size]
-        if descriptor["field"] in _ID_FIELDS:
-            _check_packed_ids(mapping, descriptor["field"], dtype, data)
-        if descriptor["field"] == undecoded:
-            mapping["entry"][undecoded], undecoded_count = [], count
+            raise EventDecodeError(f"packed put value is truncated inside array {field}")
+        if field in _ID_FIELDS:
+            _check_packed_ids(mapping, field, dtype, value, cursor, cursor + size)
+        if decode:
+            entry[field] = _unpack_array(view[cursor : cursor + size], dtype)
         else:
-            mapping["entry"][descriptor["field"]] = _unpack_array(data, dtype)
+            entry.pop(field, None)
+        counts[field] = count
         cursor += size
     if cursor != len(value):
         raise EventDecodeError(f"packed put value has {len(value) - cursor} trailing bytes")
-    return dict(mapping), head_end, undecoded_count
+    return dict(mapping), head_end, counts
 
 
-def _check_packed_ids(mapping: Mapping[str, Any], field: str, dtype: str, data: bytes) -> None:
-    """Refuse a packed id array a sink could not have sent: token ids are ints in [0, 2**64).
+def _check_packed_ids(
+    mapping: Mapping[str, Any], field: str, dtype: str, value: bytes, start: int, end: int
+) -> None:
+    """Refuse a packed id array (``value[start:end]``) a sink could not have sent: ids are ints in [0, 2**64).
 
     A float dtype is refused outright. A little-endian signed value is negative exactly when the top bit of
-    its last byte is set, so an array holds no negative id exactly when those bytes are all ASCII, which
-    ``isascii`` checks in C: about a thirtieth of the cost of decoding the array.
+    its last byte is set, so an array holds no negative id exactly when those bytes are all ASCII: one
+    strided slice and ``isascii``, both in C, a small fraction of the cost of decoding the array.
     """
     width = _SIGNED_WIDTHS.get(dtype)
-    if dtype in ("<u8", *_SIGNED_WIDTHS) and (width is None or data[width - 1 :: width].isascii()):
+    if dtype == "<u8" or (width is not None and value[start + width - 1 : end : width].isascii()):
         return
     why = f"is packed as {dtype}, not as integers" if width is None else "holds a negative token id"
     entry = mapping.get("entry") or {}
@@ -334,20 +337,26 @@ def _check_packed_ids(mapping: Mapping[str, Any], field: str, dtype: str, data: 
     )
 
 
-def _accepted(raw: object, *, token_ids_checked: bool) -> Event:
-    """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_event``).
+@contextmanager
+def _input_rules() -> Iterator[None]:
+    """Turn a refusal by the sinks' input rules into an ``EventDecodeError`` that names the field.
 
-    A refusal becomes an ``EventDecodeError`` naming the field, so every reader dead-letters it as it does
-    any message it cannot apply.
+    Every reader then dead-letters it, or passes over it, as it does any message it cannot apply.
     """
     try:
-        return accept_event(raw, token_ids_checked=token_ids_checked)
+        yield
     except (EventDecodeError, NewerSchemaError):
         raise
     except InvalidInputError as exc:
         raise EventDecodeError(
             f"refused by the input rules: {exc}", rollout_id=exc.rollout_id, model_call_id=exc.model_call_id
         ) from exc
+
+
+def _accepted(raw: object, *, token_ids_checked: bool) -> Event:
+    """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_event``)."""
+    with _input_rules():
+        return accept_event(raw, token_ids_checked=token_ids_checked)
 
 
 @dataclass(frozen=True)
@@ -388,18 +397,14 @@ class WireDelta:
         """Tokens of the restored prompt."""
         return self.link.length + len(self.suffix)
 
-    def suffix_event(self) -> PutEvent:
-        """The put with the suffix as its prompt: the head validated and checked by the input rules.
+    def check_head(self) -> None:
+        """Refuse the entry's fields other than its arrays by the input rules (``check_entry_fields``).
 
-        The suffix's and generation's bytes were checked when the delta was decoded. A reader that does not
-        restore the prompt (the lineage resolver) calls this to refuse what restoring it would refuse.
+        For a reader that does not restore the delta (the lineage resolver); the arrays' ids were checked on
+        their bytes when the delta was decoded.
         """
-        mapping = dict(self.mapping)
-        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": self.suffix}
-        event = _accepted(mapping, token_ids_checked=True)
-        if not isinstance(event, PutEvent):
-            raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
-        return event
+        with _input_rules():
+            check_entry_fields({k: v for k, v in self.mapping["entry"].items() if k not in _DELTA_FIELDS})
 
     def restore(self, prefix: list[int]) -> PutEvent:
         """The exact put the sink was given: ``prefix`` (the parent's prompt and generation) then the suffix.
@@ -412,11 +417,16 @@ class WireDelta:
                 f"parent {self.link.model_call_id!r} at offset {self.link.offset} holds {len(prefix)} tokens, "
                 f"the delta was cut after {self.link.length}"
             )
-        # The prefix is the parent's prompt and generation, which passed the input rules when the parent was
-        # decoded, so it is put in after the head and suffix are checked instead of being checked again. No
-        # rule of an entry depends on its prompt beyond each id being one in range, and the digest below
-        # proves the whole restored entry is the one the sink sent.
-        event = self.suffix_event()
+        # The head and the suffix are validated and checked by the input rules (the ids on their bytes, when
+        # the delta was decoded). The prefix is the parent's prompt and generation, which passed them when the
+        # parent was decoded, so it is put in afterwards instead of being checked again. No rule of an entry
+        # depends on its prompt beyond each id being one in range, and the digest below proves the whole
+        # restored entry is the one the sink sent.
+        mapping = dict(self.mapping)
+        mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": self.suffix}
+        event = _accepted(mapping, token_ids_checked=True)
+        if not isinstance(event, PutEvent):
+            raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
         event.entry.__dict__["prompt_token_ids"] = prefix + self.suffix
         if event.payload_digest != self.entry_digest:
             raise WireDeltaError(

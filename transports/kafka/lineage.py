@@ -5,11 +5,15 @@ Before answering, ``resolve`` reads that partition up to its end as of the call 
 asked of the broker each time), so any ``put`` acknowledged before the call is seen: read-your-writes
 per rollout, on any node, including a resolver built after the put.
 
-Only the head of each packed put is decoded (call id, fingerprint, context digest, lengths, digest, parent
-link, and the generation); the prompt is kept as the undecoded bytes that arrived and is decoded for the one
-proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire. Every put is checked
-by the sinks' input rules as it is read (the prompt on its bytes), so one the materializer dead-letters is
-never a candidate parent here.
+Only the JSON head of each packed put is parsed (call id, fingerprint, context digest, lengths, digest,
+parent link); the token arrays are kept as the undecoded bytes that arrived and are decoded for the one
+proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire.
+
+Every put is checked by the sinks' input rules as it is read: its head by the rules on the entry's fields,
+its ids on their packed bytes (``codec.read_packed_head``); a put refused is no candidate. The rules that
+need decoded arrays apply when the chain is decoded (``codec.decode_event_value``); a refusal there leaves
+the request unresolved (``LineageLookupError``). So a put the materializer dead-letters never resolves a
+parent.
 
 The log is folded the way the materializer applies it, as far as lineage needs: puts after a freeze
 are ignored (the store refuses them), a drop or retire forgets the rollout's calls (a later continuation
@@ -483,7 +487,7 @@ class KafkaLineageResolver:
         encoding = headers.get(HEADER_ENCODING, ENCODING_JSON)
         if encoding == ENCODING_DELTA:
             delta = decode_wire_delta(rollout_id.encode(), value, headers)
-            delta.suffix_event()  # refused here exactly when restoring it would be
+            delta.check_head()
             link = delta.link
             parent = log.at.get(link.offset)
             if link.partition != partition or parent is None or parent.call_id != link.model_call_id:
