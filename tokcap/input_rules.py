@@ -26,7 +26,7 @@ import array
 import math
 import unicodedata
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from tokcap.errors import InvalidInputError, RecordValidationError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent, event_from_mapping
@@ -155,34 +155,37 @@ def check_entry_fields(raw: Mapping[str, Any]) -> None:
 
 
 def _check_raw_types(raw: Mapping[str, Any], *, arrays: bool = True) -> None:
+    """Refuse values pydantic would convert; ``arrays`` false skips the three token arrays.
+
+    This runs on every put a reader decodes, so the common case does no formatting and no generic scans.
+    """
     rollout_id = raw.get("rollout_id")
     call_id = raw.get("model_call_id")
-    where = f"rollout {rollout_id!r} call {call_id!r}"
-    named = {
-        "rollout_id": rollout_id if isinstance(rollout_id, str) else None,
-        "model_call_id": call_id if isinstance(call_id, str) else None,
-    }
-    for field in ("rollout_id", "model_call_id"):
-        if not isinstance(raw.get(field), str):
-            raise RecordValidationError(
-                f"{where}: {field} must be a str, got {type(raw.get(field)).__name__}; nothing was written",
-                **named,
-            )
+    for field, value in (("rollout_id", rollout_id), ("model_call_id", call_id)):
+        if type(value) is not str and not isinstance(value, str):
+            _refuse_raw(raw, f"{field} must be a str, got {type(value).__name__}")
     for field in ("prompt_token_ids", "generation_token_ids") if arrays else ():
         values = raw.get(field)
         if isinstance(values, list) and any(type(value) is not int for value in values):
-            raise RecordValidationError(
-                f"{where}: {field} must hold ints only (not true, false or floats); nothing was written",
-                **named,
-            )
+            _refuse_raw(raw, f"{field} must hold ints only (not true, false or floats)")
     numbers: list[Any] = list(raw.get("generation_log_probs") or []) if arrays else []
     if "created_at" in raw:
         numbers.append(raw["created_at"])
-    if any(isinstance(value, bool) or not isinstance(value, int | float) for value in numbers):
-        raise RecordValidationError(
-            f"{where}: generation_log_probs and created_at must be numbers, not strings; nothing was written",
-            **named,
-        )
+    if any(type(value) is not float and not _is_number(value) for value in numbers):
+        _refuse_raw(raw, "generation_log_probs and created_at must be numbers, not strings")
+
+
+def _is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+def _refuse_raw(raw: Mapping[str, Any], why: str) -> NoReturn:
+    rollout_id, call_id = raw.get("rollout_id"), raw.get("model_call_id")
+    raise RecordValidationError(
+        f"rollout {rollout_id!r} call {call_id!r}: {why}; nothing was written",
+        rollout_id=rollout_id if isinstance(rollout_id, str) else None,
+        model_call_id=call_id if isinstance(call_id, str) else None,
+    )
 
 
 def check_storable(entry: TokenEntry, *, token_ids_checked: bool = False) -> TokenEntry:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +12,7 @@ import orjson
 import pytest
 
 import transports.kafka.lineage as kafka_lineage
-from tokcap.errors import EventDecodeError
+from tokcap.errors import EventDecodeError, LineageLookupError
 from tokcap.events import DeleteEvent, Event, FreezeEvent, PutEvent, RetireEvent, encode_event
 from tokcap.lineage import stamp_continuation
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
@@ -266,3 +267,15 @@ def test_a_put_the_sinks_input_rules_refuse_is_never_a_candidate_parent(
     assert _status(resolver, "one") == ("unresolved", None)
     resolver._fold("r", *_crafted(encoding))
     assert _status(resolver, "one") == ("resolved", "c1")
+
+
+def test_a_put_whose_arrays_fail_the_input_rules_once_decoded_never_resolves_a_request(
+    resolver: KafkaLineageResolver,
+) -> None:
+    value, headers = _crafted("packed")
+    nan_log_prob = value.replace(struct.pack("<d", -0.25), struct.pack("<d", float("nan")))
+    assert nan_log_prob != value
+    resolver._fold("r", nan_log_prob, headers)
+    # The lookup fails, which the capture path records as an unresolved parent; it never resolves to it.
+    with pytest.raises(LineageLookupError, match="cannot be decoded"):
+        resolver._answer("r", _next_request("one"))
