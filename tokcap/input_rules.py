@@ -162,7 +162,7 @@ def _check_raw_types(raw: Mapping[str, Any], *, arrays: bool = True) -> None:
     rollout_id = raw.get("rollout_id")
     call_id = raw.get("model_call_id")
     for field, value in (("rollout_id", rollout_id), ("model_call_id", call_id)):
-        if type(value) is not str and not isinstance(value, str):
+        if not isinstance(value, str):
             _refuse_raw(raw, f"{field} must be a str, got {type(value).__name__}")
     for field in ("prompt_token_ids", "generation_token_ids") if arrays else ():
         values = raw.get(field)
@@ -176,6 +176,7 @@ def _check_raw_types(raw: Mapping[str, Any], *, arrays: bool = True) -> None:
 
 
 def _is_number(value: object) -> bool:
+    """An int or a float, but not a bool (which pydantic would take as 0 or 1)."""
     return not isinstance(value, bool) and isinstance(value, int | float)
 
 

@@ -146,7 +146,8 @@ def _set_aside(path: Path, why: str) -> None:
         )
         return
     logger.error(
-        "spill entry %s %s; moved to %s and not forwarded: mark its rollout incomplete by hand if it still matters",
+        "spill entry %s %s; moved to %s and not forwarded: if it was a marker, mark its rollout incomplete by "
+        "hand if it still matters",
         path,
         why,
         aside,
