@@ -28,9 +28,10 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - The position of every applied event is recorded once, in the state the decision returns.
 
 Two kinds of rule come before an event exists and live with what they judge: how a message becomes an
-event, or a dead letter that masks its rollout (undecodable, newer schema, wrong key, a chunk group that
-cannot complete or is still open at its rollout's freeze), in ``transports/kafka/router.py``; and how the
-files a crash left are read back, in ``tokcap/recovery.py``.
+event, or a dead letter that masks its rollout (undecodable, newer schema, refused by the input rules of
+``tokcap/input_rules.py``, wrong key, a chunk group that cannot complete or is still open at its rollout's
+freeze), in ``transports/kafka/router.py``; and how the files a crash left are read back, in
+``tokcap/recovery.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
+from tokcap.input_rules import check_line_call_id
 from tokcap.state import FreezeAnswer, IncompleteMark, IntentOp, Lifecycle, Rejection, RolloutState
 
 __all__ = [
@@ -185,8 +187,12 @@ class Decision:
 
 
 def intent_line(model_call_id: str) -> bytes:
-    """The stored line of one intent: the call id, as Gym writes it."""
-    return model_call_id.encode() + b"\n"
+    """The stored line of one intent: the call id, as Gym writes it.
+
+    Each line writer refuses a call id with a control character or over the length limit
+    (``check_line_call_id``): whatever let it through, it must never become a line read as another call.
+    """
+    return check_line_call_id(model_call_id).encode() + b"\n"
 
 
 CANCEL_PREFIX = "\x00"
@@ -198,12 +204,12 @@ def cancel_line(model_call_id: str) -> bytes:
 
     Gym 0.7.0 has no cancel; to Gym such a line dangles, so Gym masks the rollout (never the reverse).
     """
-    return (CANCEL_PREFIX + model_call_id).encode() + b"\n"
+    return (CANCEL_PREFIX + check_line_call_id(model_call_id)).encode() + b"\n"
 
 
 def mark_line(model_call_id: str) -> bytes:
     """The stored line of one incomplete marker: the call id (maybe empty), as Gym writes it."""
-    return model_call_id.encode() + b"\n"
+    return check_line_call_id(model_call_id).encode() + b"\n"
 
 
 def snapshot_id_at(position: LogPosition) -> str:

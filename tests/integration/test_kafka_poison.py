@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -11,9 +12,14 @@ from cli_helpers import tokcap
 from confluent_kafka import Producer
 from store_contract import make_entry
 
-from tokcap.events import EVENT_SCHEMA_VERSION, FreezeEvent, PutEvent, encode_event
+from tokcap.delivery import finalize_rollout_token_capture
+from tokcap.events import EVENT_SCHEMA_VERSION, FreezeEvent, IntentEvent, PutEvent, encode_event
+from tokcap.lineage import stamp_continuation
+from tokcap.records import TokenEntry
+from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.codec import encode_event_messages
+from transports.kafka.lineage import KafkaLineageResolver
 
 pytestmark = pytest.mark.kafka
 
@@ -143,3 +149,143 @@ def test_tokcap_materialize_reports_each_dead_letter_in_one_line(
     assert reported[0].startswith("dead letter: partition 0 offset 0 rollout r-garbage: ")
     assert "not valid JSON" in reported[0]
     assert reported[1].startswith("dead letter: partition 0 offset 2 rollout r-late: ")
+
+
+# Messages a sink would have refused to send, produced by hand: each must be dead-lettered naming the field,
+# and its rollout delivered masked, whichever reader takes it (materializer, timeline, lineage resolver).
+REQUEST = [{"role": "user", "content": "hi"}]
+CONTINUATION = [*REQUEST, {"role": "assistant", "content": "one"}, {"role": "user", "content": "more"}]
+
+
+def crafted_put(
+    rollout_id: str, encoding: str, **fields: Any
+) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    """A put of call c1 a continuation could resolve to, with ``fields`` as a hand-made message carries them."""
+    entry = TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id="c1",
+        prompt_token_ids=[1, 2, 3],
+        generation_token_ids=[7, 8],
+        generation_log_probs=[-0.5, -0.25],
+        output_items=[{"type": "message", "role": "assistant", "content": "one"}],
+        token_item_index=0,
+    )
+    stamp_continuation(entry, REQUEST)
+    event = PutEvent(rollout_id=rollout_id, entry=entry.model_copy(update=fields))
+    if encoding == "packed":
+        (message,) = encode_event_messages(event, next_chunk_group=lambda: "unused:0")
+        return message.key, message.value, message.headers
+    raw = orjson.loads(encode_event(event))
+    raw["entry"].update(fields)
+    headers = [("tokcap.type", b"put"), ("tokcap.schema_version", b"1"), ("tokcap.encoding", b"json")]
+    return rollout_id.encode(), orjson.dumps(raw), headers
+
+
+def crafted_intent(rollout_id: str, call_id: str) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    headers = [("tokcap.type", b"intent"), ("tokcap.schema_version", b"1"), ("tokcap.encoding", b"json")]
+    return (
+        rollout_id.encode(),
+        encode_event(IntentEvent(rollout_id=rollout_id, model_call_id=call_id)),
+        headers,
+    )
+
+
+REFUSED_ON_THE_TOPIC = [
+    (
+        "r-json-negative",
+        crafted_put("r-json-negative", "json", prompt_token_ids=[5, -7, 9]),
+        "prompt_token_ids",
+    ),
+    (
+        "r-packed-negative",
+        crafted_put("r-packed-negative", "packed", prompt_token_ids=[-7, 5, 9]),
+        "prompt_token_ids",
+    ),
+    (
+        "r-json-true",
+        crafted_put("r-json-true", "json", generation_token_ids=[True, 8]),
+        "generation_token_ids",
+    ),
+    ("r-newline-call", crafted_intent("r-newline-call", "a\nb"), "model_call_id"),
+    ("r-nul-call", crafted_intent("r-nul-call", "c9\r\x00c1"), "model_call_id"),
+    ("r-long-call", crafted_intent("r-long-call", "z" * 5000), "model_call_id"),
+]
+
+
+def test_events_the_sinks_would_refuse_are_dead_lettered_naming_the_field_and_their_rollouts_delivered_masked(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    produce_raw(kafka_bootstrap, kafka_topic, [message for _, message, _ in REFUSED_ON_THE_TOPIC])
+    rollouts = [rollout_id for rollout_id, _, _ in REFUSED_ON_THE_TOPIC]
+
+    async def scenario() -> dict[str, Any]:
+        sink = KafkaTokenSink(
+            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, spill_dir=tmp_path / "spill"
+        )
+        source = KafkaTokenSource(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path)
+        try:
+            # The control: the same put sent by a sink is delivered unmasked.
+            good_key, good_value, good_headers = crafted_put("r-healthy", "packed")
+            produce_raw(kafka_bootstrap, kafka_topic, [(good_key, good_value, good_headers)])
+            for rollout_id in rollouts[3:]:
+                await sink.put(make_entry(rollout_id, "c1"))
+            results = {}
+            for rollout_id in ["r-healthy", *rollouts]:
+                record = {"rollout_id": rollout_id, "response": {"output": []}}
+                results[rollout_id] = await finalize_rollout_token_capture(record, source)
+            return results
+        finally:
+            await sink.close()
+            await source.close()
+
+    results = asyncio.run(scenario())
+    assert not results["r-healthy"].masked
+    assert {rollout_id: results[rollout_id].masked for rollout_id in rollouts} == dict.fromkeys(
+        rollouts, True
+    )
+    lines = [
+        orjson.loads(line) for line in (tmp_path / "kafka-dead-letter-p0.jsonl").read_bytes().splitlines()
+    ]
+    reasons = {line["rollout_id"]: line["reason"] for line in lines}
+    assert sorted(reasons) == sorted(rollouts)
+    for rollout_id, _, field in REFUSED_ON_THE_TOPIC:
+        assert "input rules" in reasons[rollout_id] and field in reasons[rollout_id], reasons[rollout_id]
+    store = TokenCaptureStore(tmp_path)
+    for rollout_id in rollouts:
+        assert store.read_intents(rollout_id) == {}
+        assert not store.intents_path_for(rollout_id).exists()
+        kept = [entry.prompt_token_ids for entry in store.read_entries(rollout_id)]
+        assert kept == ([[0, 1, 2]] if rollout_id in rollouts[3:] else [])
+
+
+def test_the_timeline_and_the_lineage_resolver_are_not_fooled_by_events_the_sinks_would_refuse(
+    kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    produce_raw(kafka_bootstrap, kafka_topic, [message for _, message, _ in REFUSED_ON_THE_TOPIC])
+    produce_raw(kafka_bootstrap, kafka_topic, [crafted_put("r-healthy", "packed")])
+    for rollout_id, _, field in REFUSED_ON_THE_TOPIC:
+        completed = tokcap(
+            "log", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic, "--rollout", rollout_id, "--json"
+        )  # fmt: skip
+        assert completed.returncode == 0, completed.stderr
+        (event,) = completed.json()["events"]
+        assert event["decision"] == "dead-lettered", event
+        assert "input rules" in event["detail"] and field in event["detail"], event
+
+    async def resolutions() -> dict[str, str]:
+        resolver = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+        try:
+            answers = {}
+            for rollout_id in ("r-healthy", "r-json-negative", "r-packed-negative", "r-json-true"):
+                resolution = await resolver.resolve(rollout_id, CONTINUATION)
+                answers[rollout_id] = resolution.status.value
+            return answers
+        finally:
+            await resolver.close()
+
+    assert asyncio.run(resolutions()) == {
+        "r-healthy": "resolved",
+        "r-json-negative": "unresolved",
+        "r-packed-negative": "unresolved",
+        "r-json-true": "unresolved",
+    }

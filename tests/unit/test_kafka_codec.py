@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import struct
+from array import array
 
 import orjson
 import pytest
@@ -43,7 +45,7 @@ def roundtrip(event: PutEvent | FreezeEvent) -> bytes:
 
 def test_a_packed_put_decodes_to_the_same_canonical_entry_with_full_float64_precision() -> None:
     probs = [-1e-308, -5e-324, -0.0, -1.0 / 3.0]
-    event = put_event([0, 1, 2**31 - 1, -(2**31)], probs, tool="x", nested={"b": [1, 2.5]})
+    event = put_event([0, 1, 2**31 - 1, 2**31 - 2], probs, tool="x", nested={"b": [1, 2.5]})
     encoding, value = encode_event_value(event)
     assert encoding == "packed"
     decoded = decode_event_value(value, {HEADER_ENCODING: encoding})
@@ -53,7 +55,7 @@ def test_a_packed_put_decodes_to_the_same_canonical_entry_with_full_float64_prec
 
 def test_ids_beyond_32_bits_are_packed_as_64_bit_and_beyond_64_bits_are_refused() -> None:
     narrow = roundtrip(put_event([1, 2, 3]))
-    wide = roundtrip(put_event([2**40, -(2**62), 3]))
+    wide = roundtrip(put_event([2**40, 2**62, 3]))
     assert len(wide) - len(narrow) == 6 * 4
     with pytest.raises(RecordValidationError):
         encode_event_value(put_event([2**70, 1, 2]))
@@ -138,3 +140,82 @@ def test_extra_values_orjson_would_render_differently_still_decode_to_the_same_c
     decoded = decode_event_value(value, {HEADER_ENCODING: encoding})
     assert isinstance(decoded, PutEvent)
     assert decoded.entry.canonical_json() == event.entry.canonical_json()
+
+
+def _json_put(event: PutEvent, **entry_fields: object) -> bytes:
+    raw = orjson.loads(encode_event(event))
+    raw["entry"].update(entry_fields)
+    return orjson.dumps(raw)
+
+
+def _packed_with(event: PutEvent, field: str, dtype: str, data: bytes) -> bytes:
+    """A packed put whose array ``field`` is replaced by ``data`` described as ``dtype`` (a hand-made message)."""
+    _, value = encode_event_value(event)
+    (length,) = struct.unpack_from("<I", value, 4)
+    head = orjson.loads(value[8 : 8 + length])
+    arrays, cursor, blobs = head["arrays"], 8 + length, []
+    for descriptor in arrays:
+        size = descriptor["count"] * (4 if descriptor["dtype"] == "<i4" else 8)
+        blob = value[cursor : cursor + size]
+        cursor += size
+        if descriptor["field"] == field:
+            width = 4 if dtype == "<i4" else 8
+            descriptor.update(dtype=dtype, count=len(data) // width)
+            blob = data
+        blobs.append(blob)
+    new_head = orjson.dumps(head, option=orjson.OPT_SORT_KEYS)
+    return b"".join([b"TKP1", struct.pack("<I", len(new_head)), new_head, *blobs])
+
+
+_CODES = {"<i4": "i", "<i8": "q", "<f8": "d"}
+
+
+@pytest.mark.parametrize(
+    ("field", "dtype", "values", "why"),
+    [
+        ("prompt_token_ids", "<i4", [5, -7, 9], "negative token id"),
+        ("prompt_token_ids", "<i8", [5, -(2**40), 9], "negative token id"),
+        ("prompt_token_ids", "<f8", [5.0, 7.0, 9.0], "packed as <f8"),
+        ("generation_token_ids", "<i4", [-1, 8], "negative token id"),
+    ],
+)
+def test_a_packed_id_array_a_sink_could_not_have_sent_is_refused_naming_its_field(
+    field: str, dtype: str, values: list[float], why: str
+) -> None:
+    value = _packed_with(
+        put_event([1, 2, 3], [-0.5, -0.25]), field, dtype, array(_CODES[dtype], values).tobytes()
+    )
+    with pytest.raises(EventDecodeError, match=rf"input rules: .*{field} .*{why}"):
+        decode_event_value(value, {HEADER_ENCODING: "packed"})
+
+
+def test_the_widest_ids_a_sink_sends_still_decode_unchanged() -> None:
+    ids = [0, 2**31 - 1, 2**63 - 1, 2**63, 2**64 - 1]
+    decoded = decode_event_value(encode_event_value(put_event(ids))[1], {HEADER_ENCODING: "packed"})
+    assert isinstance(decoded, PutEvent) and decoded.entry.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"prompt_token_ids": [5, -7, 9]}, "prompt_token_ids holds token id -7"),
+        ({"generation_token_ids": [True, 8]}, "generation_token_ids must hold ints only"),
+        ({"prompt_token_ids": [1.0, 2]}, "prompt_token_ids must hold ints only"),
+        ({"model_call_id": "a\nb"}, "model_call_id .* control character"),
+        ({"model_call_id": "z" * 5000}, "model_call_id is 5000 characters"),
+    ],
+)
+def test_a_json_put_a_sink_would_refuse_is_refused_naming_its_field(
+    fields: dict[str, object], named: str
+) -> None:
+    value = _json_put(put_event([1, 2, 3]), **fields)
+    with pytest.raises(EventDecodeError, match=rf"input rules: .*{named}"):
+        decode_event_value(value, {HEADER_ENCODING: "json"})
+
+
+@pytest.mark.parametrize("call_id", ["a\nb", "c9\r\x00c1", "z" * 5000])
+@pytest.mark.parametrize("kind", ["intent", "cancel", "incomplete"])
+def test_an_event_whose_call_id_a_side_file_line_could_not_hold_is_refused(kind: str, call_id: str) -> None:
+    raw = {"schema_version": 1, "type": kind, "rollout_id": "r1", "writer": "w", "model_call_id": call_id}
+    with pytest.raises(EventDecodeError, match=r"input rules: .*model_call_id"):
+        decode_event_value(orjson.dumps(raw), {})

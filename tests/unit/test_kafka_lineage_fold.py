@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 
 import transports.kafka.lineage as kafka_lineage
-from tokcap.events import DeleteEvent, Event, FreezeEvent, PutEvent, RetireEvent
+from tokcap.errors import EventDecodeError, LineageLookupError
+from tokcap.events import DeleteEvent, Event, FreezeEvent, PutEvent, RetireEvent, encode_event
 from tokcap.lineage import stamp_continuation
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from transports.kafka.codec import (
@@ -221,3 +224,58 @@ def test_a_put_sent_as_a_wire_delta_resolves_with_its_restored_cumulative_tokens
     assert resolution.match is not None
     assert resolution.match.model_call_id == "c2"
     assert resolution.match.cumulative_token_ids == (*range(100), 7, 8, 500, 501, 9)
+
+
+def _crafted(encoding: str, **fields: Any) -> tuple[bytes, dict[str, str]]:
+    """A put of call c1 (text "one") with ``fields`` changed, as a hand-made message would carry it."""
+    entry = TokenEntry(
+        rollout_id="r",
+        model_call_id="c1",
+        prompt_token_ids=[1, 2],
+        generation_token_ids=[7, 8],
+        generation_log_probs=[-0.5, -0.25],
+        output_items=[{"role": "assistant", "content": "one"}],
+    )
+    stamp_continuation(entry, REQUEST)
+    event = PutEvent(rollout_id="r", entry=entry.model_copy(update=fields))
+    if encoding == "packed":
+        value = encode_event_value(event)[1]
+    else:
+        raw = orjson.loads(encode_event(event))
+        raw["entry"].update(fields)
+        value = orjson.dumps(raw)
+    return value, {HEADER_TYPE: "put", HEADER_ENCODING: encoding}
+
+
+@pytest.mark.parametrize(
+    ("encoding", "fields"),
+    [
+        ("packed", {"prompt_token_ids": [5, -7, 9]}),
+        ("json", {"prompt_token_ids": [5, -7, 9]}),
+        ("json", {"generation_token_ids": [True, 8]}),
+        ("packed", {"model_call_id": "a\nb"}),
+        ("packed", {"model_call_id": "z" * 5000}),
+    ],
+)
+def test_a_put_the_sinks_input_rules_refuse_is_never_a_candidate_parent(
+    resolver: KafkaLineageResolver, encoding: str, fields: dict[str, Any]
+) -> None:
+    value, headers = _crafted(encoding, **fields)
+    # ``_take`` folds every message this way and passes over the ones that fail.
+    with pytest.raises(EventDecodeError, match="input rules"):
+        resolver._fold("r", value, headers)
+    assert _status(resolver, "one") == ("unresolved", None)
+    resolver._fold("r", *_crafted(encoding))
+    assert _status(resolver, "one") == ("resolved", "c1")
+
+
+def test_a_put_whose_arrays_fail_the_input_rules_once_decoded_never_resolves_a_request(
+    resolver: KafkaLineageResolver,
+) -> None:
+    value, headers = _crafted("packed")
+    nan_log_prob = value.replace(struct.pack("<d", -0.25), struct.pack("<d", float("nan")))
+    assert nan_log_prob != value
+    resolver._fold("r", nan_log_prob, headers)
+    # The lookup fails, which the capture path records as an unresolved parent; it never resolves to it.
+    with pytest.raises(LineageLookupError, match="cannot be decoded"):
+        resolver._answer("r", _next_request("one"))

@@ -157,6 +157,39 @@ def test_a_wire_delta_linking_another_rollouts_message_is_dead_lettered(tmp_path
     assert TokenCaptureStore(tmp_path).is_incomplete("ra")
 
 
+@pytest.mark.parametrize(
+    ("field", "named"),
+    [
+        ("prompt_token_ids", "prompt_suffix_token_ids holds a negative token id"),
+        ("generation_token_ids", "generation_token_ids holds a negative token id"),
+        ("model_call_id", "model_call_id 'call-1\\nx' contains a control character"),
+    ],
+)
+def test_a_wire_delta_a_sink_would_refuse_is_dead_lettered_naming_the_field_and_masks_its_rollout(
+    tmp_path: Path, field: str, named: str
+) -> None:
+    topic = MemoryTopic(TOPIC)
+    root, child = conversation("ra", 2)
+    topic.publish(PutEvent(rollout_id="ra", entry=root))
+    length = len(root.prompt_token_ids) + len(root.generation_token_ids)
+    changed = {
+        "prompt_token_ids": [*child.prompt_token_ids, -7],
+        "generation_token_ids": [-7, *child.generation_token_ids[1:]],
+        "model_call_id": "call-1\nx",
+    }
+    forged = encode_delta_message(
+        PutEvent(rollout_id="ra", entry=child.model_copy(update={field: changed[field]})),
+        ParentLink(0, 0, root.model_call_id, length),
+    )
+    topic.produce(forged.key, forged.value, forged.headers)
+    materialize(topic, tmp_path)
+    (line,) = dead_letters(tmp_path)
+    assert line["offset"] == 1 and named in str(line["reason"]), line
+    store = TokenCaptureStore(tmp_path)
+    assert store.is_incomplete("ra") and [e.model_call_id for e in store.read_entries("ra")] == ["call-0"]
+    assert store.read_intents("ra") == {}
+
+
 def test_a_reader_that_knows_only_schema_1_is_told_a_wire_delta_is_newer_and_decode_message_refuses_it(
     tmp_path: Path,
 ) -> None:

@@ -86,6 +86,33 @@ def test_an_unreadable_marker_is_set_aside_and_reported_never_forwarded_or_delet
     assert "unreadable" in caplog.text and "dead-0.marker" in caplog.text
 
 
+def test_anything_in_the_spill_that_is_not_a_readable_marker_is_set_aside_and_the_readable_ones_are_adopted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dying = MarkerSpill(tmp_path, "dead")
+    dying.write(marker("dead", 1))
+    dying.close()
+    tmp_path.joinpath("dead-2.marker").mkdir()
+    tmp_path.joinpath("dead-3.marker").symlink_to(tmp_path / "dead-1.marker")
+    os.mkfifo(tmp_path / "dead-4.marker")
+    tmp_path.joinpath(".dead-5.marker.tmp").mkdir()
+    tmp_path.joinpath("ghost.lock").mkdir()
+    with caplog.at_level(logging.ERROR):
+        adopted = MarkerSpill(tmp_path, "new").adopt_dead_sessions()
+    assert [m.marker_id for m in adopted] == ["dead-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".dead-5.marker.tmp.corrupt",
+        "dead-1.marker",
+        "dead-2.marker.corrupt",
+        "dead-3.marker.corrupt",
+        "dead-4.marker.corrupt",
+        "dead.lock",
+        "ghost.lock.corrupt",
+    ]
+    for name in ("dead-2.marker", "dead-3.marker", "dead-4.marker", ".dead-5.marker.tmp", "ghost.lock"):
+        assert f"{name} " in caplog.text
+
+
 # ------------------------------------------------------------------------- the sink, with injected faults
 
 
@@ -213,6 +240,27 @@ def test_a_new_sink_forwards_the_markers_a_stopped_sink_left_spilled(
 
     asyncio.run(scenario())
     assert list(tmp_path.joinpath(TOPIC).iterdir()) == []
+
+
+def test_a_directory_among_the_spilled_markers_does_not_stop_a_sink_from_starting_and_forwarding_the_rest(
+    broker: FakeBroker, tmp_path: Path
+) -> None:
+    spill = tmp_path / TOPIC
+    dying = MarkerSpill(spill, "dead")
+    dying.write(marker("dead", 1, rollout_id="r7"))
+    dying.close()
+    spill.joinpath("dead-2.marker").mkdir()
+
+    async def scenario() -> None:
+        sink = new_sink(tmp_path)
+        try:
+            assert await sink.forward_spilled() == 0
+        finally:
+            await sink.close()
+
+    asyncio.run(scenario())
+    assert [(m.rollout_id, m.marker_id) for m in broker.markers()] == [("r7", "dead-1")]
+    assert sorted(p.name for p in spill.iterdir()) == ["dead-2.marker.corrupt"]
 
 
 def test_a_marker_forwarded_again_after_a_lost_acknowledgement_is_applied_once(

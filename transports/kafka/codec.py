@@ -12,6 +12,11 @@ Values:
   Ids are ``<i4`` when they fit, else ``<i8``; log probs are ``<f8``, so every value round-trips exactly.
   Ids beyond 64 bits are refused (the canonical JSON encoder cannot write them either).
 
+Every event decoded here passes the sinks' input rules (``tokcap.input_rules.accept_event``) before anyone
+gets it: what a sink would have refused to send is refused the same way when it is read, as an
+``EventDecodeError`` whose text names the field, which the router dead-letters. A packed id array must use
+an integer dtype and hold no negative value; that is checked on its bytes, before it is decoded.
+
 A value larger than the chunk size is split into chunk messages that carry
 ``(group id, index, count, sha256 of the whole value)`` headers; the materializer reassembles them.
 """
@@ -29,13 +34,15 @@ import orjson
 
 from tokcap.errors import (
     EventDecodeError,
+    InvalidInputError,
     InvalidRolloutIdError,
     NewerSchemaError,
     RecordValidationError,
     WireDeltaError,
 )
-from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event, event_from_mapping
+from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event
 from tokcap.hashing import sha256_hex
+from tokcap.input_rules import accept_event, check_entry_fields
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 
@@ -66,6 +73,7 @@ __all__ = [
     "headers_to_dict",
     "is_wire_delta",
     "read_chunk_header",
+    "read_packed_head",
     "rollout_of_key",
 ]
 
@@ -94,6 +102,9 @@ _DELTA_PROMPT_FIELD = "prompt_suffix_token_ids"
 _ARRAY_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _DELTA_FIELDS = (_DELTA_PROMPT_FIELD, "generation_token_ids", "generation_log_probs")
 _TYPECODES = {"<i4": "i", "<i8": "q", "<u8": "Q", "<f8": "d"}
+_ID_FIELDS = frozenset({"prompt_token_ids", _DELTA_PROMPT_FIELD, "generation_token_ids"})
+_SIGNED_WIDTHS = {"<i4": 4, "<i8": 8}
+"""Bytes per value of the signed integer dtypes: the last byte of each value holds its sign bit."""
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -166,7 +177,7 @@ def _put_mapping_without_dump(event: PutEvent) -> dict[str, Any]:
     }
 
 
-def _unpack_array(data: bytes, dtype: str) -> list[Any]:
+def _unpack_array(data: bytes | memoryview, dtype: str) -> list[Any]:
     if dtype not in _TYPECODES:
         raise EventDecodeError(f"packed put uses unknown dtype {dtype!r}")
     unpacked = array(_TYPECODES[dtype])
@@ -230,11 +241,36 @@ def _pack(
 
 def _unpack_put(value: bytes) -> dict[str, Any]:
     """Rebuild the JSON mapping of a packed put event."""
-    return _unpack(value, _PACKED_MAGIC, _ARRAY_FIELDS)
+    return _unpack(value, _PACKED_MAGIC, _ARRAY_FIELDS)[0]
 
 
-def _unpack(value: bytes, magic: bytes, fields: tuple[str, ...]) -> dict[str, Any]:
-    """The head of a packed value with its arrays put back into ``entry`` under their field names."""
+def read_packed_head(value: bytes) -> tuple[dict[str, Any], int, int]:
+    """A packed put's entry fields without its arrays, its prompt and generation count, and where its arrays start.
+
+    For a reader that leaves the arrays undecoded (the lineage resolver). The ids are checked on their
+    bytes and the other fields by the input rules (``check_entry_fields``); the rules that need the
+    decoded arrays (finite log probs, equal lengths) are applied when a put is decoded whole, which such a
+    reader does before using one.
+    """
+    mapping, head_end, counts = _unpack(value, _PACKED_MAGIC, _ARRAY_FIELDS, decode=False)
+    if mapping.get("type") != "put":
+        raise EventDecodeError(f"a packed value must be a put event, got {mapping.get('type')!r}")
+    entry = mapping["entry"]
+    try:
+        check_entry_fields(entry)
+    except InvalidInputError as exc:
+        raise _refused(exc) from exc
+    return entry, counts["prompt_token_ids"] + counts["generation_token_ids"], head_end
+
+
+def _unpack(
+    value: bytes, magic: bytes, fields: tuple[str, ...], *, decode: bool = True
+) -> tuple[dict[str, Any], int, dict[str, int]]:
+    """The head of a packed value with its arrays put back into ``entry`` under their field names.
+
+    Also return where the arrays start and each array's length. Id arrays are checked on their bytes
+    (``_check_packed_ids``); without ``decode`` no array is decoded and ``entry`` holds none.
+    """
     kind = magic.decode()
     if len(value) < 8 or value[:4] != magic:
         raise EventDecodeError(f"packed put value does not start with the {kind} magic")
@@ -258,19 +294,69 @@ def _unpack(value: bytes, magic: bytes, fields: tuple[str, ...]) -> dict[str, An
         d.get("field") for d in descriptors if isinstance(d, dict)
     ] != list(fields):
         raise EventDecodeError(f"packed put header must describe the arrays {list(fields)} in order")
+    entry = mapping["entry"]
     cursor = head_end
+    counts: dict[str, int] = {}
+    view = memoryview(value)
     for descriptor in descriptors:
-        dtype, count = descriptor.get("dtype"), descriptor.get("count")
+        dtype, count, field = descriptor.get("dtype"), descriptor.get("count"), descriptor["field"]
         if dtype not in _TYPECODES or not isinstance(count, int) or count < 0:
             raise EventDecodeError(f"packed put array descriptor {descriptor!r} is invalid")
         size = count * (4 if dtype == "<i4" else 8)
         if cursor + size > len(value):
-            raise EventDecodeError(f"packed put value is truncated inside array {descriptor['field']}")
-        mapping["entry"][descriptor["field"]] = _unpack_array(value[cursor : cursor + size], dtype)
+            raise EventDecodeError(f"packed put value is truncated inside array {field}")
+        if field in _ID_FIELDS:
+            _check_packed_ids(mapping, field, dtype, value, cursor, cursor + size)
+        if decode:
+            entry[field] = _unpack_array(view[cursor : cursor + size], dtype)
+        else:
+            entry.pop(field, None)
+        counts[field] = count
         cursor += size
     if cursor != len(value):
         raise EventDecodeError(f"packed put value has {len(value) - cursor} trailing bytes")
-    return dict(mapping)
+    return dict(mapping), head_end, counts
+
+
+def _check_packed_ids(
+    mapping: Mapping[str, Any], field: str, dtype: str, value: bytes, start: int, end: int
+) -> None:
+    """Refuse a packed id array (``value[start:end]``) a sink could not have sent: ids are ints in [0, 2**64).
+
+    A float dtype is refused outright. A little-endian signed value is negative exactly when the top bit of
+    its last byte is set, so an array holds no negative id exactly when those bytes are all ASCII: one
+    strided slice and ``isascii``, both in C, a small fraction of the cost of decoding the array.
+    """
+    width = _SIGNED_WIDTHS.get(dtype)
+    if dtype == "<u8" or (width is not None and value[start + width - 1 : end : width].isascii()):
+        return
+    why = f"is packed as {dtype}, not as integers" if width is None else "holds a negative token id"
+    entry = mapping.get("entry") or {}
+    raise EventDecodeError(
+        f"refused by the input rules: rollout {mapping.get('rollout_id')!r} call {entry.get('model_call_id')!r}: "
+        f"{field} {why}; token ids are integers in [0, 2**64)"
+    )
+
+
+def _refused(exc: InvalidInputError) -> EventDecodeError:
+    """A refusal by the sinks' input rules as an ``EventDecodeError`` that names the field.
+
+    Every reader then dead-letters the message, or passes over it, as it does any message it cannot apply.
+    (Plain ``try`` blocks call this rather than a context manager, which would cost a microsecond per event.)
+    """
+    return EventDecodeError(
+        f"refused by the input rules: {exc}", rollout_id=exc.rollout_id, model_call_id=exc.model_call_id
+    )
+
+
+def _accepted(raw: object, *, token_ids_checked: bool) -> Event:
+    """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_event``)."""
+    try:
+        return accept_event(raw, token_ids_checked=token_ids_checked)
+    except (EventDecodeError, NewerSchemaError):
+        raise
+    except InvalidInputError as exc:
+        raise _refused(exc) from exc
 
 
 @dataclass(frozen=True)
@@ -311,6 +397,17 @@ class WireDelta:
         """Tokens of the restored prompt."""
         return self.link.length + len(self.suffix)
 
+    def check_head(self) -> None:
+        """Refuse the entry's fields other than its arrays by the input rules (``check_entry_fields``).
+
+        For a reader that does not restore the delta (the lineage resolver); the arrays' ids were checked on
+        their bytes when the delta was decoded.
+        """
+        try:
+            check_entry_fields({k: v for k, v in self.mapping["entry"].items() if k not in _DELTA_FIELDS})
+        except InvalidInputError as exc:
+            raise _refused(exc) from exc
+
     def restore(self, prefix: list[int]) -> PutEvent:
         """The exact put the sink was given: ``prefix`` (the parent's prompt and generation) then the suffix.
 
@@ -322,13 +419,14 @@ class WireDelta:
                 f"parent {self.link.model_call_id!r} at offset {self.link.offset} holds {len(prefix)} tokens, "
                 f"the delta was cut after {self.link.length}"
             )
-        # The head and the suffix are validated; the prefix is the parent's prompt and generation, validated
-        # when the parent was decoded, so it is put in after validation instead of being checked again. No
-        # rule of an entry depends on its prompt beyond each id being an int, and the digest below proves
-        # the whole restored entry is the one the sink sent.
+        # The head and the suffix are validated and checked by the input rules (the ids on their bytes, when
+        # the delta was decoded). The prefix is the parent's prompt and generation, which passed them when the
+        # parent was decoded, so it is put in afterwards instead of being checked again. No rule of an entry
+        # depends on its prompt beyond each id being one in range, and the digest below proves the whole
+        # restored entry is the one the sink sent.
         mapping = dict(self.mapping)
         mapping["entry"] = {**self.mapping["entry"], "prompt_token_ids": self.suffix}
-        event = event_from_mapping(mapping)
+        event = _accepted(mapping, token_ids_checked=True)
         if not isinstance(event, PutEvent):
             raise EventDecodeError(f"a wire delta must be a put event, got {event.type.value}")
         event.entry.__dict__["prompt_token_ids"] = prefix + self.suffix
@@ -417,7 +515,7 @@ def decode_wire_delta(key: bytes | None, value: bytes | None, headers: Mapping[s
     if value is None:
         raise EventDecodeError("message has no value")
     try:
-        mapping = _unpack(value, _DELTA_MAGIC, _DELTA_FIELDS)
+        mapping = _unpack(value, _DELTA_MAGIC, _DELTA_FIELDS)[0]
         parent, digest = mapping.pop("parent", None), mapping.pop("entry_sha256", None)
         if not isinstance(parent, dict):
             raise EventDecodeError("a wire delta head must carry its parent link")
@@ -556,7 +654,7 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
             "a wire delta (encoding 'delta') is decoded with its parent message: read it through the inbound router"
         )
     if encoding == ENCODING_PACKED:
-        event = event_from_mapping(_unpack_put(value))
+        event = _accepted(_unpack_put(value), token_ids_checked=True)
         if not isinstance(event, PutEvent):
             raise EventDecodeError(f"a packed value must be a put event, got {event.type.value}")
         return event
@@ -566,7 +664,7 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
         raw = orjson.loads(value)
     except orjson.JSONDecodeError as exc:
         raise EventDecodeError(f"event is not valid JSON: {exc}") from exc
-    return event_from_mapping(raw)
+    return _accepted(raw, token_ids_checked=False)
 
 
 def decode_message(key: bytes | None, value: bytes | None, headers: Mapping[str, str]) -> Event:

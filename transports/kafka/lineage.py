@@ -9,6 +9,12 @@ Only the JSON head of each packed put is parsed (call id, fingerprint, context d
 parent link); the token arrays are kept as the undecoded bytes that arrived and are decoded for the one
 proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire.
 
+Every put is checked by the sinks' input rules as it is read: its head by the rules on the entry's fields,
+its ids on their packed bytes (``codec.read_packed_head``); a put refused is no candidate. The rules that
+need decoded arrays apply when the chain is decoded (``codec.decode_event_value``); a refusal there leaves
+the request unresolved (``LineageLookupError``). So a put the materializer dead-letters never resolves a
+parent.
+
 The log is folded the way the materializer applies it, as far as lineage needs: puts after a freeze
 are ignored (the store refuses them), a drop or retire forgets the rollout's calls (a later continuation
 is unresolved, which is always safe), and a delete starts the rollout afresh.
@@ -22,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import struct
 import threading
 import time
 import uuid
@@ -60,6 +65,7 @@ from transports.kafka.codec import (
     decode_wire_delta,
     headers_to_dict,
     read_chunk_header,
+    read_packed_head,
     rollout_of_key,
 )
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
@@ -69,7 +75,6 @@ from transports.kafka.topics import resolve_topic
 
 __all__ = ["KafkaLineageResolver"]
 
-_PACKED_MAGIC = b"TKP1"
 _ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 _FORGETTING_EVENTS = frozenset({"drop", "retire"})
 _FOLD_STEP = 16
@@ -161,20 +166,6 @@ class _RolloutLog:
     retired: bool = False
     at: dict[int, _StoredPut] = field(default_factory=dict)
     """Whole put messages by offset: the parents a wire delta of this rollout may link."""
-
-
-def _packed_head(value: bytes) -> tuple[dict[str, Any], int, int]:
-    """The entry fields of a packed put without its arrays, its prompt+generation count, and the head's end."""
-    if len(value) < 8 or value[:4] != _PACKED_MAGIC:
-        raise EventDecodeError("packed put value does not start with the TKP1 magic")
-    (length,) = struct.unpack_from("<I", value, 4)
-    head = orjson.loads(value[8 : 8 + length])
-    entry, arrays = head.get("entry"), head.get("arrays")
-    if not isinstance(entry, dict) or not isinstance(arrays, list):
-        raise EventDecodeError("packed put head has no entry or no array descriptors")
-    counts = {d.get("field"): d.get("count") for d in arrays if isinstance(d, dict)}
-    tokens = int(counts.get("prompt_token_ids") or 0) + int(counts.get("generation_token_ids") or 0)
-    return entry, tokens, 8 + length
 
 
 class KafkaLineageResolver:
@@ -496,6 +487,7 @@ class KafkaLineageResolver:
         encoding = headers.get(HEADER_ENCODING, ENCODING_JSON)
         if encoding == ENCODING_DELTA:
             delta = decode_wire_delta(rollout_id.encode(), value, headers)
+            delta.check_head()
             link = delta.link
             parent = log.at.get(link.offset)
             if link.partition != partition or parent is None or parent.call_id != link.model_call_id:
@@ -511,7 +503,7 @@ class KafkaLineageResolver:
                 + orjson.dumps([generation, delta.mapping["entry"].get("generation_log_probs")])
             )
         elif encoding == ENCODING_PACKED:
-            entry, token_count, head_end = _packed_head(value)
+            entry, token_count, head_end = read_packed_head(value)
             payload = hashlib.sha256(orjson.dumps(entry, option=orjson.OPT_SORT_KEYS) + value[head_end:])
         else:
             event = decode_event_value(value, headers)
@@ -558,7 +550,10 @@ class KafkaLineageResolver:
             raise LineageLookupError(f"call {call_id} is indexed but its record was not kept")
         if stored.headers.get(HEADER_ENCODING) == ENCODING_DELTA:
             return self._restored(log, stored).entry
-        event = decode_event_value(stored.value, stored.headers)
+        try:
+            event = decode_event_value(stored.value, stored.headers)
+        except EventDecodeError as exc:
+            raise LineageLookupError(f"the record kept for call {call_id} cannot be decoded: {exc}") from exc
         if not isinstance(event, PutEvent):
             raise LineageLookupError(f"the record kept for call {call_id} is not a put")
         return event.entry

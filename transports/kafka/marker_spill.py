@@ -15,6 +15,10 @@ Layout, under ``<spill_dir>/<topic>/``:
 - ``.<session>-<n>.marker.tmp``: a marker being written; one left by a dead session is removed unread
   (its ``mark_incomplete`` never returned, and the call's dangling intent still masks the rollout).
 
+Anything else found under those names (a directory, a symbolic link, a fifo, a file that cannot be read or
+decoded) is set aside as ``<name>.corrupt`` with a logged error and never forwarded, so it cannot stop a sink
+from starting or hide the readable markers beside it.
+
 A sink adopts the markers of dead sessions when it starts: it takes their lock (so no other sink adopts them
 too), forwards them, removes them, then removes the lock. The log may still hold a marker twice when an
 acknowledgement was lost (the process died after the broker wrote it and before the file was removed, or the
@@ -28,6 +32,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +110,48 @@ def _write_whole(path: Path, data: bytes) -> None:
         os.close(fd)
     os.replace(tmp, path)
     _fsync_directory(path.parent)
+
+
+def _read_regular_file(path: Path) -> bytes:
+    """The bytes of a regular file; ``OSError`` for anything else, which is never followed or waited on.
+
+    A link is refused (``O_NOFOLLOW``), a fifo is opened without waiting for a writer (``O_NONBLOCK``) and,
+    like a directory, refused by its type before anything is read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _set_aside(path: Path, why: str) -> None:
+    """Move a spill entry that is not a readable marker or lock out of the way, with a logged error."""
+    aside = path.with_name(path.name + _CORRUPT_SUFFIX)
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        logger.error(
+            "spill entry %s %s, and it cannot be moved aside (%s); it is skipped: remove it by hand",
+            path,
+            why,
+            exc,
+        )
+        return
+    logger.error(
+        "spill entry %s %s; moved to %s and not forwarded: if it was a marker, mark its rollout incomplete by "
+        "hand if it still matters",
+        path,
+        why,
+        aside,
+    )
 
 
 class MarkerSpill:
@@ -200,7 +247,10 @@ class MarkerSpill:
                 if fd is None:
                     continue
                 for tmp in self._directory.glob(f".{session}-*{_MARKER_SUFFIX}{_TMP_SUFFIX}"):
-                    tmp.unlink(missing_ok=True)
+                    try:
+                        tmp.unlink(missing_ok=True)
+                    except OSError as exc:
+                        _set_aside(tmp, f"is not a half-written marker that can be removed ({exc})")
                 markers = self._markers_of(session)
                 if markers:
                     self._adopted[session] = fd
@@ -217,10 +267,24 @@ class MarkerSpill:
 
     @staticmethod
     def _lock_if_dead(path: Path) -> int | None:
-        """The lock's descriptor, locked, when its session is dead; ``None`` while its session lives."""
+        """The lock's descriptor, locked, when its session is dead; ``None`` while its session lives.
+
+        A lock is a regular file a session created; anything else under a lock's name is set aside. A lock
+        that cannot be opened is reported and skipped: its session may be alive, so its markers stay.
+        """
         try:
-            fd = os.open(path, os.O_RDWR)
+            if not stat.S_ISREG(path.lstat().st_mode):
+                _set_aside(path, "is not a session's lock file (a directory, a link or a special file)")
+                return None
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.error(
+                "spill lock %s cannot be opened (%s); the markers of its session are left as they are",
+                path,
+                exc,
+            )
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -234,31 +298,24 @@ class MarkerSpill:
         return fd
 
     def _markers_of(self, session: str) -> list[SpilledMarker]:
-        """The readable markers of one session, by sequence; an unreadable one is set aside and reported."""
+        """The readable markers of one session, by sequence; anything else is set aside and reported."""
         markers = []
         for path in self._directory.glob(f"{session}-*{_MARKER_SUFFIX}"):
             match = _MARKER_NAME.match(path.name)
             if match is None or match["session"] != session:
                 continue
             try:
-                event = decode_event(path.read_bytes())
+                event = decode_event(_read_regular_file(path))
             except FileNotFoundError:
                 continue
+            except OSError as exc:
+                _set_aside(path, f"is unreadable as a marker file ({exc})")
+                continue
             except (EventDecodeError, NewerSchemaError) as exc:
-                aside = path.with_name(path.name + _CORRUPT_SUFFIX)
-                os.replace(path, aside)
-                logger.error(
-                    "spilled incomplete marker %s is unreadable (%s); moved to %s and not forwarded: mark its "
-                    "rollout incomplete by hand if it still matters",
-                    path,
-                    exc,
-                    aside,
-                )
+                _set_aside(path, f"is unreadable as a marker ({exc})")
                 continue
             if not isinstance(event, IncompleteEvent) or event.marker_id != path.name[: -len(_MARKER_SUFFIX)]:
-                aside = path.with_name(path.name + _CORRUPT_SUFFIX)
-                os.replace(path, aside)
-                logger.error("spill file %s does not hold its own marker; moved to %s", path, aside)
+                _set_aside(path, "does not hold its own marker")
                 continue
             markers.append(SpilledMarker(path, session, int(match["sequence"]), event))
         return sorted(markers, key=lambda marker: marker.sequence)

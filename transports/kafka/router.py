@@ -8,8 +8,9 @@ Both readers of a topic route through here, the materializer and the timeline be
 - ``Deferred``: a whole capture message (intent, cancel, put, incomplete) of a valid rollout key, routed by its
   headers and key alone when the router defers decoding; ``settle`` decodes it later into one of the others;
 - ``DeadLetter``: a message that cannot be applied (undecodable headers or value, unknown type, newer schema,
-  a key that does not name the event's rollout, a chunk that continues no group, a group whose bytes do not
-  match their digest), or a chunk group that can never complete. Where the key names a valid rollout, the
+  an event the sinks' input rules refuse, a key that does not name the event's rollout, a chunk that
+  continues no group, a group whose bytes do not match their digest), or a chunk group that can never
+  complete. Where the key names a valid rollout, the
   dead letter carries the incomplete mark that masks it.
 
 A chunk group can never complete, and is abandoned, when the same writer session starts another group (its
