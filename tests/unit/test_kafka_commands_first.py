@@ -189,7 +189,9 @@ def test_a_command_wait_is_answered_while_the_backlog_before_it_is_held_back(tmp
         return real(store, topic_name, routed)
 
     async def waits() -> tuple[bool, int, bool, int]:
-        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        )
         materializer.start()
         try:
             frozen = await materializer.applied(0, freeze_at, 60, command=True)
@@ -299,7 +301,13 @@ def test_a_materializer_killed_before_any_decision_resumes_to_the_bytes_of_an_in
             mock.patch.object(materializer_module, "carry_out", crashing_after(calls)),
         ):
             finished = _runs_to_the_end(
-                Materializer("memory", TOPIC, directory, consumer_factory=topic.consumer)
+                Materializer(
+                    "memory",
+                    TOPIC,
+                    directory,
+                    consumer_factory=topic.consumer,
+                    topic_id_reader=topic.topic_id,
+                )
             )
         if finished:
             break
