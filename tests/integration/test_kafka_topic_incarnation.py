@@ -187,3 +187,30 @@ def test_a_running_materializer_stops_by_itself_when_its_topic_is_created_again(
             materializer.wait_for(0, 13, 30)
     finally:
         materializer.stop()
+
+
+def test_a_following_source_refuses_a_checkpoint_of_another_topic_incarnation(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    # The directory's materializer (stopped, or not yet aware) last applied another topic of this name.
+    tmp_path.joinpath("store").mkdir()
+    old = {"next_offset": 100, "partition": 0, "pending_chunk_offsets": [], "topic": kafka_topic}
+    old["topic_id"] = "AAAAAAAAAAAAAAAAAAAAAA"
+    checkpoint_path(tmp_path / "store", 0).write_bytes(orjson.dumps(old))
+
+    async def freeze() -> None:
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap,
+            topic=kafka_topic,
+            store_dir=tmp_path / "store",
+            external_materializer=True,
+            timeout_s=10,
+        )
+        try:
+            await source.freeze("x")
+        finally:
+            await source.close()
+
+    with pytest.raises(TopicIncarnationError, match="AAAAAAAAAAAAAAAAAAAAAA") as refused:
+        asyncio.run(freeze())
+    assert topic_id(kafka_bootstrap, kafka_topic) in str(refused.value)
