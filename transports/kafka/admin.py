@@ -152,6 +152,8 @@ class TopicDescription:
     topic: str
     partitions: tuple[PartitionDescription, ...]
     configs: dict[str, str | None] = field(default_factory=dict)
+    topic_id: str | None = None
+    """The id the broker gave the topic when it was created: store directories are bound to it."""
 
     @property
     def messages(self) -> int:
@@ -181,6 +183,7 @@ class TopicDescription:
         """A JSON-friendly form for ``--json``."""
         return {
             "topic": self.topic,
+            "topic_id": self.topic_id,
             "messages": self.messages,
             "replayable_from_start": self.replayable_from_start,
             "warnings": self.warnings,
@@ -273,7 +276,8 @@ def describe_topic(
         )
         for number, meta in sorted(metadata.partitions.items())
     )
-    return TopicDescription(topic=topic, partitions=partitions, configs=configs)
+    topic_id = TopicIdReader(bootstrap_servers, topic, client_config=client_config, timeout_s=timeout_s)()
+    return TopicDescription(topic=topic, partitions=partitions, configs=configs, topic_id=topic_id)
 
 
 def delete_topic(
