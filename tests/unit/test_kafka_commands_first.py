@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -354,9 +355,9 @@ def test_a_source_following_another_process_answers_a_command_the_checkpoint_lis
 ) -> None:
     ahead = PartitionCheckpoint(TOPIC, 0, next_offset=10, commands_applied=[40])
     checkpoint_path(tmp_path, 0).write_bytes(ahead.encode())
-    waiter = _CheckpointWaiter(tmp_path, TOPIC)
+    waiter = _CheckpointWaiter(tmp_path, TOPIC, lambda: "topic-id")
 
     async def waits() -> list[bool]:
-        return [await waiter.applied(0, offset, 0.05) for offset in (9, 40, 12)]
+        return [await waiter.applied(0, offset, 0.05, time.monotonic()) for offset in (9, 40, 12)]
 
     assert asyncio.run(waits()) == [True, True, False]

@@ -32,6 +32,7 @@ __all__ = [
     "TOPIC_CHECK_S",
     "IncarnationWatch",
     "check_incarnation",
+    "logger",
     "other_incarnation",
 ]
 
