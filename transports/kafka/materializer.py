@@ -39,10 +39,11 @@ never complete, goes to the partition's dead-letter log (``dead_letters``) with 
 reason; where the key is a valid rollout id that rollout is marked incomplete. Consumption never stalls on one.
 
 Offsets are never skipped. The directory is bound to one incarnation of the topic (its id, ``incarnation``):
-records of another one are refused before anything is applied, and the id is read again while running. Each
-partition's fetched offsets must follow one another from the resume offset; an offset past the expected one
-(events deleted before they were read) stops the loop with ``OffsetGapError``, and one before it, or a changed
-topic id, with ``TopicIncarnationError``.
+records of another one are refused before anything is applied, and the id is read again while running and
+before any command read is answered; a changed id stops the loop with ``TopicIncarnationError``. Each
+partition's fetched offsets must follow one another from the resume offset: an offset past the expected one
+(events deleted before they were read) stops the loop with ``OffsetGapError``, and one before it (the log
+rewritten under the same id) with ``MaterializerFailedError``.
 
 Run it in a thread (``start``/``stop``) or as a process::
 
