@@ -21,6 +21,7 @@ from transports.kafka.client_errors import (
     AuthenticationWatch,
     ClientContext,
     build_client,
+    kafka_error_of,
     request_error,
     scrubbed_cause,
 )
@@ -308,6 +309,11 @@ class TopicIdReader:
     Deleting a topic and creating it again keeps the name and starts its offsets again at 0; only the id,
     which the broker gives each topic when it is created, differs. Consumer metadata does not carry it, so
     this asks the admin API. One client is kept, so each read is a single request (about a millisecond).
+
+    librdkafka sends the request to the broker its metadata names as controller and waits for that one: a
+    client that learned of a node that was killed since waited "for controller" for minutes on a three-node
+    cluster. So a client whose read failed is dropped, and the next read starts a new one from the bootstrap
+    addresses, which learns of the nodes alive now.
     """
 
     def __init__(
@@ -341,8 +347,16 @@ class TopicIdReader:
         ]
         try:
             described = future.result(timeout=self._timeout_s + 1.0)
-        except KafkaException as exc:
+        except (KafkaException, TimeoutError) as exc:
             self._watch.raise_if_failed()
+            error = kafka_error_of(exc)
+            if error is None or error.code() not in (
+                KafkaError.UNKNOWN_TOPIC_OR_PART,
+                KafkaError._UNKNOWN_TOPIC,
+            ):
+                with self._lock:
+                    if self._admin is admin:
+                        self._admin = None
             raise request_error(
                 exc,
                 doing=f"read the id of topic {self._topic!r}",

@@ -83,6 +83,7 @@ class IncarnationWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._missing_logged = False
+        self._unread_logged = False
         self._confirmed_at = float("-inf")
         """When the last read that found the bound id began (``time.monotonic``)."""
         self._confirm_lock = threading.Lock()
@@ -149,9 +150,11 @@ class IncarnationWatch:
                 self._missing_logged = True
             return self.failure
         except TransportError as exc:
-            logger.warning("could not read the id of topic %s: %s", self._topic, exc)
+            if not self._unread_logged:
+                logger.warning("could not read the id of topic %s (asking again): %s", self._topic, exc)
+                self._unread_logged = True
             return self.failure
-        self._missing_logged = False
+        self._missing_logged = self._unread_logged = False
         if current == self._bound_id:
             with self._lock:
                 self._confirmed_at = max(self._confirmed_at, began)

@@ -74,11 +74,14 @@ from filelock import FileLock, Timeout
 
 from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
+    BrokerAuthenticationError,
+    BrokerAuthorizationError,
     InvalidInputError,
     MaterializerFailedError,
     MaterializerOwnedElsewhereError,
     OffsetGapError,
     TokcapError,
+    TransportError,
 )
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
 from tokcap.protocols import TokenCaptureSnapshot
@@ -188,6 +191,9 @@ _UNKNOWN_TOPIC_WAIT_S = 5.0
 
 _METADATA_TIMEOUT_S = 30.0
 """How long a metadata request may wait for the broker; a refused login ends it within a second."""
+
+_ID_READ_TIMEOUT_S = 3.0
+"""How long one read of the topic's id may wait; a failed read is tried again with a new admin client."""
 
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
@@ -343,7 +349,7 @@ class Materializer:
         self._client = ClientContext(bootstrap_servers, self._consumer_config)
         self._watch = AuthenticationWatch(self._client)
         self._read_topic_id = topic_id_reader or TopicIdReader(
-            bootstrap_servers, self._topic, client_config=self._consumer_config
+            bootstrap_servers, self._topic, client_config=self._consumer_config, timeout_s=_ID_READ_TIMEOUT_S
         )
         self._incarnation: IncarnationWatch | None = None
         self._fetched_at = 0.0
@@ -666,7 +672,7 @@ class Materializer:
         Owner records and checkpoints of another incarnation are refused here, before anything is applied.
         Those without an id (written before records had one) are rewritten with it now.
         """
-        topic_id = self._read_topic_id()
+        topic_id = self._first_topic_id()
         root = self._store.root
         check_owner_records(root, self._topic, partitions, topic_id)
         checkpoints = {
@@ -690,6 +696,20 @@ class Materializer:
         write_owner_records(root, self._topic, partitions, topic_id)
         self._incarnation = IncarnationWatch(self._topic, topic_id, self._read_topic_id)
         return checkpoints
+
+    def _first_topic_id(self) -> str:
+        """The topic's id at start, asked again for a while when the broker does not answer in time."""
+        deadline = time.monotonic() + _METADATA_TIMEOUT_S
+        while True:
+            try:
+                return self._read_topic_id()
+            except (BrokerAuthenticationError, BrokerAuthorizationError):
+                raise
+            except TransportError as exc:
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    raise
+                logger.warning("reading the id of topic %s again: %s", self._topic, exc)
+                time.sleep(0.2)
 
     def _exclusive(self, partition: int) -> FileLock:
         """Hold partition ownership of this directory: two materializers applying one partition would corrupt it."""
