@@ -9,11 +9,21 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
-from tokcap.errors import MaterializerFailedError, OffsetGapError, TopicIncarnationError
+from tokcap.errors import (
+    MaterializerFailedError,
+    OffsetGapError,
+    PartitionOwnershipConflictError,
+    TopicIncarnationError,
+)
 from tokcap.events import FreezeEvent, IntentEvent, PutEvent
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.materializer import Materializer
-from transports.kafka.ownership import check_owner_records, owner_record_path, write_owner_records
+from transports.kafka.ownership import (
+    PartitionOwners,
+    check_owner_records,
+    owner_record_path,
+    write_owner_records,
+)
 
 TOPIC = "tokcap.incarnation-test"
 
@@ -109,3 +119,14 @@ def test_an_offset_gap_stops_the_materializer_instead_of_skipping_the_missing_ev
         materializer.stop()
     assert "offsets 2-3 were deleted" in str(stopped.value)
     assert PartitionCheckpoint.of_directory(tmp_path, TOPIC, 0).next_offset <= 2
+
+
+def test_two_owners_of_a_partition_from_two_topic_incarnations_are_told_apart_in_the_conflict(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    write_owner_records(tmp_path / "old", TOPIC, [0], "OLD-id")
+    write_owner_records(tmp_path / "new", TOPIC, [0], "NEW-id")
+    with pytest.raises(PartitionOwnershipConflictError, match="topic ids OLD-id and NEW-id"):
+        PartitionOwners(TOPIC, [tmp_path / "old", tmp_path / "new"])

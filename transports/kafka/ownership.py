@@ -140,6 +140,20 @@ def owned_partitions(directory: Path, topic: str) -> set[int]:
     return owned
 
 
+def _incarnations(partition: int, first: Path, second: Path) -> str:
+    """What a conflict message adds when the two records name different ids of the topic."""
+    ids = []
+    for directory in (first, second):
+        raw = _read_record(owner_record_path(directory, partition)) or {}
+        ids.append(raw.get("topic_id"))
+    if ids[0] == ids[1] or None in ids:
+        return ""
+    return (
+        f"their records name topic ids {ids[0]} and {ids[1]}: one directory was fed by a deleted topic of this "
+        "name and holds only the old run (move it out of the search); "
+    )
+
+
 class PartitionOwners:
     """Maps each partition of a topic to the one directory that owns it, among the given directories."""
 
@@ -178,9 +192,9 @@ class PartitionOwners:
                 if other is not None:
                     raise PartitionOwnershipConflictError(
                         f"partition {partition} of {self._topic!r} is owned by both {other} and {directory}; "
-                        f"one partition has one owner: stop one of their materializers and delete its "
-                        f"{owner_record_path(directory, partition).name}, or give the materializers disjoint "
-                        "--partitions"
+                        f"{_incarnations(partition, other, directory)}one partition has one owner: stop one of "
+                        f"their materializers and delete its {owner_record_path(directory, partition).name}, or "
+                        "give the materializers disjoint --partitions"
                     )
                 owner[partition] = directory
         with self._lock:
