@@ -18,8 +18,9 @@ Rules:
 - a record naming another id of the topic is refused (``TopicIncarnationError``): the directory holds a
   deleted topic's rollouts. A record without an id (written before records had one) is rewritten with it.
 
-Records hold nothing that differs between runs, so a directory written by any number of workers is
-byte-identical to a clean replay. This module imports no Kafka client.
+Records hold nothing that differs between runs over one topic (its id is the same for all of them), so a
+directory written by any number of workers is byte-identical to a clean replay. This module imports no
+Kafka client.
 """
 
 from __future__ import annotations
