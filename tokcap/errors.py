@@ -37,7 +37,9 @@ Error tree::
         ├── DeliveryTimeoutError
         ├── TopicMismatchError
         ├── MaterializerFailedError
-        │   └── MaterializerOwnedElsewhereError
+        │   ├── MaterializerOwnedElsewhereError
+        │   ├── TopicIncarnationError
+        │   └── OffsetGapError
         ├── PartitionOwnerMissingError
         ├── BrokerUnreachableError
         ├── BrokerAuthenticationError
@@ -73,6 +75,7 @@ __all__ = [
     "MaterializerFailedError",
     "MaterializerOwnedElsewhereError",
     "NewerSchemaError",
+    "OffsetGapError",
     "PartitionOwnerMissingError",
     "PartitionOwnershipConflictError",
     "PrefixContiguityError",
@@ -86,6 +89,7 @@ __all__ = [
     "StoreWriteError",
     "TokcapError",
     "TokenExtractionError",
+    "TopicIncarnationError",
     "TopicMismatchError",
     "TopicNotFoundError",
     "TrajectoryBuildError",
@@ -231,6 +235,17 @@ class MaterializerFailedError(TransportError):
 
 class MaterializerOwnedElsewhereError(MaterializerFailedError):
     """Another materializer already applies a partition into this directory; a source then follows it."""
+
+
+class TopicIncarnationError(MaterializerFailedError):
+    """A store directory was fed by another incarnation of its topic (deleted and created again under its name).
+
+    Offsets of a new incarnation start again at 0: resuming at the old checkpoint would skip events.
+    """
+
+
+class OffsetGapError(MaterializerFailedError):
+    """A partition's next fetched offset is not the one after the last read: events would be skipped."""
 
 
 class PartitionOwnerMissingError(TransportError):

@@ -74,6 +74,12 @@ class MemoryTopic:
         self._groups = itertools.count()
         self.consumers: list[MemoryConsumer] = []
         """Every consumer handed out, in order, so a test can read what was asked of it."""
+        self.id = "memory-topic-id-1"
+        """The topic's id as the broker would give it; a test changes it to stand for a topic created again."""
+
+    def topic_id(self) -> str:
+        """A ``topic_id_reader`` for ``Materializer``."""
+        return self.id
 
     def produce(
         self, key: bytes | None, value: bytes | None, headers: Headers | None = None, partition: int = 0
@@ -164,6 +170,7 @@ def materialize(
         topic.name,
         directory,
         consumer_factory=topic.consumer,
+        topic_id_reader=topic.topic_id,
         block_messages=block_messages,
         partitions=partitions,
     )

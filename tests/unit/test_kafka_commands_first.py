@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -189,7 +190,9 @@ def test_a_command_wait_is_answered_while_the_backlog_before_it_is_held_back(tmp
         return real(store, topic_name, routed)
 
     async def waits() -> tuple[bool, int, bool, int]:
-        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        )
         materializer.start()
         try:
             frozen = await materializer.applied(0, freeze_at, 60, command=True)
@@ -299,7 +302,13 @@ def test_a_materializer_killed_before_any_decision_resumes_to_the_bytes_of_an_in
             mock.patch.object(materializer_module, "carry_out", crashing_after(calls)),
         ):
             finished = _runs_to_the_end(
-                Materializer("memory", TOPIC, directory, consumer_factory=topic.consumer)
+                Materializer(
+                    "memory",
+                    TOPIC,
+                    directory,
+                    consumer_factory=topic.consumer,
+                    topic_id_reader=topic.topic_id,
+                )
             )
         if finished:
             break
@@ -346,9 +355,9 @@ def test_a_source_following_another_process_answers_a_command_the_checkpoint_lis
 ) -> None:
     ahead = PartitionCheckpoint(TOPIC, 0, next_offset=10, commands_applied=[40])
     checkpoint_path(tmp_path, 0).write_bytes(ahead.encode())
-    waiter = _CheckpointWaiter(tmp_path, TOPIC)
+    waiter = _CheckpointWaiter(tmp_path, TOPIC, lambda: "topic-id")
 
     async def waits() -> list[bool]:
-        return [await waiter.applied(0, offset, 0.05) for offset in (9, 40, 12)]
+        return [await waiter.applied(0, offset, 0.05, time.monotonic()) for offset in (9, 40, 12)]
 
     assert asyncio.run(waits()) == [True, True, False]

@@ -61,7 +61,9 @@ def test_with_a_source_answered_ahead_everything_read_is_decoded_before_anything
 ) -> None:
     topic = puts_of_many_rollouts()
     with nothing_applied_until_released() as release:
-        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        )
         materializer.answer_freezes_ahead_for(TRAINER)
         with running(materializer):
             assert settles_within(materializer, 30), "the sweep went first and blocked the decoding"
@@ -74,7 +76,9 @@ def test_with_a_source_answered_ahead_everything_read_is_decoded_before_anything
 def test_a_materializer_no_source_is_answered_from_sweeps_first(tmp_path: Path) -> None:
     topic = puts_of_many_rollouts()
     with nothing_applied_until_released() as release:
-        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        )
         with running(materializer):
             decoded_all = settles_within(materializer, 0.5)
             release.set()
@@ -85,7 +89,9 @@ def test_decoding_first_stops_at_its_bound_on_tokens_held(tmp_path: Path) -> Non
     topic = puts_of_many_rollouts()
     bound = mock.patch.object(materializer_module, "_DECODE_FIRST_TOKENS", 200)
     with nothing_applied_until_released() as release, bound:
-        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        )
         materializer.answer_freezes_ahead_for(TRAINER)
         with running(materializer):
             decoded_all = settles_within(materializer, 0.5)

@@ -69,7 +69,13 @@ def test_waited_for_freezes_are_answered_before_any_event_is_applied_and_equal_t
     freezes = rollouts_then_freezes(topic, rollouts=6, calls=4)
 
     async def freeze_all(release: threading.Event) -> tuple[dict[str, Any], dict[int, int], dict[str, Any]]:
-        materializer = Materializer("memory", TOPIC, tmp_path / "live", consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory",
+            TOPIC,
+            tmp_path / "live",
+            consumer_factory=topic.consumer,
+            topic_id_reader=topic.topic_id,
+        )
         materializer.answer_freezes_ahead_for(TRAINER)
         materializer.start()
         try:
@@ -113,7 +119,9 @@ def test_a_snapshot_answered_ahead_is_given_out_once(tmp_path: Path) -> None:
     (at,) = rollouts_then_freezes(topic, rollouts=1, calls=2).values()
 
     async def freeze_twice(release: threading.Event) -> tuple[bool, bool]:
-        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        )
         materializer.answer_freezes_ahead_for(TRAINER)
         materializer.start()
         try:
@@ -136,7 +144,9 @@ def test_freezes_of_a_writer_no_source_in_the_process_answers_for_are_not_decide
     freezes = rollouts_then_freezes(topic, rollouts=4, calls=3)
 
     async def wait_for_all() -> int:
-        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        )
         materializer.answer_freezes_ahead_for("another-source")
         materializer.start()
         try:
@@ -165,7 +175,9 @@ def test_each_answer_ahead_ends_only_its_own_freezes_wait_without_rescanning_eve
         return real_is_answered(self, partition, offset, command, ahead)
 
     async def wait_all(release: threading.Event) -> tuple[list[bool], bool, int]:
-        materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+        materializer = Materializer(
+            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        )
         materializer.answer_freezes_ahead_for(TRAINER)
         # Every wait begins before anything is read: the answers arrive while all of them are waiting.
         ahead = [

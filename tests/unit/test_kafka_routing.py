@@ -87,7 +87,9 @@ def test_a_batch_that_reads_nothing_of_a_partition_keeps_that_partitions_open_ch
     # A restart whose first batch holds one message of partition 0 and none of partition 1.
     topic.publish(IntentEvent(rollout_id="r0", model_call_id="c0"), partition=0)
     topic.allowance = 1
-    materializer = Materializer("memory", TOPIC, tmp_path, consumer_factory=topic.consumer)
+    materializer = Materializer(
+        "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+    )
     materializer.start()
     try:
         assert materializer.wait_for(0, 0, 60)
@@ -377,7 +379,12 @@ def test_the_materializer_reports_each_dead_letter_once_as_it_writes_it(tmp_path
     reported: list[DeadLetterLine] = []
     for _ in range(2):
         materializer = Materializer(
-            "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, on_dead_letter=reported.append
+            "memory",
+            TOPIC,
+            tmp_path,
+            consumer_factory=topic.consumer,
+            topic_id_reader=topic.topic_id,
+            on_dead_letter=reported.append,
         )
         materializer.start()
         try:

@@ -88,7 +88,11 @@ def delete(
 
 def render_description(description: dict[str, Any], console: Console) -> None:
     """A partition table with the durability configs under it."""
-    table = Table(title=f"{description['topic']}: {description['messages']} messages", title_justify="left")
+    topic_id = description.get("topic_id")
+    title = (
+        f"{description['topic']}{f' (id {topic_id})' if topic_id else ''}: {description['messages']} messages"
+    )
+    table = Table(title=title, title_justify="left")
     for column in ("partition", "leader", "replicas", "in sync", "low", "high"):
         table.add_column(
             column, justify="right" if column in {"partition", "leader", "low", "high"} else "left"

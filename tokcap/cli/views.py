@@ -116,9 +116,11 @@ def render_store(description: dict[str, Any], console: Console) -> None:
         )
     console.print(table)
     for name, checkpoint in description["kafka_checkpoints"].items():
-        console.print(f"{name}: topic {checkpoint['topic']} next offset {checkpoint['next_offset']}")
+        bound = f" (id {checkpoint['topic_id']})" if checkpoint.get("topic_id") else ""
+        console.print(f"{name}: topic {checkpoint['topic']}{bound} next offset {checkpoint['next_offset']}")
     for name, owner in description.get("kafka_owners", {}).items():
-        console.print(f"{name}: owns partition {owner.get('partition')} of topic {owner.get('topic')}")
+        bound = f" (id {owner['topic_id']})" if owner.get("topic_id") else ""
+        console.print(f"{name}: owns partition {owner.get('partition')} of topic {owner.get('topic')}{bound}")
     for name, lines in description["dead_letters"].items():
         console.print(f"{name}: {len(lines)} dead-lettered messages")
 

@@ -6,13 +6,14 @@ print one clear line instead of a ``KafkaException``; a refused login or TLS han
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollection, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from tokcap.errors import TopicNotFoundError
@@ -20,6 +21,7 @@ from transports.kafka.client_errors import (
     AuthenticationWatch,
     ClientContext,
     build_client,
+    kafka_error_of,
     request_error,
     scrubbed_cause,
 )
@@ -31,6 +33,7 @@ __all__ = [
     "LIBRDKAFKA_LOGGER",
     "PartitionDescription",
     "TopicDescription",
+    "TopicIdReader",
     "delete_topic",
     "describe_topic",
     "list_topics",
@@ -150,6 +153,8 @@ class TopicDescription:
     topic: str
     partitions: tuple[PartitionDescription, ...]
     configs: dict[str, str | None] = field(default_factory=dict)
+    topic_id: str | None = None
+    """The id the broker gave the topic when it was created: store directories are bound to it."""
 
     @property
     def messages(self) -> int:
@@ -179,6 +184,7 @@ class TopicDescription:
         """A JSON-friendly form for ``--json``."""
         return {
             "topic": self.topic,
+            "topic_id": self.topic_id,
             "messages": self.messages,
             "replayable_from_start": self.replayable_from_start,
             "warnings": self.warnings,
@@ -271,7 +277,8 @@ def describe_topic(
         )
         for number, meta in sorted(metadata.partitions.items())
     )
-    return TopicDescription(topic=topic, partitions=partitions, configs=configs)
+    topic_id = TopicIdReader(bootstrap_servers, topic, client_config=client_config, timeout_s=timeout_s)()
+    return TopicDescription(topic=topic, partitions=partitions, configs=configs, topic_id=topic_id)
 
 
 def delete_topic(
@@ -294,3 +301,67 @@ def delete_topic(
         raise request_error(
             exc, doing=f"delete topic {topic!r}", context=context, timeout_s=timeout_s, topic=topic
         ) from scrubbed_cause(exc, context)
+
+
+class TopicIdReader:
+    """Reads a topic's id: what tells one incarnation of a topic from the next one created under its name.
+
+    Deleting a topic and creating it again keeps the name and starts its offsets again at 0; only the id,
+    which the broker gives each topic when it is created, differs. Consumer metadata does not carry it, so
+    this asks the admin API. One client is kept, so each read is a single request (about a millisecond).
+
+    librdkafka sends the request to the broker its metadata names as controller and waits for that one: a
+    client that learned of a node that was killed since waited "for controller" for minutes on a three-node
+    cluster. So a client whose read failed is dropped, and the next read starts a new one from the bootstrap
+    addresses, which learns of the nodes alive now.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        *,
+        client_config: Mapping[str, Any] | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._topic = validate_topic_name(topic)
+        self._context = ClientContext(bootstrap_servers, dict(client_config or {}))
+        self._watch = AuthenticationWatch(self._context)
+        self._timeout_s = timeout_s
+        self._admin: AdminClient | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        """Names the topic only: client settings may hold credentials."""
+        return f"TopicIdReader(topic={self._topic!r})"
+
+    def __call__(self) -> str:
+        """The topic's id now; ``TopicNotFoundError`` when the broker knows no topic of that name."""
+        with self._lock:
+            if self._admin is None:
+                self._admin = _admin(self._context, self._watch)
+            admin = self._admin
+        self._watch.raise_if_failed()
+        future = admin.describe_topics(TopicCollection([self._topic]), request_timeout=self._timeout_s)[
+            self._topic
+        ]
+        try:
+            described = future.result(timeout=self._timeout_s + 1.0)
+        except (KafkaException, TimeoutError) as exc:
+            self._watch.raise_if_failed()
+            error = kafka_error_of(exc)
+            if error is None or error.code() not in (
+                KafkaError.UNKNOWN_TOPIC_OR_PART,
+                KafkaError._UNKNOWN_TOPIC,
+            ):
+                with self._lock:
+                    if self._admin is admin:
+                        self._admin = None
+            raise request_error(
+                exc,
+                doing=f"read the id of topic {self._topic!r}",
+                context=self._context,
+                timeout_s=self._timeout_s,
+                topic=self._topic,
+            ) from scrubbed_cause(exc, self._context)
+        return str(described.topic_id)

@@ -9,6 +9,10 @@ While commands go ahead of other rollouts' backlog it also lists ``commands_appl
 ``next_offset`` of commands already applied with their rollouts' earlier events, so a source in another process
 can answer them; resuming ignores it (the store's per-rollout positions skip what was applied). The key is
 written only when the list is not empty, so a caught-up checkpoint has the same bytes as before it existed.
+
+A checkpoint also names the topic's id (``topic_id``), the incarnation of the topic its offsets belong to
+(``incarnation``): one read with an expected id is refused when it names another. A checkpoint without the
+key (written before it existed) is read as unbound and gets the id the next time it is written.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import orjson
 
 from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import MaterializerFailedError, StoreCorruptionError
+from transports.kafka.incarnation import check_incarnation
 
 __all__ = [
     "CHECKPOINT_PREFIX",
@@ -52,6 +57,8 @@ class PartitionCheckpoint:
     next_offset: int = 0
     pending_chunk_offsets: list[int] = field(default_factory=list)
     commands_applied: list[int] = field(default_factory=list)
+    topic_id: str | None = None
+    """The id of the topic incarnation these offsets belong to; ``None`` in a checkpoint not bound yet."""
 
     def resume_offset(self) -> int:
         """Where reading must start: the first open chunk, or the next unprocessed offset."""
@@ -69,17 +76,23 @@ class PartitionCheckpoint:
             "pending_chunk_offsets": sorted(self.pending_chunk_offsets),
             "topic": self.topic,
         }
+        if self.topic_id is not None:
+            fields["topic_id"] = self.topic_id
         if self.commands_applied:
             fields["commands_applied"] = sorted(self.commands_applied)
         return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS) + b"\n"
 
     @classmethod
-    def load(cls, path: Path, topic: str, partition: int) -> PartitionCheckpoint:
-        """Read a checkpoint; a missing one starts at offset 0, one of another topic is refused."""
+    def load(cls, path: Path, topic: str, partition: int, topic_id: str | None = None) -> PartitionCheckpoint:
+        """Read a checkpoint; a missing one starts at offset 0, one of another topic is refused.
+
+        With ``topic_id``, one of another incarnation of the topic is refused too (``TopicIncarnationError``),
+        and an unbound one is returned bound to ``topic_id``.
+        """
         try:
             raw = orjson.loads(path.read_bytes())
         except FileNotFoundError:
-            return cls(topic, partition)
+            return cls(topic, partition, topic_id=topic_id)
         except orjson.JSONDecodeError as exc:
             raise StoreCorruptionError(
                 f"checkpoint {path} is not valid JSON ({exc}); replay into a new directory"
@@ -89,28 +102,37 @@ class PartitionCheckpoint:
                 f"{path} belongs to topic {raw.get('topic')!r} partition {raw.get('partition')!r}, not {topic!r} "
                 f"partition {partition}; give each topic its own store directory"
             )
+        recorded = raw.get("topic_id")
+        recorded = None if recorded is None else str(recorded)
+        if topic_id is not None:
+            check_incarnation(f"checkpoint {path}", topic, recorded, topic_id)
         return cls(
             topic,
             partition,
             int(raw["next_offset"]),
             [int(o) for o in raw.get("pending_chunk_offsets", [])],
             [int(o) for o in raw.get("commands_applied", [])],
+            recorded if recorded is not None else topic_id,
         )
 
     @classmethod
-    def of_directory(cls, directory: Path, topic: str, partition: int) -> PartitionCheckpoint:
+    def of_directory(
+        cls, directory: Path, topic: str, partition: int, topic_id: str | None = None
+    ) -> PartitionCheckpoint:
         """The checkpoint of one partition in a store directory (offset 0 when there is none yet)."""
-        return cls.load(checkpoint_path(directory, partition), topic, partition)
+        return cls.load(checkpoint_path(directory, partition), topic, partition, topic_id)
 
 
-def applied_next_offset(directory: Path, topic: str, partition: int) -> int:
+def applied_next_offset(directory: Path, topic: str, partition: int, topic_id: str | None = None) -> int:
     """The next offset a directory's materializer will apply in this partition; everything below is applied."""
-    return PartitionCheckpoint.of_directory(directory, topic, partition).next_offset
+    return PartitionCheckpoint.of_directory(directory, topic, partition, topic_id).next_offset
 
 
-def command_applied(directory: Path, topic: str, partition: int, offset: int) -> bool:
+def command_applied(
+    directory: Path, topic: str, partition: int, offset: int, topic_id: str | None = None
+) -> bool:
     """Whether a directory's materializer applied the command at this offset (with its rollout's events before it)."""
-    return PartitionCheckpoint.of_directory(directory, topic, partition).command_applied(offset)
+    return PartitionCheckpoint.of_directory(directory, topic, partition, topic_id).command_applied(offset)
 
 
 def write_checkpoints(directory: Path, encoded: Mapping[int, bytes]) -> None:

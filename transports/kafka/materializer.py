@@ -38,6 +38,13 @@ An event that cannot be decoded, has an unknown type or a newer schema, or a chu
 never complete, goes to the partition's dead-letter log (``dead_letters``) with its partition, offset and
 reason; where the key is a valid rollout id that rollout is marked incomplete. Consumption never stalls on one.
 
+Offsets are never skipped. The directory is bound to one incarnation of the topic (its id, ``incarnation``):
+records of another one are refused before anything is applied, and the id is read again while running and
+before any command read is answered; a changed id stops the loop with ``TopicIncarnationError``. Each
+partition's fetched offsets must follow one another from the resume offset: an offset past the expected one
+(events deleted before they were read) stops the loop with ``OffsetGapError``, and one before it (the log
+rewritten under the same id) with ``MaterializerFailedError``.
+
 Run it in a thread (``start``/``stop``) or as a process::
 
     python -m transports.kafka.materializer --bootstrap HOST:PORT --topic TOPIC --dir STORE_DIR
@@ -67,22 +74,32 @@ from filelock import FileLock, Timeout
 
 from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
+    BrokerAuthenticationError,
+    BrokerAuthorizationError,
     InvalidInputError,
     MaterializerFailedError,
     MaterializerOwnedElsewhereError,
+    OffsetGapError,
     TokcapError,
+    TransportError,
 )
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
-from transports.kafka.admin import list_topics
+from transports.kafka.admin import TopicIdReader, list_topics
 from transports.kafka.applied_entries import AppliedEntries
-from transports.kafka.checkpoint import CHECKPOINT_PREFIX, PartitionCheckpoint, write_checkpoints
+from transports.kafka.checkpoint import (
+    CHECKPOINT_PREFIX,
+    PartitionCheckpoint,
+    checkpoint_path,
+    write_checkpoints,
+)
 from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.incarnation import IncarnationWatch
 from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
-from transports.kafka.ownership import write_owner_records
+from transports.kafka.ownership import check_owner_records, write_owner_records
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
@@ -175,6 +192,9 @@ _UNKNOWN_TOPIC_WAIT_S = 5.0
 _METADATA_TIMEOUT_S = 30.0
 """How long a metadata request may wait for the broker; a refused login ends it within a second."""
 
+_ID_READ_TIMEOUT_S = 3.0
+"""How long one read of the topic's id may wait; a failed read is tried again with a new admin client."""
+
 _READ_STEP = 1_000
 """Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
 
@@ -239,6 +259,8 @@ class _PartitionProgress:
     written: bytes
     read_next: int
     """The next offset to route; everything below it is routed."""
+    fetch_next: int
+    """The offset the next fetched message must have: reading goes on from the resume offset without a gap."""
     pending: deque[_Read] = field(default_factory=deque)
     """Routed messages in log order, from the first one not fully carried out."""
     by_rollout: dict[str, deque[tuple[_Read, int]]] = field(default_factory=dict)
@@ -300,8 +322,12 @@ class Materializer:
         consumer_factory: Callable[[dict[str, Any]], Consumer] = Consumer,
         on_dead_letter: Callable[[DeadLetterLine], object] | None = None,
         block_messages: int | None = None,
+        topic_id_reader: Callable[[], str] | None = None,
     ) -> None:
         """``consumer_factory`` builds the consumer from its settings; tests pass an in-memory topic double.
+
+        ``topic_id_reader`` returns the topic's id now (``TopicIdReader`` by default; a test double passes its
+        own): the directory is bound to that incarnation of the topic.
 
         ``on_dead_letter`` is called, on the materializer's thread, with each dead-letter line once it is
         written (``tokcap materialize`` prints them); it must not block.
@@ -322,6 +348,12 @@ class Materializer:
         self._consumer_config = dict(consumer_config or {})
         self._client = ClientContext(bootstrap_servers, self._consumer_config)
         self._watch = AuthenticationWatch(self._client)
+        self._read_topic_id = topic_id_reader or TopicIdReader(
+            bootstrap_servers, self._topic, client_config=self._consumer_config, timeout_s=_ID_READ_TIMEOUT_S
+        )
+        self._incarnation: IncarnationWatch | None = None
+        self._fetched_at = 0.0
+        """When the batch being routed was fetched (``time.monotonic``)."""
         self._progress: dict[int, _PartitionProgress] = {}
         # Wire deltas whose parent the router no longer keeps (a resume past it) read it again from the log.
         self._parent_reader = OffsetReader(
@@ -597,7 +629,9 @@ class Materializer:
         if isinstance(self._failure, MaterializerOwnedElsewhereError):
             raise self._failure
         if self._failure is not None:
-            raise MaterializerFailedError(
+            # A specific stop (another topic incarnation, an offset gap) keeps its class for the caller.
+            kind = type(self._failure) if isinstance(self._failure, MaterializerFailedError) else None
+            raise (kind or MaterializerFailedError)(
                 f"the materializer of topic {self._topic!r} stopped: {self._failure}"
             ) from self._failure
 
@@ -623,12 +657,59 @@ class Materializer:
                 partitions = self._partitions(consumer)
                 for partition in partitions:
                     held.enter_context(self._exclusive(partition))
-                write_owner_records(self._store.root, self._topic, partitions)
+                checkpoints = self._bind(partitions)
                 remove_stale_temp_files(self._store.root)
-                self._consume(consumer, partitions)
+                self._consume(consumer, checkpoints)
         finally:
+            if self._incarnation is not None:
+                self._incarnation.stop()
             consumer.close()
             self._parent_reader.close()
+
+    def _bind(self, partitions: list[int]) -> dict[int, PartitionCheckpoint]:
+        """Bind the directory to the topic's current incarnation and read the checkpoints to resume from.
+
+        Owner records and checkpoints of another incarnation are refused here, before anything is applied.
+        Those without an id (written before records had one) are rewritten with it now.
+        """
+        topic_id = self._first_topic_id()
+        root = self._store.root
+        check_owner_records(root, self._topic, partitions, topic_id)
+        checkpoints = {
+            partition: PartitionCheckpoint.of_directory(root, self._topic, partition, topic_id)
+            for partition in partitions
+        }
+        unbound: dict[int, bytes] = {}
+        for partition, checkpoint in checkpoints.items():
+            with contextlib.suppress(FileNotFoundError):
+                if checkpoint_path(root, partition).read_bytes() != checkpoint.encode():
+                    unbound[partition] = checkpoint.encode()
+        if unbound:
+            logger.info(
+                "binding the checkpoints of partitions %s in %s to topic %s id %s",
+                sorted(unbound),
+                root,
+                self._topic,
+                topic_id,
+            )
+        write_checkpoints(root, unbound)
+        write_owner_records(root, self._topic, partitions, topic_id)
+        self._incarnation = IncarnationWatch(self._topic, topic_id, self._read_topic_id)
+        return checkpoints
+
+    def _first_topic_id(self) -> str:
+        """The topic's id at start, asked again for a while when the broker does not answer in time."""
+        deadline = time.monotonic() + _METADATA_TIMEOUT_S
+        while True:
+            try:
+                return self._read_topic_id()
+            except (BrokerAuthenticationError, BrokerAuthorizationError):
+                raise
+            except TransportError as exc:
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    raise
+                logger.warning("reading the id of topic %s again: %s", self._topic, exc)
+                time.sleep(0.2)
 
     def _exclusive(self, partition: int) -> FileLock:
         """Hold partition ownership of this directory: two materializers applying one partition would corrupt it."""
@@ -642,10 +723,9 @@ class Materializer:
             ) from exc
         return lock
 
-    def _consume(self, consumer: Consumer, partitions: list[int]) -> None:
+    def _consume(self, consumer: Consumer, checkpoints: Mapping[int, PartitionCheckpoint]) -> None:
         assignment = []
-        for partition in partitions:
-            checkpoint = PartitionCheckpoint.of_directory(self._store.root, self._topic, partition)
+        for partition, checkpoint in checkpoints.items():
             progress = _PartitionProgress(
                 checkpoint=checkpoint,
                 dead_letters=DeadLetterLog.of_directory(self._store.root, partition),
@@ -653,12 +733,15 @@ class Materializer:
                 replay_chunks=set(checkpoint.pending_chunk_offsets),
                 written=checkpoint.encode(),
                 read_next=checkpoint.next_offset,
+                fetch_next=checkpoint.resume_offset(),
             )
             self._progress[partition] = progress
             with self._condition:
                 self._applied_next[partition] = checkpoint.next_offset
                 self._applied_ahead[partition] = set()
             assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
+        assert self._incarnation is not None
+        self._incarnation.start()
         consumer.assign(assignment)
         # A handle that connected before it knew the topic (partitions given, so no metadata asked) learns an
         # assigned topic's leaders only at librdkafka's next topic scan, up to a second later, and fetches
@@ -743,6 +826,10 @@ class Materializer:
         self._watch.raise_if_failed()
         if messages and room > 1:
             messages.extend(consumer.consume(room - 1, 0))
+        self._fetched_at = time.monotonic()
+        # Checked after the fetch: what was fetched before a change seen now is not routed.
+        assert self._incarnation is not None
+        self._incarnation.raise_if_changed()
         return messages
 
     def _checkpoint(self) -> None:
@@ -792,6 +879,9 @@ class Materializer:
         progress = self._progress.get(partition)
         if progress is None:
             return
+        if offset != progress.fetch_next:
+            self._out_of_sequence(partition, progress.fetch_next, offset)
+        progress.fetch_next = offset + 1
         if offset < progress.replay_below:
             # Processed before the checkpoint; only the chunks of groups open there are needed again.
             if offset in progress.replay_chunks:
@@ -808,6 +898,10 @@ class Materializer:
             if rollout_id is not None:
                 progress.by_rollout.setdefault(rollout_id, deque()).append((read, index))
             if isinstance(decision, ApplyEvent) and isinstance(decision.event, _COMMANDS):
+                # No source is answered from a topic created again: prove the incarnation first (one
+                # request per batch read, however many commands it holds).
+                assert self._incarnation is not None
+                self._incarnation.confirm_since(self._fetched_at, self._stop)
                 progress.commands.append((read, index))
                 if isinstance(decision.event, FreezeEvent) and self._answers_ahead_for(decision.event.writer):
                     self._answer_ahead(partition, read, index)
@@ -982,7 +1076,29 @@ class Materializer:
     def _on_consumer_error(self, error: KafkaError) -> None:
         failure = read_error(error, topic=self._topic, context=self._client)
         if failure is not None:
+            # A topic deleted and created again shows first as an offset out of range: say so if it is.
+            assert self._incarnation is not None
+            self._incarnation.check_now()
+            self._incarnation.raise_if_changed()
             raise failure
+
+    def _out_of_sequence(self, partition: int, expected: int, offset: int) -> None:
+        """Stop on a fetched offset that is not the next one: applying on would skip or repeat events."""
+        assert self._incarnation is not None
+        self._incarnation.check_now()
+        self._incarnation.raise_if_changed()
+        if offset > expected:
+            raise OffsetGapError(
+                f"partition {partition} of topic {self._topic!r} jumped from offset {expected} to {offset}: "
+                f"offsets {expected}-{offset - 1} were deleted (by retention or delete-records) before this "
+                f"materializer read them, so {self._store.root} cannot hold every event of the run. Replay a "
+                "complete copy of the topic into a new directory; docs/operations.md says how to recover"
+            )
+        raise MaterializerFailedError(
+            f"partition {partition} of topic {self._topic!r} went back from offset {expected} to {offset} "
+            "under the same topic id: the log was truncated and rewritten (an unclean leader election?), so "
+            f"{self._store.root} may hold events the topic no longer has. Replay the topic into a new directory"
+        )
 
     def _apply(self, progress: _PartitionProgress, routed: Routed) -> None:
         """Carry one routing decision out on the store and remember its verdict."""

@@ -1,7 +1,8 @@
 """Which store directory owns which partition of a run topic, recorded in the directories themselves.
 
 A materializer that takes a partition's lock in a directory writes the partition's owner record there,
-``kafka-owner-p<N>.json`` holding the topic and the partition. The record stays: the directory keeps the
+``kafka-owner-p<N>.json`` holding the topic, its id (the incarnation of the topic, ``incarnation``) and the
+partition. The record stays: the directory keeps the
 rollouts of that partition, so it remains the place to read them, across restarts of its materializer.
 A source that spans several directories (one per node, say) reads the records to find, for a rollout's
 partition, the one directory to wait on and answer from.
@@ -13,10 +14,13 @@ Rules:
   already refuses a second materializer;
 - a partition no directory owns is ``PartitionOwnerMissingError``, naming the partition and the directories
   searched; the records are read again on a miss, so a materializer started after the source is found;
-- moving a partition to another directory means deleting its record from the old one.
+- moving a partition to another directory means deleting its record from the old one;
+- a record naming another id of the topic is refused (``TopicIncarnationError``): the directory holds a
+  deleted topic's rollouts. A record without an id (written before records had one) is rewritten with it.
 
-Records hold nothing that differs between runs, so a directory written by any number of workers is
-byte-identical to a clean replay. This module imports no Kafka client.
+Records hold nothing that differs between runs over one topic (its id is the same for all of them), so a
+directory written by any number of workers is byte-identical to a clean replay. This module imports no
+Kafka client.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ import orjson
 
 from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError, StoreCorruptionError
+from transports.kafka.incarnation import check_incarnation
 
 __all__ = [
     "OWNER_PREFIX",
     "PartitionOwners",
+    "check_owner_records",
     "owned_partitions",
     "owner_record_files",
     "owner_record_path",
@@ -51,16 +57,51 @@ def owner_record_path(directory: Path, partition: int) -> Path:
     return directory / f"{OWNER_PREFIX}{partition}.json"
 
 
-def _encode(topic: str, partition: int) -> bytes:
-    return orjson.dumps({"partition": partition, "topic": topic}, option=orjson.OPT_SORT_KEYS) + b"\n"
+def _encode(topic: str, partition: int, topic_id: str | None) -> bytes:
+    fields: dict[str, object] = {"partition": partition, "topic": topic}
+    if topic_id is not None:
+        fields["topic_id"] = topic_id
+    return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS) + b"\n"
 
 
-def write_owner_records(directory: Path, topic: str, partitions: Iterable[int]) -> None:
-    """Record that this directory owns these partitions; the caller holds their locks. Unchanged ones are kept."""
+def _read_record(path: Path) -> dict[str, object] | None:
+    """An owner record's fields, ``None`` when there is none; a damaged one is corruption."""
+    try:
+        raw = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except orjson.JSONDecodeError as exc:
+        raise StoreCorruptionError(
+            f"owner record {path} is not valid JSON ({exc}); delete it and restart that directory's materializer"
+        ) from exc
+    return raw if isinstance(raw, dict) else {}
+
+
+def check_owner_records(directory: Path, topic: str, partitions: Iterable[int], topic_id: str) -> None:
+    """Refuse when these partitions' records in ``directory`` name another incarnation of ``topic``."""
+    for partition in partitions:
+        path = owner_record_path(directory, partition)
+        raw = _read_record(path)
+        if raw is None or raw.get("topic") != topic:
+            continue
+        recorded = raw.get("topic_id")
+        check_incarnation(
+            f"owner record {path}", topic, None if recorded is None else str(recorded), topic_id
+        )
+
+
+def write_owner_records(
+    directory: Path, topic: str, partitions: Iterable[int], topic_id: str | None = None
+) -> None:
+    """Record that this directory owns these partitions; the caller holds their locks. Unchanged ones are kept.
+
+    With ``topic_id``, records are bound to that incarnation of the topic; the caller checked them first
+    (``check_owner_records``).
+    """
     written = False
     for partition in partitions:
         path = owner_record_path(directory, partition)
-        data = _encode(topic, partition)
+        data = _encode(topic, partition, topic_id)
         try:
             if path.read_bytes() == data:
                 continue
@@ -92,18 +133,26 @@ def owned_partitions(directory: Path, topic: str) -> set[int]:
         match = _RECORD.match(name)
         if match is None:
             continue
-        path = directory / name
-        try:
-            raw = orjson.loads(path.read_bytes())
-        except FileNotFoundError:
+        raw = _read_record(directory / name)
+        if raw is None:
             continue
-        except orjson.JSONDecodeError as exc:
-            raise StoreCorruptionError(
-                f"owner record {path} is not valid JSON ({exc}); delete it and restart that directory's materializer"
-            ) from exc
         if raw.get("topic") == topic and raw.get("partition") == int(match.group(1)):
             owned.add(int(match.group(1)))
     return owned
+
+
+def _incarnations(partition: int, first: Path, second: Path) -> str:
+    """What a conflict message adds when the two records name different ids of the topic."""
+    ids = []
+    for directory in (first, second):
+        raw = _read_record(owner_record_path(directory, partition)) or {}
+        ids.append(raw.get("topic_id"))
+    if ids[0] == ids[1] or None in ids:
+        return ""
+    return (
+        f"their records name topic ids {ids[0]} and {ids[1]}: one directory was fed by a deleted topic of this "
+        "name and holds only the old run (move it out of the search); "
+    )
 
 
 class PartitionOwners:
@@ -144,9 +193,9 @@ class PartitionOwners:
                 if other is not None:
                     raise PartitionOwnershipConflictError(
                         f"partition {partition} of {self._topic!r} is owned by both {other} and {directory}; "
-                        f"one partition has one owner: stop one of their materializers and delete its "
-                        f"{owner_record_path(directory, partition).name}, or give the materializers disjoint "
-                        "--partitions"
+                        f"{_incarnations(partition, other, directory)}one partition has one owner: stop one of "
+                        f"their materializers and delete its {owner_record_path(directory, partition).name}, or "
+                        "give the materializers disjoint --partitions"
                     )
                 owner[partition] = directory
         with self._lock:

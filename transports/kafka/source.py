@@ -9,6 +9,9 @@ process on the same directory and topic. When another process already materializ
 source follows that process's checkpoint files and reads verdicts back from the store, and becomes the
 owner itself if that process goes away. With ``external_materializer=True`` the source only ever follows
 (``tokcap materialize`` feeds the directory).
+A following source reads the topic's id after each command is delivered and refuses a checkpoint bound to
+another id: the command then sits in a topic created again under the same name, whose offsets mean nothing to
+that checkpoint.
 Verdicts are then read from the rollout's state, which records the position and the outcome of the last
 retire or delete applied to it. Only when a later event of the same rollout has already overwritten a
 delete's record does the ``removed``/``not_found`` split fall back to what the store held just before the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,8 +34,10 @@ from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPositio
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
-from transports.kafka.checkpoint import PartitionCheckpoint
+from transports.kafka.admin import TopicIdReader
+from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.codec import encode_event_messages
+from transports.kafka.incarnation import other_incarnation
 from transports.kafka.materializer import Materializer
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
 from transports.kafka.shared_materializers import shared_materializers
@@ -52,24 +58,52 @@ _OWNER_CHECK_S = 1.0
 class _CheckpointWaiter:
     """Waits for another process's materializer by reading its checkpoint files in the shared directory."""
 
-    def __init__(self, store_dir: Path, topic: str) -> None:
+    def __init__(self, store_dir: Path, topic: str, read_topic_id: Callable[[], str]) -> None:
         self._store_dir = store_dir
         self._topic = topic
         self._read: dict[int, tuple[float, PartitionCheckpoint]] = {}
+        self._read_topic_id = read_topic_id
+        self._id_lock = threading.Lock()
+        self._last_id: tuple[float, str] | None = None
+        """The topic's id and when the read that returned it began."""
 
-    def _checkpoint(self, partition: int) -> PartitionCheckpoint:
+    def _topic_id_since(self, delivered_at: float) -> str:
+        """The topic's id as read after ``delivered_at``: the incarnation a command delivered then sits in.
+
+        Commands delivered before a read began share it, so a burst costs about one request.
+        """
+        with self._id_lock:
+            if self._last_id is None or self._last_id[0] < delivered_at:
+                began = time.monotonic()
+                self._last_id = (began, self._read_topic_id())
+            return self._last_id[1]
+
+    def _checkpoint(self, partition: int, topic_id: str) -> PartitionCheckpoint:
         """The partition's checkpoint, read at most once per poll interval however many commands wait on it."""
         now = time.monotonic()
         kept = self._read.get(partition)
         if kept is None or now - kept[0] >= _CHECKPOINT_POLL_S:
             kept = (now, PartitionCheckpoint.of_directory(self._store_dir, self._topic, partition))
             self._read[partition] = kept
-        return kept[1]
+        checkpoint = kept[1]
+        if checkpoint.topic_id is not None and checkpoint.topic_id != topic_id:
+            raise other_incarnation(
+                f"checkpoint {checkpoint_path(self._store_dir, partition)}",
+                self._topic,
+                checkpoint.topic_id,
+                topic_id,
+            )
+        return checkpoint
 
-    async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
-        """Poll the checkpoint without holding a thread; ``False`` when the command is not applied in time."""
+    async def applied(self, partition: int, offset: int, timeout_s: float, delivered_at: float) -> bool:
+        """Poll the checkpoint without holding a thread; ``False`` when the command is not applied in time.
+
+        A checkpoint bound to another incarnation of the topic than the one the command was delivered to
+        is ``TopicIncarnationError``.
+        """
         deadline = time.monotonic() + timeout_s
-        while not self._checkpoint(partition).command_applied(offset):
+        topic_id = await asyncio.to_thread(self._topic_id_since, delivered_at)
+        while not self._checkpoint(partition, topic_id).command_applied(offset):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(_CHECKPOINT_POLL_S)
@@ -121,8 +155,13 @@ class KafkaTokenSource:
         self._store = (
             self._materializer.store if self._materializer is not None else TokenCaptureStore(store_dir)
         )
-        follows = self._materializer is None
-        self._external = _CheckpointWaiter(Path(store_dir), self._topic) if follows else None
+        self._external: _CheckpointWaiter | None = None
+        if self._materializer is None:
+            self._external = _CheckpointWaiter(
+                Path(store_dir),
+                self._topic,
+                TopicIdReader(bootstrap_servers, self._topic, client_config=consumer_config),
+            )
         self._timeout_s = timeout_s
         self._writer_id = writer_id or default_writer_id()
         self._bridge = ProducerBridge(
@@ -158,6 +197,7 @@ class KafkaTokenSource:
         """Publish one command, wait until it is applied; return the verdict and where it sits in the log."""
         messages = encode_event_messages(event, next_chunk_group=_commands_are_never_chunked)
         (delivered,) = await self._bridge.send(self._topic, messages, what=what)
+        delivered_at = time.monotonic()
         if self._owns_partition is not None and not self._owns_partition(delivered.partition):
             raise PartitionOwnerMissingError(
                 f"{what} of rollout {event.rollout_id!r} landed on partition {delivered.partition} of "
@@ -170,6 +210,7 @@ class KafkaTokenSource:
             event.rollout_id,
             what,
             ahead=isinstance(event, FreezeEvent),
+            delivered_at=delivered_at,
         )
         result = None
         if self._materializer is not None:
@@ -179,9 +220,21 @@ class KafkaTokenSource:
         return result, LogPosition(self._topic, delivered.partition, delivered.offset)
 
     async def _wait_applied(
-        self, partition: int, offset: int, rollout_id: str, what: str, *, ahead: bool = False
+        self,
+        partition: int,
+        offset: int,
+        rollout_id: str,
+        what: str,
+        *,
+        ahead: bool = False,
+        delivered_at: float | None = None,
     ) -> None:
-        """Wait until the command is applied (with ``ahead``, or answered ahead of its apply)."""
+        """Wait until the command is applied (with ``ahead``, or answered ahead of its apply).
+
+        ``delivered_at`` (``time.monotonic``) is when the broker acknowledged it; by default, now.
+        """
+        if delivered_at is None:
+            delivered_at = time.monotonic()
         deadline = time.monotonic() + self._timeout_s
         applied = False
         while not applied:
@@ -192,7 +245,7 @@ class KafkaTokenSource:
                 applied = await self._materializer.applied(partition, offset, left, command=True, ahead=ahead)
                 break
             assert self._external is not None
-            applied = await self._external.applied(partition, offset, min(left, _OWNER_CHECK_S))
+            applied = await self._external.applied(partition, offset, min(left, _OWNER_CHECK_S), delivered_at)
             if not applied and self._shares_materializer:
                 await asyncio.to_thread(self._take_over_if_owner_left)
         if not applied:
