@@ -151,16 +151,20 @@ def test_tokcap_materialize_reports_each_dead_letter_in_one_line(
     assert reported[1].startswith("dead letter: partition 0 offset 2 rollout r-late: ")
 
 
-# Messages a sink would have refused to send, produced by hand: each must be dead-lettered naming the field,
-# and its rollout delivered masked, whichever reader takes it (materializer, timeline, lineage resolver).
+# Messages a sink would have refused to send, produced by hand: each must be dead-lettered with a reason holding
+# the fragments given (the rule and the field), and its rollout delivered masked, whichever reader takes it
+# (materializer, timeline, lineage resolver). Numbers no JSON reader can hold exactly are refused by the parser.
 REQUEST = [{"role": "user", "content": "hi"}]
 CONTINUATION = [*REQUEST, {"role": "assistant", "content": "one"}, {"role": "user", "content": "more"}]
 
 
 def crafted_put(
-    rollout_id: str, encoding: str, **fields: Any
+    rollout_id: str, encoding: str, *, literal: tuple[bytes, bytes] = (b"", b""), **fields: Any
 ) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
-    """A put of call c1 a continuation could resolve to, with ``fields`` as a hand-made message carries them."""
+    """A put of call c1 a continuation could resolve to, with ``fields`` as a hand-made message carries them.
+
+    ``literal`` replaces one JSON token by another in the value, for numbers no encoder writes (2**64, 1e400).
+    """
     entry = TokenEntry(
         rollout_id=rollout_id,
         model_call_id="c1",
@@ -171,14 +175,17 @@ def crafted_put(
         token_item_index=0,
     )
     stamp_continuation(entry, REQUEST)
-    event = PutEvent(rollout_id=rollout_id, entry=entry.model_copy(update=fields))
+    # A JSON put carries ``fields`` only in its bytes: the entry model would coerce or warn about them.
+    event = PutEvent(
+        rollout_id=rollout_id, entry=entry.model_copy(update=fields if encoding == "packed" else {})
+    )
     if encoding == "packed":
         (message,) = encode_event_messages(event, next_chunk_group=lambda: "unused:0")
         return message.key, message.value, message.headers
     raw = orjson.loads(encode_event(event))
     raw["entry"].update(fields)
     headers = [("tokcap.type", b"put"), ("tokcap.schema_version", b"1"), ("tokcap.encoding", b"json")]
-    return rollout_id.encode(), orjson.dumps(raw), headers
+    return rollout_id.encode(), orjson.dumps(raw).replace(*literal), headers
 
 
 def crafted_intent(rollout_id: str, call_id: str) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
@@ -194,22 +201,53 @@ REFUSED_ON_THE_TOPIC = [
     (
         "r-json-negative",
         crafted_put("r-json-negative", "json", prompt_token_ids=[5, -7, 9]),
-        "prompt_token_ids",
+        ("input rules", "prompt_token_ids"),
     ),
     (
         "r-packed-negative",
         crafted_put("r-packed-negative", "packed", prompt_token_ids=[-7, 5, 9]),
-        "prompt_token_ids",
+        ("input rules", "prompt_token_ids"),
     ),
     (
         "r-json-true",
         crafted_put("r-json-true", "json", generation_token_ids=[True, 8]),
-        "generation_token_ids",
+        ("input rules", "generation_token_ids"),
     ),
-    ("r-newline-call", crafted_intent("r-newline-call", "a\nb"), "model_call_id"),
-    ("r-nul-call", crafted_intent("r-nul-call", "c9\r\x00c1"), "model_call_id"),
-    ("r-long-call", crafted_intent("r-long-call", "z" * 5000), "model_call_id"),
+    (
+        "r-json-float-id",
+        crafted_put("r-json-float-id", "json", prompt_token_ids=[1, 2.0, 3]),
+        ("input rules", "prompt_token_ids"),
+    ),
+    (
+        "r-json-wide-id",
+        crafted_put(
+            "r-json-wide-id",
+            "json",
+            literal=(b"[4242,", b"[18446744073709551616,"),
+            prompt_token_ids=[4242, 2, 3],
+        ),
+        ("input rules", "prompt_token_ids"),
+    ),
+    (
+        "r-json-infinite-log-prob",
+        crafted_put(
+            "r-json-infinite-log-prob",
+            "json",
+            literal=(b"-0.125", b"-1e400"),
+            generation_log_probs=[-0.125, -0.25],
+        ),
+        ("not valid JSON", "infinity"),
+    ),
+    (
+        "r-json-short-log-probs",
+        crafted_put("r-json-short-log-probs", "json", generation_log_probs=[-0.5]),
+        ("invalid put event", "generation_log_probs"),
+    ),
+    ("r-newline-call", crafted_intent("r-newline-call", "a\nb"), ("input rules", "model_call_id")),
+    ("r-nul-call", crafted_intent("r-nul-call", "c9\r\x00c1"), ("input rules", "model_call_id")),
+    ("r-long-call", crafted_intent("r-long-call", "z" * 5000), ("input rules", "model_call_id")),
 ]
+REFUSED_PUTS = [rollout_id for rollout_id, _, _ in REFUSED_ON_THE_TOPIC if not rollout_id.endswith("-call")]
 
 
 def test_events_the_sinks_would_refuse_are_dead_lettered_naming_the_field_and_their_rollouts_delivered_masked(
@@ -227,7 +265,7 @@ def test_events_the_sinks_would_refuse_are_dead_lettered_naming_the_field_and_th
             # The control: the same put sent by a sink is delivered unmasked.
             good_key, good_value, good_headers = crafted_put("r-healthy", "packed")
             produce_raw(kafka_bootstrap, kafka_topic, [(good_key, good_value, good_headers)])
-            for rollout_id in rollouts[3:]:
+            for rollout_id in rollouts[-3:]:
                 await sink.put(make_entry(rollout_id, "c1"))
             results = {}
             for rollout_id in ["r-healthy", *rollouts]:
@@ -248,14 +286,14 @@ def test_events_the_sinks_would_refuse_are_dead_lettered_naming_the_field_and_th
     ]
     reasons = {line["rollout_id"]: line["reason"] for line in lines}
     assert sorted(reasons) == sorted(rollouts)
-    for rollout_id, _, field in REFUSED_ON_THE_TOPIC:
-        assert "input rules" in reasons[rollout_id] and field in reasons[rollout_id], reasons[rollout_id]
+    for rollout_id, _, fragments in REFUSED_ON_THE_TOPIC:
+        assert all(fragment in reasons[rollout_id] for fragment in fragments), reasons[rollout_id]
     store = TokenCaptureStore(tmp_path)
     for rollout_id in rollouts:
         assert store.read_intents(rollout_id) == {}
         assert not store.intents_path_for(rollout_id).exists()
         kept = [entry.prompt_token_ids for entry in store.read_entries(rollout_id)]
-        assert kept == ([[0, 1, 2]] if rollout_id in rollouts[3:] else [])
+        assert kept == ([[0, 1, 2]] if rollout_id in rollouts[-3:] else [])
 
 
 def test_the_timeline_and_the_lineage_resolver_are_not_fooled_by_events_the_sinks_would_refuse(
@@ -263,20 +301,20 @@ def test_the_timeline_and_the_lineage_resolver_are_not_fooled_by_events_the_sink
 ) -> None:
     produce_raw(kafka_bootstrap, kafka_topic, [message for _, message, _ in REFUSED_ON_THE_TOPIC])
     produce_raw(kafka_bootstrap, kafka_topic, [crafted_put("r-healthy", "packed")])
-    for rollout_id, _, field in REFUSED_ON_THE_TOPIC:
+    for rollout_id, _, fragments in REFUSED_ON_THE_TOPIC:
         completed = tokcap(
             "log", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic, "--rollout", rollout_id, "--json"
         )  # fmt: skip
         assert completed.returncode == 0, completed.stderr
         (event,) = completed.json()["events"]
         assert event["decision"] == "dead-lettered", event
-        assert "input rules" in event["detail"] and field in event["detail"], event
+        assert all(fragment in event["detail"] for fragment in fragments), event
 
     async def resolutions() -> dict[str, str]:
         resolver = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
         try:
             answers = {}
-            for rollout_id in ("r-healthy", "r-json-negative", "r-packed-negative", "r-json-true"):
+            for rollout_id in ("r-healthy", *REFUSED_PUTS):
                 resolution = await resolver.resolve(rollout_id, CONTINUATION)
                 answers[rollout_id] = resolution.status.value
             return answers
@@ -285,7 +323,5 @@ def test_the_timeline_and_the_lineage_resolver_are_not_fooled_by_events_the_sink
 
     assert asyncio.run(resolutions()) == {
         "r-healthy": "resolved",
-        "r-json-negative": "unresolved",
-        "r-packed-negative": "unresolved",
-        "r-json-true": "unresolved",
+        **dict.fromkeys(REFUSED_PUTS, "unresolved"),
     }
