@@ -52,6 +52,7 @@ __all__ = [
     "Lifecycle",
     "Rejection",
     "RolloutState",
+    "StagedSlot",
 ]
 
 STATE_SCHEMA_VERSION = 2
@@ -118,6 +119,16 @@ class FreezeAnswer(BaseModel):
     incomplete: bool
 
 
+class StagedSlot(BaseModel):
+    """Where one staged row or ledger row sits in its file, and the digest of its line."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: StrictInt
+    length: StrictInt
+    digest: str
+
+
 _GYM_KEYS = frozenset(
     {"entry_digests", "frozen", "incomplete", "indexed_size", "retired", "snapshot_id", "version"}
 )
@@ -143,6 +154,11 @@ class _TokcapPart(BaseModel):
     freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
     last_position: dict[str, Any] | None = None
     removed_records: bool | None = None
+    staged: dict[str, StagedSlot] = Field(default_factory=dict)
+    staged_size: StrictInt = 0
+    ledger: dict[str, StagedSlot] = Field(default_factory=dict)
+    ledger_failures: dict[str, str] = Field(default_factory=dict)
+    ledger_size: StrictInt = 0
 
 
 def _intent_map(value: Any) -> Map[str, IntentOp]:
@@ -183,6 +199,14 @@ class RolloutState(BaseModel):
     freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
     last_position: dict[str, Any] | None = None
     removed_records: bool | None = None
+    staged: dict[str, StagedSlot] = Field(default_factory=dict)
+    """Each staged call's line in ``<id>.tokens.staged``, by staging key; a fetch reads only its lines."""
+    staged_size: StrictInt = 0
+    ledger: dict[str, StagedSlot] = Field(default_factory=dict)
+    """Each committed call's line in ``<id>.tokens.ledger``, by call id; the digest is the commit's."""
+    ledger_failures: dict[str, str] = Field(default_factory=dict)
+    """Each failed call's reason, by call id; its line is in the ledger file too."""
+    ledger_size: StrictInt = 0
     foreign_keys: dict[str, Any] = Field(default_factory=dict)
     """Top-level keys another writer put in the file; kept so a rewrite never drops them."""
 
@@ -203,6 +227,9 @@ class RolloutState(BaseModel):
             and not self.rejections
             and not self.intents
             and not self.incomplete_marks
+            and not self.staged
+            and not self.ledger
+            and not self.ledger_failures
         )
 
     @property
@@ -277,6 +304,15 @@ class RolloutState(BaseModel):
             "removed_records": self.removed_records,
             "schema_version": STATE_SCHEMA_VERSION,
         }
+        # Staging keys are written only once a rollout has staged or ledger rows, so the state files of
+        # rollouts without them keep their bytes.
+        if self.staged or self.staged_size:
+            tokcap_part["staged"] = {key: slot.model_dump() for key, slot in self.staged.items()}
+            tokcap_part["staged_size"] = self.staged_size
+        if self.ledger or self.ledger_failures or self.ledger_size:
+            tokcap_part["ledger"] = {key: slot.model_dump() for key, slot in self.ledger.items()}
+            tokcap_part["ledger_failures"] = self.ledger_failures
+            tokcap_part["ledger_size"] = self.ledger_size
         document: dict[str, Any] = {
             **self.foreign_keys,
             "entry_digests": self.entry_digests,
