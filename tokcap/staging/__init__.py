@@ -10,5 +10,15 @@ from __future__ import annotations
 
 from tokcap.staging.file_sink import FileStagingSink
 from tokcap.staging.file_source import FileStagingSource
+from tokcap.staging.finalize import FinalizedRollout, finalize_rollout, receipt_from_manifest
+from tokcap.staging.verify import LinearizedRow, verify_and_linearize
 
-__all__ = ["FileStagingSink", "FileStagingSource"]
+__all__ = [
+    "FileStagingSink",
+    "FileStagingSource",
+    "FinalizedRollout",
+    "LinearizedRow",
+    "finalize_rollout",
+    "receipt_from_manifest",
+    "verify_and_linearize",
+]
