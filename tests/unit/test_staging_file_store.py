@@ -302,3 +302,18 @@ def test_resolve_finds_a_committed_parent_by_its_custody_fingerprint_with_chain_
     assert resolution.match.chain_hash == parent.call.chain_hash
     stranger = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "never said"}]
     assert asyncio.run(ledger.resolve("r1", stranger)).status is ParentResolutionStatus.UNRESOLVED
+
+
+def test_the_staging_conformance_kit_passes_without_gym_on_tokcaps_own_classes(tmp_path: Path) -> None:
+    script = (
+        "import asyncio, sys\n"
+        "from tokcap.lineage import FileLineageResolver as L\n"
+        "from tokcap.staging import FileStagingSink as K, FileStagingSource as S\n"
+        "from tokcap.staging.conformance import run_staging_conformance as run\n"
+        "root = sys.argv[1]\n"
+        "print(len(asyncio.run(run(lambda: K(root), lambda: S(root), lambda: L(root)))))\n"
+        "print('nemo_gym' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["9", "False"], out.stderr[-3000:]
