@@ -234,7 +234,9 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
 
     source = FileStagingSource(tmp_path)
     for rollout_id, tokens in [("main", expected), *others.items()]:
-        manifest = _module("staging.records").RolloutManifest.model_validate(asyncio.run(ledger.manifest(rollout_id)))
+        manifest = _module("staging.records").RolloutManifest.model_validate(
+            asyncio.run(ledger.manifest(rollout_id))
+        )
         assert manifest.failures == []
         selection = staging.select_terminal_call(manifest.records)
         receipt = staging.RolloutReceipt(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +84,8 @@ class _LenientLedger(FileLineageResolver):
     """A ledger that ignores what differs in a repeated commit."""
 
     async def record(self, commit: Any) -> None:
-        try:
+        with contextlib.suppress(ValueError):
             await super().record(commit)
-        except ValueError:
-            pass
 
 
 @pytest.mark.parametrize(

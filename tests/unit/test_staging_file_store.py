@@ -315,5 +315,7 @@ def test_the_staging_conformance_kit_passes_without_gym_on_tokcaps_own_classes(t
         "print('nemo_gym' in sys.modules)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env
+    )
     assert out.stdout.split() == ["9", "False"], out.stderr[-3000:]

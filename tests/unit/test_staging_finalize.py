@@ -49,7 +49,9 @@ def test_a_failure_row_masks_the_rollout(tmp_path: Path) -> None:
 def test_a_staged_row_lost_or_rewritten_masks_the_rollout_and_is_never_delivered(tmp_path: Path) -> None:
     ledger = _staged_rollout(tmp_path, "r1")
     manifest = asyncio.run(ledger.manifest("r1"))
-    lost = dict(manifest, records=[*manifest["records"][:-1], dict(manifest["records"][-1], staging_key="r1/gone")])
+    lost = dict(
+        manifest, records=[*manifest["records"][:-1], dict(manifest["records"][-1], staging_key="r1/gone")]
+    )
     assert finalize_rollout(lost, FileStagingSource(tmp_path)).masked
     staged = tmp_path / "r1.tokens.staged"
     staged.write_bytes(staged.read_bytes().replace(b'"token_ids_delta":[120', b'"token_ids_delta":[121'))
