@@ -214,11 +214,11 @@ async def run_staging_conformance(
     return passed
 
 
-Fresh = Callable[[Callable[[], Any]], Any]
+_Fresh = Callable[[Callable[[], Any]], Any]
 
 
 async def _fetch_exact(
-    rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]
+    rollout: str, fresh: _Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]
 ) -> None:
     check = "stage_then_fetch_by_a_fresh_source"
     [call] = _rollout(rollout, 1)
@@ -236,7 +236,7 @@ async def _fetch_exact(
     _check(exact, check, "log probs did not come back as the exact float64 values staged")
 
 
-async def _blobs(rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]) -> None:
+async def _blobs(rollout: str, fresh: _Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]) -> None:
     check = "extras_and_attachments_come_back_exactly"
     plain, rich = _rollout(rollout, 1)[0], _rollout(rollout + "-x", 1, extras=True)[0]
     big = os.urandom(3 * 1024 * 1024)
@@ -252,7 +252,7 @@ async def _blobs(rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources: 
     _check(source.fetch_attachments(plain.key) == {}, check, "a call staged without attachments must give {}")
 
 
-async def _repeat(rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]) -> None:
+async def _repeat(rollout: str, fresh: _Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]) -> None:
     check = "repeat_is_ok_and_conflict_is_refused"
     [call] = _rollout(rollout, 1)
     [other] = _rollout(rollout, 1, extras=True)
@@ -268,7 +268,7 @@ async def _repeat(rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources:
     )
 
 
-async def _order(rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]) -> None:
+async def _order(rollout: str, fresh: _Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]) -> None:
     check = "fetch_keeps_order_and_missing_keys_raise"
     calls = _rollout(rollout, 3) + _rollout(rollout + "-b", 2)
     sink = fresh(sinks)
@@ -284,7 +284,7 @@ async def _order(rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources: 
     raise StagingConformanceError(f"{check}: fetching a key never staged did not raise")
 
 
-async def _threads(rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]) -> None:
+async def _threads(rollout: str, fresh: _Fresh, sinks: Callable[[], Any], sources: Callable[[], Any]) -> None:
     check = "concurrent_stages_lose_nothing"
     sink = fresh(sinks)
     rollouts = [_rollout(f"{rollout}-t{n}", 4, extras=bool(n % 2)) for n in range(8)]
@@ -314,7 +314,7 @@ async def _threads(rollout: str, fresh: Fresh, sinks: Callable[[], Any], sources
         )
 
 
-async def _ledger_once(rollout: str, fresh: Fresh, ledgers: Callable[[], Any]) -> None:
+async def _ledger_once(rollout: str, fresh: _Fresh, ledgers: Callable[[], Any]) -> None:
     check = "ledger_records_once_and_refuses_changes"
     [call] = _rollout(rollout, 1)
     commit = _commit(call, [])
@@ -332,7 +332,7 @@ async def _ledger_once(rollout: str, fresh: Fresh, ledgers: Callable[[], Any]) -
     _check([r.model_call_id for r in manifest.records] == ["call-0"], check, "the manifest must hold one row")
 
 
-async def _failures(rollout: str, fresh: Fresh, ledgers: Callable[[], Any]) -> None:
+async def _failures(rollout: str, fresh: _Fresh, ledgers: Callable[[], Any]) -> None:
     check = "ledger_failures_poison_the_manifest"
     ledger = fresh(ledgers)
     _check(await ledger.has_rows(rollout) is False, check, "has_rows is true for a rollout without rows")
@@ -349,7 +349,7 @@ async def _failures(rollout: str, fresh: Fresh, ledgers: Callable[[], Any]) -> N
     _check(shared is None or shared() is True, check, "a staging ledger must be process-shared")
 
 
-async def _resolve(rollout: str, fresh: Fresh, ledgers: Callable[[], Any]) -> None:
+async def _resolve(rollout: str, fresh: _Fresh, ledgers: Callable[[], Any]) -> None:
     check = "ledger_resolves_parents_by_fingerprint"
     calls = _rollout(rollout, 2)
     ledger = fresh(ledgers)
@@ -377,7 +377,7 @@ async def _resolve(rollout: str, fresh: Fresh, ledgers: Callable[[], Any]) -> No
 
 async def _end_to_end(
     rollout: str,
-    fresh: Fresh,
+    fresh: _Fresh,
     sinks: Callable[[], Any],
     sources: Callable[[], Any],
     ledgers: Callable[[], Any],
