@@ -224,14 +224,6 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
     assert errors == []
     assert worker.prefixes and all(prefix for prefix in worker.prefixes)
 
-    fastapi = pytest.importorskip("fastapi", reason="the test extra installs fastapi for Gym's control route")
-    app = fastapi.FastAPI()
-    _module("control_routes").install_rollout_control_routes(app, ledger, auth_token="secret")
-    route = "/training-token-capture/control/rollouts/main/manifest"
-    status, served = asyncio.run(_asgi_get(app, route, {"Authorization": "Bearer secret"}))
-    assert status == 200 and served == asyncio.run(ledger.manifest("main"))
-    assert asyncio.run(_asgi_get(app, route, {"Authorization": "Bearer wrong"}))[0] == 401
-
     source = FileStagingSource(tmp_path)
     for rollout_id, tokens in [("main", expected), *others.items()]:
         manifest = _module("staging.records").RolloutManifest.model_validate(
@@ -258,3 +250,21 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
         assert ours.terminal_model_call_id == receipt.terminal_model_call_id
         last = manifest.records[-1].staging_key
         assert source.fetch_attachments(last) == {"pixels": _pixels(tokens[-2:])}
+
+
+def test_gyms_manifest_control_route_serves_tokcaps_manifest_behind_its_bearer_token(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    fastapi = pytest.importorskip("fastapi", reason="the test extra installs fastapi for Gym's control route")
+    worker, ledger = _Worker(gym, tmp_path), FileLineageResolver(tmp_path)
+    asyncio.run(_rollout(gym, worker, ledger, "main", 100, 2))
+    asyncio.run(ledger.record_failure("main", "call-lost", "worker_capture_failed"))
+    app = fastapi.FastAPI()
+    _module("control_routes").install_rollout_control_routes(app, ledger, auth_token="secret")
+    route = "/training-token-capture/control/rollouts/main/manifest"
+    status, served = asyncio.run(_asgi_get(app, route, {"Authorization": "Bearer secret"}))
+    assert status == 200 and served == asyncio.run(ledger.manifest("main"))
+    manifest = _module("staging.records").RolloutManifest.model_validate(served)
+    assert [record.model_call_id for record in manifest.records] == ["call-0", "call-1"]
+    assert [failure.reason for failure in manifest.failures] == ["worker_capture_failed"]
+    assert asyncio.run(_asgi_get(app, route, {"Authorization": "Bearer wrong"}))[0] == 401
