@@ -212,3 +212,32 @@ def test_an_undamaged_rollout_linearizes_to_its_exact_tokens_masks_and_log_probs
     staging = gym_staging(gym)
     with pytest.raises(TypeError):
         staging.verify_and_linearize(receipt, [])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "StagedCallBaseSnapshot",
+        "StagedCallRecord",
+        "StagedCallSnapshot",
+        "StageResult",
+        "CallRecord",
+        "CaptureLedgerCommit",
+        "ManifestFailure",
+        "RolloutManifest",
+        "RolloutReceipt",
+    ],
+)
+def test_tokcaps_staging_records_have_gyms_fields_types_and_defaults(gym: GymModules, name: str) -> None:
+    from tokcap.staging import records as ours
+
+    theirs = importlib.import_module("nemo_gym.token_id_capture.staging.records")
+    mine, gyms = getattr(ours, name).model_fields, getattr(theirs, name).model_fields
+    assert list(mine) == list(gyms)
+    for field_name, info in gyms.items():
+        # Gym writes a bare ``dict``; tokcap spells the same type ``dict[Any, Any]`` for mypy.
+        ours_type = repr(mine[field_name].annotation).replace("dict[typing.Any, typing.Any]", "dict")
+        ours_type = ours_type.replace("tokcap.staging.records", "RECORDS")
+        gyms_type = repr(info.annotation).replace("nemo_gym.token_id_capture.staging.records", "RECORDS")
+        assert ours_type == gyms_type, field_name
+        assert mine[field_name].default == info.default, field_name

@@ -27,7 +27,6 @@ from tokcap.lineage import FileLineageResolver
 from tokcap.records import ParentResolutionStatus
 from tokcap.rules import ApplyOutcome, decide
 from tokcap.staging import FileStagingSink, FileStagingSource
-from tokcap.staging.records import StagedCallBaseSnapshot, StagedCallSnapshot
 from tokcap.state import RolloutState
 from tokcap.store import TokenCaptureStore
 
@@ -92,7 +91,8 @@ def test_staged_rows_come_back_exactly_log_probs_as_float64_and_extras_with_thei
     assert result.ok and result.staging_key == "r1/c0"
     source = FileStagingSource(tmp_path)
     [base] = source.fetch(["r1/c0"])
-    assert isinstance(base, StagedCallBaseSnapshot) and not isinstance(base, StagedCallSnapshot)
+    # tokcap's class, or Gym's when an earlier test of the session imported Gym: a base row either way.
+    assert type(base).__name__ == "StagedCallBaseSnapshot" and "extras" not in type(base).model_fields
     assert base.generation_log_probs_delta == root.generation_log_probs_delta
     assert [float.hex(v) for v in base.generation_log_probs_delta] == [
         float.hex(v) for v in root.generation_log_probs_delta

@@ -201,8 +201,8 @@ class CaptureLedgerCommit(_Wire):
     rollout_id: _Identifier
     record: CallRecord
     staging_chain: tuple[_Identifier, ...] = ()
-    request_items: list[dict[str, Any]]
-    response_items: list[dict[str, Any]]
+    request_items: list[dict[Any, Any]]
+    response_items: list[dict[Any, Any]]
 
 
 class ManifestFailure(_Wire):
