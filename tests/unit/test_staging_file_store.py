@@ -319,3 +319,48 @@ def test_the_staging_conformance_kit_passes_without_gym_on_tokcaps_own_classes(t
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env
     )
     assert out.stdout.split() == ["9", "False"], out.stderr[-3000:]
+
+
+def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged_row_fetchable_and_verifiable(
+    tmp_path: Path,
+) -> None:
+    import signal
+
+    from tokcap.staging import verify_and_linearize
+    from tokcap.staging.records import RolloutReceipt
+
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "from staging_calls import conversation\n"
+        "from tokcap.staging import FileStagingSink\n"
+        "sink = FileStagingSink(sys.argv[1])\n"
+        "for turn in conversation('killed', 40, extras=True):\n"
+        "    assert sink.stage(turn.call, attachments={'a': turn.call.digest.encode() * 5000}).ok\n"
+        "    print(turn.call.model_call_id, flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    worker = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, env=env)
+    assert worker.stdout is not None
+    acknowledged = [worker.stdout.readline().decode().strip() for _ in range(6)]
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    worker.stdout.close()
+    turns = {turn.call.model_call_id: turn for turn in conversation("killed", 40, extras=True)}
+    source = FileStagingSource(tmp_path)
+    keys = [f"killed/{call_id}" for call_id in acknowledged]
+    assert [s.model_dump() for s in source.fetch_full(keys)] == [
+        turns[c].call.model_dump() for c in acknowledged
+    ]
+    assert source.fetch_attachments(keys[-1]) == {"a": turns[acknowledged[-1]].call.digest.encode() * 5000}
+    records = [commit_for(turns[call_id]).record for call_id in acknowledged]
+    receipt = RolloutReceipt(
+        rollout_id="killed",
+        manifest=records,
+        terminal_model_call_id=acknowledged[-1],
+        terminal_selection="declared",
+    )
+    row = verify_and_linearize(receipt, source.fetch(keys))
+    assert row.token_ids == cumulative_tokens(turns[acknowledged[-1]].call)
+    later = turns["call-39"].call
+    assert FileStagingSink(tmp_path).stage(later).ok
