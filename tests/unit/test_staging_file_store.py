@@ -364,3 +364,20 @@ def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged
     assert row.token_ids == cumulative_tokens(turns[acknowledged[-1]].call)
     later = turns["call-39"].call
     assert FileStagingSink(tmp_path).stage(later).ok
+
+
+def test_sixteen_threads_staging_into_one_rollout_lose_no_row(tmp_path: Path) -> None:
+    sink = FileStagingSink(tmp_path)
+    calls = [staged_call("one", f"c{index}", [index], [index + 1000]) for index in range(160)]
+
+    def run(offset: int) -> None:
+        for call in calls[offset::16]:
+            assert sink.stage(call).ok
+
+    threads = [threading.Thread(target=run, args=(offset,)) for offset in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    fetched = FileStagingSource(tmp_path).fetch([f"one/c{index}" for index in range(160)])
+    assert [snapshot.digest for snapshot in fetched] == [call.digest for call in calls]
