@@ -211,3 +211,16 @@ class FileCaptureLedger:
     async def has_rows(self, rollout_id: str) -> bool:
         """Whether any ledger row, committed or failed, exists for the rollout."""
         return await asyncio.to_thread(self.has_rows_now, rollout_id)
+
+    async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Remove the rollouts' staged rows, ledger rows and records, keeping the fence (Gym main's names).
+
+        Call it once the trainer has read every manifest row; a late ``stage`` or ``record`` then fails.
+        """
+        payload = await asyncio.to_thread(self._store.retire_now, list(rollout_ids))
+        return {"removed": list(payload.removed), "absent": list(payload.not_found)}
+
+    async def delete(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Remove the rollouts and their fences, so the ids can be used again."""
+        payload = await asyncio.to_thread(self._store.delete_now, list(rollout_ids))
+        return {"removed": list(payload.removed), "absent": list(payload.not_found)}

@@ -381,3 +381,21 @@ def test_sixteen_threads_staging_into_one_rollout_lose_no_row(tmp_path: Path) ->
         thread.join()
     fetched = FileStagingSource(tmp_path).fetch([f"one/c{index}" for index in range(160)])
     assert [snapshot.digest for snapshot in fetched] == [call.digest for call in calls]
+
+
+def test_the_ledger_retires_a_read_rollout_so_late_stages_and_records_fail_and_delete_frees_the_id(
+    tmp_path: Path,
+) -> None:
+    turns = conversation("r1", 2)
+    ledger, sink = FileLineageResolver(tmp_path), FileStagingSink(tmp_path)
+    for turn in turns:
+        assert sink.stage(turn.call).ok
+        asyncio.run(ledger.record(commit_for(turn)))
+    assert asyncio.run(ledger.retire(["r1", "r2"])) == {"removed": ["r1"], "absent": ["r2"]}
+    assert asyncio.run(ledger.retire(["r1"])) == {"removed": [], "absent": ["r1"]}
+    assert asyncio.run(ledger.manifest("r1"))["records"] == []
+    assert not sink.stage(staged_call("r1", "late", [1], [2])).ok
+    with pytest.raises(RolloutRetiredError):
+        asyncio.run(ledger.record(commit_for(turns[0])))
+    assert asyncio.run(ledger.delete(["r1"])) == {"removed": ["r1"], "absent": []}
+    assert sink.stage(turns[0].call).ok
