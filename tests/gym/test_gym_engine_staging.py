@@ -23,7 +23,7 @@ from gym_wheel import GymModules, needs_gym_build_sink
 from staging_calls import exact_log_prob
 
 from tokcap.lineage import FileLineageResolver
-from tokcap.staging import FileStagingSink, FileStagingSource, receipt_from_manifest
+from tokcap.staging import FileStagingSink, FileStagingSource, finalize_rollout, receipt_from_manifest
 
 pytestmark = needs_gym_build_sink
 
@@ -76,6 +76,7 @@ class _Worker:
         self.source = FileStagingSource(root)
         self.admission_class = staging.CaptureAdmission
         self.prefixes: list[list[int]] = []
+        self.attachments: Any = None
 
     def serve(self, request: dict[str, Any], new_prompt: list[int], generated: list[int]) -> dict[str, Any]:
         admission = self.admission_class.model_validate(request["ng_capture"])
@@ -106,9 +107,8 @@ class _Worker:
                 }
             ],
         }
-        coords = self.capture.complete_call_from_response(
-            call, response, attachments={"pixels": _pixels(generated)}
-        )
+        attachments = self.attachments if self.attachments is not None else {"pixels": _pixels(generated)}
+        coords = self.capture.complete_call_from_response(call, response, attachments=attachments)
         response["ng_commit_coords"] = coords.model_dump(mode="json")
         return response
 
@@ -268,3 +268,20 @@ def test_gyms_manifest_control_route_serves_tokcaps_manifest_behind_its_bearer_t
     assert [record.model_call_id for record in manifest.records] == ["call-0", "call-1"]
     assert [failure.reason for failure in manifest.failures] == ["worker_capture_failed"]
     assert asyncio.run(_asgi_get(app, route, {"Authorization": "Bearer wrong"}))[0] == 401
+
+
+def test_a_stage_the_sink_refuses_poisons_the_rollout_through_gyms_handler_and_finalize_masks_it(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    worker, ledger = _Worker(gym, tmp_path), FileLineageResolver(tmp_path)
+    asyncio.run(_rollout(gym, worker, ledger, "main", 100, 1))
+    worker.attachments = {"tensor": [1, 2, 3]}  # not bytes: the sink refuses, Gym answers capture_failed
+    history = [{"role": "user", "content": "main turn 0"}]
+    with pytest.raises(AssertionError, match="not mark the call committed"):
+        asyncio.run(_one_call(gym, worker, ledger, "main", "call-1", history, [7], [8, 9]))
+    manifest = asyncio.run(ledger.manifest("main"))
+    assert [(f["model_call_id"], f["reason"]) for f in manifest["failures"]] == [
+        ("call-1", "worker_capture_failed")
+    ]
+    done = finalize_rollout(manifest, FileStagingSource(tmp_path))
+    assert done.masked and "worker_capture_failed" in (done.masked_reason or "")
