@@ -241,3 +241,111 @@ def test_tokcaps_staging_records_have_gyms_fields_types_and_defaults(gym: GymMod
         gyms_type = repr(info.annotation).replace("nemo_gym.token_id_capture.staging.records", "RECORDS")
         assert ours_type == gyms_type, field_name
         assert mine[field_name].default == info.default, field_name
+
+
+_BAD_VALUES: list[Any] = [
+    None,
+    "",
+    "x",
+    -1,
+    0,
+    1,
+    2**64,
+    1.5,
+    float("nan"),
+    float("inf"),
+    1e39,
+    True,
+    [],
+    [0.5],
+    [2**64],
+    [-1],
+    [1.0, 0.0],
+    [0.0, -0.5],
+    "text",
+    "token_in",
+    "0" * 64,
+    "A" * 64,
+    {"k": (1, 2)},
+    {"k": 2**63},
+    {1: 2},
+]
+
+
+def _digest_args(call: Any) -> dict[str, Any]:
+    return {key: value for key, value in call.model_dump().items() if key not in ("digest", "extras")}
+
+
+def _result(function: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return function(*args, **kwargs)
+    except (ValueError, TypeError, OverflowError) as exc:
+        return type(exc).__name__
+
+
+@settings(max_examples=400, deadline=None)
+@given(field_index=st.integers(0, 16), value=st.sampled_from(_BAD_VALUES), child=st.booleans())
+def test_tokcaps_digests_refuse_and_accept_exactly_what_gyms_do(
+    gym: GymModules, field_index: int, value: Any, child: bool
+) -> None:
+    from tokcap.staging import digest as ours
+
+    theirs = importlib.import_module("nemo_gym.token_id_capture.staging.digest")
+    root = staged_call(ROLLOUT, "d0", [1, 2], [3])
+    call = staged_call(ROLLOUT, "d1", [4], [5, 6], parent=root) if child else root
+    args = _digest_args(call)
+    name = sorted(args)[field_index]
+    args[name] = value
+    assert _result(ours.compute_staging_digest, **args) == _result(theirs.compute_staging_digest, **args)
+    ids = value if isinstance(value, list) else [value]
+    assert _result(ours.compute_chain_hash, value if isinstance(value, str) else None, ids) == _result(
+        theirs.compute_chain_hash, value if isinstance(value, str) else None, ids
+    )
+    assert _result(ours.hash_token_ids, ids) == _result(theirs.hash_token_ids, ids)
+    extras = value if isinstance(value, dict) else {"v": value}
+    assert _result(ours.compute_extras_digest, extras) == _result(theirs.compute_extras_digest, extras)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    class_name=st.sampled_from(
+        ["StagedCallRecord", "CallRecord", "StageResult", "RolloutReceipt", "RolloutManifest"]
+    ),
+    field_index=st.integers(0, 30),
+    value=st.sampled_from(_BAD_VALUES),
+)
+def test_tokcaps_staging_records_validate_exactly_what_gyms_do(
+    gym: GymModules, class_name: str, field_index: int, value: Any
+) -> None:
+    from tokcap.staging import records as ours
+
+    theirs = importlib.import_module("nemo_gym.token_id_capture.staging.records")
+    root = staged_call(ROLLOUT, "v0", [1, 2], [3])
+    child = staged_call(ROLLOUT, "v1", [4], [5, 6], parent=root)
+    valid: dict[str, Any] = {
+        "StagedCallRecord": child.model_dump(),
+        "CallRecord": _record(child).model_dump(),
+        "StageResult": {"ok": True, "staging_key": "k"},
+        "RolloutReceipt": {
+            "rollout_id": ROLLOUT,
+            "manifest": [_record(root).model_dump(), _record(child).model_dump()],
+            "terminal_model_call_id": "v1",
+            "terminal_selection": "declared",
+        },
+        "RolloutManifest": {
+            "rollout_id": ROLLOUT,
+            "records": [],
+            "failures": [{"model_call_id": "c", "reason": "r"}],
+        },
+    }
+    data = dict(valid[class_name])
+    names = sorted(getattr(theirs, class_name).model_fields)
+    data[names[field_index % len(names)]] = value
+
+    def outcome(cls: Any) -> Any:
+        try:
+            return cls.model_validate(data).model_dump(mode="json")
+        except ValueError:
+            return "refused"
+
+    assert outcome(getattr(ours, class_name)) == outcome(getattr(theirs, class_name))
