@@ -399,3 +399,24 @@ def test_the_ledger_retires_a_read_rollout_so_late_stages_and_records_fail_and_d
         asyncio.run(ledger.record(commit_for(turns[0])))
     assert asyncio.run(ledger.delete(["r1"])) == {"removed": ["r1"], "absent": []}
     assert sink.stage(turns[0].call).ok
+
+
+def test_a_blob_written_while_a_retire_removes_the_blobs_does_not_fail_the_retire(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = FileStagingSink(tmp_path)
+    assert sink.stage(staged_call("r1", "c0", [1], [2]), attachments={"a": b"x"}).ok
+    real_listdir = os.listdir
+
+    def listdir_then_a_late_blob(path: object) -> list[str]:
+        names = real_listdir(path)  # type: ignore[call-overload]
+        if str(path).endswith(".tokens.blobs"):
+            (Path(str(path)) / ("f" * 64)).write_bytes(b"late")
+        return names  # type: ignore[no-any-return]
+
+    monkeypatch.setattr("tokcap.store.os.listdir", listdir_then_a_late_blob)
+    assert TokenCaptureStore(tmp_path).retire_now(["r1"]).removed == ("r1",)
+    monkeypatch.undo()
+    assert not sink.stage(staged_call("r1", "late", [1], [2])).ok
+    assert TokenCaptureStore(tmp_path).delete_now(["r1"]).removed == ("r1",)
+    assert not (tmp_path / "r1.tokens.blobs").exists()
