@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -29,6 +29,9 @@ from tokcap.records import ParentResolutionStatus
 from tokcap.rules import ApplyOutcome, ApplyResult
 from tokcap.staging.records import CallRecord, CaptureLedgerCommit, ManifestFailure, RolloutManifest
 from tokcap.store import TokenCaptureStore
+
+if TYPE_CHECKING:
+    from tokcap.lineage import LineageResolution
 
 __all__ = ["FileCaptureLedger", "ledger_row"]
 
@@ -162,12 +165,13 @@ class FileCaptureLedger:
         state = self._store.read_state(rollout_id)
         return bool(state.ledger or state.ledger_failures)
 
-    def staged_resolution(self, rollout_id: str, request_items: Sequence[Any]) -> Any:
+    def staged_resolution(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution | None:
         """The one committed row the request continues, as a resolved ``LineageResolution``; else ``None``.
 
         Failure rows and rows stamped by another fingerprint version never match; two matching rows are
         ambiguous and resolve nothing, as in Gym's file ledger.
         """
+        # Deferred: tokcap.lineage imports this module.
         from tokcap.lineage import LineageMatch, LineageResolution
 
         fingerprint = assistant_fingerprint(request_items)

@@ -260,7 +260,7 @@ class FileLineageResolver(FileCaptureLedger):
         if status is ParentResolutionStatus.UNRESOLVED:
             staged = self.staged_resolution(rollout_id, request_items)
             if staged is not None:
-                return staged  # type: ignore[no-any-return]
+                return staged
         if node is None:
             return resolution_of(status, None, reason)
         tokens = materialize_tokens(node, index, lambda ids: [entries[call_id] for call_id in ids])

@@ -55,8 +55,15 @@ __all__ = [
     "StagedSlot",
 ]
 
-STATE_SCHEMA_VERSION = 2
-"""The newest schema of the ``tokcap`` part of a state file this reader understands."""
+STATE_SCHEMA_VERSION = 3
+"""The newest schema of the ``tokcap`` part of a state file this reader understands.
+
+Version 3 adds the staging keys (``staged``, ``ledger``, ...). A state without them is still written as
+version 2, so the files of rollouts without staged rows keep their bytes and older readers keep opening
+them; a reader of version 2 refuses a staging rollout with the upgrade message instead of misreading it.
+"""
+
+_STATE_SCHEMA_WITHOUT_STAGING = 2
 
 
 class Lifecycle(enum.StrEnum):
@@ -304,8 +311,11 @@ class RolloutState(BaseModel):
             "removed_records": self.removed_records,
             "schema_version": STATE_SCHEMA_VERSION,
         }
-        # Staging keys are written only once a rollout has staged or ledger rows, so the state files of
-        # rollouts without them keep their bytes.
+        # Staging keys (schema 3) are written only once a rollout has staged or ledger rows.
+        staging = bool(
+            self.staged or self.staged_size or self.ledger or self.ledger_failures or self.ledger_size
+        )
+        tokcap_part["schema_version"] = STATE_SCHEMA_VERSION if staging else _STATE_SCHEMA_WITHOUT_STAGING
         if self.staged or self.staged_size:
             tokcap_part["staged"] = {key: slot.model_dump() for key, slot in self.staged.items()}
             tokcap_part["staged_size"] = self.staged_size

@@ -420,3 +420,17 @@ def test_a_blob_written_while_a_retire_removes_the_blobs_does_not_fail_the_retir
     assert not sink.stage(staged_call("r1", "late", [1], [2])).ok
     assert TokenCaptureStore(tmp_path).delete_now(["r1"]).removed == ("r1",)
     assert not (tmp_path / "r1.tokens.blobs").exists()
+
+
+def test_a_state_with_staging_rows_is_schema_three_and_one_without_stays_schema_two(tmp_path: Path) -> None:
+    from tokcap.errors import NewerSchemaError
+
+    TokenCaptureStore(tmp_path).mark_incomplete_now("plain", "c", "lost")
+    assert FileStagingSink(tmp_path).stage(staged_call("staged", "c0", [1], [2])).ok
+    plain = orjson.loads((tmp_path / "plain.tokens.state.json").read_bytes())
+    staged = orjson.loads((tmp_path / "staged.tokens.state.json").read_bytes())
+    assert plain["tokcap"]["schema_version"] == 2 and "staged" not in plain["tokcap"]
+    assert staged["tokcap"]["schema_version"] == 3 and list(staged["tokcap"]["staged"]) == ["staged/c0"]
+    staged["tokcap"]["schema_version"] = 4
+    with pytest.raises(NewerSchemaError):
+        RolloutState.decode(orjson.dumps(staged), "staged.tokens.state.json", "staged")
