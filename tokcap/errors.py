@@ -23,6 +23,9 @@ Error tree::
     ├── RolloutClosedError (RuntimeError)
     │   ├── RolloutFrozenError
     │   └── RolloutRetiredError
+    ├── ReceiptVerificationError (ValueError)
+    │   └── RebuildError
+    ├── StagingKeyNotFoundError (LookupError)
     ├── StoreCorruptionError (RuntimeError)
     ├── StoreFormatError (RuntimeError)
     ├── StoreWriteError (OSError)
@@ -79,11 +82,14 @@ __all__ = [
     "PartitionOwnerMissingError",
     "PartitionOwnershipConflictError",
     "PrefixContiguityError",
+    "RebuildError",
+    "ReceiptVerificationError",
     "RecordValidationError",
     "RolloutClosedError",
     "RolloutFrozenError",
     "RolloutRetiredError",
     "SinkConfigError",
+    "StagingKeyNotFoundError",
     "StoreCorruptionError",
     "StoreFormatError",
     "StoreWriteError",
@@ -131,6 +137,22 @@ class TokenExtractionError(InvalidInputError):
 
 class ConflictingEntryError(InvalidInputError):
     """A call id was written twice with different payloads; the rollout is now incomplete."""
+
+
+class ReceiptVerificationError(TokcapError, ValueError):
+    """A staging receipt or staged row failed a custody check; ``code`` names the check (Gym's codes)."""
+
+    def __init__(self, code: str, detail: str, *, rollout_id: str | None = None) -> None:
+        super().__init__(f"{code}: {detail}", rollout_id=rollout_id)
+        self.code = code
+
+
+class RebuildError(ReceiptVerificationError):
+    """A verified manifest cannot form the chain its receipt names as terminal."""
+
+
+class StagingKeyNotFoundError(TokcapError, LookupError):
+    """A staging key names no staged call: never staged, staged and refused, or its rollout was retired."""
 
 
 class EventDecodeError(InvalidInputError):

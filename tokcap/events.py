@@ -43,9 +43,13 @@ __all__ = [
     "FreezeEvent",
     "IncompleteEvent",
     "IntentEvent",
+    "LedgerEvent",
+    "LedgerFailureEvent",
     "LogPosition",
     "PutEvent",
     "RetireEvent",
+    "StageEvent",
+    "StagedBlob",
     "decode_event",
     "encode_event",
     "event_from_mapping",
@@ -66,6 +70,9 @@ class EventType(enum.StrEnum):
     DROP = "drop"
     RETIRE = "retire"
     DELETE = "delete"
+    STAGE = "stage"
+    LEDGER = "ledger"
+    LEDGER_FAILURE = "ledger-failure"
 
 
 class _EventBase(BaseModel):
@@ -176,6 +183,77 @@ class DeleteEvent(_EventBase):
     type: Literal[EventType.DELETE] = EventType.DELETE
 
 
+class StagedBlob(BaseModel):
+    """Bytes stored beside a staged row (its extras, or one attachment), named by their SHA-256."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: StrictInt = Field(ge=0)
+
+
+def _line(value: dict[str, Any]) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS) + b"\n"
+
+
+class StageEvent(_EventBase):
+    """An inference worker staged one call's token delta (Gym's ``StagedCallRecord``) under its key.
+
+    ``row`` is the staged record without its extras, as JSON; the extras and every attachment are blobs
+    named by their SHA-256, so a reader of the token columns never parses them.
+    """
+
+    type: Literal[EventType.STAGE] = EventType.STAGE
+    staging_key: str
+    model_call_id: str
+    row: dict[str, Any]
+    extras: StagedBlob | None = None
+    attachments: dict[str, StagedBlob] = Field(default_factory=dict)
+
+    @functools.cached_property
+    def stored_line(self) -> bytes:
+        """The line the store keeps for this staged call; equal lines mean an identical repeat."""
+        return _line(
+            {
+                "attachments": {name: blob.model_dump() for name, blob in self.attachments.items()},
+                "extras": None if self.extras is None else self.extras.model_dump(),
+                "row": self.row,
+                "staging_key": self.staging_key,
+            }
+        )
+
+
+class LedgerEvent(_EventBase):
+    """Gym's model server committed a staged call: its token-free ledger row.
+
+    ``row`` holds the custody columns and lookup fingerprints (Gym's ledger row); ``commit_digest`` is the
+    SHA-256 of the whole commit, request items included, so any difference in a repeat is seen.
+    """
+
+    type: Literal[EventType.LEDGER] = EventType.LEDGER
+    model_call_id: str
+    commit_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    row: dict[str, Any]
+
+    @functools.cached_property
+    def stored_line(self) -> bytes:
+        """The ledger line of this row."""
+        return _line({**self.row, "commit_digest": self.commit_digest, "model_call_id": self.model_call_id})
+
+
+class LedgerFailureEvent(_EventBase):
+    """A call whose capture did not commit; it poisons the rollout and never resolves a parent."""
+
+    type: Literal[EventType.LEDGER_FAILURE] = EventType.LEDGER_FAILURE
+    model_call_id: str
+    reason: str
+
+    @functools.cached_property
+    def stored_line(self) -> bytes:
+        """The ledger line of this failure, in Gym's shape."""
+        return _line({"failure_reason": self.reason, "model_call_id": self.model_call_id})
+
+
 Event = Annotated[
     IntentEvent
     | CancelEvent
@@ -184,7 +262,10 @@ Event = Annotated[
     | FreezeEvent
     | DropEvent
     | RetireEvent
-    | DeleteEvent,
+    | DeleteEvent
+    | StageEvent
+    | LedgerEvent
+    | LedgerFailureEvent,
     Field(discriminator="type"),
 ]
 

@@ -41,8 +41,10 @@ __all__ = [
     "check_call_id",
     "check_entry_fields",
     "check_event",
+    "check_finite_values",
     "check_line_call_id",
     "check_storable",
+    "check_token_ids",
 ]
 
 MAX_CALL_ID_LENGTH = 1024
@@ -267,3 +269,13 @@ def _check_finite(rollout_id: str, call_id: str, field: str, value: Any) -> None
             pending.extend(item)
         elif isinstance(item, Iterable) and not isinstance(item, str | bytes):
             pending.extend(list(item))
+
+
+def check_token_ids(rollout_id: str, call_id: str, field: str, ids: list[int]) -> None:
+    """Refuse token ids outside [0, 2**64) in any record, a put's or a staged call's."""
+    _check_token_ids(rollout_id, call_id, field, ids)
+
+
+def check_finite_values(rollout_id: str, call_id: str, field: str, value: Any) -> None:
+    """Refuse a non-finite float anywhere in a JSON-like value, a put's or a staged call's."""
+    _check_finite(rollout_id, call_id, field, value)

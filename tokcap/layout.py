@@ -7,6 +7,9 @@ Per rollout, in one directory:
   once retired it is the fence that refuses late writers, kept until ``delete``.
 - ``<id>.tokens.intents``: one line per dispatched call, its call id; a cancel is the call id after a NUL.
 - ``<id>.tokens.incomplete``: one line per marker, the lost call's id (reasons live in the state).
+- ``<id>.tokens.staged``: one canonical JSON line per staged call (engine-side staging), keys sorted.
+- ``<id>.tokens.ledger``: one line per ledger row or ledger failure, in the order they were recorded.
+- ``<id>.tokens.blobs/``: the staged calls' extras and attachments, one file per SHA-256 of its bytes.
 - ``<id>.tokens.lock``: the per-rollout ``flock`` target shared with Gym's store; never removed.
 
 The format is Gym 0.7.0's, so either store opens the other's rollouts. ``<id>.tokens.fence`` belonged to
@@ -27,12 +30,15 @@ from tokcap.rollout_ids import validate_rollout_id
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BLOBS_SUFFIX",
     "ENTRIES_SUFFIX",
     "FENCE_SUFFIX",
     "INCOMPLETE_SUFFIX",
     "INTENTS_SUFFIX",
+    "LEDGER_SUFFIX",
     "LOCK_SUFFIX",
     "RECORD_SUFFIXES",
+    "STAGED_SUFFIX",
     "STATE_SUFFIX",
     "RolloutPaths",
     "logger",
@@ -45,11 +51,22 @@ INTENTS_SUFFIX = ".tokens.intents"
 INCOMPLETE_SUFFIX = ".tokens.incomplete"
 LOCK_SUFFIX = ".tokens.lock"
 FENCE_SUFFIX = ".tokens.fence"
+STAGED_SUFFIX = ".tokens.staged"
+LEDGER_SUFFIX = ".tokens.ledger"
+BLOBS_SUFFIX = ".tokens.blobs"
 
-RECORD_SUFFIXES = (ENTRIES_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX)
+RECORD_SUFFIXES = (ENTRIES_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX, STAGED_SUFFIX, LEDGER_SUFFIX)
 """The files a retire removes: everything the rollout recorded, not its state, fence or lock."""
 
-_LISTED_SUFFIXES = (ENTRIES_SUFFIX, STATE_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX, FENCE_SUFFIX)
+_LISTED_SUFFIXES = (
+    ENTRIES_SUFFIX,
+    STATE_SUFFIX,
+    INTENTS_SUFFIX,
+    INCOMPLETE_SUFFIX,
+    FENCE_SUFFIX,
+    STAGED_SUFFIX,
+    LEDGER_SUFFIX,
+)
 """A stray tokcap 0.1 fence is listed too, so the rollout's first read reports the old format."""
 
 
@@ -64,6 +81,9 @@ class RolloutPaths:
     incomplete: Path
     lock: Path
     fence: Path
+    staged: Path
+    ledger: Path
+    blobs: Path
 
     @classmethod
     def of(cls, root: Path, rollout_id: str) -> RolloutPaths:
@@ -77,12 +97,19 @@ class RolloutPaths:
             incomplete=Path(stem + INCOMPLETE_SUFFIX),
             lock=Path(stem + LOCK_SUFFIX),
             fence=Path(stem + FENCE_SUFFIX),
+            staged=Path(stem + STAGED_SUFFIX),
+            ledger=Path(stem + LEDGER_SUFFIX),
+            blobs=Path(stem + BLOBS_SUFFIX),
         )
 
     @property
-    def records(self) -> tuple[Path, Path, Path]:
-        """The files a retire removes."""
-        return (self.entries, self.intents, self.incomplete)
+    def records(self) -> tuple[Path, ...]:
+        """The files a retire removes (the blob directory goes before them)."""
+        return (self.entries, self.intents, self.incomplete, self.staged, self.ledger)
+
+    def blob(self, sha256: str) -> Path:
+        """The file holding the staged bytes with this SHA-256."""
+        return self.blobs / sha256
 
 
 def rollout_ids_in(root: Path) -> list[str]:

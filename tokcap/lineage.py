@@ -24,6 +24,7 @@ from typing import Any
 
 from tokcap.errors import LineageLookupError
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
+from tokcap.ledger import FileCaptureLedger
 from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest, token_count
 from tokcap.store import TokenCaptureStore
 
@@ -224,8 +225,8 @@ def resolution_of(
     )
 
 
-class FileLineageResolver:
-    """Gym's ``LineageResolver`` over a tokcap (or Gym) file-store directory.
+class FileLineageResolver(FileCaptureLedger):
+    """Gym's ``LineageResolver`` over a tokcap (or Gym) file-store directory, and its ``CaptureLedger``.
 
     Each ``resolve`` reads the rollout's accepted entries through ``TokenCaptureStore`` under the rollout's
     lock, so an entry is visible as soon as any process's ``put`` returned, including to a resolver built
@@ -256,6 +257,10 @@ class FileLineageResolver:
             if node is not None:
                 index.add(node)
         status, node, reason = index.decide(request_items)
+        if status is ParentResolutionStatus.UNRESOLVED:
+            staged = self.staged_resolution(rollout_id, request_items)
+            if staged is not None:
+                return staged
         if node is None:
             return resolution_of(status, None, reason)
         tokens = materialize_tokens(node, index, lambda ids: [entries[call_id] for call_id in ids])

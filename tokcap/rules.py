@@ -26,6 +26,11 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - A delete forgets the rollout; applied from a log it leaves an empty state holding the verdict.
 - A cancel is a line of the intents file Gym reads as an intent that never got an entry (Gym masks; tokcap knows).
 - The position of every applied event is recorded once, in the state the decision returns.
+- A stage of a known staging key with the same stored line is a no-op; another line is rejected, changing nothing.
+- A ledger row of a known call id with the same commit digest is a no-op; another is rejected, changing nothing.
+- A ledger failure of a known call id with the same reason is a no-op; another is rejected, changing nothing.
+- A stage, ledger row or ledger failure is refused by the fence only (not the freeze), moves no version, and is
+  durable before its caller returns.
 
 Two kinds of rule come before an event exists and live with what they judge: how a message becomes an
 event, or a dead letter that masks its rollout (undecodable, newer schema, refused by the input rules of
@@ -51,18 +56,32 @@ from tokcap.events import (
     FreezeEvent,
     IncompleteEvent,
     IntentEvent,
+    LedgerEvent,
+    LedgerFailureEvent,
     LogPosition,
     PutEvent,
     RetireEvent,
+    StageEvent,
 )
 from tokcap.input_rules import check_line_call_id
-from tokcap.state import FreezeAnswer, IncompleteMark, IntentOp, Lifecycle, Rejection, RolloutState
+from tokcap.records import entry_digest
+from tokcap.state import (
+    FreezeAnswer,
+    IncompleteMark,
+    IntentOp,
+    Lifecycle,
+    Rejection,
+    RolloutState,
+    StagedSlot,
+)
 
 __all__ = [
     "CANCEL_PREFIX",
     "AppendEntry",
     "AppendIncompleteMark",
     "AppendIntent",
+    "AppendLedgerLine",
+    "AppendStagedLine",
     "ApplyOutcome",
     "ApplyResult",
     "Barrier",
@@ -136,6 +155,26 @@ class AppendIncompleteMark:
 
 
 @dataclass(frozen=True)
+class AppendStagedLine:
+    """Append one staged row's line to ``<id>.tokens.staged`` at byte ``start``.
+
+    Bytes past ``start`` were never acknowledged (every staging event writes its state durably before its
+    caller returns), so they are cut first.
+    """
+
+    line: bytes
+    start: int
+
+
+@dataclass(frozen=True)
+class AppendLedgerLine:
+    """Append one ledger row or failure line to ``<id>.tokens.ledger`` at byte ``start`` (a longer file is cut)."""
+
+    line: bytes
+    start: int
+
+
+@dataclass(frozen=True)
 class WriteState:
     """Replace the state file with the decision's state.
 
@@ -164,7 +203,15 @@ class RemoveState:
 
 
 Effect = (
-    AppendEntry | AppendIntent | AppendIncompleteMark | WriteState | Barrier | RemoveRecords | RemoveState
+    AppendEntry
+    | AppendIntent
+    | AppendIncompleteMark
+    | AppendStagedLine
+    | AppendLedgerLine
+    | WriteState
+    | Barrier
+    | RemoveRecords
+    | RemoveState
 )
 
 
@@ -254,6 +301,8 @@ def decide(
         return _retire(new, position)
     if isinstance(event, DeleteEvent):
         return _delete(state, position)
+    if isinstance(event, StageEvent | LedgerEvent | LedgerFailureEvent):
+        return _staging(new, event, position)
     raise InvalidInputError(f"no rule applies events of type {type(event).__name__}")
 
 
@@ -466,6 +515,11 @@ def _retired(state: RolloutState) -> tuple[Effect, ...]:
     state.intents_size = 0
     state.incomplete_marks = []
     state.incomplete_size = 0
+    state.staged = {}
+    state.staged_size = 0
+    state.ledger = {}
+    state.ledger_failures = {}
+    state.ledger_size = 0
     return (WriteState(durable=True), Barrier(), RemoveRecords())
 
 
@@ -536,3 +590,53 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
     _retired(tombstone)
     effects = (WriteState(durable=True, state=tombstone), Barrier(), RemoveRecords(), RemoveState())
     return Decision(RolloutState(rollout_id=state.rollout_id), verdict, effects, sync_even_if_unchanged=True)
+
+
+def _staging(
+    state: RolloutState, event: StageEvent | LedgerEvent | LedgerFailureEvent, position: LogPosition | None
+) -> Decision:
+    """A staged row, ledger row or ledger failure: write-once per key, refused only by the fence."""
+    call_id = event.model_call_id
+    if state.retired:
+        return _unchanged(state, _refused_by_fence(state, event.type, call_id), position)
+    line = event.stored_line
+    if isinstance(event, StageEvent):
+        key, known_slot = event.staging_key, state.staged.get(event.staging_key)
+        known, digest = (known_slot.digest if known_slot else None), entry_digest(line)
+    elif isinstance(event, LedgerEvent):
+        key, known_slot = call_id, state.ledger.get(call_id)
+        known, digest = (known_slot.digest if known_slot else None), event.commit_digest
+    else:
+        key, known, digest = call_id, state.ledger_failures.get(call_id), event.reason
+    if known == digest:
+        verdict = ApplyResult(
+            ApplyOutcome.NOOP, event.type, state.rollout_id, call_id, detail="identical repeat"
+        )
+        return _unchanged(state, verdict, position)
+    if known is not None:
+        verdict = ApplyResult(
+            ApplyOutcome.CONFLICT,
+            event.type,
+            state.rollout_id,
+            call_id,
+            detail=f"{key!r} was already recorded with a different payload; the first one stands",
+        )
+        return _unchanged(state, verdict, position)
+    effect: Effect
+    if isinstance(event, StageEvent):
+        effect = AppendStagedLine(line, state.staged_size)
+        state.staged = {
+            **state.staged,
+            key: StagedSlot(start=state.staged_size, length=len(line), digest=digest),
+        }
+        state.staged_size += len(line)
+    else:
+        effect = AppendLedgerLine(line, state.ledger_size)
+        if isinstance(event, LedgerEvent):
+            slot = StagedSlot(start=state.ledger_size, length=len(line), digest=digest)
+            state.ledger = {**state.ledger, key: slot}
+        else:
+            state.ledger_failures = {**state.ledger_failures, key: digest}
+        state.ledger_size += len(line)
+    verdict = ApplyResult(ApplyOutcome.ACCEPTED, event.type, state.rollout_id, call_id)
+    return Decision(state, verdict, (effect, WriteState(durable=True)))

@@ -55,10 +55,16 @@ __all__ = [
     "Lifecycle",
     "Rejection",
     "RolloutState",
+    "StagedSlot",
 ]
 
 STATE_SCHEMA_VERSION = 3
-"""The newest schema of the ``tokcap`` part of a state file this reader understands."""
+"""The newest schema of the ``tokcap`` part of a state file this reader understands.
+
+Version 3 records whether tokcap made the freeze (``covers_freeze``) and adds the staging keys (``staged``,
+``ledger``, ...), which are written only once a rollout has staged or ledger rows. A reader of version 2 refuses
+every version-3 state with the upgrade message instead of misreading it.
+"""
 
 
 class Lifecycle(enum.StrEnum):
@@ -121,6 +127,16 @@ class FreezeAnswer(BaseModel):
     incomplete: bool
 
 
+class StagedSlot(BaseModel):
+    """Where one staged row or ledger row sits in its file, and the digest of its line."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: StrictInt
+    length: StrictInt
+    digest: str
+
+
 _GYM_KEYS = frozenset(
     {"entry_digests", "frozen", "incomplete", "indexed_size", "retired", "snapshot_id", "version"}
 )
@@ -147,6 +163,11 @@ class _TokcapPart(BaseModel):
     covers_freeze: bool = False
     last_position: dict[str, Any] | None = None
     removed_records: bool | None = None
+    staged: dict[str, StagedSlot] = Field(default_factory=dict)
+    staged_size: StrictInt = 0
+    ledger: dict[str, StagedSlot] = Field(default_factory=dict)
+    ledger_failures: dict[str, str] = Field(default_factory=dict)
+    ledger_size: StrictInt = 0
 
 
 def _intent_map(value: Any) -> Map[str, IntentOp]:
@@ -189,6 +210,14 @@ class RolloutState(BaseModel):
     """tokcap recorded the freeze: the sizes cover every line written before it (``tokcap.recovery``)."""
     last_position: dict[str, Any] | None = None
     removed_records: bool | None = None
+    staged: dict[str, StagedSlot] = Field(default_factory=dict)
+    """Each staged call's line in ``<id>.tokens.staged``, by staging key; a fetch reads only its lines."""
+    staged_size: StrictInt = 0
+    ledger: dict[str, StagedSlot] = Field(default_factory=dict)
+    """Each committed call's line in ``<id>.tokens.ledger``, by call id; the digest is the commit's."""
+    ledger_failures: dict[str, str] = Field(default_factory=dict)
+    """Each failed call's reason, by call id; its line is in the ledger file too."""
+    ledger_size: StrictInt = 0
     foreign_keys: dict[str, Any] = Field(default_factory=dict)
     """Top-level keys another writer put in the file; kept so a rewrite never drops them."""
 
@@ -209,6 +238,9 @@ class RolloutState(BaseModel):
             and not self.rejections
             and not self.intents
             and not self.incomplete_marks
+            and not self.staged
+            and not self.ledger
+            and not self.ledger_failures
         )
 
     @property
@@ -284,6 +316,14 @@ class RolloutState(BaseModel):
             "removed_records": self.removed_records,
             "schema_version": STATE_SCHEMA_VERSION,
         }
+        # Staging keys are written only once a rollout has staged or ledger rows.
+        if self.staged or self.staged_size:
+            tokcap_part["staged"] = {key: slot.model_dump() for key, slot in self.staged.items()}
+            tokcap_part["staged_size"] = self.staged_size
+        if self.ledger or self.ledger_failures or self.ledger_size:
+            tokcap_part["ledger"] = {key: slot.model_dump() for key, slot in self.ledger.items()}
+            tokcap_part["ledger_failures"] = self.ledger_failures
+            tokcap_part["ledger_size"] = self.ledger_size
         document: dict[str, Any] = {
             **self.foreign_keys,
             "entry_digests": self.entry_digests,

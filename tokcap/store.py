@@ -20,6 +20,7 @@ Reads never write: they recover the state in memory and leave repairs to the nex
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import threading
@@ -83,6 +84,8 @@ from tokcap.rules import (
     AppendEntry,
     AppendIncompleteMark,
     AppendIntent,
+    AppendLedgerLine,
+    AppendStagedLine,
     ApplyOutcome,
     ApplyResult,
     Barrier,
@@ -359,6 +362,10 @@ class TokenCaptureStore:
         """Marker that at least one call of this rollout failed to capture."""
         return self._paths_of(rollout_id).incomplete
 
+    def blob_path_for(self, rollout_id: str, sha256: str) -> Path:
+        """The file holding a staged call's extras or attachment with this SHA-256 (``tokcap.layout``)."""
+        return self._paths_of(rollout_id).blob(sha256)
+
     def lock_path_for(self, rollout_id: str) -> Path:
         """The rollout's file lock."""
         return self._paths_of(rollout_id).lock
@@ -494,6 +501,11 @@ class TokenCaptureStore:
                 intents_size = self._append(paths.intents, effect.line, effect.start, rollout_id)
             elif isinstance(effect, AppendIncompleteMark):
                 incomplete_size = self._append(paths.incomplete, effect.line, effect.start, rollout_id)
+            elif isinstance(effect, AppendStagedLine | AppendLedgerLine):
+                path = paths.staged if isinstance(effect, AppendStagedLine) else paths.ledger
+                if _size_of(path) > effect.start:
+                    self._cut(CutTail(path, effect.start))
+                self._append(path, effect.line, effect.start, rollout_id)
             elif isinstance(effect, WriteState) and effect.state is not None:
                 self._replace_state_file(paths, effect.state)
                 self._commit.note_write()
@@ -568,7 +580,19 @@ class TokenCaptureStore:
             self._commit.note_write()
 
     def _remove_records(self, paths: RolloutPaths) -> None:
+        """Remove the record files; the blob directory goes first, so a crash leaves a staged file to finish it."""
         self._kept_entries.forget(paths.rollout_id)
+        if os.path.isdir(paths.blobs) and not os.path.islink(paths.blobs):
+            for name in os.listdir(paths.blobs):
+                self._remove(paths.blobs / name)
+            try:
+                os.rmdir(paths.blobs)
+            except OSError as exc:
+                # A late stage racing the retire wrote a blob after the listing; its row is refused by the
+                # fence, and the blob goes with the rollout's delete.
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    raise
+            self._commit.note_write()
         for path in paths.records:
             self._remove(path)
 
@@ -648,6 +672,42 @@ class TokenCaptureStore:
         with self._locked(rollout_id) as paths:
             state = self._recovered(paths, replaying=False, writing=False).state
             return self._entries_of(paths, state)
+
+    def read_staged_lines(self, rollout_id: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The stored line of each staged key (``None`` for a key never staged), read without parsing others."""
+        with self._locked(rollout_id) as paths:
+            state = self._recovered(paths, replaying=False, writing=False).state
+            slots = [state.staged.get(key) for key in keys]
+            if not any(slots):
+                return [None for _ in keys]
+            fd = open_no_follow(paths.staged, os.O_RDONLY)
+            try:
+                lines = [None if slot is None else os.pread(fd, slot.length, slot.start) for slot in slots]
+            finally:
+                os.close(fd)
+        for key, slot, line in zip(keys, slots, lines, strict=True):
+            if slot is not None and (line is None or len(line) != slot.length):
+                raise StoreCorruptionError(
+                    f"{paths.staged} is shorter than its state says (staged key {key!r}); restore the file "
+                    "from a backup or replay the run, the staged row cannot be read",
+                    rollout_id=rollout_id,
+                )
+        return lines
+
+    def read_ledger_lines(self, rollout_id: str) -> list[bytes]:
+        """Every committed ledger line of a rollout (rows and failures), in the order they were recorded."""
+        with self._locked(rollout_id) as paths:
+            size = self._recovered(paths, replaying=False, writing=False).state.ledger_size
+            if size == 0:
+                return []
+            with os.fdopen(open_no_follow(paths.ledger, os.O_RDONLY), "rb") as handle:
+                data = handle.read(size)
+        if len(data) != size:
+            raise StoreCorruptionError(
+                f"{paths.ledger} holds {len(data)} bytes, its state says {size}; restore it or replay the run",
+                rollout_id=rollout_id,
+            )
+        return [line for line in data.split(b"\n") if line]
 
     def read_state(self, rollout_id: str) -> RolloutState:
         """The rollout's current state, reconciled in memory with its file tails."""

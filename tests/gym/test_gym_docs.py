@@ -48,9 +48,69 @@ def _capture(gym: GymModules, sink: Any, lineage: Any, rollout_id: str) -> dict[
 
 def test_the_doc_has_a_server_snippet_and_a_trainer_snippet(tmp_path: Path) -> None:
     snippets = _blocks("python", tmp_path)
-    assert len(snippets) == 2
+    assert len(snippets) == 5
     assert "build_sink" in snippets[0]
     assert "finalize_rollout_token_capture" in snippets[1]
+    assert "install_capture" in snippets[2]
+    assert "finalize_rollout(" in snippets[3]
+    assert "run_staging_conformance" in snippets[4]
+
+
+def test_the_staging_worker_snippet_stages_through_gyms_capture_and_fetches_a_prefix_back(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    import importlib
+
+    staging = importlib.import_module("nemo_gym.token_id_capture.staging")
+    namespace: dict[str, Any] = {"serving_layer": staging.CaptureHost(), "current_weight_version": lambda: 3}
+    _run(_blocks("python", tmp_path)[2], namespace)
+    capture = namespace["capture"]
+    assert namespace["serving_layer"].token_capture is capture
+    root = capture.begin_call(staging.CaptureAdmission(rollout_id="docs-s", model_call_id="c0", mode="text"))
+    coords = capture.complete_call(
+        root, prompt_token_ids=[1, 2], generated_token_ids=[3], generated_logprobs=[-0.5]
+    )
+    assert coords.disposition == "staged"
+    child = staging.CaptureAdmission(
+        rollout_id="docs-s",
+        model_call_id="c1",
+        parent_call_id="c0",
+        prev_len=3,
+        mode="token_in",
+        staging_chain=[coords.staging_key],
+        parent_chain_hash=coords.chain_hash,
+    )
+    assert namespace["prefix_of"](child) == [1, 2, 3]
+
+
+def test_the_staging_trainer_snippet_finalizes_a_staged_rollout_and_retires_it(tmp_path: Path) -> None:
+    from staging_calls import commit_for, conversation, cumulative_tokens
+
+    from tokcap.staging import FileStagingSink
+
+    turns = conversation("docs-t", 3)
+    ledger = FileLineageResolver(tmp_path)
+    for turn in turns:
+        assert FileStagingSink(tmp_path).stage(turn.call).ok
+        asyncio.run(ledger.record(commit_for(turn)))
+    namespace: dict[str, Any] = {"rollout_id": "docs-t"}
+    _run(_blocks("python", tmp_path)[3], namespace)
+    assert namespace["tokens"] == cumulative_tokens(turns[-1].call)
+    assert asyncio.run(ledger.manifest("docs-t"))["records"] == []
+
+
+def test_the_staging_conformance_snippet_passes_on_the_file_transport(
+    gym: GymModules, tmp_path: Path
+) -> None:
+    from tokcap.staging import FileStagingSink, FileStagingSource
+
+    namespace: dict[str, Any] = {
+        "FileStagingSink": FileStagingSink,
+        "FileStagingSource": FileStagingSource,
+        "FileLineageResolver": FileLineageResolver,
+    }
+    _run(_blocks("python", tmp_path)[4], namespace)
+    assert len(namespace["passed"]) == 9
 
 
 def test_the_trainer_snippet_rebuilds_and_retires_a_rollout_gym_captured_into_tokcap(

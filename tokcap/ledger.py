@@ -1,0 +1,230 @@
+"""Gym's ``CaptureLedger`` over tokcap's file store: the token-free rows of engine-side staging.
+
+Gym's model server records one row per committed call (``record``) or failed call (``record_failure``);
+the trainer reads them back as the rollout's manifest. Each row is a ``ledger`` or ``ledger-failure``
+event applied by the store like every other event, durable and visible to every process on the
+directory before the call returns. A row is write-once: an identical repeat, through any object, is a
+no-op; any difference in the commit (its request items included) raises, and the first row stands.
+
+A committed row also answers request-time lineage: ``staged_resolution`` finds the one row whose
+custody fingerprint (request plus the call's output) matches a new request, as Gym's file ledger does,
+and returns its staging chain, cumulative length and chain hash, which Gym needs to admit the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from tokcap.errors import ConflictingEntryError, InvalidInputError, RolloutRetiredError
+from tokcap.events import LedgerEvent, LedgerFailureEvent
+from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
+from tokcap.input_rules import check_call_id, check_finite_values
+from tokcap.records import ParentResolutionStatus
+from tokcap.rules import ApplyOutcome, ApplyResult
+from tokcap.staging.records import CallRecord, CaptureLedgerCommit, ManifestFailure, RolloutManifest
+from tokcap.store import TokenCaptureStore
+
+if TYPE_CHECKING:
+    from tokcap.lineage import LineageResolution
+
+__all__ = ["FileCaptureLedger", "ledger_row"]
+
+
+def _commit_from(commit: Any) -> CaptureLedgerCommit:
+    data = commit.model_dump(mode="json") if hasattr(commit, "model_dump") else commit
+    try:
+        return CaptureLedgerCommit.model_validate(data)
+    except ValueError as exc:
+        raise InvalidInputError(f"record() takes a CaptureLedgerCommit; this one is invalid: {exc}") from exc
+
+
+def ledger_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
+    """The token-free row a commit is stored as: Gym's custody columns and lookup fingerprints."""
+    record = commit.record
+    request = list(commit.request_items)
+    return {
+        "fingerprint": assistant_fingerprint(request + list(commit.response_items)),
+        "context_len": len(request),
+        "context_digest": conversation_digest(request),
+        "digest": record.cumulative_hash,
+        "parent_call_id": record.parent_call_id,
+        "staging_key": record.staging_key,
+        "weight_version": record.weight_version,
+        "prev_len": record.prev_len,
+        "delta_len": record.delta_len,
+        "cum_len": record.cum_len,
+        "staging_digest": record.digest,
+        "extras_digest": record.extras_digest,
+        "mode": record.mode,
+        "admitted_at": record.admitted_at,
+        "staging_chain": list(commit.staging_chain),
+        "chain_hash": record.chain_hash,
+        "cumulative_hash": record.cumulative_hash,
+        "response_id": record.response_id,
+        "output_fingerprint": record.output_fingerprint,
+        "continuation_fingerprint": record.continuation_fingerprint,
+        "fingerprint_version": record.fingerprint_version,
+    }
+
+
+def _call_record(row: dict[str, Any]) -> CallRecord:
+    return CallRecord(
+        model_call_id=row["model_call_id"],
+        parent_call_id=row["parent_call_id"],
+        prev_len=row["prev_len"],
+        delta_len=row["delta_len"],
+        cum_len=row["cum_len"],
+        weight_version=row["weight_version"],
+        digest=row["staging_digest"],
+        extras_digest=row["extras_digest"],
+        staging_key=row["staging_key"],
+        mode=row["mode"],
+        chain_hash=row["chain_hash"],
+        cumulative_hash=row["cumulative_hash"],
+        response_id=row["response_id"],
+        admitted_at=row["admitted_at"],
+        output_fingerprint=row["output_fingerprint"],
+        continuation_fingerprint=row["continuation_fingerprint"],
+        fingerprint_version=row["fingerprint_version"],
+    )
+
+
+class FileCaptureLedger:
+    """Gym's ``CaptureLedger`` (``record``, ``record_failure``, ``manifest``, ``has_rows``) on a store directory."""
+
+    _store: TokenCaptureStore
+
+    def __init__(self, root: str | Path) -> None:
+        self._store = TokenCaptureStore(root)
+
+    def _raise_for(self, verdict: ApplyResult, what: str) -> None:
+        if verdict.outcome is ApplyOutcome.CONFLICT:
+            raise ConflictingEntryError(
+                f"{what} of call {verdict.model_call_id!r} in rollout {verdict.rollout_id!r} differs from the row "
+                "already recorded for that call; the first row stands. A call id must be committed once",
+                rollout_id=verdict.rollout_id,
+                model_call_id=verdict.model_call_id,
+            )
+        if verdict.outcome is ApplyOutcome.REJECTED_RETIRED:
+            raise RolloutRetiredError(
+                f"rollout {verdict.rollout_id!r} is retired; its fence refused the {what} of call "
+                f"{verdict.model_call_id!r}. Delete the rollout before reusing its id",
+                rollout_id=verdict.rollout_id,
+                model_call_id=verdict.model_call_id,
+            )
+
+    def record_now(self, commit: Any) -> None:
+        """The blocking form of ``record``."""
+        checked = _commit_from(commit)
+        call_id = checked.record.model_call_id
+        check_call_id(checked.rollout_id, call_id)
+        check_finite_values(checked.rollout_id, call_id, "request_items", checked.request_items)
+        check_finite_values(checked.rollout_id, call_id, "response_items", checked.response_items)
+        whole = orjson.dumps(checked.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+        event = LedgerEvent(
+            rollout_id=checked.rollout_id,
+            model_call_id=call_id,
+            commit_digest=hashlib.sha256(whole).hexdigest(),
+            row=ledger_row(checked),
+        )
+        self._raise_for(self._store.apply(event), "ledger row")
+
+    def record_failure_now(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """The blocking form of ``record_failure``."""
+        check_call_id(rollout_id, model_call_id)
+        if not isinstance(reason, str) or not reason:
+            raise InvalidInputError(f"rollout {rollout_id!r}: a ledger failure needs a non-empty reason")
+        event = LedgerFailureEvent(rollout_id=rollout_id, model_call_id=model_call_id, reason=reason)
+        self._raise_for(self._store.apply(event), "ledger failure")
+
+    def _rows(self, rollout_id: str) -> list[dict[str, Any]]:
+        return [orjson.loads(line) for line in self._store.read_ledger_lines(rollout_id)]
+
+    def manifest_now(self, rollout_id: str) -> dict[str, Any]:
+        """The blocking form of ``manifest``."""
+        records, failures = [], []
+        for row in self._rows(rollout_id):
+            if "failure_reason" in row:
+                failures.append(
+                    ManifestFailure(model_call_id=row["model_call_id"], reason=row["failure_reason"])
+                )
+            else:
+                records.append(_call_record(row))
+        return RolloutManifest(rollout_id=rollout_id, records=records, failures=failures).model_dump(
+            mode="json"
+        )
+
+    def has_rows_now(self, rollout_id: str) -> bool:
+        """The blocking form of ``has_rows``."""
+        state = self._store.read_state(rollout_id)
+        return bool(state.ledger or state.ledger_failures)
+
+    def staged_resolution(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution | None:
+        """The one committed row the request continues, as a resolved ``LineageResolution``; else ``None``.
+
+        Failure rows and rows stamped by another fingerprint version never match; two matching rows are
+        ambiguous and resolve nothing, as in Gym's file ledger.
+        """
+        # Deferred: tokcap.lineage imports this module.
+        from tokcap.lineage import LineageMatch, LineageResolution
+
+        fingerprint = assistant_fingerprint(request_items)
+        if not fingerprint:
+            return None
+        rows = [
+            row
+            for row in self._rows(rollout_id)
+            if row.get("fingerprint") == fingerprint and row.get("fingerprint_version") == FINGERPRINT_VERSION
+        ]
+        if len(rows) != 1:
+            return None
+        row = rows[0]
+        context_len = int(row["context_len"])
+        if len(request_items) < context_len:
+            return None
+        if conversation_digest(list(request_items[:context_len])) != row["context_digest"]:
+            return None
+        match = LineageMatch(
+            model_call_id=row["model_call_id"],
+            cumulative_token_ids=(),
+            digest=row["digest"],
+            staging_chain=tuple(row["staging_chain"]),
+            prev_len=int(row["cum_len"]),
+            chain_hash=row["chain_hash"],
+        )
+        return LineageResolution(ParentResolutionStatus.RESOLVED, match=match)
+
+    async def record(self, commit: Any) -> None:
+        """Record a committed call; returns once every process on the directory can read it."""
+        await asyncio.to_thread(self.record_now, commit)
+
+    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """Record a call that did not commit; it never resolves a parent and poisons the rollout."""
+        await asyncio.to_thread(self.record_failure_now, rollout_id, model_call_id, reason)
+
+    async def manifest(self, rollout_id: str) -> dict[str, Any]:
+        """The rollout's token-free ledger as plain JSON: ``records`` (Gym's ``CallRecord``) and ``failures``."""
+        return await asyncio.to_thread(self.manifest_now, rollout_id)
+
+    async def has_rows(self, rollout_id: str) -> bool:
+        """Whether any ledger row, committed or failed, exists for the rollout."""
+        return await asyncio.to_thread(self.has_rows_now, rollout_id)
+
+    async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Remove the rollouts' staged rows, ledger rows and records, keeping the fence (Gym main's names).
+
+        Call it once the trainer has read every manifest row; a late ``stage`` or ``record`` then fails.
+        """
+        payload = await asyncio.to_thread(self._store.retire_now, list(rollout_ids))
+        return {"removed": list(payload.removed), "absent": list(payload.not_found)}
+
+    async def delete(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Remove the rollouts and their fences, so the ids can be used again."""
+        payload = await asyncio.to_thread(self._store.delete_now, list(rollout_ids))
+        return {"removed": list(payload.removed), "absent": list(payload.not_found)}

@@ -1,0 +1,151 @@
+"""``FileStagingSink``: Gym's ``StagingSink`` over tokcap's file store, for engine-side staging.
+
+An inference worker calls ``stage`` from its completion threads before it answers Gym. Each call becomes
+one ``stage`` event applied by the store like every other event: the extras and attachments are written
+and fsynced as blobs first, then the row naming them is appended and the state written, and the store's
+sync makes all of it durable before ``stage`` returns ok. A crash before that leaves at most blobs no
+row names; a crash after leaves a row whose every byte is on disk. So ok is never followed by a loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from tokcap.durable_io import fsync_directory, replace_atomically
+from tokcap.errors import InvalidInputError, RecordValidationError, StoreWriteError
+from tokcap.events import StagedBlob, StageEvent
+from tokcap.input_rules import check_call_id, check_finite_values, check_token_ids
+from tokcap.rules import ApplyOutcome
+from tokcap.staging.gym_types import build
+from tokcap.staging.records import StagedCallRecord, staging_key
+from tokcap.store import TokenCaptureStore
+
+__all__ = ["FileStagingSink", "staged_record_from"]
+
+
+def staged_record_from(record: Any) -> StagedCallRecord:
+    """A Gym or tokcap ``StagedCallRecord`` (or its mapping), checked by tokcap's input rules.
+
+    The digests are recomputed on the way in, and the same rules as for a put apply: call ids without
+    control characters, token ids in [0, 2**64), finite floats everywhere.
+    """
+    data = record.model_dump() if hasattr(record, "model_dump") else record
+    if not isinstance(data, Mapping):
+        raise RecordValidationError(
+            f"stage() takes a StagedCallRecord, got {type(record).__name__}; nothing was staged"
+        )
+    rollout_id, call_id = data.get("rollout_id"), data.get("model_call_id")
+    if not isinstance(rollout_id, str):
+        raise RecordValidationError(f"rollout_id must be a str, got {type(rollout_id).__name__}")
+    check_call_id(rollout_id, call_id)
+    assert isinstance(call_id, str)
+    parent = data.get("parent_call_id")
+    if parent is not None:
+        check_call_id(rollout_id, parent)
+    ids = data.get("token_ids_delta")
+    if isinstance(ids, list):
+        check_token_ids(rollout_id, call_id, "token_ids_delta", ids)
+    for field in ("token_mask_delta", "generation_log_probs_delta", "extras"):
+        check_finite_values(rollout_id, call_id, field, data.get(field))
+    try:
+        return StagedCallRecord.model_validate(dict(data))
+    except ValueError as exc:
+        raise RecordValidationError(
+            f"rollout {rollout_id!r} call {call_id!r}: not a valid staged record ({exc}); nothing was staged",
+            rollout_id=rollout_id,
+            model_call_id=call_id,
+        ) from exc
+
+
+def _attachment_bytes(rollout_id: str, call_id: str, attachments: Mapping[str, Any]) -> dict[str, bytes]:
+    """Attachments as bytes; anything else is refused, since it could not be returned as given."""
+    if not isinstance(attachments, Mapping):
+        raise InvalidInputError(f"attachments must be a mapping, got {type(attachments).__name__}")
+    out: dict[str, bytes] = {}
+    for name, value in attachments.items():
+        if not isinstance(name, str):
+            raise InvalidInputError(
+                f"rollout {rollout_id!r} call {call_id!r}: attachment names must be str, got {name!r}",
+                rollout_id=rollout_id,
+                model_call_id=call_id,
+            )
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise InvalidInputError(
+                f"rollout {rollout_id!r} call {call_id!r}: attachment {name!r} is a {type(value).__name__}; "
+                "the file sink stores bytes, so serialize it (for example a tensor's buffer) first",
+                rollout_id=rollout_id,
+                model_call_id=call_id,
+            )
+        out[name] = bytes(value)
+    return out
+
+
+class FileStagingSink:
+    """Stage calls durably into a tokcap store directory; thread-safe and synchronous.
+
+    Nameable by a framework worker as ``tokcap.staging:FileStagingSink`` with ``root`` the store
+    directory; ``FileStagingSource`` and ``tokcap.lineage:FileLineageResolver`` on the same directory
+    read what it staged, in any process.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self._store = TokenCaptureStore(root)
+
+    def __repr__(self) -> str:
+        return f"FileStagingSink(root={str(self._store.root)!r})"
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        """Make one staged call durable and return a ``StageResult`` with its key.
+
+        A refusal (a different payload already staged under the key, or a retired rollout) returns a
+        failed result; input that is no valid staged record raises ``InvalidInputError``; a failed write
+        returns a failed result naming the file. Nothing is acknowledged that is not durable.
+        """
+        staged = staged_record_from(record)
+        rollout_id, call_id = staged.rollout_id, staged.model_call_id
+        blobs = _attachment_bytes(rollout_id, call_id, attachments or {})
+        key = staging_key(rollout_id, call_id)
+        created: list[Path] = []
+        try:
+            extras = None
+            if staged.extras is not None:
+                extras = self._write_blob(rollout_id, orjson.dumps(staged.extras), created)
+            refs = {name: self._write_blob(rollout_id, data, created) for name, data in blobs.items()}
+            if created:
+                fsync_directory(created[0].parent)
+                fsync_directory(self._store.root)
+            event = StageEvent(
+                rollout_id=rollout_id,
+                staging_key=key,
+                model_call_id=call_id,
+                row=staged.model_dump(mode="json", exclude={"extras"}),
+                extras=extras,
+                attachments=refs,
+            )
+            verdict = self._store.apply(event)
+        except (OSError, StoreWriteError) as exc:
+            return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
+        if verdict.outcome in (ApplyOutcome.ACCEPTED, ApplyOutcome.NOOP):
+            return build("StageResult", {"ok": True, "staging_key": key})
+        if verdict.outcome is ApplyOutcome.REJECTED_RETIRED:
+            for path in created:
+                path.unlink(missing_ok=True)
+            error = f"rollout {rollout_id!r} is retired; its fence refused the stage of {key!r}"
+        else:
+            error = f"{key!r} was already staged with a different payload; the first one stands"
+        return build("StageResult", {"ok": False, "error": error})
+
+    def _write_blob(self, rollout_id: str, data: bytes, created: list[Path]) -> StagedBlob:
+        """Write bytes under their SHA-256 and fsync them; an existing blob of that hash is already them."""
+        sha = hashlib.sha256(data).hexdigest()
+        path = self._store.blob_path_for(rollout_id, sha)
+        if not (path.exists() and path.stat().st_size == len(data)):
+            path.parent.mkdir(exist_ok=True)
+            replace_atomically(path, data, durable=True)
+            created.append(path)
+        return StagedBlob(sha256=sha, size=len(data))
