@@ -10,11 +10,21 @@ import orjson
 import pytest
 
 from tokcap.errors import EventDecodeError, NewerSchemaError, RecordValidationError
-from tokcap.events import EVENT_SCHEMA_VERSION, FreezeEvent, PutEvent, encode_event
+from tokcap.events import (
+    EVENT_SCHEMA_VERSION,
+    Event,
+    FreezeEvent,
+    LedgerEvent,
+    LedgerFailureEvent,
+    PutEvent,
+    StageEvent,
+    encode_event,
+)
 from tokcap.records import TokenEntry
 from transports.kafka.codec import (
     HEADER_ENCODING,
     decode_event_value,
+    decode_message,
     encode_event_messages,
     encode_event_value,
     headers_to_dict,
@@ -219,3 +229,18 @@ def test_an_event_whose_call_id_a_side_file_line_could_not_hold_is_refused(kind:
     raw = {"schema_version": 1, "type": kind, "rollout_id": "r1", "writer": "w", "model_call_id": call_id}
     with pytest.raises(EventDecodeError, match=r"input rules: .*model_call_id"):
         decode_event_value(orjson.dumps(raw), {})
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        LedgerFailureEvent(rollout_id="r1", model_call_id="c1", reason="worker_capture_failed"),
+        LedgerEvent(
+            rollout_id="r1", model_call_id="c1", commit_digest="0" * 64, row={"staging_key": "r1/c1"}
+        ),
+        StageEvent(rollout_id="r1", model_call_id="c1", staging_key="r1/c1", row={"prompt_token_ids": [1]}),
+    ],
+)
+def test_an_engine_side_staging_event_read_from_a_topic_is_refused(event: Event) -> None:
+    with pytest.raises(EventDecodeError, match="not carried on a run topic"):
+        decode_message(b"r1", encode_event(event), {HEADER_ENCODING: "json"})

@@ -40,7 +40,7 @@ from tokcap.errors import (
     RecordValidationError,
     WireDeltaError,
 )
-from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, encode_event
+from tokcap.events import EVENT_SCHEMA_VERSION, Event, EventType, PutEvent, encode_event
 from tokcap.hashing import sha256_hex
 from tokcap.input_rules import accept_event, check_entry_fields
 from tokcap.records import TokenEntry
@@ -349,14 +349,24 @@ def _refused(exc: InvalidInputError) -> EventDecodeError:
     )
 
 
+_NOT_ON_THE_WIRE = frozenset({EventType.STAGE, EventType.LEDGER, EventType.LEDGER_FAILURE})
+"""Engine-side staging events: no Kafka sink sends them, and their blobs would not come with them."""
+
+
 def _accepted(raw: object, *, token_ids_checked: bool) -> Event:
     """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_event``)."""
     try:
-        return accept_event(raw, token_ids_checked=token_ids_checked)
+        event = accept_event(raw, token_ids_checked=token_ids_checked)
     except (EventDecodeError, NewerSchemaError):
         raise
     except InvalidInputError as exc:
         raise _refused(exc) from exc
+    if event.type in _NOT_ON_THE_WIRE:
+        raise EventDecodeError(
+            f"a {event.type.value!r} event is not carried on a run topic: engine-side staging runs on the file "
+            "transport only, so no tokcap sink sends one"
+        )
+    return event
 
 
 @dataclass(frozen=True)
