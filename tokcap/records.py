@@ -22,7 +22,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokcap.errors import NewerSchemaError, RecordValidationError, TokenExtractionError
-from tokcap.hashing import sha256_hex
+from tokcap.hashing import sha256_hex, sha256_hex_of
 
 __all__ = [
     "DIGEST_VERSION",
@@ -36,10 +36,12 @@ __all__ = [
     "as_token_entry",
     "compute_digest",
     "cumulative_tokens",
+    "digest_of_packed",
     "encode_token_ids",
     "entry_digest",
     "extract_token_fields",
     "find_token_fields",
+    "pack_token_ids",
     "response_items",
     "stamp_lineage",
     "strip_token_arrays",
@@ -272,6 +274,27 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     except struct.error:
         bad = next((token for token in token_ids if not 0 <= token < 2**64), None)
         raise ValueError(f"token ids must be non-negative 64-bit integers, got {bad}") from None
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """The ids as ``encode_token_ids`` lays them out after its header: 8 bytes each, big-endian.
+
+    Packings of consecutive pieces join into the packing of the whole, so a reader that keeps a sequence's
+    packing extends it by the new ids only (``digest_of_packed``).
+    """
+    try:
+        return struct.pack(f">{len(token_ids)}Q", *token_ids)
+    except struct.error:
+        bad = next((token for token in token_ids if not 0 <= token < 2**64), None)
+        raise ValueError(f"token ids must be non-negative 64-bit integers, got {bad}") from None
+
+
+def digest_of_packed(packed: bytes) -> str:
+    """``compute_digest`` of the sequence whose ``pack_token_ids`` is ``packed``."""
+    if not packed:
+        return hashlib.sha256(_DIGEST_DOMAIN).hexdigest()
+    header = struct.pack(">BQ", DIGEST_VERSION, len(packed) // 8)
+    return sha256_hex_of((_DIGEST_DOMAIN + header, packed))
 
 
 def compute_digest(token_ids: Sequence[int]) -> str:
