@@ -354,11 +354,10 @@ class _ReadSoFar:
             if not line:
                 continue
             entry = TokenEntry.from_json(line)
-            digest = entry_digest(line)
-            node = LineageNode.from_fields(entry.__dict__, token_count=token_count(entry), payload=digest)
+            node = LineageNode.of_entry(entry)
             if entry.model_call_id not in self.lines:
                 self.lines[entry.model_call_id] = (line_start, start - 1)
-                self.digests[entry.model_call_id] = digest
+                self.digests[entry.model_call_id] = entry_digest(line)
                 fresh[entry.model_call_id] = entry
             if node is not None:
                 self.index.add(node)
