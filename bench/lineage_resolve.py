@@ -397,6 +397,8 @@ def _report_long(figures: Sequence[LongRolloutFigures]) -> None:
                 f"| {figure.calls:,} | {name} | {p50 * 1000:.2f} | {percentile(seconds, 0.99) * 1000:.2f} |"
                 f" {p50 / gym_p50:.2f} |"
             )
+    if not any(figure.build["Gym 0.7.0 prefix_merging"] for figure in figures):
+        return
     print()
     print("| calls | builder | build median (ms) | ÷ Gym |")
     print("| ---: | --- | ---: | ---: |")
