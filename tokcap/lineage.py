@@ -444,9 +444,12 @@ class FileLineageResolver:
         """The rollout's kept reading if it still describes the file, else a fresh one (kept in its place)."""
         with self._read_lock:
             read = self._read.pop(rollout_id, None)
-            if read is None or not read.describes(accepted):
-                self._parents.forget(rollout_id)
-                read = _ReadSoFar(accepted.identity)
+        # Checked outside the resolver-wide lock (it grows with the rollout): the caller holds the rollout's lock,
+        # so no other resolve of this rollout uses its reading meanwhile.
+        if read is None or not read.describes(accepted):
+            self._parents.forget(rollout_id)
+            read = _ReadSoFar(accepted.identity)
+        with self._read_lock:
             self._read[rollout_id] = read
             while len(self._read) > _KEPT_ROLLOUTS:
                 oldest = next(iter(self._read))
