@@ -14,12 +14,13 @@ tokcap's hashes and the other way round.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
+
+from tokcap.hashing import sha256_hex
 
 __all__ = [
     "FINGERPRINT_VERSION",
@@ -38,18 +39,18 @@ _TEXT_BLOCK_TYPES = frozenset({"", "text", "input_text", "output_text"})
 _TOOL_BLOCK_TYPES = frozenset({"tool_use", "tool_result"})
 
 
-class _TaggedHash:
-    """sha256 over tagged, length-delimited fields, opened with a domain string."""
+_TAGS = tuple(bytes((tag,)) for tag in range(8))
 
-    def __init__(self, domain: bytes) -> None:
-        self._hash = hashlib.sha256(domain)
 
-    def add(self, tag: int, text: str) -> None:
-        data = text.encode("utf-8")
-        self._hash.update(bytes((tag,)) + len(data).to_bytes(8, "big") + data)
+def _field(tag: int, text: str) -> bytes:
+    """One tagged, length-delimited field: a tag byte, the UTF-8 length in 8 bytes big-endian, the bytes."""
+    data = text.encode("utf-8")
+    return _TAGS[tag] + len(data).to_bytes(8, "big") + data
 
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
+
+def _digest(domain: bytes, fields: list[bytes]) -> str:
+    """sha256 of the domain and the fields in order, hashed as one buffer (one call, not one per field)."""
+    return sha256_hex(domain + b"".join(fields))
 
 
 def _canonical_json(value: Any) -> str:
@@ -77,11 +78,10 @@ def canonicalize_tool_arguments(value: Any) -> str:
     return _canonical_json(value)
 
 
-def _messages(messages: Sequence[Any] | None) -> Iterator[Mapping[str, Any]]:
-    for message in messages or ():
-        if not isinstance(message, Mapping):
-            raise ValueError(f"request item is not an object: {type(message).__name__}")
-        yield message
+def _message(message: Any) -> Mapping[str, Any]:
+    if type(message) is not dict and not isinstance(message, Mapping):
+        raise ValueError(f"request item is not an object: {type(message).__name__}")
+    return message
 
 
 def is_model_written(message: Mapping[str, Any]) -> bool:
@@ -180,35 +180,60 @@ def _tool_results(message: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 def assistant_fingerprint(messages: Sequence[Any] | None) -> str:
     """The lookup key of a request: a hash of its model-written turns in order; ``""`` when there are none."""
-    hashed = _TaggedHash(_FINGERPRINT_DOMAIN)
+    fields: list[bytes] = []
+    add = fields.append
     model_turns = 0
-    for message in _messages(messages):
+    for item in messages or ():
+        message = _message(item)
         if not is_model_written(message):
             continue
         model_turns += 1
-        for kind, payload in _content_parts(message.get("content")):
-            hashed.add(0, kind)
-            hashed.add(1, payload)
-        for call_id, name, arguments in _tool_calls(message):
-            hashed.add(2, call_id)
-            hashed.add(3, name)
-            hashed.add(4, arguments)
-    return hashed.hexdigest() if model_turns else ""
+        content = message.get("content")
+        for kind, payload in _content_parts(content):
+            add(_field(0, kind))
+            add(_field(1, payload))
+        if _may_call_tools(message, content):
+            for call_id, name, arguments in _tool_calls(message):
+                add(_field(2, call_id))
+                add(_field(3, name))
+                add(_field(4, arguments))
+    return _digest(_FINGERPRINT_DOMAIN, fields) if model_turns else ""
 
 
 def conversation_digest(messages: Sequence[Any] | None) -> str:
     """A hash of every turn (role, content, tool calls and tool results); any rewrite changes it."""
-    hashed = _TaggedHash(_CONTEXT_DOMAIN)
-    for message in _messages(messages):
-        hashed.add(0, str(message.get("role") or message.get("type") or ""))
-        for kind, payload in _content_parts(message.get("content")):
-            hashed.add(1, kind)
-            hashed.add(2, payload)
-        for call_id, name, arguments in _tool_calls(message):
-            hashed.add(3, call_id)
-            hashed.add(4, name)
-            hashed.add(5, arguments)
-        for call_id, output in _tool_results(message):
-            hashed.add(6, call_id)
-            hashed.add(7, output)
-    return hashed.hexdigest()
+    fields: list[bytes] = []
+    add = fields.append
+    for item in messages or ():
+        message = _message(item)
+        add(_field(0, str(message.get("role") or message.get("type") or "")))
+        content = message.get("content")
+        for kind, payload in _content_parts(content):
+            add(_field(1, kind))
+            add(_field(2, payload))
+        if _may_call_tools(message, content):
+            for call_id, name, arguments in _tool_calls(message):
+                add(_field(3, call_id))
+                add(_field(4, name))
+                add(_field(5, arguments))
+        if _may_hold_tool_results(message, content):
+            for call_id, output in _tool_results(message):
+                add(_field(6, call_id))
+                add(_field(7, output))
+    return _digest(_CONTEXT_DOMAIN, fields)
+
+
+def _may_call_tools(message: Mapping[str, Any], content: Any) -> bool:
+    """False only when ``_tool_calls`` finds nothing: skips building its list for a plain text turn."""
+    return (
+        bool(message.get("tool_calls")) or message.get("type") == "function_call" or isinstance(content, list)
+    )
+
+
+def _may_hold_tool_results(message: Mapping[str, Any], content: Any) -> bool:
+    """False only when ``_tool_results`` finds nothing."""
+    return (
+        message.get("type") == "function_call_output"
+        or message.get("role") == "tool"
+        or isinstance(content, list)
+    )

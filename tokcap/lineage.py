@@ -17,23 +17,33 @@ holding token arrays and load tokens for the single winner only.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokcap.errors import LineageLookupError
+from tokcap.errors import ConfigError, LineageLookupError
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from tokcap.ledger import FileCaptureLedger
-from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest, token_count
-from tokcap.store import TokenCaptureStore
+from tokcap.records import (
+    ParentResolutionStatus,
+    TokenEntry,
+    digest_of_packed,
+    entry_digest,
+    pack_token_ids,
+    token_count,
+)
+from tokcap.store import AcceptedEntries, TokenCaptureStore
 
 __all__ = [
     "FileLineageResolver",
+    "KeptParents",
     "LineageIndex",
     "LineageMatch",
     "LineageNode",
     "LineageResolution",
+    "Materialized",
     "materialize_tokens",
     "resolution_of",
     "stamp_continuation",
@@ -158,9 +168,16 @@ class LineageIndex:
         self.nodes[node.call_id] = node
         self.by_fingerprint.setdefault(node.fingerprint, []).append(node.call_id)
 
-    def decide(self, request_items: Sequence[Any]) -> tuple[ParentResolutionStatus, LineageNode | None, str]:
-        """Gym's decision: ROOT, RESOLVED with the one proven node, or UNRESOLVED with a reason."""
-        fingerprint = assistant_fingerprint(request_items)
+    def decide(
+        self, request_items: Sequence[Any], fingerprint: str | None = None
+    ) -> tuple[ParentResolutionStatus, LineageNode | None, str]:
+        """Gym's decision: ROOT, RESOLVED with the one proven node, or UNRESOLVED with a reason.
+
+        ``fingerprint`` is the request's ``assistant_fingerprint`` when the caller has it already (it hashes
+        every model-written turn, so computing it twice doubles the cost of a long rollout's resolve).
+        """
+        if fingerprint is None:
+            fingerprint = assistant_fingerprint(request_items)
         if not fingerprint:
             return ParentResolutionStatus.ROOT, None, ""
         proven = [
@@ -175,15 +192,35 @@ class LineageIndex:
         return ParentResolutionStatus.RESOLVED, proven[0], ""
 
 
+@dataclass(frozen=True)
+class Materialized:
+    """One recorded call's cumulative tokens, checked against its digest, and their packing (``pack_token_ids``).
+
+    A resolver keeps the last one of each rollout: the next continuation's parent extends it, so only the
+    records added since are loaded and packed. The digest still hashes the whole sequence, as it is defined.
+    """
+
+    call_id: str
+    tokens: tuple[int, ...]
+    packed: bytes
+
+
 def materialize_tokens(
-    node: LineageNode, index: LineageIndex, load: Callable[[list[str]], list[TokenEntry]]
-) -> tuple[int, ...]:
+    node: LineageNode,
+    index: LineageIndex,
+    load: Callable[[list[str]], list[TokenEntry]],
+    known: Materialized | None = None,
+) -> Materialized:
     """The winner's cumulative tokens: its own arrays, or a delta chain walked back to a full anchor.
 
-    ``load`` fetches the stored entries of the given call ids in that order.
+    ``load`` fetches the stored entries of the given call ids in that order. ``known``, a call of the same
+    index materialized before, ends the walk where the chain reaches it.
     The result must hash to the node's digest (when it has one), else ``LineageLookupError``.
     """
+    if known is not None and known.call_id == node.call_id:
+        return known
     chain = [node]
+    base: Materialized | None = None
     while chain[-1].prompt_is_delta:
         current = chain[-1]
         parent = index.nodes.get(current.parent_call_id or "")
@@ -192,23 +229,79 @@ def materialize_tokens(
                 f"delta record {current.call_id} names parent {current.parent_call_id!r}, which is not "
                 "recorded once with one payload; the request stays unresolved"
             )
+        if known is not None and parent.call_id == known.call_id:
+            base = known
+            break
         if parent in chain or len(chain) >= _MAX_CHAIN_DEPTH:
             raise LineageLookupError(f"the delta chain of call {node.call_id} loops or is too deep")
         chain.append(parent)
     ordered = list(reversed(chain))
     entries = load([item.call_id for item in ordered])
-    tokens: list[int] = []
+    added: list[int] = []
     for expected, entry in zip(ordered, entries, strict=True):
         if entry.model_call_id != expected.call_id or entry.prompt_is_delta != expected.prompt_is_delta:
             raise LineageLookupError(f"the stored entry for call {expected.call_id} disagrees with its index")
-        tokens.extend(entry.prompt_token_ids)
-        tokens.extend(entry.generation_token_ids)
-    if node.digest and compute_digest(tokens) != node.digest:
+        added.extend(entry.prompt_token_ids)
+        added.extend(entry.generation_token_ids)
+    if base is None:
+        tokens, packed = tuple(added), pack_token_ids(added)
+    else:
+        tokens, packed = base.tokens + tuple(added), base.packed + pack_token_ids(added)
+    if node.digest and digest_of_packed(packed) != node.digest:
         raise LineageLookupError(
             f"the tokens of call {node.call_id} do not hash to its recorded digest; the record is damaged "
             "or was rewritten, so the request stays unresolved"
         )
-    return tuple(tokens)
+    return Materialized(node.call_id, tokens, packed)
+
+
+class KeptParents:
+    """The last materialized parent of each rollout, bounded in tokens overall, the least recently used forgotten.
+
+    Each is kept with its owner, the per-rollout state it was built from (an index and what it read); it is
+    handed back only to that same owner, so a rollout read afresh (deleted, rewritten) never reuses it.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 0:
+            raise ConfigError(f"max_kept_tokens must not be negative, got {max_tokens}; 0 keeps no parent")
+        self._max_tokens = max_tokens
+        self._tokens = 0
+        self._kept: dict[str, tuple[object, Materialized]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, rollout_id: str, owner: object) -> Materialized | None:
+        """The rollout's kept parent if ``owner`` kept it."""
+        with self._lock:
+            kept = self._kept.get(rollout_id)
+            return kept[1] if kept is not None and kept[0] is owner else None
+
+    def keep(self, rollout_id: str, owner: object, materialized: Materialized) -> None:
+        """Keep ``materialized`` as the rollout's parent, in place of the one kept before."""
+        with self._lock:
+            self._forget(rollout_id)
+            if len(materialized.tokens) > self._max_tokens:
+                return
+            self._kept[rollout_id] = (owner, materialized)
+            self._tokens += len(materialized.tokens)
+            while self._tokens > self._max_tokens:
+                self._forget(next(iter(self._kept)))
+
+    def forget(self, rollout_id: str) -> None:
+        """Forget the rollout's kept parent."""
+        with self._lock:
+            self._forget(rollout_id)
+
+    def clear(self) -> None:
+        """Forget every kept parent."""
+        with self._lock:
+            self._kept.clear()
+            self._tokens = 0
+
+    def _forget(self, rollout_id: str) -> None:
+        kept = self._kept.pop(rollout_id, None)
+        if kept is not None:
+            self._tokens -= len(kept[1].tokens)
 
 
 def resolution_of(
@@ -225,18 +318,91 @@ def resolution_of(
     )
 
 
+_KEPT_PARENT_TOKENS = 8_000_000
+"""Tokens of materialized parents a resolver keeps across its rollouts (Gym's bound)."""
+
+_KEPT_ROLLOUTS = 65_536
+"""Rollouts whose read index a file resolver keeps (Gym's bound); the least recently resolved are forgotten."""
+
+
+@dataclass
+class _ReadSoFar:
+    """What a file resolver read of one rollout's entries file: the index, and where each call's line is."""
+
+    identity: tuple[int, int] | None
+    offset: int = 0
+    index: LineageIndex = field(default_factory=LineageIndex)
+    lines: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Start and end of each call's first line: where its tokens are read again if it is on a winner's chain."""
+    digests: dict[str, str] = field(default_factory=dict)
+    """sha256 of each call's first line, as the rollout's state records it while the file is the one read."""
+
+    def describes(self, accepted: AcceptedEntries) -> bool:
+        """Whether the file still holds exactly what was read: same file, not shorter, same line per call."""
+        if accepted.identity != self.identity or accepted.size < self.offset:
+            return False
+        digests = accepted.digests
+        return all(digests.get(call_id) == digest for call_id, digest in self.digests.items())
+
+    def read_on(self, accepted: AcceptedEntries) -> dict[str, TokenEntry]:
+        """Index the complete lines appended since the last read; return their entries by call id."""
+        data = accepted.read(self.offset, accepted.size)
+        end = data.rfind(b"\n") + 1
+        fresh: dict[str, TokenEntry] = {}
+        start = self.offset
+        for line in data[:end].split(b"\n")[:-1]:
+            line_start, start = start, start + len(line) + 1
+            if not line:
+                continue
+            entry = TokenEntry.from_json(line)
+            node = LineageNode.of_entry(entry)
+            if entry.model_call_id not in self.lines:
+                self.lines[entry.model_call_id] = (line_start, start - 1)
+                self.digests[entry.model_call_id] = entry_digest(line)
+                fresh[entry.model_call_id] = entry
+            if node is not None:
+                self.index.add(node)
+        self.offset += end
+        return fresh
+
+    def load(
+        self, accepted: AcceptedEntries, fresh: Mapping[str, TokenEntry], call_ids: list[str]
+    ) -> list[TokenEntry]:
+        """The entries of the given calls: the ones just read as they are, the others read again by position."""
+        entries = []
+        for call_id in call_ids:
+            entry = fresh.get(call_id)
+            if entry is None:
+                start, end = self.lines[call_id]
+                line = accepted.read(start, end)
+                if entry_digest(line) != self.digests[call_id]:
+                    raise LineageLookupError(
+                        f"the line of call {call_id} changed since it was read; the request stays unresolved"
+                    )
+                entry = TokenEntry.from_json(line)
+            entries.append(entry)
+        return entries
+
+
 class FileLineageResolver(FileCaptureLedger):
     """Gym's ``LineageResolver`` over a tokcap (or Gym) file-store directory, and its ``CaptureLedger``.
 
     Each ``resolve`` reads the rollout's accepted entries through ``TokenCaptureStore`` under the rollout's
     lock, so an entry is visible as soon as any process's ``put`` returned, including to a resolver built
     after the put. Retired or deleted rollouts have no entries and resolve nothing.
+
+    A resolve costs what was appended since the rollout's last resolve: the resolver keeps each rollout's
+    index with the file's identity and the bytes read, and the last parent it materialized. What it kept is
+    read afresh when the file is another file, shorter, or its state records another line for a call read.
     Nameable in the config block as ``lineage_store: tokcap.lineage:FileLineageResolver`` with
     ``lineage_store_kwargs: {root: <dir>}``.
     """
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, *, max_kept_tokens: int = _KEPT_PARENT_TOKENS) -> None:
         self._store = TokenCaptureStore(root)
+        self._read: dict[str, _ReadSoFar] = {}
+        self._read_lock = threading.Lock()
+        self._parents = KeptParents(max_kept_tokens)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -248,23 +414,54 @@ class FileLineageResolver(FileCaptureLedger):
 
     def resolve_now(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
         """The blocking form of ``resolve``."""
-        if not assistant_fingerprint(request_items):
+        fingerprint = assistant_fingerprint(request_items)
+        if not fingerprint:
             return LineageResolution(ParentResolutionStatus.ROOT)
-        entries = {entry.model_call_id: entry for entry in self._store.read_entries(rollout_id)}
-        index = LineageIndex()
-        for entry in entries.values():
-            node = LineageNode.of_entry(entry)
+        # The rollout's lock serializes this rollout's resolves (and its writers); others go on meanwhile.
+        with self._store.accepted_entries(rollout_id) as accepted:
+            read = self._read_so_far(rollout_id, accepted)
+            try:
+                fresh = read.read_on(accepted)
+            except BaseException:
+                self._forget(rollout_id)  # a line that cannot be read is read again next time, from the start
+                raise
+            status, node, reason = read.index.decide(request_items, fingerprint)
             if node is not None:
-                index.add(node)
-        status, node, reason = index.decide(request_items)
+                known = self._parents.get(rollout_id, read)
+                materialized = materialize_tokens(
+                    node, read.index, lambda ids: read.load(accepted, fresh, ids), known
+                )
+                if materialized is not known:
+                    self._parents.keep(rollout_id, read, materialized)
+                return resolution_of(status, node, reason, materialized.tokens)
+        # Outside the rollout's lock: the staged rows are read under it again.
         if status is ParentResolutionStatus.UNRESOLVED:
             staged = self.staged_resolution(rollout_id, request_items)
             if staged is not None:
                 return staged
-        if node is None:
-            return resolution_of(status, None, reason)
-        tokens = materialize_tokens(node, index, lambda ids: [entries[call_id] for call_id in ids])
-        return resolution_of(status, node, reason, tokens)
+        return resolution_of(status, None, reason)
+
+    def _forget(self, rollout_id: str) -> None:
+        with self._read_lock:
+            self._read.pop(rollout_id, None)
+        self._parents.forget(rollout_id)
+
+    def _read_so_far(self, rollout_id: str, accepted: AcceptedEntries) -> _ReadSoFar:
+        """The rollout's kept reading if it still describes the file, else a fresh one (kept in its place)."""
+        with self._read_lock:
+            read = self._read.pop(rollout_id, None)
+        # Checked outside the resolver-wide lock (it grows with the rollout): the caller holds the rollout's lock,
+        # so no other resolve of this rollout uses its reading meanwhile.
+        if read is None or not read.describes(accepted):
+            self._parents.forget(rollout_id)
+            read = _ReadSoFar(accepted.identity)
+        with self._read_lock:
+            self._read[rollout_id] = read
+            while len(self._read) > _KEPT_ROLLOUTS:
+                oldest = next(iter(self._read))
+                del self._read[oldest]
+                self._parents.forget(oldest)
+            return read
 
     def is_process_shared(self) -> bool:
         """True: every process on this directory sees every accepted entry."""
@@ -274,4 +471,7 @@ class FileLineageResolver(FileCaptureLedger):
         """Release the store handle; calling it again is a no-op."""
         if not self._closed:
             self._closed = True
+            with self._read_lock:
+                self._read.clear()
+            self._parents.clear()
             await self._store.close()

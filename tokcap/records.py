@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, StrEnum
@@ -22,7 +24,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokcap.errors import NewerSchemaError, RecordValidationError, TokenExtractionError
-from tokcap.hashing import sha256_hex
+from tokcap.hashing import sha256_hex, sha256_hex_of
 
 __all__ = [
     "DIGEST_VERSION",
@@ -36,10 +38,12 @@ __all__ = [
     "as_token_entry",
     "compute_digest",
     "cumulative_tokens",
+    "digest_of_packed",
     "encode_token_ids",
     "entry_digest",
     "extract_token_fields",
     "find_token_fields",
+    "pack_token_ids",
     "response_items",
     "stamp_lineage",
     "strip_token_arrays",
@@ -264,14 +268,35 @@ def as_token_entry(entry: Any) -> TokenEntry:
 
 def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     """Gym's byte encoding of a token sequence: version byte, 8-byte count, then 8 bytes per id, big-endian."""
-    header = struct.pack(">BQ", DIGEST_VERSION, len(token_ids))
-    if not token_ids:
-        return header
+    return _digest_header(len(token_ids)) + pack_token_ids(token_ids)
+
+
+def _digest_header(count: int) -> bytes:
+    return struct.pack(">BQ", DIGEST_VERSION, count)
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """The ids as ``encode_token_ids`` lays them out after its header: 8 bytes each, big-endian.
+
+    Packings of consecutive pieces join into the packing of the whole, so a reader that keeps a sequence's
+    packing extends it by the new ids only (``digest_of_packed``).
+    """
     try:
-        return header + struct.pack(f">{len(token_ids)}Q", *token_ids)
-    except struct.error:
+        packed = array("Q", token_ids)
+    except (OverflowError, TypeError):
         bad = next((token for token in token_ids if not 0 <= token < 2**64), None)
         raise ValueError(f"token ids must be non-negative 64-bit integers, got {bad}") from None
+    if sys.byteorder == "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def digest_of_packed(packed: bytes) -> str:
+    """``compute_digest`` of the sequence whose ``pack_token_ids`` is ``packed``."""
+    if not packed:
+        return hashlib.sha256(_DIGEST_DOMAIN).hexdigest()
+    # Hashed in two parts: joining them would copy the whole packing once more.
+    return sha256_hex_of((_DIGEST_DOMAIN + _digest_header(len(packed) // 8), packed))
 
 
 def compute_digest(token_ids: Sequence[int]) -> str:
@@ -281,7 +306,7 @@ def compute_digest(token_ids: Sequence[int]) -> str:
     """
     if not token_ids:
         return hashlib.sha256(_DIGEST_DOMAIN).hexdigest()
-    return sha256_hex(_DIGEST_DOMAIN + encode_token_ids(token_ids))
+    return digest_of_packed(pack_token_ids(token_ids))
 
 
 def token_count(entry: TokenEntry) -> int:

@@ -25,11 +25,11 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from tokcap.durable_io import (
     append_durably,
@@ -106,6 +106,7 @@ __all__ = [
     "KEPT_APPENDERS",
     "LOCK_SUFFIX",
     "STATE_SUFFIX",
+    "AcceptedEntries",
     "ApplyOutcome",
     "ApplyResult",
     "TokenCaptureStore",
@@ -218,6 +219,37 @@ class _Deferral(threading.local):
                 f"to {kept.size} bytes, found {found}); another program is writing to the store. Stop it, then "
                 "restart the projection: it cuts the files back to their states and applies the events again"
             )
+
+
+@dataclass(frozen=True)
+class AcceptedEntries:
+    """A rollout's entries file, open under its lock, as far as its state accepts it.
+
+    ``identity`` is the open file's device and inode (``None`` when nothing is accepted), ``size`` the bytes
+    the state covers (complete lines only: a torn or unaccepted tail is past it), and ``digests`` the sha256
+    of each call's accepted line, by call id.
+    """
+
+    identity: tuple[int, int] | None
+    size: int
+    digests: Mapping[str, str]
+    handle: BinaryIO | None
+    path: Path | None = None
+
+    def read(self, start: int, end: int) -> bytes:
+        """The accepted bytes from ``start`` to ``end``; a range past the accepted size is refused."""
+        if not 0 <= start <= end <= self.size:
+            raise ValueError(f"bytes {start}..{end} are outside the {self.size} accepted bytes")
+        if self.handle is None or start == end:
+            return b""
+        self.handle.seek(start)
+        data = self.handle.read(end - start)
+        if len(data) != end - start:
+            raise StoreCorruptionError(
+                f"{self.path} ended at byte {start + len(data)} inside the {self.size} bytes its state "
+                "covers; the file was truncated outside tokcap; restore it from a backup or delete the rollout"
+            )
+        return data
 
 
 class TokenCaptureStore:
@@ -708,6 +740,29 @@ class TokenCaptureStore:
                 rollout_id=rollout_id,
             )
         return [line for line in data.split(b"\n") if line]
+
+    @contextmanager
+    def accepted_entries(self, rollout_id: str) -> Iterator[AcceptedEntries]:
+        """Hold the rollout's lock and open the part of its entries file its state accepts.
+
+        For readers that keep what they parsed and read only what was appended since (the lineage resolver):
+        the file's identity, accepted size and per-call line digests tell them whether what they kept still
+        describes the file. A retired or absent rollout accepts nothing.
+        """
+        with self._locked(rollout_id) as paths:
+            state = self._recovered(paths, replaying=False, writing=False).state
+            if state.retired or state.indexed_size == 0:
+                yield AcceptedEntries(None, 0, {}, None)
+                return
+            with os.fdopen(open_no_follow(paths.entries, os.O_RDONLY), "rb") as handle:
+                found = os.fstat(handle.fileno())
+                yield AcceptedEntries(
+                    (found.st_dev, found.st_ino),
+                    state.indexed_size,
+                    state.entry_digests,
+                    handle,
+                    paths.entries,
+                )
 
     def read_state(self, rollout_id: str) -> RolloutState:
         """The rollout's current state, reconciled in memory with its file tails."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 import pytest
+from delta_chains import DeltaChain, delta_chain
 
 import transports.kafka.lineage as kafka_lineage
 from tokcap.errors import EventDecodeError, LineageLookupError
@@ -279,3 +280,43 @@ def test_a_put_whose_arrays_fail_the_input_rules_once_decoded_never_resolves_a_r
     # The lookup fails, which the capture path records as an unresolved parent; it never resolves to it.
     with pytest.raises(LineageLookupError, match="cannot be decoded"):
         resolver._answer("r", _next_request("one"))
+
+
+def _feed_chain(resolver: KafkaLineageResolver, chain: DeltaChain, calls: range) -> None:
+    _feed(resolver, *(PutEvent(rollout_id="r", entry=chain.entries[call]) for call in calls))
+
+
+def _assert_chain_resolves(resolver: KafkaLineageResolver, chain: DeltaChain, call: int) -> None:
+    resolution = resolver._answer("r", chain.requests[call + 1])
+    assert resolution.match is not None, resolution
+    assert resolution.match.model_call_id == f"call-{call}"
+    assert resolution.match.cumulative_token_ids == chain.cumulative[call]
+
+
+def test_each_resolve_of_a_growing_delta_chain_answers_the_whole_cumulative_tokens(
+    resolver: KafkaLineageResolver,
+) -> None:
+    chain = delta_chain("r", 5)
+    for call in range(5):
+        _feed_chain(resolver, chain, range(call, call + 1))
+        _assert_chain_resolves(resolver, chain, call)
+    _assert_chain_resolves(resolver, chain, 1)
+
+
+def test_a_deleted_rollout_written_again_resolves_to_its_new_tokens_not_the_kept_parent(
+    resolver: KafkaLineageResolver,
+) -> None:
+    old, new = delta_chain("r", 3), delta_chain("r", 3, base=1000)
+    _feed_chain(resolver, old, range(3))
+    _assert_chain_resolves(resolver, old, 2)
+    _feed(resolver, DeleteEvent(rollout_id="r"))
+    _feed_chain(resolver, new, range(3))
+    _assert_chain_resolves(resolver, new, 2)
+
+
+def test_a_retired_rollout_resolves_nothing_after_its_parent_was_kept(resolver: KafkaLineageResolver) -> None:
+    chain = delta_chain("r", 3)
+    _feed_chain(resolver, chain, range(3))
+    _assert_chain_resolves(resolver, chain, 2)
+    _feed(resolver, RetireEvent(rollout_id="r"))
+    assert resolver._answer("r", chain.requests[3]).status == ParentResolutionStatus.UNRESOLVED

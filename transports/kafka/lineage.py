@@ -18,7 +18,9 @@ parent.
 The log is folded the way the materializer applies it, as far as lineage needs: puts after a freeze
 are ignored (the store refuses them), a drop or retire forgets the rollout's calls (a later continuation
 is unresolved, which is always safe), and a delete starts the rollout afresh.
-State is kept for every rollout seen and not retired, so memory follows the live rollouts.
+State is kept for every rollout seen and not retired, so memory follows the live rollouts. The last parent
+materialized for each rollout is kept too (``max_kept_tokens`` overall), so a resolve decodes and packs only
+the puts after it: its cost follows what was appended since, not the rollout's length.
 
 Nameable in the config block as ``lineage_store: transports.kafka.lineage:KafkaLineageResolver`` with
 ``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``).
@@ -45,7 +47,14 @@ from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, Tra
 from tokcap.events import PutEvent
 from tokcap.fingerprint import assistant_fingerprint
 from tokcap.hashing import sha256_hex
-from tokcap.lineage import LineageIndex, LineageNode, LineageResolution, materialize_tokens, resolution_of
+from tokcap.lineage import (
+    KeptParents,
+    LineageIndex,
+    LineageNode,
+    LineageResolution,
+    materialize_tokens,
+    resolution_of,
+)
 from tokcap.records import ParentResolutionStatus, TokenEntry
 from transports.kafka.admin import list_topics
 from transports.kafka.client_errors import (
@@ -181,6 +190,7 @@ class KafkaLineageResolver:
         partitioner: str = "consistent_random",
         timeout_s: float = 10.0,
         threads: int = 32,
+        max_kept_tokens: int = 8_000_000,
     ) -> None:
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
@@ -227,6 +237,8 @@ class KafkaLineageResolver:
         self._assigning: defaultdict[int, threading.Lock] = defaultdict(threading.Lock)
         self._ends = _SharedQuestion()
         self._rollouts: dict[str, _RolloutLog] = {}
+        self._parents = KeptParents(max_kept_tokens)
+        """Each rollout's last materialized parent, kept with the log it was read from."""
         self._chunks: dict[str, list[bytes]] = {}
         # Restoring is CPU work on one rollout; striped by rollout so concurrent calls do not queue on one lock,
         # with the kept tokens still bounded overall.
@@ -248,18 +260,26 @@ class KafkaLineageResolver:
 
     async def resolve(self, rollout_id: str, request_items: list[dict[str, Any]]) -> LineageResolution:
         """Return ROOT, RESOLVED with the proven parent's cumulative tokens, or UNRESOLVED with a reason."""
-        if not assistant_fingerprint(request_items):
+        fingerprint = assistant_fingerprint(request_items)
+        if not fingerprint:
             return LineageResolution(ParentResolutionStatus.ROOT)
         # Its own threads: a call mostly waits on the broker, and the default pool (a few threads) would queue
         # concurrent rollouts' calls behind each other.
         return await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.resolve_now, rollout_id, request_items
+            self._executor, self._resolve_continuation, rollout_id, request_items, fingerprint
         )
 
     def resolve_now(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
         """The blocking form of ``resolve``."""
-        if not assistant_fingerprint(request_items):
+        fingerprint = assistant_fingerprint(request_items)
+        if not fingerprint:
             return LineageResolution(ParentResolutionStatus.ROOT)
+        return self._resolve_continuation(rollout_id, request_items, fingerprint)
+
+    def _resolve_continuation(
+        self, rollout_id: str, request_items: Sequence[Any], fingerprint: str
+    ) -> LineageResolution:
+        """Read the rollout's partition up to its end as of now, then decide; the request has a model turn."""
         with self._lock:
             self._raise_if_closed()
             partition = self._partition_of(rollout_id)
@@ -267,22 +287,32 @@ class KafkaLineageResolver:
         # The end is asked outside the lock, and concurrent calls share one question for all their partitions.
         high = self._ends.ask(partition, self._ends_of)
         self._catch_up(partition, high)
-        return self._answer(rollout_id, request_items)
+        return self._answer(rollout_id, request_items, fingerprint)
 
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise TransportError(f"{self!r} is closed; build a new resolver")
 
-    def _answer(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
+    def _answer(
+        self, rollout_id: str, request_items: Sequence[Any], fingerprint: str | None = None
+    ) -> LineageResolution:
         """The decision over what has been read of the log so far."""
         with self._lock:
             log = self._rollouts.get(rollout_id) or _RolloutLog()
-            status, node, reason = log.index.decide(request_items)
+        # Hashing the request's context needs no lock either: the reader only adds to this log's index (one
+        # read and folded up to this call's end already holds every call the decision may need).
+        status, node, reason = log.index.decide(request_items, fingerprint)
         if node is None:
             return resolution_of(status, None, reason)
         # Decoding the winner's arrays needs no lock: a rollout's recorded calls are only ever added to.
-        tokens = materialize_tokens(node, log.index, lambda ids: [self._entry_of(log, i) for i in ids])
-        return resolution_of(status, node, reason, tokens)
+        # The parent materialized last for this same log is the base: only the puts after it are decoded.
+        known = self._parents.get(rollout_id, log)
+        materialized = materialize_tokens(
+            node, log.index, lambda ids: [self._entry_of(log, i) for i in ids], known
+        )
+        if materialized is not known:
+            self._parents.keep(rollout_id, log, materialized)
+        return resolution_of(status, node, reason, materialized.tokens)
 
     def is_process_shared(self) -> bool:
         """True: every worker reads the same topic."""
@@ -296,6 +326,7 @@ class KafkaLineageResolver:
             self._closed = True
             self._rollouts.clear()
             self._chunks.clear()
+            self._parents.clear()
             self._read.notify_all()
         await asyncio.to_thread(self._stop_reading)
         await asyncio.to_thread(self._consumer.close)
@@ -466,10 +497,12 @@ class KafkaLineageResolver:
         kind = headers.get(HEADER_TYPE, "")
         if kind == "delete":
             self._rollouts.pop(rollout_id, None)
+            self._parents.forget(rollout_id)
             return
         log = self._rollouts.setdefault(rollout_id, _RolloutLog())
         if kind in _FORGETTING_EVENTS:
             self._rollouts[rollout_id] = _RolloutLog(frozen=True, retired=True)
+            self._parents.forget(rollout_id)
         elif kind == "freeze":
             log.frozen = True
         elif kind == "put" and not log.frozen:
