@@ -7,14 +7,12 @@ The disk is a real tmpfs of a few pages, mounted by the test (it needs root, as 
 from __future__ import annotations
 
 import asyncio
-import errno
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from store_contract import directory_contents, make_entry
+from tmpfs import fill, mounted_tmpfs
 
 from tests.topic_replay import replay_topic
 from tokcap.errors import TokcapError
@@ -27,28 +25,8 @@ pytestmark = pytest.mark.kafka
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs the suite as root)")
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "2m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
-def fill_but(path: Path, room: int) -> None:
-    """Take every free byte of the disk except ``room``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    os.truncate(path, max(0, path.stat().st_size - room))
 
 
 def write(bootstrap: str, topic: str, rollouts: range, calls: int, tokens: int) -> None:
@@ -85,7 +63,7 @@ def test_a_full_disk_stops_the_materializer_clearly_and_it_resumes_byte_identica
 
     write(kafka_bootstrap, kafka_topic, range(4, 40), calls=3, tokens=400)
     filler = small_disk / "filler"
-    fill_but(filler, 8192)
+    fill(filler, room=8192)
     full = Materializer(kafka_bootstrap, kafka_topic, store_dir)
     with pytest.raises(TokcapError) as caught:
         full.start()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from factories import make_entry
+from tmpfs import fill, mounted_tmpfs
 
 from tokcap.errors import StoreWriteError
 from tokcap.store import TokenCaptureStore
@@ -23,27 +23,8 @@ ROLLOUTS = [f"r{n}" for n in range(6)]
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs the suite as root)")
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mount_point)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "96k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
-def _fill(path: Path) -> None:
-    """Take every free byte of the disk."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
 
 
 def test_a_full_disk_fails_writes_clearly_and_every_rollout_works_once_space_returns(
@@ -56,7 +37,7 @@ def test_a_full_disk_fails_writes_clearly_and_every_rollout_works_once_space_ret
         store.append(make_entry(rollout_id, "c0", prompt=range(40)))
     acknowledged = {rollout_id: ["c0"] for rollout_id in ROLLOUTS}
     filler = small_disk / "filler"
-    _fill(filler)
+    fill(filler)
     os.truncate(filler, filler.stat().st_size - 6000)
     failures: list[StoreWriteError] = []
     for n in range(1, 80):
