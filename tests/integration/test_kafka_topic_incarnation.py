@@ -14,10 +14,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from store_contract import make_entry
 
 from tests.kafka_broker_fixture import TopicFactory
-from tokcap.errors import TopicIncarnationError
+from tokcap.errors import MaterializerFailedError, TopicIncarnationError
 from tokcap.events import Event, IntentEvent, PutEvent
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer, incarnation
-from transports.kafka.checkpoint import checkpoint_path
+from transports.kafka.checkpoint import applied_next_offset, checkpoint_path
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.producer_bridge import ProducerBridge
 
@@ -214,3 +214,31 @@ def test_a_following_source_refuses_a_checkpoint_of_another_topic_incarnation(
     with pytest.raises(TopicIncarnationError, match="AAAAAAAAAAAAAAAAAAAAAA") as refused:
         asyncio.run(freeze())
     assert topic_id(kafka_bootstrap, kafka_topic) in str(refused.value)
+
+
+def test_records_deleted_from_the_topic_before_they_were_read_stop_the_materializer_clearly(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_old_topic(kafka_bootstrap, kafka_topic))  # offsets 0-9
+    first = Materializer(kafka_bootstrap, kafka_topic, tmp_path)
+    first.start()
+    try:
+        assert first.wait_until_caught_up(60)
+    finally:
+        first.stop()
+    asyncio.run(write_old_topic(kafka_bootstrap, kafka_topic))  # offsets 10-19
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    (deleted,) = admin.delete_records([TopicPartition(kafka_topic, 0, 14)]).values()
+    assert deleted.result(timeout=30).low_watermark == 14
+    resumed = Materializer(kafka_bootstrap, kafka_topic, tmp_path)
+    with pytest.raises(MaterializerFailedError) as stopped:
+        resumed.start()
+        resumed.wait_until_caught_up(60)
+    resumed.stop()
+    message = str(stopped.value)
+    assert (
+        kafka_topic in message
+        and "Offset out of range" in message
+        and "replay into a new directory" in message
+    )
+    assert applied_next_offset(tmp_path, kafka_topic, 0) == 10
