@@ -23,12 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokcap.delta_records import rebuild_full_prompts
 from tokcap.errors import ChainValidationError, TrajectoryBuildError, UnknownBuilderError
 from tokcap.prefix_trie import PrefixTrie
 from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
+
+if TYPE_CHECKING:
+    from tokcap.projection import (
+        assert_prefix_contiguity,
+        project_chain_to_output_items,
+        project_main_chain_response,
+    )
 
 __all__ = [
     "BUILDERS",
@@ -40,8 +47,11 @@ __all__ = [
     "Chain",
     "ChainLink",
     "ChainTokens",
+    "assert_prefix_contiguity",
     "per_request",
     "prefix_merging",
+    "project_chain_to_output_items",
+    "project_main_chain_response",
     "run_builder",
 ]
 
@@ -747,3 +757,22 @@ def run_builder(
     if builder == PREFIX_MERGING:
         return prefix_merging(entries, terminal_call_id=terminal_call_id)
     return BUILDERS[builder](entries)
+
+
+_PROJECTION_NAMES = (
+    "assert_prefix_contiguity",
+    "project_chain_to_output_items",
+    "project_main_chain_response",
+)
+
+
+def __getattr__(name: str) -> Any:
+    """Gym's ``builder`` also holds the response projection; tokcap keeps it in ``tokcap.projection``.
+
+    Served lazily: the projection module imports this one.
+    """
+    if name in _PROJECTION_NAMES:
+        from tokcap import projection
+
+        return getattr(projection, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tokcap.records import TokenEntry
 
+if TYPE_CHECKING:
+    from tokcap.lineage import LineageMatch, LineageResolution
+
 __all__ = [
+    "CaptureLedger",
     "IntentTokenSink",
+    "LineageMatch",
+    "LineageResolution",
     "LineageResolver",
     "RetiringTokenSource",
     "RolloutRemovalPayload",
@@ -135,6 +141,33 @@ class LineageResolver(Protocol):
 
 
 @runtime_checkable
+class CaptureLedger(LineageResolver, Protocol):
+    """Gym's token-free ledger of calls whose tokens an inference worker staged (``external_staging``).
+
+    ``record`` returns only once every serving worker can read the row; an identical repeat is a no-op and
+    any difference raises. ``record_failure`` rows never resolve a parent and fail the rollout's verification.
+    ``manifest`` is plain JSON: committed rows under ``records``, failures under ``failures``.
+    ``tokcap.lineage.FileLineageResolver`` is one.
+    """
+
+    async def record(self, commit: Any) -> None:
+        """Publish a staged call's ledger row (a ``CaptureLedgerCommit``) for parent resolution."""
+        ...
+
+    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """Record a call whose capture did not commit; it poisons the rollout."""
+        ...
+
+    async def manifest(self, rollout_id: str) -> dict[str, Any]:
+        """The rollout's rows and failures, without token arrays."""
+        ...
+
+    async def has_rows(self, rollout_id: str) -> bool:
+        """Whether the rollout has any row, failure rows counted."""
+        ...
+
+
+@runtime_checkable
 class IntentTokenSink(TokenSink, Protocol):
     """A sink that also records, before dispatch, that a call is about to generate.
 
@@ -203,3 +236,12 @@ def install_lineage_store(store: LineageResolver | None) -> None:
 def installed_lineage_store() -> LineageResolver | None:
     """The lineage store installed in this process, if any."""
     return _INSTALLED_LINEAGE_STORE
+
+
+def __getattr__(name: str) -> Any:
+    """Gym's ``protocols`` also holds the resolution values; tokcap keeps them with the resolvers that make them."""
+    if name in ("LineageMatch", "LineageResolution"):
+        from tokcap import lineage
+
+        return getattr(lineage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

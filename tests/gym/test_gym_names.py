@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 from typing import Any
 
@@ -134,3 +135,58 @@ def test_chain_link_and_build_output_read_under_gyms_field_names(gym: GymModules
         assert {
             name for name in gym_fields if not hasattr(cls, name) and name not in cls.__dataclass_fields__
         } == set()
+
+
+# Public names of a Gym module that tokcap's module of the same name does not offer, and why.
+NOT_OFFERED = {
+    "config": {"NonGeneratingRequest": "Gym's model-server setting for requests that never generate"},
+    "lineage": {
+        "RolloutLineage": "Gym's own matcher; tokcap's resolvers reproduce its fingerprints instead",
+        "InMemoryLineageStore": "Gym's own stores; tokcap offers FileLineageResolver and KafkaLineageResolver",
+        "IncrementalLineageStore": "Gym's own stores; tokcap offers FileLineageResolver and KafkaLineageResolver",
+        "FileLineageStore": "Gym's own stores; tokcap offers FileLineageResolver and KafkaLineageResolver",
+    },
+    "records": {"response_to_output_items": "Gym's middleware normalizes served responses"},
+    "sink": {
+        "capture_health_snapshot": "Gym's middleware metrics",
+        "mark_external_staging_committed": "Gym's middleware state for external staging",
+    },
+}
+
+
+def _gym_module_names(gym: GymModules) -> dict[str, list[str]]:
+    """Each Gym module that tokcap has a module of the same name for, and the public names it defines."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((gym.source_dir / "nemo_gym" / "token_id_capture").glob("*.py")):
+        if path.stem.startswith("_") or importlib.util.find_spec(f"tokcap.{path.stem}") is None:
+            continue
+        tree = ast.parse(path.read_text())
+        found[path.stem] = [
+            node.name
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and not node.name.startswith("_")
+        ]
+    return found
+
+
+def test_every_public_name_of_a_gym_module_is_importable_from_tokcaps_module_of_the_same_name(
+    gym: GymModules,
+) -> None:
+    modules = _gym_module_names(gym)
+    assert {"builder", "protocols", "records", "sink", "store", "lineage"} <= set(modules)
+    missing = {
+        f"tokcap.{module}.{name}"
+        for module, names in modules.items()
+        for name in names
+        if name not in NOT_OFFERED.get(module, {})
+        and not hasattr(importlib.import_module(f"tokcap.{module}"), name)
+    }
+    assert missing == set()
+    stale = {
+        f"{module}.{name}"
+        for module, names in NOT_OFFERED.items()
+        for name in names
+        if name not in modules.get(module, [])
+    }
+    assert stale == set(), "a name listed as not offered is no longer in Gym's module"
