@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +15,14 @@ import orjson
 import pytest
 from cli_helpers import tokcap
 from confluent_kafka import Producer
-from staging_calls import commit_for, conversation, staged_call
+from staging_calls import commit_for, conversation, cumulative_tokens, staged_call
 from store_contract import directory_contents
 
 from tests.topic_replay import replay_topic
 from tokcap.events import StagedBlob, StageEvent
+from tokcap.staging import verify_and_linearize
 from tokcap.staging.conformance import run_staging_conformance
+from tokcap.staging.records import RolloutReceipt
 from tokcap.store import TokenCaptureStore
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.dead_letters import dead_letter_files
@@ -193,3 +198,50 @@ def test_replaying_a_topic_with_staging_events_gives_byte_identical_files_and_th
     assert any("staged staged-1/call-0" in detail and "img 10000 B" in detail for detail in details), details
     assert any("ledger row for staged-1/call-1" in detail for detail in details), details
     assert any("ledger failure: worker_capture_failed" in detail for detail in details), details
+
+
+def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged_row_fetchable_and_verifiable(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(repo / 'tests')!r})\n"
+        "from staging_calls import conversation\n"
+        "from transports.kafka.staging import KafkaStagingSink\n"
+        "sink = KafkaStagingSink(bootstrap_servers=sys.argv[1], topic=sys.argv[2])\n"
+        "for turn in conversation('killed', 40, extras=True):\n"
+        "    assert sink.stage(turn.call, attachments={'a': turn.call.digest.encode() * 20_000}).ok\n"
+        "    print(turn.call.model_call_id, flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", script, kafka_bootstrap, kafka_topic], stdout=subprocess.PIPE, env=env
+    )
+    assert worker.stdout is not None
+    acknowledged = [worker.stdout.readline().decode().strip() for _ in range(5)]
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    worker.stdout.close()
+    assert all(acknowledged), acknowledged
+    turns = {turn.call.model_call_id: turn for turn in conversation("killed", 40, extras=True)}
+    source = KafkaStagingSource(
+        bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "after"
+    )
+    try:
+        keys = [f"killed/{call_id}" for call_id in acknowledged]
+        assert [s.model_dump() for s in source.fetch_full(keys)] == [
+            turns[c].call.model_dump() for c in acknowledged
+        ]
+        last = turns[acknowledged[-1]].call
+        assert source.fetch_attachments(keys[-1]) == {"a": last.digest.encode() * 20_000}
+        receipt = RolloutReceipt(
+            rollout_id="killed",
+            manifest=[commit_for(turns[call_id]).record for call_id in acknowledged],
+            terminal_model_call_id=acknowledged[-1],
+            terminal_selection="declared",
+        )
+        row = verify_and_linearize(receipt, source.fetch(keys))
+        assert row.token_ids == cumulative_tokens(last)
+    finally:
+        source.close()
