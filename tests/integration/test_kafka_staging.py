@@ -245,3 +245,39 @@ def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged
         assert row.token_ids == cumulative_tokens(last)
     finally:
         source.close()
+
+
+def test_a_sink_with_a_store_dir_fails_a_conflicting_stage_from_another_process_and_a_late_stage_after_retire(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(repo / 'tests')!r})\n"
+        "from staging_calls import conversation\n"
+        "from transports.kafka.staging import KafkaStagingSink\n"
+        "sink = KafkaStagingSink(bootstrap_servers=sys.argv[1], topic=sys.argv[2])\n"
+        "assert sink.stage(conversation('fenced', 1)[0].call).ok\n"
+        "sink.close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    subprocess.run([sys.executable, "-c", script, kafka_bootstrap, kafka_topic], env=env, check=True)
+    store_dir = tmp_path / "own"
+    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
+    ledger = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
+    try:
+        [first] = conversation("fenced", 1)
+        [different] = conversation("fenced", 1, extras=True)
+        refused = sink.stage(different.call)
+        assert not refused.ok and "different payload" in refused.error
+        assert sink.stage(first.call).ok
+        asyncio.run(ledger.record(commit_for(first)))
+        assert asyncio.run(ledger.retire(["fenced"])) == {"removed": ["fenced"], "absent": []}
+        late = sink.stage(staged_call("fenced", "call-late", [1], [2]))
+        assert not late.ok and "retired" in late.error
+        assert asyncio.run(ledger.manifest("fenced"))["records"] == []
+        assert asyncio.run(ledger.delete(["fenced"])) == {"removed": ["fenced"], "absent": []}
+        assert sink.stage(first.call).ok
+    finally:
+        sink.close()
+        asyncio.run(ledger.close())

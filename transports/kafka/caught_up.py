@@ -111,6 +111,15 @@ class CaughtUpStore:
                 rollout_id=rollout_id,
             )
 
+    def wait_applied(self, partition: int, offset: int, rollout_id: str) -> None:
+        """Block until the store holds the event the broker acknowledged at this position, and all before it."""
+        if not self._materializer_now().wait_for(partition, offset, self._timeout_s):
+            raise DeliveryTimeoutError(
+                f"the materializer of {self._topic!r} did not apply partition {partition} offset {offset} "
+                f"(rollout {rollout_id!r}) within {self._timeout_s} s; check that it is running and keeping up",
+                rollout_id=rollout_id,
+            )
+
     def close(self) -> None:
         """Hand the materializer back and close the offset reader; calling it again is a no-op."""
         with self._lock:

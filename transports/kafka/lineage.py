@@ -366,6 +366,14 @@ class KafkaLineageResolver:
         """Gym's ``CaptureLedger.has_rows``; failure rows count."""
         return await self._capture_ledger().has_rows(rollout_id)
 
+    async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Gym main's ``CaptureLedger.retire``: remove the rollouts' rows and keep their fences."""
+        return await self._capture_ledger().retire(rollout_ids)
+
+    async def delete(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Gym main's ``CaptureLedger.delete``: remove the rollouts and their fences."""
+        return await self._capture_ledger().delete(rollout_ids)
+
     async def close(self) -> None:
         """Close the consumer (and the ledger's clients); calling it again is a no-op."""
         with self._lock:

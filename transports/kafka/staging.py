@@ -46,8 +46,9 @@ from tokcap.staging.gym_types import build
 from tokcap.staging.records import staging_key
 from transports.kafka.caught_up import CaughtUpStore
 from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
-from transports.kafka.producer_bridge import ProducerBridge
+from transports.kafka.producer_bridge import Delivered, ProducerBridge
 from transports.kafka.sink import default_writer_id
+from transports.kafka.source import KafkaTokenSource
 from transports.kafka.topics import resolve_topic
 
 if TYPE_CHECKING:
@@ -135,7 +136,14 @@ class KafkaStagingSink:
         writer_id: str | None = None,
         producer_config: Mapping[str, Any] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        store_dir: str | Path | None = None,
+        consumer_config: Mapping[str, Any] | None = None,
     ) -> None:
+        """``store_dir`` (a directory of this process's own) makes ``stage`` also wait until the materializer
+        applied the stage and answer with the store's verdict: a different payload already staged under the
+        key by any process, or a retired rollout, then fails the stage instead of being dead-lettered after
+        an ok. It costs the apply's latency on every stage.
+        """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
         if chunk_bytes < 1024:
@@ -150,6 +158,14 @@ class KafkaStagingSink:
         )
         self._delivery_timeout_s = delivery_timeout_s
         self._loop = _LoopThread("tokcap-staging-sink")
+        self._projection: CaughtUpStore | None = None
+        if store_dir is not None:
+            self._projection = CaughtUpStore(
+                bootstrap_servers=bootstrap_servers,
+                topic=self._topic,
+                store_dir=store_dir,
+                consumer_config=consumer_config,
+            )
         self._closed = False
 
     def __repr__(self) -> str:
@@ -192,21 +208,42 @@ class KafkaStagingSink:
             error = f"{key!r} was already staged with a different payload; the first one stands"
             return build("StageResult", {"ok": False, "error": error})
         try:
-            self._send(event, f"stage of {key!r}")
+            last = self._send(event, f"stage of {key!r}")
+            refused = None if self._projection is None else self._verdict(event, digest, last)
         except (TransportError, FutureTimeoutError) as exc:
             if reserved:
                 _staged_digests.forget(self._topic, key, digest)
             return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
+        if refused is not None:
+            if reserved:
+                _staged_digests.forget(self._topic, key, digest)
+            return build("StageResult", {"ok": False, "error": refused})
         return build("StageResult", {"ok": True, "staging_key": key})
 
-    def _send(self, event: Event, what: str) -> None:
+    def _send(self, event: Event, what: str) -> Delivered:
+        """Send the event's messages; return where the last one (the one the store applies) landed."""
         if self._closed:
             raise TransportError(f"{self!r} is closed; {what} was not sent")
         messages = encode_event_messages(
             event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
         )
         # The bridge fails the send within the delivery timeout; the margin only guards a stuck loop.
-        self._loop.run(self._bridge.send(self._topic, messages, what=what), self._delivery_timeout_s + 5.0)
+        sent = self._loop.run(
+            self._bridge.send(self._topic, messages, what=what), self._delivery_timeout_s + 5.0
+        )
+        return sent[-1]
+
+    def _verdict(self, event: StageEvent, digest: str, last: Delivered) -> str | None:
+        """Why the store refused the stage applied at ``last``, or ``None`` when it holds exactly this row."""
+        assert self._projection is not None
+        self._projection.wait_applied(last.partition, last.offset, event.rollout_id)
+        state = self._projection.store.read_state(event.rollout_id)
+        slot = state.staged.get(event.staging_key)
+        if slot is not None and slot.digest == digest:
+            return None
+        if state.retired:
+            return f"rollout {event.rollout_id!r} is retired; its fence refused the stage of {event.staging_key!r}"
+        return f"{event.staging_key!r} was already staged with a different payload; the first one stands"
 
     def close(self) -> None:
         """Flush what is in flight and close the producer; calling it again is a no-op."""
@@ -215,6 +252,8 @@ class KafkaStagingSink:
         self._closed = True
         self._bridge.close()
         self._loop.close()
+        if self._projection is not None:
+            self._projection.close()
 
 
 class KafkaStagingSource:
@@ -310,14 +349,27 @@ class KafkaCaptureLedger:
             timeout_s=timeout_s,
         )
         self._files = FileCaptureLedger(store_dir)
+        self._store_dir = store_dir
+        self._source_settings: dict[str, Any] = {
+            "bootstrap_servers": bootstrap_servers,
+            "delivery_timeout_s": delivery_timeout_s,
+            "producer_config": producer_config,
+            "consumer_config": consumer_config,
+            "timeout_s": timeout_s,
+            "writer_id": self._writer_id,
+        }
+        self._source: KafkaTokenSource | None = None
+        self._commands_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"KafkaCaptureLedger(topic={self._topic!r})"
 
     async def _publish(self, event: Event, what: str) -> None:
         messages = encode_event_messages(event, next_chunk_group=_rows_are_never_chunked)
-        await self._bridge.send(self._topic, messages, what=what)
-        await asyncio.to_thread(self._projection.catch_up, event.rollout_id)
+        (delivered,) = await self._bridge.send(self._topic, messages, what=what)
+        await asyncio.to_thread(
+            self._projection.wait_applied, delivered.partition, delivered.offset, event.rollout_id
+        )
 
     async def record(self, commit: Any) -> None:
         """Record a committed call; returns once every serving worker can read it. A different repeat raises."""
@@ -376,8 +428,34 @@ class KafkaCaptureLedger:
         """True: every worker reads the same topic."""
         return True
 
+    def _commands(self) -> KafkaTokenSource:
+        """The source whose retire and delete commands this ledger publishes (built on first use)."""
+        with self._commands_lock:
+            if self._source is None:
+                self._source = KafkaTokenSource(
+                    store_dir=self._store_dir, topic=self._topic, **self._source_settings
+                )
+            return self._source
+
+    async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Remove the rollouts' staged rows, ledger rows and records, keeping the fence (Gym main's names).
+
+        Call it once the trainer has read every manifest row; a later ``record`` raises, and a later stage
+        is dead-lettered.
+        """
+        payload = await self._commands().retire(list(rollout_ids))
+        return {"removed": list(payload.removed), "absent": list(payload.not_found)}
+
+    async def delete(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Remove the rollouts and their fences, so the ids can be used again."""
+        payload = await self._commands().delete(list(rollout_ids))
+        return {"removed": list(payload.removed), "absent": list(payload.not_found)}
+
     async def close(self) -> None:
         """Close the producer and hand the materializer back; calling it again is a no-op."""
+        source, self._source = self._source, None
+        if source is not None:
+            await source.close()
         await asyncio.to_thread(self._bridge.close)
         self._projection.close()
 
