@@ -23,7 +23,10 @@ materialized for each rollout is kept too (``max_kept_tokens`` overall), so a re
 the puts after it: its cost follows what was appended since, not the rollout's length.
 
 Nameable in the config block as ``lineage_store: transports.kafka.lineage:KafkaLineageResolver`` with
-``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``).
+``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``). With ``store_dir`` as well it
+is Gym's ``CaptureLedger`` for engine-side staging (``transports.kafka.staging.KafkaCaptureLedger``): ledger
+rows are events on the topic, read back from the materializer's projection in that directory, and a
+continuation no put resolves is looked up among the committed ledger rows, as the file resolver does.
 """
 
 from __future__ import annotations
