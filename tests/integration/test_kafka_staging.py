@@ -198,6 +198,15 @@ def test_replaying_a_topic_with_staging_events_gives_byte_identical_files_and_th
     assert any("staged staged-1/call-0" in detail and "img 10000 B" in detail for detail in details), details
     assert any("ledger row for staged-1/call-1" in detail for detail in details), details
     assert any("ledger failure: worker_capture_failed" in detail for detail in details), details
+    one = tmp_path / "one-rollout"
+    completed = tokcap(
+        "replay", "--bootstrap", kafka_bootstrap, "--topic", topic, "--dir", str(one), "--rollout", "staged-1"
+    )
+    assert completed.returncode == 0, completed.stderr
+    mine = {
+        name: data for name, data in directory_contents(one).items() if name.startswith("staged-1.tokens.")
+    }
+    assert mine == {name: data for name, data in live_files.items() if name.startswith("staged-1.tokens.")}
 
 
 def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged_row_fetchable_and_verifiable(
