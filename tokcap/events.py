@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     StrictInt,
     TypeAdapter,
@@ -209,6 +210,26 @@ class StageEvent(_EventBase):
     row: dict[str, Any]
     extras: StagedBlob | None = None
     attachments: dict[str, StagedBlob] = Field(default_factory=dict)
+    _blob_bytes: dict[str, bytes] = PrivateAttr(default_factory=dict)
+
+    def blob_refs(self) -> list[StagedBlob]:
+        """The blobs the row names, extras first, then the attachments by name: the order they travel in."""
+        refs = [] if self.extras is None else [self.extras]
+        return refs + [self.attachments[name] for name in sorted(self.attachments)]
+
+    def with_blob_bytes(self, blobs: dict[str, bytes]) -> StageEvent:
+        """Carry the bytes of the named blobs (by SHA-256) with the event, for a store that has not got them.
+
+        A stage read from a run topic brings its blobs; the store writes them, durably, before the row that
+        names them. The bytes are no field: dumps and the stored line ignore them.
+        """
+        self._blob_bytes = blobs
+        return self
+
+    @property
+    def blob_bytes(self) -> dict[str, bytes]:
+        """The bytes carried with the event, by SHA-256 (empty when the store already holds the blobs)."""
+        return self._blob_bytes
 
     @functools.cached_property
     def stored_line(self) -> bytes:

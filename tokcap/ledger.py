@@ -33,7 +33,7 @@ from tokcap.store import TokenCaptureStore
 if TYPE_CHECKING:
     from tokcap.lineage import LineageResolution
 
-__all__ = ["FileCaptureLedger", "ledger_row"]
+__all__ = ["FileCaptureLedger", "ledger_event", "ledger_failure_event", "ledger_row"]
 
 
 def _commit_from(commit: Any) -> CaptureLedgerCommit:
@@ -71,6 +71,30 @@ def ledger_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
         "continuation_fingerprint": record.continuation_fingerprint,
         "fingerprint_version": record.fingerprint_version,
     }
+
+
+def ledger_event(commit: Any) -> LedgerEvent:
+    """The ``ledger`` event of a commit (Gym's ``CaptureLedgerCommit`` or its mapping), checked by the input rules."""
+    checked = _commit_from(commit)
+    call_id = checked.record.model_call_id
+    check_call_id(checked.rollout_id, call_id)
+    check_finite_values(checked.rollout_id, call_id, "request_items", checked.request_items)
+    check_finite_values(checked.rollout_id, call_id, "response_items", checked.response_items)
+    whole = orjson.dumps(checked.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+    return LedgerEvent(
+        rollout_id=checked.rollout_id,
+        model_call_id=call_id,
+        commit_digest=hashlib.sha256(whole).hexdigest(),
+        row=ledger_row(checked),
+    )
+
+
+def ledger_failure_event(rollout_id: str, model_call_id: str, reason: str) -> LedgerFailureEvent:
+    """The ``ledger-failure`` event of a call that did not commit; its reason must be said."""
+    check_call_id(rollout_id, model_call_id)
+    if not isinstance(reason, str) or not reason:
+        raise InvalidInputError(f"rollout {rollout_id!r}: a ledger failure needs a non-empty reason")
+    return LedgerFailureEvent(rollout_id=rollout_id, model_call_id=model_call_id, reason=reason)
 
 
 def _call_record(row: dict[str, Any]) -> CallRecord:
@@ -121,27 +145,13 @@ class FileCaptureLedger:
 
     def record_now(self, commit: Any) -> None:
         """The blocking form of ``record``."""
-        checked = _commit_from(commit)
-        call_id = checked.record.model_call_id
-        check_call_id(checked.rollout_id, call_id)
-        check_finite_values(checked.rollout_id, call_id, "request_items", checked.request_items)
-        check_finite_values(checked.rollout_id, call_id, "response_items", checked.response_items)
-        whole = orjson.dumps(checked.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
-        event = LedgerEvent(
-            rollout_id=checked.rollout_id,
-            model_call_id=call_id,
-            commit_digest=hashlib.sha256(whole).hexdigest(),
-            row=ledger_row(checked),
-        )
-        self._raise_for(self._store.apply(event), "ledger row")
+        self._raise_for(self._store.apply(ledger_event(commit)), "ledger row")
 
     def record_failure_now(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         """The blocking form of ``record_failure``."""
-        check_call_id(rollout_id, model_call_id)
-        if not isinstance(reason, str) or not reason:
-            raise InvalidInputError(f"rollout {rollout_id!r}: a ledger failure needs a non-empty reason")
-        event = LedgerFailureEvent(rollout_id=rollout_id, model_call_id=model_call_id, reason=reason)
-        self._raise_for(self._store.apply(event), "ledger failure")
+        self._raise_for(
+            self._store.apply(ledger_failure_event(rollout_id, model_call_id, reason)), "ledger failure"
+        )
 
     def _rows(self, rollout_id: str) -> list[dict[str, Any]]:
         return [orjson.loads(line) for line in self._store.read_ledger_lines(rollout_id)]

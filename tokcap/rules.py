@@ -30,7 +30,8 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - A ledger row of a known call id with the same commit digest is a no-op; another is rejected, changing nothing.
 - A ledger failure of a known call id with the same reason is a no-op; another is rejected, changing nothing.
 - A stage, ledger row or ledger failure is refused by the fence only (not the freeze), moves no version, and is
-  durable before its caller returns.
+  durable before its caller returns. Read from a log, a conflicting one also marks the rollout incomplete: its
+  writer was told ok before the conflict could be seen.
 
 Two kinds of rule come before an event exists and live with what they judge: how a message becomes an
 event, or a dead letter that masks its rollout (undecodable, newer schema, refused by the input rules of
@@ -621,7 +622,14 @@ def _staging(
             call_id,
             detail=f"{key!r} was already recorded with a different payload; the first one stands",
         )
-        return _unchanged(state, verdict, position)
+        if position is None:
+            return _unchanged(state, verdict, position)
+        # Read from a log, the writer was already told ok: its copy differs from the one kept, so the rollout
+        # is masked rather than trained on a row its writer never staged.
+        marks = _with_mark(
+            state, IncompleteMark(model_call_id=call_id, reason=f"conflicting {event.type.value} for {key!r}")
+        )
+        return Decision(state, verdict, (*marks, WriteState(durable=True)))
     effect: Effect
     if isinstance(event, StageEvent):
         effect = AppendStagedLine(line, state.staged_size)

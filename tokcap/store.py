@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, TypeVar
 from tokcap.durable_io import (
     append_durably,
     append_to,
+    fsync_directory,
     open_for_append,
     open_no_follow,
     read_no_follow,
@@ -62,6 +63,7 @@ from tokcap.events import (
     LogPosition,
     PutEvent,
     RetireEvent,
+    StageEvent,
 )
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.input_rules import accept_entry, check_call_id
@@ -483,6 +485,12 @@ class TokenCaptureStore:
         )
         new_snapshot_id = uuid.uuid4().hex if position is None and isinstance(event, FreezeEvent) else ""
         decision = decide(recovered.state, event, position, new_snapshot_id=new_snapshot_id)
+        if (
+            isinstance(event, StageEvent)
+            and event.blob_bytes
+            and decision.verdict.outcome is ApplyOutcome.ACCEPTED
+        ):
+            self._write_carried_blobs(paths, event)
         if decision.changed:
             state_written, known = self._carry_out(
                 paths, decision, recovered, identity, fence_only=fence_only
@@ -499,6 +507,24 @@ class TokenCaptureStore:
                 after = Recovered(decision.state, (), lagging, exists)
                 self._remember_state(paths.rollout_id, known, after)
         return decision
+
+    def _write_carried_blobs(self, paths: RolloutPaths, event: StageEvent) -> None:
+        """Write the blobs a stage read from a log brought, durably, before the row that names them.
+
+        Only an accepted stage writes them, so a refused one (a conflict, a retired rollout) leaves no file. A
+        blob of the same name and size is already those bytes (the name is their SHA-256, checked on decode).
+        """
+        written = False
+        for ref in event.blob_refs():
+            path = paths.blob(ref.sha256)
+            if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == ref.size:
+                continue
+            paths.blobs.mkdir(exist_ok=True)
+            replace_atomically(path, event.blob_bytes[ref.sha256], durable=True)
+            written = True
+        if written:
+            fsync_directory(paths.blobs)
+            fsync_directory(paths.blobs.parent)
 
     def _carry_out(
         self,

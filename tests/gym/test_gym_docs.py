@@ -48,12 +48,14 @@ def _capture(gym: GymModules, sink: Any, lineage: Any, rollout_id: str) -> dict[
 
 def test_the_doc_has_a_server_snippet_and_a_trainer_snippet(tmp_path: Path) -> None:
     snippets = _blocks("python", tmp_path)
-    assert len(snippets) == 5
+    assert len(snippets) == 6
     assert "build_sink" in snippets[0]
     assert "finalize_rollout_token_capture" in snippets[1]
     assert "install_capture" in snippets[2]
     assert "finalize_rollout(" in snippets[3]
-    assert "run_staging_conformance" in snippets[4]
+    assert "KafkaStagingSink(" in snippets[4] and "KafkaStagingSource(" in snippets[4]
+    compile(snippets[4], str(DOC), "exec")
+    assert "run_staging_conformance" in snippets[5]
 
 
 def test_the_staging_worker_snippet_stages_through_gyms_capture_and_fetches_a_prefix_back(
@@ -109,7 +111,7 @@ def test_the_staging_conformance_snippet_passes_on_the_file_transport(
         "FileStagingSource": FileStagingSource,
         "FileLineageResolver": FileLineageResolver,
     }
-    _run(_blocks("python", tmp_path)[4], namespace)
+    _run(_blocks("python", tmp_path)[5], namespace)
     assert len(namespace["passed"]) == 9
 
 

@@ -1,4 +1,4 @@
-"""Engine-side staging driven by Gym 0.7.0's own code over tokcap's file transport.
+"""Engine-side staging driven by Gym 0.7.0's own code over both tokcap transports, the file store and Kafka.
 
 Gym's config accepts ``external_staging: true`` with tokcap's ledger; Gym's ``install_capture`` wires
 tokcap's ``FileStagingSink`` into a worker with Gym's ``VLLMCaptureAdapter``; Gym's middleware resolves
@@ -6,7 +6,8 @@ each call's parent through tokcap's ledger (``resolve_parent``), Gym's vLLM work
 builds the ledger commits, Gym's manifest control route (its FastAPI router) serves tokcap's manifest,
 and Gym's ``verify_and_linearize`` checks the rows fetched back through ``FileStagingSource``. The worker
 itself is simulated as a framework writes it: it fetches a continuation's prefix through the source,
-hands it to the adapter and Gym's capture, and "generates" fixed tokens.
+hands it to the adapter and Gym's capture, and "generates" fixed tokens. Over Kafka the same runs go through
+``KafkaStagingSink``, ``KafkaStagingSource`` and ``KafkaLineageResolver`` on a real broker.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,62 @@ from tokcap.staging import FileStagingSink, FileStagingSource, finalize_rollout,
 pytestmark = needs_gym_build_sink
 
 
+@dataclass
+class _Transport:
+    """How a test builds the staging sink, source and ledger of one transport; Kafka objects are closed after."""
+
+    name: str
+    sink: Callable[[], Any]
+    source: Callable[[], Any]
+    ledger: Callable[[], Any]
+    lineage_store: str
+    lineage_store_kwargs: dict[str, Any]
+    made: list[Any] = field(default_factory=list)
+
+    def kept(self, factory: Callable[[], Any]) -> Any:
+        made = factory()
+        self.made.append(made)
+        return made
+
+    def close(self) -> None:
+        for made in self.made:
+            closed = made.close() if hasattr(made, "close") else None
+            if asyncio.iscoroutine(closed):
+                asyncio.run(closed)
+
+
+@pytest.fixture(params=["file", "kafka"])
+def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Transport]:
+    if request.param == "file":
+        chosen = _Transport(
+            "file",
+            lambda: FileStagingSink(tmp_path),
+            lambda: FileStagingSource(tmp_path),
+            lambda: FileLineageResolver(tmp_path),
+            "tokcap.lineage:FileLineageResolver",
+            {"root": str(tmp_path)},
+        )
+    else:
+        from transports.kafka.lineage import KafkaLineageResolver
+        from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
+
+        bootstrap, topic = request.getfixturevalue("kafka_bootstrap"), request.getfixturevalue("kafka_topic")
+        store_dir = tmp_path / "projection"
+        kwargs = {"bootstrap_servers": bootstrap, "topic": topic}
+        chosen = _Transport(
+            "kafka",
+            lambda: chosen.kept(lambda: KafkaStagingSink(**kwargs)),
+            lambda: chosen.kept(lambda: KafkaStagingSource(**kwargs, store_dir=store_dir)),
+            lambda: chosen.kept(lambda: KafkaLineageResolver(**kwargs, store_dir=store_dir)),
+            "transports.kafka.lineage:KafkaLineageResolver",
+            {**kwargs, "store_dir": str(store_dir)},
+        )
+    try:
+        yield chosen
+    finally:
+        chosen.close()
+
+
 def _staging(gym: GymModules) -> Any:
     return importlib.import_module("nemo_gym.token_id_capture.staging")
 
@@ -37,7 +96,7 @@ def _module(name: str) -> Any:
 
 
 def test_gyms_config_accepts_external_staging_with_tokcaps_ledger_and_the_classes_meet_gyms_protocols(
-    gym: GymModules, tmp_path: Path
+    gym: GymModules, transport: _Transport
 ) -> None:
     config = gym.config.TokenIdCaptureConfig.model_validate(
         {
@@ -45,17 +104,17 @@ def test_gyms_config_accepts_external_staging_with_tokcaps_ledger_and_the_classe
                 "enabled": True,
                 "external_staging": True,
                 "rebuild_response": False,
-                "lineage_store": "tokcap.lineage:FileLineageResolver",
-                "lineage_store_kwargs": {"root": str(tmp_path)},
+                "lineage_store": transport.lineage_store,
+                "lineage_store_kwargs": transport.lineage_store_kwargs,
             }
         }
     )
-    ledger = config.build_lineage_store()
-    assert isinstance(ledger, FileLineageResolver)
+    ledger = transport.kept(config.build_lineage_store)
+    assert type(ledger).__name__ == transport.lineage_store.rsplit(":", 1)[1]
     assert isinstance(ledger, gym.protocols.CaptureLedger)
     staging = _staging(gym)
-    assert isinstance(FileStagingSink(tmp_path), staging.StagingSink)
-    assert isinstance(FileStagingSource(tmp_path), staging.StagingSource)
+    assert isinstance(transport.sink(), staging.StagingSink)
+    assert isinstance(transport.source(), staging.StagingSource)
 
 
 def _pixels(tokens: list[int]) -> bytes:
@@ -66,14 +125,14 @@ def _pixels(tokens: list[int]) -> bytes:
 class _Worker:
     """A vLLM worker as a framework writes it around Gym's capture: prefix from the source, stage, answer."""
 
-    def __init__(self, gym: GymModules, root: Path) -> None:
+    def __init__(self, gym: GymModules, transport: _Transport) -> None:
         staging = _staging(gym)
         self.host = staging.CaptureHost()
         self.adapter = importlib.import_module("nemo_gym.token_id_capture.adapters.vllm").VLLMCaptureAdapter()
         self.capture = staging.install_capture(
-            self.host, sink=FileStagingSink(root), weight_version_fn=lambda: 5, adapter=self.adapter
+            self.host, sink=transport.sink(), weight_version_fn=lambda: 5, adapter=self.adapter
         )
-        self.source = FileStagingSource(root)
+        self.source = transport.source()
         self.admission_class = staging.CaptureAdmission
         self.prefixes: list[list[int]] = []
         self.attachments: Any = None
@@ -116,7 +175,7 @@ class _Worker:
 async def _one_call(
     gym: GymModules,
     worker: _Worker,
-    ledger: FileLineageResolver,
+    ledger: Any,
     rollout_id: str,
     call_id: str,
     request_items: list[dict[str, Any]],
@@ -150,7 +209,7 @@ async def _one_call(
 
 
 async def _rollout(
-    gym: GymModules, worker: _Worker, ledger: FileLineageResolver, rollout_id: str, base: int, turns: int
+    gym: GymModules, worker: _Worker, ledger: Any, rollout_id: str, base: int, turns: int
 ) -> list[int]:
     """A text root and token-in continuations; returns the expected linearized tokens."""
     history: list[dict[str, Any]] = []
@@ -198,10 +257,10 @@ async def _asgi_get(app: Any, path: str, headers: dict[str, str]) -> tuple[int, 
 
 
 def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_through_gyms_code(
-    gym: GymModules, tmp_path: Path
+    gym: GymModules, transport: _Transport
 ) -> None:
-    worker = _Worker(gym, tmp_path)
-    ledger = FileLineageResolver(tmp_path)
+    worker = _Worker(gym, transport)
+    ledger = transport.ledger()
     staging = _staging(gym)
     errors: list[BaseException] = []
     others: dict[str, list[int]] = {}
@@ -210,7 +269,7 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
         try:
             rollout_id = f"other-{number}"
             others[rollout_id] = asyncio.run(
-                _rollout(gym, worker, FileLineageResolver(tmp_path), rollout_id, 10_000 * (number + 1), 3)
+                _rollout(gym, worker, transport.ledger(), rollout_id, 10_000 * (number + 1), 3)
             )
         except BaseException as exc:  # reported on the main thread
             errors.append(exc)
@@ -224,7 +283,7 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
     assert errors == []
     assert worker.prefixes and all(prefix for prefix in worker.prefixes)
 
-    source = FileStagingSource(tmp_path)
+    source = transport.source()
     for rollout_id, tokens in [("main", expected), *others.items()]:
         manifest = _module("staging.records").RolloutManifest.model_validate(
             asyncio.run(ledger.manifest(rollout_id))
@@ -253,10 +312,10 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
 
 
 def test_gyms_manifest_control_route_serves_tokcaps_manifest_behind_its_bearer_token(
-    gym: GymModules, tmp_path: Path
+    gym: GymModules, transport: _Transport
 ) -> None:
     fastapi = pytest.importorskip("fastapi", reason="the test extra installs fastapi for Gym's control route")
-    worker, ledger = _Worker(gym, tmp_path), FileLineageResolver(tmp_path)
+    worker, ledger = _Worker(gym, transport), transport.ledger()
     asyncio.run(_rollout(gym, worker, ledger, "main", 100, 2))
     asyncio.run(ledger.record_failure("main", "call-lost", "worker_capture_failed"))
     app = fastapi.FastAPI()
@@ -271,9 +330,9 @@ def test_gyms_manifest_control_route_serves_tokcaps_manifest_behind_its_bearer_t
 
 
 def test_a_stage_the_sink_refuses_poisons_the_rollout_through_gyms_handler_and_finalize_masks_it(
-    gym: GymModules, tmp_path: Path
+    gym: GymModules, transport: _Transport
 ) -> None:
-    worker, ledger = _Worker(gym, tmp_path), FileLineageResolver(tmp_path)
+    worker, ledger = _Worker(gym, transport), transport.ledger()
     asyncio.run(_rollout(gym, worker, ledger, "main", 100, 1))
     worker.attachments = {"tensor": [1, 2, 3]}  # not bytes: the sink refuses, Gym answers capture_failed
     history = [{"role": "user", "content": "main turn 0"}]
@@ -283,5 +342,5 @@ def test_a_stage_the_sink_refuses_poisons_the_rollout_through_gyms_handler_and_f
     assert [(f["model_call_id"], f["reason"]) for f in manifest["failures"]] == [
         ("call-1", "worker_capture_failed")
     ]
-    done = finalize_rollout(manifest, FileStagingSource(tmp_path))
+    done = finalize_rollout(manifest, transport.source())
     assert done.masked and "worker_capture_failed" in (done.masked_reason or "")

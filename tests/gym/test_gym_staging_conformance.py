@@ -1,5 +1,5 @@
-"""The staging conformance kit passes on tokcap's file transport, with tokcap's ledger and with Gym's
-``FileLineageStore`` as the ledger, and fails on implementations that break the contract."""
+"""The staging conformance kit passes on both tokcap transports (the file store and Kafka), with tokcap's ledger
+and with Gym's ``FileLineageStore`` as the ledger, and fails on implementations that break the contract."""
 
 from __future__ import annotations
 
@@ -51,6 +51,21 @@ def test_the_file_transport_passes_with_gyms_file_lineage_store_as_the_ledger(
         lambda: FileStagingSink(tmp_path / "staged"),
         lambda: FileStagingSource(tmp_path / "staged"),
         lambda: gym.lineage.FileLineageStore(ledger_dir),
+    )
+    assert passed == ALL_CHECKS
+
+
+def test_the_kafka_transport_passes_every_staging_check_with_gyms_classes(
+    gym: GymModules, kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    from transports.kafka.lineage import KafkaLineageResolver
+    from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
+
+    where = {"bootstrap_servers": kafka_bootstrap, "topic": kafka_topic}
+    passed = _run(
+        lambda: KafkaStagingSink(**where),
+        lambda: KafkaStagingSource(**where, store_dir=tmp_path),
+        lambda: KafkaLineageResolver(**where, store_dir=tmp_path),
     )
     assert passed == ALL_CHECKS
 

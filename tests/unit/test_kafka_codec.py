@@ -17,6 +17,7 @@ from tokcap.events import (
     LedgerEvent,
     LedgerFailureEvent,
     PutEvent,
+    StagedBlob,
     StageEvent,
     encode_event,
 )
@@ -238,9 +239,56 @@ def test_an_event_whose_call_id_a_side_file_line_could_not_hold_is_refused(kind:
         LedgerEvent(
             rollout_id="r1", model_call_id="c1", commit_digest="0" * 64, row={"staging_key": "r1/c1"}
         ),
-        StageEvent(rollout_id="r1", model_call_id="c1", staging_key="r1/c1", row={"prompt_token_ids": [1]}),
     ],
 )
-def test_an_engine_side_staging_event_read_from_a_topic_is_refused(event: Event) -> None:
-    with pytest.raises(EventDecodeError, match="not carried on a run topic"):
+def test_a_ledger_event_crosses_the_wire_unchanged(event: Event) -> None:
+    [message] = encode_event_messages(event, next_chunk_group=lambda: "s:0")
+    assert decode_message(message.key, message.value, headers_to_dict(message.headers)) == event
+
+
+def _stage_with_blobs(blobs: dict[str, bytes], extras: bytes | None = None) -> StageEvent:
+    def ref(data: bytes) -> StagedBlob:
+        return StagedBlob(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+
+    event = StageEvent(
+        rollout_id="r1",
+        model_call_id="c1",
+        staging_key="r1/c1",
+        row={"token_ids_delta": [1, 2]},
+        extras=None if extras is None else ref(extras),
+        attachments={name: ref(data) for name, data in blobs.items()},
+    )
+    carried = {
+        ref(data).sha256: data for data in [*blobs.values(), *([extras] if extras is not None else [])]
+    }
+    return event.with_blob_bytes(carried)
+
+
+def test_a_stage_event_crosses_the_wire_in_chunks_with_every_blob_byte() -> None:
+    image = bytes(range(256)) * 12_000
+    event = _stage_with_blobs({"image": image, "empty": b""}, extras=b'{"routed_experts":[1,2]}')
+    messages = encode_event_messages(event, chunk_bytes=1_000_000, next_chunk_group=lambda: "s:0")
+    assert len(messages) == 4
+    whole = b"".join(message.value for message in messages)
+    decoded = decode_message(b"r1", whole, headers_to_dict(messages[0].headers))
+    assert decoded.model_dump() == event.model_dump()
+    assert isinstance(decoded, StageEvent)
+    assert decoded.blob_bytes == event.blob_bytes
+
+
+def test_a_stage_event_whose_blob_does_not_match_its_hash_is_refused() -> None:
+    event = _stage_with_blobs({"image": b"pixels"})
+    _, value = encode_event_value(event)
+    damaged = value[:-1] + b"X"
+    with pytest.raises(EventDecodeError, match="does not match the SHA-256"):
+        decode_message(b"r1", damaged, {HEADER_ENCODING: "staged"})
+    with pytest.raises(EventDecodeError, match="truncated inside blob"):
+        decode_message(b"r1", value[:-1], {HEADER_ENCODING: "staged"})
+
+
+def test_a_stage_event_without_its_blobs_is_refused() -> None:
+    event = _stage_with_blobs({"image": b"pixels"})
+    with pytest.raises(EventDecodeError, match="'staged' encoding"):
         decode_message(b"r1", encode_event(event), {HEADER_ENCODING: "json"})
+    with pytest.raises(Exception, match="does not carry its bytes"):
+        encode_event_value(StageEvent.model_validate(event.model_dump()))

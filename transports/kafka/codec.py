@@ -6,6 +6,9 @@ Headers carry the event type, the event schema version, the writer id and the va
 Values:
 
 - ``json``: the canonical ``tokcap.events`` encoding (every event but ``put``).
+- ``staged``: a ``stage`` event and the bytes of the blobs it names (its extras, its attachments).
+  Layout: magic ``TKS1``, a little-endian u32 length, the event's canonical JSON, then each blob's bytes in
+  the order ``StageEvent.blob_refs`` gives. A reader checks every blob's size and SHA-256 against the row.
 - ``packed``: a ``put`` event with its token arrays packed as binary, so a long prompt stays small.
   Layout: magic ``TKP1``, a little-endian u32 length, the event's JSON without the three arrays
   (which instead lists each array's dtype and count), then the arrays' bytes in that order.
@@ -40,7 +43,7 @@ from tokcap.errors import (
     RecordValidationError,
     WireDeltaError,
 )
-from tokcap.events import EVENT_SCHEMA_VERSION, Event, EventType, PutEvent, encode_event
+from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, StageEvent, encode_event
 from tokcap.hashing import sha256_hex
 from tokcap.input_rules import accept_event, check_entry_fields
 from tokcap.records import TokenEntry
@@ -51,6 +54,7 @@ __all__ = [
     "ENCODING_DELTA",
     "ENCODING_JSON",
     "ENCODING_PACKED",
+    "ENCODING_STAGED",
     "HEADER_CHUNK_COUNT",
     "HEADER_CHUNK_DIGEST",
     "HEADER_CHUNK_GROUP",
@@ -92,12 +96,14 @@ HEADER_CHUNK_DIGEST = "tokcap.chunk.sha256"
 ENCODING_JSON = "json"
 ENCODING_PACKED = "packed"
 ENCODING_DELTA = "delta"
+ENCODING_STAGED = "staged"
 
 WIRE_DELTA_SCHEMA_VERSION = 2
 """The message schema of a wire delta; readers that know only schema 1 refuse it as newer."""
 
 _PACKED_MAGIC = b"TKP1"
 _DELTA_MAGIC = b"TKD1"
+_STAGED_MAGIC = b"TKS1"
 _DELTA_PROMPT_FIELD = "prompt_suffix_token_ids"
 _ARRAY_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _DELTA_FIELDS = (_DELTA_PROMPT_FIELD, "generation_token_ids", "generation_log_probs")
@@ -349,24 +355,68 @@ def _refused(exc: InvalidInputError) -> EventDecodeError:
     )
 
 
-_NOT_ON_THE_WIRE = frozenset({EventType.STAGE, EventType.LEDGER, EventType.LEDGER_FAILURE})
-"""Engine-side staging events: no Kafka sink sends them, and their blobs would not come with them."""
-
-
 def _accepted(raw: object, *, token_ids_checked: bool) -> Event:
     """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_event``)."""
     try:
-        event = accept_event(raw, token_ids_checked=token_ids_checked)
+        return accept_event(raw, token_ids_checked=token_ids_checked)
     except (EventDecodeError, NewerSchemaError):
         raise
     except InvalidInputError as exc:
         raise _refused(exc) from exc
-    if event.type in _NOT_ON_THE_WIRE:
+
+
+def _pack_stage(event: StageEvent) -> bytes:
+    """The ``staged`` value of a stage event: its JSON, then the bytes of every blob it names."""
+    head = encode_event(event)
+    carried = event.blob_bytes
+    blobs = []
+    for ref in event.blob_refs():
+        data = carried.get(ref.sha256)
+        if data is None:
+            raise InvalidInputError(
+                f"stage of {event.staging_key!r} names blob {ref.sha256} but does not carry its bytes; "
+                "a run topic must hold every staged byte",
+                rollout_id=event.rollout_id,
+                model_call_id=event.model_call_id,
+            )
+        blobs.append(data)
+    return b"".join([_STAGED_MAGIC, struct.pack("<I", len(head)), head, *blobs])
+
+
+def _unpack_stage(value: bytes) -> StageEvent:
+    """A stage event with the blob bytes it carries, each checked against the size and SHA-256 its row names."""
+    if len(value) < 8 or value[:4] != _STAGED_MAGIC:
+        raise EventDecodeError("staged value does not start with the TKS1 magic")
+    (head_length,) = struct.unpack_from("<I", value, 4)
+    head_end = 8 + head_length
+    if head_end > len(value):
+        raise EventDecodeError("staged value is shorter than its header claims")
+    try:
+        raw = orjson.loads(value[8:head_end])
+    except orjson.JSONDecodeError as exc:
+        raise EventDecodeError(f"staged value header is not valid JSON: {exc}") from exc
+    event = _accepted(raw, token_ids_checked=False)
+    if not isinstance(event, StageEvent):
+        raise EventDecodeError(f"a staged value must be a stage event, got {event.type.value}")
+    blobs: dict[str, bytes] = {}
+    cursor = head_end
+    for ref in event.blob_refs():
+        data = value[cursor : cursor + ref.size]
+        if len(data) != ref.size:
+            raise EventDecodeError(
+                f"staged value of {event.staging_key!r} is truncated inside blob {ref.sha256}"
+            )
+        if sha256_hex(data) != ref.sha256:
+            raise EventDecodeError(
+                f"a blob of {event.staging_key!r} does not match the SHA-256 {ref.sha256} its row names"
+            )
+        blobs[ref.sha256] = data
+        cursor += ref.size
+    if cursor != len(value):
         raise EventDecodeError(
-            f"a {event.type.value!r} event is not carried on a run topic: engine-side staging runs on the file "
-            "transport only, so no tokcap sink sends one"
+            f"staged value of {event.staging_key!r} has {len(value) - cursor} trailing bytes"
         )
-    return event
+    return event.with_blob_bytes(blobs)
 
 
 @dataclass(frozen=True)
@@ -565,6 +615,8 @@ def encode_event_value(event: Event) -> tuple[str, bytes]:
     """The value bytes of an event and the name of their encoding."""
     if isinstance(event, PutEvent):
         return ENCODING_PACKED, _pack_put(event)
+    if isinstance(event, StageEvent):
+        return ENCODING_STAGED, _pack_stage(event)
     return ENCODING_JSON, encode_event(event)
 
 
@@ -668,13 +720,18 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
         if not isinstance(event, PutEvent):
             raise EventDecodeError(f"a packed value must be a put event, got {event.type.value}")
         return event
+    if encoding == ENCODING_STAGED:
+        return _unpack_stage(value)
     if encoding != ENCODING_JSON:
         raise EventDecodeError(f"unknown value encoding {encoding!r}")
     try:
         raw = orjson.loads(value)
     except orjson.JSONDecodeError as exc:
         raise EventDecodeError(f"event is not valid JSON: {exc}") from exc
-    return _accepted(raw, token_ids_checked=False)
+    event = _accepted(raw, token_ids_checked=False)
+    if isinstance(event, StageEvent):
+        raise EventDecodeError("a stage event travels in the 'staged' encoding, which carries its blobs")
+    return event
 
 
 def decode_message(key: bytes | None, value: bytes | None, headers: Mapping[str, str]) -> Event:

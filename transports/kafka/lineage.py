@@ -23,7 +23,10 @@ materialized for each rollout is kept too (``max_kept_tokens`` overall), so a re
 the puts after it: its cost follows what was appended since, not the rollout's length.
 
 Nameable in the config block as ``lineage_store: transports.kafka.lineage:KafkaLineageResolver`` with
-``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``).
+``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``). With ``store_dir`` as well it
+is Gym's ``CaptureLedger`` for engine-side staging (``transports.kafka.staging.KafkaCaptureLedger``): ledger
+rows are events on the topic, read back from the materializer's projection in that directory, and a
+continuation no put resolves is looked up among the committed ledger rows, as the file resolver does.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -80,6 +84,7 @@ from transports.kafka.codec import (
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
 from transports.kafka.router import LogMessage
+from transports.kafka.staging import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
 from transports.kafka.topics import resolve_topic
 
 __all__ = ["KafkaLineageResolver"]
@@ -191,7 +196,13 @@ class KafkaLineageResolver:
         timeout_s: float = 10.0,
         threads: int = 32,
         max_kept_tokens: int = 8_000_000,
+        store_dir: str | Path | None = None,
+        delivery_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
+        producer_config: Mapping[str, Any] | None = None,
     ) -> None:
+        """``store_dir`` makes the resolver Gym's ``CaptureLedger`` too (engine-side staging): ledger rows are
+        events on the topic, read back from the materializer's projection of it in that directory.
+        """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
         if partitioner not in PARTITIONERS:
@@ -247,6 +258,16 @@ class KafkaLineageResolver:
             for _ in range(_RESTORE_STRIPES)
         ]
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokcap-lineage")
+        self._ledger: KafkaCaptureLedger | None = None
+        if store_dir is not None:
+            self._ledger = KafkaCaptureLedger(
+                bootstrap_servers=bootstrap_servers,
+                store_dir=store_dir,
+                topic=self._topic,
+                delivery_timeout_s=delivery_timeout_s,
+                producer_config=producer_config,
+                consumer_config=consumer_config,
+            )
         self._closed = False
 
     def __repr__(self) -> str:
@@ -287,7 +308,13 @@ class KafkaLineageResolver:
         # The end is asked outside the lock, and concurrent calls share one question for all their partitions.
         high = self._ends.ask(partition, self._ends_of)
         self._catch_up(partition, high)
-        return self._answer(rollout_id, request_items, fingerprint)
+        answer = self._answer(rollout_id, request_items, fingerprint)
+        if answer.status is ParentResolutionStatus.UNRESOLVED and self._ledger is not None:
+            # Engine-side staging: the parent is a ledger row, not a put.
+            staged = self._ledger.staged_resolution(rollout_id, request_items)
+            if staged is not None:
+                return staged
+        return answer
 
     def _raise_if_closed(self) -> None:
         if self._closed:
@@ -318,12 +345,47 @@ class KafkaLineageResolver:
         """True: every worker reads the same topic."""
         return True
 
+    def _capture_ledger(self) -> KafkaCaptureLedger:
+        if self._ledger is None:
+            raise ConfigError(
+                f"{self!r} has no store_dir, so it is no CaptureLedger; pass lineage_store_kwargs.store_dir (a "
+                "directory of this process's own) to use it with external_staging"
+            )
+        return self._ledger
+
+    async def record(self, commit: Any) -> None:
+        """Gym's ``CaptureLedger.record``: returns once every serving worker can read the row."""
+        await self._capture_ledger().record(commit)
+
+    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """Gym's ``CaptureLedger.record_failure``: the row poisons the rollout and never resolves a parent."""
+        await self._capture_ledger().record_failure(rollout_id, model_call_id, reason)
+
+    async def manifest(self, rollout_id: str) -> dict[str, Any]:
+        """Gym's ``CaptureLedger.manifest``, as plain JSON."""
+        return await self._capture_ledger().manifest(rollout_id)
+
+    async def has_rows(self, rollout_id: str) -> bool:
+        """Gym's ``CaptureLedger.has_rows``; failure rows count."""
+        return await self._capture_ledger().has_rows(rollout_id)
+
+    async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Gym main's ``CaptureLedger.retire``: remove the rollouts' rows and keep their fences."""
+        return await self._capture_ledger().retire(rollout_ids)
+
+    async def delete(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Gym main's ``CaptureLedger.delete``: remove the rollouts and their fences."""
+        return await self._capture_ledger().delete(rollout_ids)
+
     async def close(self) -> None:
-        """Close the consumer; calling it again is a no-op."""
+        """Close the consumer (and the ledger's clients); calling it again is a no-op."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        if self._ledger is not None:
+            await self._ledger.close()
+        with self._lock:
             self._rollouts.clear()
             self._chunks.clear()
             self._parents.clear()

@@ -110,6 +110,7 @@ from transports.kafka.router import (
     LogMessage,
     Routed,
     carry_out,
+    refused_staging_reason,
 )
 from transports.kafka.topics import validate_topic_name
 
@@ -269,6 +270,8 @@ class _PartitionProgress:
     """Commands read and not carried out yet, in log order."""
     ahead: set[int] = field(default_factory=set)
     """Offsets of commands carried out ahead in the current batch; published once the batch is durable."""
+    refused: dict[int, str] = field(default_factory=dict)
+    """Offsets of applied staging events the store refused, with the reason their dead-letter line gives."""
 
 
 def check_block_messages(block_messages: object) -> int:
@@ -1105,6 +1108,9 @@ class Materializer:
         result = carry_out(self._store, self._topic, routed)
         if result is not None and isinstance(routed, ApplyEvent):
             self._applied_entries.note(routed.event, result)
+            refused = refused_staging_reason(routed, result)
+            if refused is not None:
+                progress.refused[routed.offset] = refused
         if result is not None and (
             isinstance(routed, ApplyEvent) or (isinstance(routed, DeadLetter) and routed.positioned)
         ):
@@ -1115,6 +1121,20 @@ class Materializer:
 
     def _record_dead_letter(self, progress: _PartitionProgress, routed: Routed) -> None:
         """Write the dead-letter line of a decision that failed, in log order whenever its mask was applied."""
+        if isinstance(routed, ApplyEvent) and routed.offset in progress.refused:
+            reason = progress.refused.pop(routed.offset)
+            logger.warning(
+                "dead-lettering partition %d offset %d of %s: %s",
+                routed.partition,
+                routed.offset,
+                self._topic,
+                reason,
+            )
+            rollout_id = routed.event.rollout_id
+            written = progress.dead_letters.record(routed.partition, routed.offset, reason, rollout_id)
+            if written and self._on_dead_letter is not None:
+                self._on_dead_letter(DeadLetterLine(routed.partition, routed.offset, rollout_id, reason))
+            return
         if not isinstance(routed, DeadLetter):
             return
         logger.warning(

@@ -38,10 +38,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
-from tokcap.events import DeleteEvent, Event, FreezeEvent, IncompleteEvent, LogPosition, PutEvent, RetireEvent
+from tokcap.events import (
+    DeleteEvent,
+    Event,
+    FreezeEvent,
+    IncompleteEvent,
+    LedgerEvent,
+    LedgerFailureEvent,
+    LogPosition,
+    PutEvent,
+    RetireEvent,
+    StageEvent,
+)
 from tokcap.hashing import sha256_hex
 from tokcap.records import token_count
-from tokcap.store import ApplyResult, TokenCaptureStore
+from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.codec import (
     HEADER_TYPE,
     ChunkHeader,
@@ -69,6 +80,7 @@ __all__ = [
     "LogMessage",
     "Routed",
     "carry_out",
+    "refused_staging_reason",
 ]
 
 MATERIALIZER_WRITER = "tokcap-materializer"
@@ -555,6 +567,22 @@ def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResu
     if store.has_incomplete_mark(mask.rollout_id, mask.model_call_id, mask.reason):
         return None
     return store.apply(mask)
+
+
+def refused_staging_reason(routed: Routed, result: ApplyResult | None) -> str | None:
+    """Why a staging event read from the log is a dead letter once applied, or ``None`` when it is not.
+
+    Its writer was told ok when the broker acknowledged it, before anyone could see that the store refuses
+    it: a different payload under a key already kept (the rules mask the rollout), or a rollout retired
+    before it. Either way the event is lost to its writer, so it is dead-lettered like an undecodable one.
+    """
+    if not isinstance(routed, ApplyEvent) or result is None:
+        return None
+    if not isinstance(routed.event, StageEvent | LedgerEvent | LedgerFailureEvent):
+        return None
+    if result.outcome not in (ApplyOutcome.CONFLICT, ApplyOutcome.REJECTED_RETIRED):
+        return None
+    return f"refused {routed.event.type.value} event: {result.detail}"[:REASON_LIMIT]
 
 
 def _tokens_of(decided: ApplyEvent | DeadLetter) -> int:

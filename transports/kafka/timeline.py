@@ -26,7 +26,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 from tokcap.errors import TransportError
-from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent
+from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, LedgerFailureEvent, StageEvent
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import list_topics, watermarks
 from transports.kafka.client_errors import (
@@ -302,6 +302,9 @@ class LogApplier:
         elif isinstance(event, IncompleteEvent):
             reason = f"reason: {event.reason or '(none given)'}"
             detail = f"{reason}; {detail}" if detail else reason
+        elif isinstance(event, StageEvent | LedgerEvent | LedgerFailureEvent):
+            what = _staging_detail(event)
+            detail = f"{what}; {detail}" if detail else what
         return TimelineEntry(
             partition=routed.partition,
             offset=routed.offset,
@@ -324,6 +327,18 @@ class LogApplier:
         if state.incomplete:
             return "incomplete: a call was marked lost before the freeze"
         return ""
+
+
+def _staging_detail(event: StageEvent | LedgerEvent | LedgerFailureEvent) -> str:
+    """What a staged call or ledger row holds, in a line: its key and the sizes of its blobs, or its failure."""
+    if isinstance(event, StageEvent):
+        tokens = len(event.row.get("token_ids_delta") or [])
+        extras = "no extras" if event.extras is None else f"extras {event.extras.size} B"
+        attached = ", ".join(f"{name} {blob.size} B" for name, blob in sorted(event.attachments.items()))
+        return f"staged {event.staging_key}: {tokens} tokens, {extras}, attachments: {attached or 'none'}"
+    if isinstance(event, LedgerEvent):
+        return f"ledger row for {event.row.get('staging_key')}, cum_len {event.row.get('cum_len')}"
+    return f"ledger failure: {event.reason}"
 
 
 def _abandons(routed: Routed) -> bool:

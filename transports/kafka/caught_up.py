@@ -1,0 +1,130 @@
+"""A store directory this process materializes, read once it holds everything a rollout's writers sent.
+
+Engine-side staging reads its rows where every other event of a run topic lands: the store directory the
+materializer projects the topic into, through the same apply step as the file transport. A staged row or
+ledger row is acknowledged by the broker before its writer returns, so a reader that waits until the
+materializer has applied the rollout's partition up to its end as of the read sees it (read-your-writes per
+rollout partition, on any node), exactly as a freeze sees the puts acknowledged before it.
+
+The materializer is the process-wide one of the directory (``shared_materializers``). A directory another
+process materializes is refused: give each reading process a directory of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from tokcap.errors import ConfigError, DeliveryTimeoutError, TransportError
+from tokcap.store import TokenCaptureStore
+from transports.kafka.admin import list_topics
+from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, request_error
+from transports.kafka.materializer import Materializer
+from transports.kafka.partitioner import DEFAULT_PARTITIONER, partition_of_rollout
+from transports.kafka.shared_materializers import shared_materializers
+
+__all__ = ["CaughtUpStore"]
+
+
+class CaughtUpStore:
+    """The materialized store directory of a run topic, and the wait that makes a rollout's reads current."""
+
+    def __init__(
+        self,
+        *,
+        bootstrap_servers: str,
+        topic: str,
+        store_dir: str | Path,
+        consumer_config: Mapping[str, Any] | None = None,
+        timeout_s: float = 30.0,
+        partitioner: str = DEFAULT_PARTITIONER,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        self._topic = topic
+        self._timeout_s = timeout_s
+        self._partitioner = partitioner
+        materializer = shared_materializers.acquire(bootstrap_servers, topic, store_dir, consumer_config)
+        if materializer is None:
+            raise ConfigError(
+                f"{store_dir} is materialized by another process; give this staging reader a store_dir of its own"
+            )
+        self._materializer: Materializer | None = materializer
+        self._context = ClientContext(bootstrap_servers, dict(consumer_config or {}))
+        self._watch = AuthenticationWatch(self._context)
+        settings = self._context.settings(
+            {
+                "group.id": f"tokcap-staging-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "error_cb": self._watch,
+            }
+        )
+        self._asker: Consumer = build_client(Consumer, settings, self._context, "consumer")
+        self._partitions: int | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def store(self) -> TokenCaptureStore:
+        """The projection every read is answered from."""
+        return self._materializer_now().store
+
+    def _materializer_now(self) -> Materializer:
+        if self._materializer is None:
+            raise TransportError(f"the staging reader of {self._topic!r} is closed; build a new one")
+        return self._materializer
+
+    def _partition_of(self, rollout_id: str) -> int:
+        with self._lock:
+            if self._partitions is None:
+                metadata = list_topics(self._asker, self._watch, self._context, self._timeout_s, self._topic)
+                described = metadata.topics.get(self._topic)
+                if described is None or described.error is not None or not described.partitions:
+                    raise TransportError(f"topic {self._topic!r} has no readable partitions; create it first")
+                self._partitions = len(described.partitions)
+            return partition_of_rollout(rollout_id, self._partitions, self._partitioner)
+
+    def catch_up(self, rollout_id: str) -> None:
+        """Block until the store holds every event of the rollout's partition acknowledged before this call."""
+        materializer = self._materializer_now()
+        partition = self._partition_of(rollout_id)
+        try:
+            _, end = self._asker.get_watermark_offsets(
+                TopicPartition(self._topic, partition), timeout=self._timeout_s, cached=False
+            )
+        except KafkaException as exc:
+            raise request_error(
+                exc,
+                doing=f"read the end of {self._topic!r}",
+                context=self._context,
+                timeout_s=self._timeout_s,
+            ) from None
+        if end > 0 and not materializer.wait_for(partition, int(end) - 1, self._timeout_s):
+            raise DeliveryTimeoutError(
+                f"the materializer of {self._topic!r} did not apply partition {partition} up to offset {end - 1} "
+                f"within {self._timeout_s} s, so rollout {rollout_id!r} cannot be read current; check that it "
+                "is running and keeping up",
+                rollout_id=rollout_id,
+            )
+
+    def wait_applied(self, partition: int, offset: int, rollout_id: str) -> None:
+        """Block until the store holds the event the broker acknowledged at this position, and all before it."""
+        if not self._materializer_now().wait_for(partition, offset, self._timeout_s):
+            raise DeliveryTimeoutError(
+                f"the materializer of {self._topic!r} did not apply partition {partition} offset {offset} "
+                f"(rollout {rollout_id!r}) within {self._timeout_s} s; check that it is running and keeping up",
+                rollout_id=rollout_id,
+            )
+
+    def close(self) -> None:
+        """Hand the materializer back and close the offset reader; calling it again is a no-op."""
+        with self._lock:
+            materializer, self._materializer = self._materializer, None
+        if materializer is None:
+            return
+        shared_materializers.release(materializer)
+        self._asker.close()

@@ -1,0 +1,464 @@
+"""Engine-side staging over a run topic: Gym's ``StagingSink``, ``StagingSource`` and ``CaptureLedger``.
+
+A staged call is a ``stage`` event and a ledger row a ``ledger`` or ``ledger-failure`` event, keyed by the
+rollout id on the run topic like every other event. The stage carries its extras and attachments in the
+same value (the ``staged`` encoding), so a value over the chunk size goes as chunk messages the inbound
+router reassembles and checks, all or nothing. ``stage`` returns ok once the broker acknowledged every
+message with ``acks=all``; the materializer applies the events with the same rules as the file store and
+projects them into a store directory, which the source and the ledger read once it has applied the
+rollout's partition up to its end (``caught_up``).
+
+What a stage or a record cannot know when it returns: a different payload staged under the same key by
+another process, or a stage of a rollout retired meanwhile. The store keeps the first row, dead-letters the
+refused event and masks the rollout, so it is never trained on. Within one process the sink refuses a
+different payload under a key it already staged at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import orjson
+
+from tokcap.errors import (
+    ConfigError,
+    ConflictingEntryError,
+    RolloutRetiredError,
+    StagingKeyNotFoundError,
+    TransportError,
+)
+from tokcap.events import Event, StagedBlob, StageEvent
+from tokcap.hashing import sha256_hex
+from tokcap.ledger import FileCaptureLedger, ledger_event, ledger_failure_event
+from tokcap.staging.file_sink import _attachment_bytes, staged_record_from
+from tokcap.staging.file_source import FileStagingSource
+from tokcap.staging.gym_types import build
+from tokcap.staging.records import staging_key
+from transports.kafka.caught_up import CaughtUpStore
+from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.producer_bridge import Delivered, ProducerBridge
+from transports.kafka.sink import default_writer_id
+from transports.kafka.source import KafkaTokenSource
+from transports.kafka.topics import resolve_topic
+
+if TYPE_CHECKING:
+    from tokcap.lineage import LineageResolution
+
+__all__ = ["DEFAULT_STAGE_TIMEOUT_S", "KafkaCaptureLedger", "KafkaStagingSink", "KafkaStagingSource"]
+
+DEFAULT_STAGE_TIMEOUT_S = 5.0
+"""How long ``stage`` waits for the broker: a worker answers Gym only after it, so an unreachable broker
+must fail the capture quickly (Gym then returns failed coordinates and poisons the rollout)."""
+
+_REMEMBERED_KEYS = 200_000
+"""Staged keys whose row digest a process remembers, to refuse a different payload under one at once."""
+
+_T = TypeVar("_T")
+
+
+class _LoopThread:
+    """One event loop in a daemon thread, so synchronous callers (Gym's completion threads) can await a send."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, awaitable: Awaitable[_T], timeout_s: float) -> _T:
+        future: Future[_T] = asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop)
+        try:
+            return future.result(timeout_s)
+        except FutureTimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+async def _awaited(awaitable: Awaitable[_T]) -> _T:
+    return await awaitable
+
+
+class _StagedDigests:
+    """Per topic and staging key, the digest of the row staged ok in this process (bounded, oldest forgotten)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._digests: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def reserve(self, topic: str, key: str, digest: str) -> bool | None:
+        """``True`` if this call reserved the key, ``False`` if it already holds the digest, ``None`` if another."""
+        with self._lock:
+            known = self._digests.get((topic, key))
+            if known is not None:
+                return False if known == digest else None
+            self._digests[(topic, key)] = digest
+            while len(self._digests) > _REMEMBERED_KEYS:
+                self._digests.popitem(last=False)
+            return True
+
+    def forget(self, topic: str, key: str, digest: str) -> None:
+        with self._lock:
+            if self._digests.get((topic, key)) == digest:
+                del self._digests[(topic, key)]
+
+
+_staged_digests = _StagedDigests()
+
+
+class KafkaStagingSink:
+    """Stage calls durably on a run topic; thread-safe and synchronous, constructible without a broker.
+
+    Nameable by a framework worker as ``transports.kafka.staging:KafkaStagingSink``.
+    """
+
+    def __init__(
+        self,
+        *,
+        bootstrap_servers: str,
+        run_id: str | None = None,
+        topic: str | None = None,
+        delivery_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
+        writer_id: str | None = None,
+        producer_config: Mapping[str, Any] | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        store_dir: str | Path | None = None,
+        consumer_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``store_dir`` (a directory of this process's own) makes ``stage`` also wait until the materializer
+        applied the stage and answer with the store's verdict: a different payload already staged under the
+        key by any process, or a retired rollout, then fails the stage instead of being dead-lettered after
+        an ok. It costs the apply's latency on every stage.
+        """
+        if not bootstrap_servers:
+            raise ConfigError("bootstrap_servers must name at least one broker")
+        if chunk_bytes < 1024:
+            raise ConfigError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        self._topic = resolve_topic(run_id, topic)
+        self._writer_id = writer_id or default_writer_id()
+        self._chunk_bytes = chunk_bytes
+        self._session = uuid.uuid4().hex
+        self._chunk_sequence = itertools.count()
+        self._bridge = ProducerBridge(
+            bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
+        )
+        self._delivery_timeout_s = delivery_timeout_s
+        self._loop = _LoopThread("tokcap-staging-sink")
+        self._projection: CaughtUpStore | None = None
+        if store_dir is not None:
+            self._projection = CaughtUpStore(
+                bootstrap_servers=bootstrap_servers,
+                topic=self._topic,
+                store_dir=store_dir,
+                consumer_config=consumer_config,
+            )
+        self._closed = False
+
+    def __repr__(self) -> str:
+        """Names the topic only: producer settings may hold credentials."""
+        return f"KafkaStagingSink(topic={self._topic!r}, writer_id={self._writer_id!r})"
+
+    def _next_chunk_group(self) -> str:
+        return f"{self._session}:{next(self._chunk_sequence)}"
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        """Make one staged call durable on the topic and return a ``StageResult`` with its key.
+
+        Ok only once the broker acknowledged every byte of it (``acks=all``); an unreachable broker fails the
+        call within ``delivery_timeout_s``. Input that is no valid staged record raises ``InvalidInputError``.
+        """
+        staged = staged_record_from(record)
+        rollout_id, call_id = staged.rollout_id, staged.model_call_id
+        blobs = _attachment_bytes(rollout_id, call_id, attachments or {})
+        key = staging_key(rollout_id, call_id)
+        carried: dict[str, bytes] = {}
+
+        def blob(data: bytes) -> StagedBlob:
+            sha = hashlib.sha256(data).hexdigest()
+            carried[sha] = data
+            return StagedBlob(sha256=sha, size=len(data))
+
+        extras = None if staged.extras is None else blob(orjson.dumps(staged.extras))
+        event = StageEvent(
+            rollout_id=rollout_id,
+            writer=self._writer_id,
+            staging_key=key,
+            model_call_id=call_id,
+            row=staged.model_dump(mode="json", exclude={"extras"}),
+            extras=extras,
+            attachments={name: blob(data) for name, data in blobs.items()},
+        ).with_blob_bytes(carried)
+        digest = sha256_hex(event.stored_line)
+        reserved = _staged_digests.reserve(self._topic, key, digest)
+        if reserved is None:
+            error = f"{key!r} was already staged with a different payload; the first one stands"
+            return build("StageResult", {"ok": False, "error": error})
+        try:
+            last = self._send(event, f"stage of {key!r}")
+            refused = None if self._projection is None else self._verdict(event, digest, last)
+        except (TransportError, FutureTimeoutError) as exc:
+            if reserved:
+                _staged_digests.forget(self._topic, key, digest)
+            return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
+        if refused is not None:
+            if reserved:
+                _staged_digests.forget(self._topic, key, digest)
+            return build("StageResult", {"ok": False, "error": refused})
+        return build("StageResult", {"ok": True, "staging_key": key})
+
+    def _send(self, event: Event, what: str) -> Delivered:
+        """Send the event's messages; return where the last one (the one the store applies) landed."""
+        if self._closed:
+            raise TransportError(f"{self!r} is closed; {what} was not sent")
+        messages = encode_event_messages(
+            event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
+        )
+        # The bridge fails the send within the delivery timeout; the margin only guards a stuck loop.
+        sent = self._loop.run(
+            self._bridge.send(self._topic, messages, what=what), self._delivery_timeout_s + 5.0
+        )
+        return sent[-1]
+
+    def _verdict(self, event: StageEvent, digest: str, last: Delivered) -> str | None:
+        """Why the store refused the stage applied at ``last``, or ``None`` when it holds exactly this row."""
+        assert self._projection is not None
+        self._projection.wait_applied(last.partition, last.offset, event.rollout_id)
+        state = self._projection.store.read_state(event.rollout_id)
+        slot = state.staged.get(event.staging_key)
+        if slot is not None and slot.digest == digest:
+            return None
+        if state.retired:
+            return f"rollout {event.rollout_id!r} is retired; its fence refused the stage of {event.staging_key!r}"
+        return f"{event.staging_key!r} was already staged with a different payload; the first one stands"
+
+    def close(self) -> None:
+        """Flush what is in flight and close the producer; calling it again is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
+        self._bridge.close()
+        self._loop.close()
+        if self._projection is not None:
+            self._projection.close()
+
+
+class KafkaStagingSource:
+    """Fetch staged calls by key from the run topic's projection in ``store_dir``, in any process.
+
+    A staged row is write-once, so a key found in the projection is answered at once; a key not found yet
+    is answered after the materializer applied the rollout's partition up to its end, and raises only then.
+    """
+
+    def __init__(
+        self,
+        *,
+        bootstrap_servers: str,
+        store_dir: str | Path,
+        run_id: str | None = None,
+        topic: str | None = None,
+        consumer_config: Mapping[str, Any] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._topic = resolve_topic(run_id, topic)
+        self._projection = CaughtUpStore(
+            bootstrap_servers=bootstrap_servers,
+            topic=self._topic,
+            store_dir=store_dir,
+            consumer_config=consumer_config,
+            timeout_s=timeout_s,
+        )
+        self._files = FileStagingSource(store_dir)
+
+    def __repr__(self) -> str:
+        return f"KafkaStagingSource(topic={self._topic!r})"
+
+    def _current(self, read: Callable[[list[str]], _T], keys: list[str]) -> _T:
+        """Read from the projection; a missing key's rollout is caught up once, then the read is tried again."""
+        caught_up: set[str] = set()
+        while True:
+            try:
+                return read(keys)
+            except StagingKeyNotFoundError as exc:
+                if exc.rollout_id is None or exc.rollout_id in caught_up:
+                    raise
+                caught_up.add(exc.rollout_id)
+                self._projection.catch_up(exc.rollout_id)
+
+    def fetch(self, staging_keys: list[str]) -> list[Any]:
+        """One ``StagedCallBaseSnapshot`` per key, in order, without extras; a missing key raises."""
+        return self._current(self._files.fetch, list(staging_keys))
+
+    def fetch_full(self, staging_keys: list[str]) -> list[Any]:
+        """One ``StagedCallSnapshot`` per key, in order, with its extras exactly as staged."""
+        return self._current(self._files.fetch_full, list(staging_keys))
+
+    def fetch_attachments(self, staging_key: str) -> dict[str, bytes]:
+        """The attachments staged with the call, by name, as the bytes given (``{}`` when none)."""
+        return self._current(lambda keys: self._files.fetch_attachments(keys[0]), [staging_key])
+
+    def close(self) -> None:
+        """Hand the materializer back; calling it again is a no-op."""
+        self._projection.close()
+
+
+class KafkaCaptureLedger:
+    """Gym's ``CaptureLedger`` over a run topic, answered from its projection in ``store_dir``.
+
+    ``record`` returns once the broker acknowledged the row and this process's materializer applied it,
+    so every reader that waits for the rollout's partition end (every serving worker) sees it, and a
+    repeat that differs from the row kept raises here.
+    """
+
+    def __init__(
+        self,
+        *,
+        bootstrap_servers: str,
+        store_dir: str | Path,
+        run_id: str | None = None,
+        topic: str | None = None,
+        delivery_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
+        producer_config: Mapping[str, Any] | None = None,
+        consumer_config: Mapping[str, Any] | None = None,
+        timeout_s: float = 30.0,
+        writer_id: str | None = None,
+    ) -> None:
+        self._topic = resolve_topic(run_id, topic)
+        self._writer_id = writer_id or default_writer_id()
+        self._bridge = ProducerBridge(
+            bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
+        )
+        self._projection = CaughtUpStore(
+            bootstrap_servers=bootstrap_servers,
+            topic=self._topic,
+            store_dir=store_dir,
+            consumer_config=consumer_config,
+            timeout_s=timeout_s,
+        )
+        self._files = FileCaptureLedger(store_dir)
+        self._store_dir = store_dir
+        self._source_settings: dict[str, Any] = {
+            "bootstrap_servers": bootstrap_servers,
+            "delivery_timeout_s": delivery_timeout_s,
+            "producer_config": producer_config,
+            "consumer_config": consumer_config,
+            "timeout_s": timeout_s,
+            "writer_id": self._writer_id,
+        }
+        self._source: KafkaTokenSource | None = None
+        self._commands_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"KafkaCaptureLedger(topic={self._topic!r})"
+
+    async def _publish(self, event: Event, what: str) -> None:
+        messages = encode_event_messages(event, next_chunk_group=_rows_are_never_chunked)
+        (delivered,) = await self._bridge.send(self._topic, messages, what=what)
+        await asyncio.to_thread(
+            self._projection.wait_applied, delivered.partition, delivered.offset, event.rollout_id
+        )
+
+    async def record(self, commit: Any) -> None:
+        """Record a committed call; returns once every serving worker can read it. A different repeat raises."""
+        event = ledger_event(commit).model_copy(update={"writer": self._writer_id})
+        call_id = event.model_call_id
+        await self._publish(event, f"ledger row of call {call_id!r}")
+        state = self._projection.store.read_state(event.rollout_id)
+        slot = state.ledger.get(call_id)
+        if slot is not None and slot.digest == event.commit_digest:
+            return
+        self._refused(event.rollout_id, call_id, "ledger row", retired=state.retired)
+
+    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """Record a call that did not commit; it never resolves a parent and poisons the rollout."""
+        event = ledger_failure_event(rollout_id, model_call_id, reason).model_copy(
+            update={"writer": self._writer_id}
+        )
+        await self._publish(event, f"ledger failure of call {model_call_id!r}")
+        state = self._projection.store.read_state(rollout_id)
+        if state.ledger_failures.get(model_call_id) == reason:
+            return
+        self._refused(rollout_id, model_call_id, "ledger failure", retired=state.retired)
+
+    @staticmethod
+    def _refused(rollout_id: str, call_id: str, what: str, *, retired: bool) -> None:
+        if retired:
+            raise RolloutRetiredError(
+                f"rollout {rollout_id!r} is retired; its fence refused the {what} of call {call_id!r}. "
+                "Delete the rollout before reusing its id",
+                rollout_id=rollout_id,
+                model_call_id=call_id,
+            )
+        raise ConflictingEntryError(
+            f"{what} of call {call_id!r} in rollout {rollout_id!r} differs from the row already recorded for "
+            "that call; the first row stands and the rollout is masked. A call id must be committed once",
+            rollout_id=rollout_id,
+            model_call_id=call_id,
+        )
+
+    async def manifest(self, rollout_id: str) -> dict[str, Any]:
+        """The rollout's token-free ledger as plain JSON: ``records`` (Gym's ``CallRecord``) and ``failures``."""
+        await asyncio.to_thread(self._projection.catch_up, rollout_id)
+        return await asyncio.to_thread(self._files.manifest_now, rollout_id)
+
+    async def has_rows(self, rollout_id: str) -> bool:
+        """Whether any ledger row, committed or failed, exists for the rollout."""
+        await asyncio.to_thread(self._projection.catch_up, rollout_id)
+        return await asyncio.to_thread(self._files.has_rows_now, rollout_id)
+
+    def staged_resolution(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution | None:
+        """The one committed row the request continues (Gym's custody fingerprint), read current; else ``None``."""
+        self._projection.catch_up(rollout_id)
+        return self._files.staged_resolution(rollout_id, request_items)
+
+    def is_process_shared(self) -> bool:
+        """True: every worker reads the same topic."""
+        return True
+
+    def _commands(self) -> KafkaTokenSource:
+        """The source whose retire and delete commands this ledger publishes (built on first use)."""
+        with self._commands_lock:
+            if self._source is None:
+                self._source = KafkaTokenSource(
+                    store_dir=self._store_dir, topic=self._topic, **self._source_settings
+                )
+            return self._source
+
+    async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Remove the rollouts' staged rows, ledger rows and records, keeping the fence (Gym main's names).
+
+        Call it once the trainer has read every manifest row; a later ``record`` raises, and a later stage
+        is dead-lettered.
+        """
+        payload = await self._commands().retire(list(rollout_ids))
+        return {"removed": list(payload.removed), "absent": list(payload.not_found)}
+
+    async def delete(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Remove the rollouts and their fences, so the ids can be used again."""
+        payload = await self._commands().delete(list(rollout_ids))
+        return {"removed": list(payload.removed), "absent": list(payload.not_found)}
+
+    async def close(self) -> None:
+        """Close the producer and hand the materializer back; calling it again is a no-op."""
+        source, self._source = self._source, None
+        if source is not None:
+            await source.close()
+        await asyncio.to_thread(self._bridge.close)
+        self._projection.close()
+
+
+def _rows_are_never_chunked() -> str:
+    raise AssertionError("a ledger row is token-free and never reaches the chunk size")
