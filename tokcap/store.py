@@ -398,6 +398,29 @@ class TokenCaptureStore:
         """The file holding a staged call's extras or attachment with this SHA-256 (``tokcap.layout``)."""
         return self._paths_of(rollout_id).blob(sha256)
 
+    def write_blobs(self, rollout_id: str, blobs: Mapping[str, bytes]) -> list[Path]:
+        """Write blobs (bytes by their SHA-256) and return once every one is durable; return the files created.
+
+        The files are written without syncs of their own and become durable in one filesystem sync shared with
+        every concurrent writer of this store, so many stagers pay for one sync instead of three each. A blob
+        already on disk is kept only if it holds exactly these bytes (a crash before the sync may have left a
+        file of the right name and size with other contents). It may be another writer's still in flight, so the
+        sync is waited for even when nothing was written, and a row naming the blob is never durable before it.
+        """
+        created: list[Path] = []
+        if not blobs:
+            return created
+        for sha256, data in blobs.items():
+            path = self._paths_of(rollout_id).blob(sha256)
+            if _holds(path, data):
+                continue
+            path.parent.mkdir(exist_ok=True)
+            replace_atomically(path, data, durable=False)
+            created.append(path)
+        self._commit.note_write()
+        self._barrier()
+        return created
+
     def lock_path_for(self, rollout_id: str) -> Path:
         """The rollout's file lock."""
         return self._paths_of(rollout_id).lock
@@ -1188,6 +1211,18 @@ def _carried_in_memory(effect: object) -> bool:
     if isinstance(effect, WriteState):
         return effect.state is None
     return isinstance(effect, (AppendEntry, AppendIntent, AppendIncompleteMark))
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether a regular file holds exactly ``data``; its size is compared before its bytes are read."""
+    try:
+        fd = open_no_follow(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    with os.fdopen(fd, "rb") as file:
+        if os.fstat(file.fileno()).st_size != len(data):
+            return False
+        return file.read() == data
 
 
 @contextmanager

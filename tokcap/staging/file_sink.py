@@ -2,9 +2,10 @@
 
 An inference worker calls ``stage`` from its completion threads before it answers Gym. Each call becomes
 one ``stage`` event applied by the store like every other event: the extras and attachments are written
-and fsynced as blobs first, then the row naming them is appended and the state written, and the store's
-sync makes all of it durable before ``stage`` returns ok. A crash before that leaves at most blobs no
-row names; a crash after leaves a row whose every byte is on disk. So ok is never followed by a loss.
+as blobs and made durable first (one filesystem sync shared by concurrent stagers), then the row naming them
+is appended and the state written, and the store's next shared sync makes them durable before ``stage``
+returns ok. A crash before that leaves at most blobs no row names; a crash after leaves a row whose every
+byte is on disk. So ok is never followed by a loss.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 
 import orjson
 
-from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import InvalidInputError, RecordValidationError, StoreWriteError
 from tokcap.events import StagedBlob, StageEvent
 from tokcap.input_rules import check_call_id, check_finite_values, check_token_ids
@@ -112,13 +112,10 @@ class FileStagingSink:
         key = staging_key(rollout_id, call_id)
         created: list[Path] = []
         try:
-            extras = None
-            if staged.extras is not None:
-                extras = self._write_blob(rollout_id, orjson.dumps(staged.extras), created)
-            refs = {name: self._write_blob(rollout_id, data, created) for name, data in blobs.items()}
-            if created:
-                fsync_directory(created[0].parent)
-                fsync_directory(self._store.root)
+            contents: dict[str, bytes] = {}
+            extras = None if staged.extras is None else _blob(orjson.dumps(staged.extras), contents)
+            refs = {name: _blob(data, contents) for name, data in blobs.items()}
+            created = self._store.write_blobs(rollout_id, contents)
             event = StageEvent(
                 rollout_id=rollout_id,
                 staging_key=key,
@@ -140,12 +137,9 @@ class FileStagingSink:
             error = f"{key!r} was already staged with a different payload; the first one stands"
         return build("StageResult", {"ok": False, "error": error})
 
-    def _write_blob(self, rollout_id: str, data: bytes, created: list[Path]) -> StagedBlob:
-        """Write bytes under their SHA-256 and fsync them; an existing blob of that hash is already them."""
-        sha = hashlib.sha256(data).hexdigest()
-        path = self._store.blob_path_for(rollout_id, sha)
-        if not (path.exists() and path.stat().st_size == len(data)):
-            path.parent.mkdir(exist_ok=True)
-            replace_atomically(path, data, durable=True)
-            created.append(path)
-        return StagedBlob(sha256=sha, size=len(data))
+
+def _blob(data: bytes, contents: dict[str, bytes]) -> StagedBlob:
+    """Name bytes by their SHA-256 and add them to the blobs one stage writes."""
+    sha = hashlib.sha256(data).hexdigest()
+    contents[sha] = data
+    return StagedBlob(sha256=sha, size=len(data))
