@@ -21,7 +21,7 @@ from tokcap.errors import InvalidInputError, RecordValidationError, StoreWriteEr
 from tokcap.events import StagedBlob, StageEvent
 from tokcap.input_rules import check_call_id, check_finite_values, check_token_ids
 from tokcap.rules import ApplyOutcome
-from tokcap.staging.gym_types import build
+from tokcap.staging.gym_types import build, staging_records_module
 from tokcap.staging.records import StagedCallRecord, staging_key
 from tokcap.store import TokenCaptureStore
 
@@ -31,9 +31,13 @@ __all__ = ["FileStagingSink", "staged_record_from"]
 def staged_record_from(record: Any) -> StagedCallRecord:
     """A Gym or tokcap ``StagedCallRecord`` (or its mapping), checked by tokcap's input rules.
 
-    The digests are recomputed on the way in, and the same rules as for a put apply: call ids without
-    control characters, token ids in [0, 2**64), finite floats everywhere.
+    The same rules as for a put apply: call ids without control characters, token ids in [0, 2**64), finite
+    floats everywhere. A mapping is validated in full, digests recomputed. An instance of Gym's or tokcap's
+    own ``StagedCallRecord`` had both digests checked when it was built, so they are not hashed again (the
+    extras digest alone hashes every MB of routed experts); every read validates the stored row again,
+    so a record changed after it was built is refused at the read and its rollout masked.
     """
+    validated = _validated_record_type(record)
     data = record.model_dump() if hasattr(record, "model_dump") else record
     if not isinstance(data, Mapping):
         raise RecordValidationError(
@@ -52,6 +56,8 @@ def staged_record_from(record: Any) -> StagedCallRecord:
         check_token_ids(rollout_id, call_id, "token_ids_delta", ids)
     for field in ("token_mask_delta", "generation_log_probs_delta", "extras"):
         check_finite_values(rollout_id, call_id, field, data.get(field))
+    if validated and data.keys() == StagedCallRecord.model_fields.keys():
+        return StagedCallRecord.model_construct(**data)
     try:
         return StagedCallRecord.model_validate(dict(data))
     except ValueError as exc:
@@ -60,6 +66,15 @@ def staged_record_from(record: Any) -> StagedCallRecord:
             rollout_id=rollout_id,
             model_call_id=call_id,
         ) from exc
+
+
+def _validated_record_type(record: Any) -> bool:
+    """Whether ``record`` is exactly Gym's or tokcap's ``StagedCallRecord``, whose validators ran when it was built.
+
+    A subclass does not count: it may have replaced the validators.
+    """
+    kind = type(record)
+    return kind is StagedCallRecord or kind is getattr(staging_records_module(), "StagedCallRecord", None)
 
 
 def _attachment_bytes(rollout_id: str, call_id: str, attachments: Mapping[str, Any]) -> dict[str, bytes]:
