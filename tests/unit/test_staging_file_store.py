@@ -168,6 +168,19 @@ def test_stage_makes_its_blobs_durable_before_it_appends_the_row_naming_them(
     assert events[:2] == ["sync", "row"] and events[-1] == "sync"
 
 
+def test_a_retried_stage_repairs_the_blobs_a_crash_before_its_sync_lost(tmp_path: Path) -> None:
+    call = staged_call("r1", "c0", [1], [2], extras={"routed_experts": "nrlre1:abc"})
+    image = b"pixels" * 1000
+    assert FileStagingSink(tmp_path).stage(call, attachments={"image": image}).ok
+    blobs = sorted((tmp_path / "r1.tokens.blobs").iterdir())
+    blobs[0].unlink()
+    blobs[1].write_bytes(bytes(blobs[1].stat().st_size))
+    assert FileStagingSink(tmp_path).stage(call, attachments={"image": image}).ok
+    source = FileStagingSource(tmp_path)
+    assert source.fetch_full(["r1/c0"])[0].extras == call.extras
+    assert source.fetch_attachments("r1/c0") == {"image": image}
+
+
 def test_a_different_payload_under_a_staged_key_fails_and_the_first_row_stands(tmp_path: Path) -> None:
     sink = FileStagingSink(tmp_path)
     first = staged_call("r1", "c0", [1], [2])
