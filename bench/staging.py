@@ -12,8 +12,9 @@ experts of a 48-layer top-8 MoE in Gym's ``nrlre1`` envelope (int16, 1,024 x 48 
 - straw-queue 0.1.6's ``SharedFilesystemStore.publish`` of the same bytes as one record set per call, only
   with ``--straw DIR`` (installed there by ``pip install --no-deps --target DIR straw-queue==0.1.6 numpy``
   when missing; never a dependency of tokcap);
-- the file ledger's ``record`` latency, from one more thread recording each staged call's commit while the
-  stagers run, and the time ``FileStagingSource.fetch`` takes for a 64-call chain.
+- tokcap again with one more thread recording each staged call's commit in the file ledger while the stagers
+  run (the ledger's ``record`` latency under that load), and the time ``FileStagingSource.fetch`` takes for
+  a 64-call chain.
 
 Kafka staging needs ``transports.kafka.staging`` and ``--bootstrap``; without both the table says why it is
 missing instead of showing a figure.
@@ -226,8 +227,14 @@ def _threaded(
     return seconds, latencies, cpu
 
 
-def run_tokcap(root: Path, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
-    """``FileStagingSink.stage`` from ``threads`` threads; one more thread records each commit in the ledger."""
+def run_tokcap(
+    root: Path, shape: str, calls: Sequence[StagedCall], threads: int, *, with_ledger: bool = False
+) -> Measured:
+    """``FileStagingSink.stage`` from ``threads`` threads; ``with_ledger``: one more thread records each commit.
+
+    Without the ledger thread the run does what the floor and straw-queue do; with it, it is the load the
+    ledger's latency is measured under.
+    """
     sink = FileStagingSink(root)
     ledger = FileLineageResolver(root)
     staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
@@ -248,7 +255,8 @@ def run_tokcap(root: Path, shape: str, calls: Sequence[StagedCall], threads: int
         result = sink.stage(call.record, attachments=call.attachments or None)
         if not result.ok:
             raise RuntimeError(f"stage failed: {result.error}")
-        staged.put(call.record)
+        if with_ledger:
+            staged.put(call.record)
 
     recorder = threading.Thread(target=record_commits)
     recorder.start()
@@ -258,7 +266,7 @@ def run_tokcap(root: Path, shape: str, calls: Sequence[StagedCall], threads: int
         staged.put(None)
         recorder.join()
     return Measured(
-        "tokcap FileStagingSink",
+        "tokcap FileStagingSink" + (" + ledger thread" if with_ledger else ""),
         shape,
         len(calls),
         seconds,
@@ -393,6 +401,7 @@ def run_staging(
         writers: list[Callable[[Path], Measured]] = [
             partial(run_floor, shape=shape, calls=staged, threads=threads),
             partial(run_tokcap, shape=shape, calls=staged, threads=threads),
+            partial(run_tokcap, shape=shape, calls=staged, threads=threads, with_ledger=True),
         ]
         if straw is not None:
             writers.append(partial(run_straw, shape=shape, calls=staged, threads=threads, target=straw))
