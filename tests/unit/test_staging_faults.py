@@ -107,7 +107,7 @@ from staging_calls import conversation
 from tokcap.staging import FileStagingSink
 sink = FileStagingSink(sys.argv[1])
 rollout = sys.argv[2]
-for turn in conversation(rollout, 12, extras=True):
+for turn in conversation(rollout, 40, extras=True):
     assert sink.stage(turn.call, attachments={{"image": turn.call.digest.encode() * 3000}}).ok
     print(turn.call.model_call_id, time.monotonic(), flush=True)
 """
@@ -141,7 +141,7 @@ def test_killing_a_staging_worker_and_the_trainer_at_random_points_loses_no_ackn
         acknowledged = [worker.stdout.readline().decode().split()[0] for _ in range(rng.randint(1, 6))]
         keys = [f"{rollout}/{call_id}" for call_id in acknowledged]
         trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path), *keys], env=env)
-        time.sleep(rng.uniform(0.0, 0.3))
+        time.sleep(rng.uniform(0.0, 0.1))
         worker.send_signal(signal.SIGKILL)
         trainer.send_signal(signal.SIGKILL)
         worker.wait()
@@ -149,7 +149,7 @@ def test_killing_a_staging_worker_and_the_trainer_at_random_points_loses_no_ackn
         rest = worker.stdout.read().decode().split("\n")
         worker.stdout.close()
         acknowledged += [line.split()[0] for line in rest if line.strip()]
-        turns = {turn.call.model_call_id: turn for turn in conversation(rollout, 12, extras=True)}
+        turns = {turn.call.model_call_id: turn for turn in conversation(rollout, 40, extras=True)}
         source = FileStagingSource(tmp_path)
         keys = [f"{rollout}/{call_id}" for call_id in acknowledged]
         fetched = source.fetch_full(keys)
@@ -164,7 +164,7 @@ def test_killing_a_staging_worker_and_the_trainer_at_random_points_loses_no_ackn
             asyncio.run(ledger.record(commit_for(turns[call_id])))
         masked, tokens = _finalized(tmp_path, rollout)
         assert not masked and tokens == cumulative_tokens(turns[acknowledged[-1]].call)
-        last = turns["call-11"].call
+        last = turns["call-39"].call
         assert FileStagingSink(tmp_path).stage(last, attachments={"image": last.digest.encode() * 3000}).ok
         acknowledged_total += len(acknowledged)
     assert lost == 0 and acknowledged_total >= 4
