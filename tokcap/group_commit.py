@@ -12,19 +12,27 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["GroupCommitter", "filesystem_sync_for"]
 
 
-def filesystem_sync_for(directory: Path) -> Callable[[], None]:
-    """Return a function that makes every write on ``directory``'s filesystem durable."""
+@functools.cache
+def _syncfs() -> Any:
+    """libc's ``syncfs``, or ``None`` where it is missing; looked up once, since the lookup runs ``ldconfig``."""
     libc_name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(libc_name, use_errno=True) if libc_name else None
-    syncfs = getattr(libc, "syncfs", None) if libc is not None else None
+    return getattr(libc, "syncfs", None) if libc is not None else None
+
+
+def filesystem_sync_for(directory: Path) -> Callable[[], None]:
+    """Return a function that makes every write on ``directory``'s filesystem durable."""
+    syncfs = _syncfs()
     if syncfs is None:
         return os.sync
 

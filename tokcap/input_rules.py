@@ -244,6 +244,18 @@ _JSON_LEAVES = frozenset({str, int, bool, type(None)})
 """Types of JSON values that hold no float: the walk skips them without the slower abstract checks."""
 
 
+def _finite_numbers(items: list[Any]) -> bool:
+    """Whether a list holds only finite numbers; decided in C for the long columns of log probs and masks.
+
+    ``False`` means "walk it": the list holds something else (a nested value, a string) or a non-finite
+    float, and the walk finds which.
+    """
+    try:
+        return all(map(math.isfinite, items))
+    except (TypeError, OverflowError):
+        return False
+
+
 def _check_finite(rollout_id: str, call_id: str, field: str, value: Any) -> None:
     """Walk a JSON-like value; a non-finite float anywhere is refused.
 
@@ -259,6 +271,8 @@ def _check_finite(rollout_id: str, call_id: str, field: str, value: Any) -> None
         if kind is dict:
             pending.extend(item.values())
         elif kind is list:
+            if _finite_numbers(item):
+                continue
             pending.extend(item)
         elif isinstance(item, float):
             if not math.isfinite(item):

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+import orjson
+
 from tokcap.durable_io import (
     append_durably,
     append_to,
@@ -400,6 +402,29 @@ class TokenCaptureStore:
         """The file holding a staged call's extras or attachment with this SHA-256 (``tokcap.layout``)."""
         return self._paths_of(rollout_id).blob(sha256)
 
+    def write_blobs(self, rollout_id: str, blobs: Mapping[str, bytes]) -> list[Path]:
+        """Write blobs (bytes by their SHA-256) and return once every one is durable; return the files created.
+
+        The files are written without syncs of their own and become durable in one filesystem sync shared with
+        every concurrent writer of this store, so many stagers pay for one sync instead of three each. A blob
+        already on disk is kept only if it holds exactly these bytes (a crash before the sync may have left a
+        file of the right name and size with other contents). It may be another writer's still in flight, so the
+        sync is waited for even when nothing was written, and a row naming the blob is never durable before it.
+        """
+        created: list[Path] = []
+        if not blobs:
+            return created
+        for sha256, data in blobs.items():
+            path = self._paths_of(rollout_id).blob(sha256)
+            if _holds(path, data):
+                continue
+            path.parent.mkdir(exist_ok=True)
+            replace_atomically(path, data, durable=False)
+            created.append(path)
+        self._commit.note_write()
+        self._barrier()
+        return created
+
     def lock_path_for(self, rollout_id: str) -> Path:
         """The rollout's file lock."""
         return self._paths_of(rollout_id).lock
@@ -755,17 +780,20 @@ class TokenCaptureStore:
     def read_ledger_lines(self, rollout_id: str) -> list[bytes]:
         """Every committed ledger line of a rollout (rows and failures), in the order they were recorded."""
         with self._locked(rollout_id) as paths:
-            size = self._recovered(paths, replaying=False, writing=False).state.ledger_size
-            if size == 0:
+            state = self._recovered(paths, replaying=False, writing=False).state
+            if state.ledger_size == 0:
                 return []
             with os.fdopen(open_no_follow(paths.ledger, os.O_RDONLY), "rb") as handle:
-                data = handle.read(size)
-        if len(data) != size:
+                data = handle.read(state.ledger_size)
+        if len(data) != state.ledger_size:
             raise StoreCorruptionError(
-                f"{paths.ledger} holds {len(data)} bytes, its state says {size}; restore it or replay the run",
+                f"{paths.ledger} holds {len(data)} bytes, its state says {state.ledger_size}; restore it or "
+                "replay the run",
                 rollout_id=rollout_id,
             )
-        return [line for line in data.split(b"\n") if line]
+        lines = data.splitlines(keepends=True)
+        _check_ledger_lines(paths.ledger, state, lines)
+        return [line.rstrip(b"\n") for line in lines]
 
     @contextmanager
     def accepted_entries(self, rollout_id: str) -> Iterator[AcceptedEntries]:
@@ -1214,6 +1242,48 @@ def _carried_in_memory(effect: object) -> bool:
     if isinstance(effect, WriteState):
         return effect.state is None
     return isinstance(effect, (AppendEntry, AppendIntent, AppendIncompleteMark))
+
+
+def _check_ledger_lines(path: Path, state: RolloutState, lines: list[bytes]) -> None:
+    """Every committed row sits where the state put it, under its own call id; the other lines are the failures.
+
+    A ledger row lost, moved or swapped with another after it was written would otherwise be read as a
+    manifest the ledger never recorded.
+    """
+    slots = {slot.start: (call_id, slot.length) for call_id, slot in state.ledger.items()}
+    offset, rows, failures = 0, 0, 0
+    for line in lines:
+        found = slots.get(offset)
+        if found is None:
+            failures += 1
+        elif len(line) != found[1] or b'"model_call_id":' + orjson.dumps(found[0]) not in line:
+            raise StoreCorruptionError(
+                f"{path} does not hold the ledger row of call {found[0]!r} at byte {offset} where its state "
+                "says it was written; the ledger was changed outside tokcap, so the rollout cannot be trusted",
+                rollout_id=state.rollout_id,
+            )
+        else:
+            rows += 1
+        offset += len(line)
+    if rows != len(state.ledger) or failures != len(state.ledger_failures):
+        raise StoreCorruptionError(
+            f"{path} holds {rows} ledger rows and {failures} other lines where its state recorded "
+            f"{len(state.ledger)} rows and {len(state.ledger_failures)} failures; the ledger was changed "
+            "outside tokcap, so the rollout cannot be trusted",
+            rollout_id=state.rollout_id,
+        )
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether a regular file holds exactly ``data``; its size is compared before its bytes are read."""
+    try:
+        fd = open_no_follow(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    with os.fdopen(fd, "rb") as file:
+        if os.fstat(file.fileno()).st_size != len(data):
+            return False
+        return file.read() == data
 
 
 @contextmanager

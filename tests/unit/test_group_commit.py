@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import math
 import threading
 import time
@@ -193,3 +194,15 @@ def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_once_per_batch_not_o
 
     assert asyncio.run(main()) == [1] * 100
     assert store.commit_stats["syncs"] == 1 + math.ceil(99 / MAX_BATCH)
+
+
+def test_libc_is_looked_up_once_per_process_not_once_per_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    filesystem_sync_for(tmp_path)
+    lookups: list[str] = []
+    real = ctypes.util.find_library
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: (lookups.append(name), real(name))[1])
+    for _ in range(3):
+        filesystem_sync_for(tmp_path)()
+    assert lookups == []

@@ -140,6 +140,47 @@ def test_fetch_parses_no_blob_so_a_damaged_blob_fails_only_the_reads_that_return
         source.fetch_attachments("r1/c0")
 
 
+def test_a_blob_file_of_the_right_name_and_size_but_other_bytes_is_rewritten_before_its_row_is_acknowledged(
+    tmp_path: Path,
+) -> None:
+    call = staged_call("r1", "c0", [1], [2], extras={"routed_experts": "nrlre1:abc"})
+    image = b"pixels" * 1000
+    blobs = tmp_path / "r1.tokens.blobs"
+    blobs.mkdir()
+    torn = blobs / hashlib.sha256(image).hexdigest()
+    torn.write_bytes(bytes(len(image)))
+    assert FileStagingSink(tmp_path).stage(call, attachments={"image": image}).ok
+    assert FileStagingSource(tmp_path).fetch_attachments("r1/c0") == {"image": image}
+
+
+def test_stage_makes_its_blobs_durable_before_it_appends_the_row_naming_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = FileStagingSink(tmp_path)
+    store = sink._store
+    events: list[str] = []
+    sync = store._commit._sync
+    monkeypatch.setattr(store._commit, "_sync", lambda: (events.append("sync"), sync())[1])
+    apply = store.apply
+    monkeypatch.setattr(store, "apply", lambda event: (events.append("row"), apply(event))[1])
+    call = staged_call("r1", "c0", [1], [2], extras={"routed_experts": "nrlre1:abc"})
+    assert sink.stage(call, attachments={"image": b"x"}).ok
+    assert events[:2] == ["sync", "row"] and events[-1] == "sync"
+
+
+def test_a_retried_stage_repairs_the_blobs_a_crash_before_its_sync_lost(tmp_path: Path) -> None:
+    call = staged_call("r1", "c0", [1], [2], extras={"routed_experts": "nrlre1:abc"})
+    image = b"pixels" * 1000
+    assert FileStagingSink(tmp_path).stage(call, attachments={"image": image}).ok
+    blobs = sorted((tmp_path / "r1.tokens.blobs").iterdir())
+    blobs[0].unlink()
+    blobs[1].write_bytes(bytes(blobs[1].stat().st_size))
+    assert FileStagingSink(tmp_path).stage(call, attachments={"image": image}).ok
+    source = FileStagingSource(tmp_path)
+    assert source.fetch_full(["r1/c0"])[0].extras == call.extras
+    assert source.fetch_attachments("r1/c0") == {"image": image}
+
+
 def test_a_different_payload_under_a_staged_key_fails_and_the_first_row_stands(tmp_path: Path) -> None:
     sink = FileStagingSink(tmp_path)
     first = staged_call("r1", "c0", [1], [2])

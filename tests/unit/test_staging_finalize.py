@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from staging_calls import commit_for, conversation, cumulative_tokens
 
+from tokcap.errors import StoreCorruptionError
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink, FileStagingSource, finalize_rollout, receipt_from_manifest
 
@@ -57,3 +59,32 @@ def test_a_staged_row_lost_or_rewritten_masks_the_rollout_and_is_never_delivered
     staged.write_bytes(staged.read_bytes().replace(b'"token_ids_delta":[120', b'"token_ids_delta":[121'))
     damaged = finalize_rollout(manifest, FileStagingSource(tmp_path))
     assert damaged.masked and damaged.row is None
+
+
+def test_a_staged_record_changed_after_it_was_built_is_refused_when_read_and_its_rollout_is_masked(
+    tmp_path: Path,
+) -> None:
+    sink, ledger = FileStagingSink(tmp_path), FileLineageResolver(tmp_path)
+    turns = conversation("r1", 2, extras=True)
+    for number, turn in enumerate(turns):
+        call = turn.call.model_copy(deep=True)
+        if number == 1:
+            call.generation_log_probs_delta[-1] = -0.5
+        assert sink.stage(call).ok
+        asyncio.run(ledger.record(commit_for(turn)))
+    source = FileStagingSource(tmp_path)
+    with pytest.raises((ValueError, StoreCorruptionError)):
+        source.fetch(["r1/call-1"])
+    done = finalize_rollout(asyncio.run(ledger.manifest("r1")), source)
+    assert done.masked and done.row is None
+
+
+def test_extras_changed_after_the_record_was_built_are_refused_by_the_full_read(tmp_path: Path) -> None:
+    call = conversation("r1", 1, extras=True)[0].call.model_copy(deep=True)
+    assert call.extras is not None
+    call.extras["n"] = 7
+    assert FileStagingSink(tmp_path).stage(call).ok
+    source = FileStagingSource(tmp_path)
+    assert source.fetch(["r1/call-0"])[0].digest == call.digest
+    with pytest.raises((ValueError, StoreCorruptionError)):
+        source.fetch_full(["r1/call-0"])

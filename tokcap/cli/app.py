@@ -17,6 +17,7 @@ from tokcap.cli.console import emit_json, progress_console, stdout_console
 from tokcap.cli.demo import DemoSettings, run_demo_over_files, run_demo_over_kafka
 from tokcap.cli.inspect import describe_rollout, describe_store
 from tokcap.cli.views import render_demo, render_rollout, render_store
+from tokcap.errors import InvalidInputError
 
 __all__ = [
     "app",
@@ -118,6 +119,14 @@ def demo(
     ] = None,
     servers: Annotated[int, typer.Option(help="Model servers (Kafka sinks) over Kafka.")] = 3,
     partitions: Annotated[int, typer.Option(help="Partitions of the run topic over Kafka.")] = 3,
+    engine_side: Annotated[
+        bool,
+        typer.Option(
+            "--engine-side",
+            help="Stage token deltas engine-side (Gym's external_staging) into the file store: staging sink, "
+            "ledger, staging source, verify and finalize. No broker.",
+        ),
+    ] = False,
     timeout: _Timeout = 10.0,
     as_json: _JsonFlag = False,
 ) -> None:
@@ -134,8 +143,14 @@ def demo(
     )
     from tokcap.cli.progress import demo_progress
 
+    if engine_side and bootstrap is not None:
+        raise InvalidInputError("--engine-side runs on the file store; drop --bootstrap")
     with demo_progress(settings.rollouts, enabled=not as_json) as on_progress:
-        if bootstrap is None:
+        if engine_side:
+            from tokcap.cli.demo_staging import run_staging_demo_over_files
+
+            report = run_staging_demo_over_files(settings, directory, keep_dir, on_progress)
+        elif bootstrap is None:
             report = run_demo_over_files(settings, directory, keep_dir, on_progress)
         else:
             import uuid

@@ -80,6 +80,9 @@ class RolloutSummary:
     version: int
     snapshot_id: str | None
     rejections: int
+    staged: int
+    ledger_rows: int
+    ledger_failures: int
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly form."""
@@ -101,6 +104,9 @@ def summarize_rollout(store: TokenCaptureStore, rollout_id: str) -> RolloutSumma
         version=state.version,
         snapshot_id=state.snapshot_id,
         rejections=len(state.rejections),
+        staged=len(state.staged),
+        ledger_rows=len(state.ledger),
+        ledger_failures=len(state.ledger_failures),
     )
 
 
@@ -269,4 +275,54 @@ def describe_rollout(directory: Path, rollout_id: str) -> dict[str, Any]:
         "rejections": [rejection.model_dump(mode="json") for rejection in state.rejections],
         "build": _build_dict(result.build) if result is not None else None,
         "verdict": _verdict(result) if result is not None else None,
+        **_staging(store, directory, rollout_id, state),
+    }
+
+
+def _staging(
+    store: TokenCaptureStore, directory: Path, rollout_id: str, state: RolloutState
+) -> dict[str, Any]:
+    """The rollout's staged calls and ledger rows, and what a trainer would make of them (engine-side staging)."""
+    if state.retired or not (state.staged or state.ledger or state.ledger_failures):
+        return {"staged": [], "ledger": [], "ledger_failures": [], "staging_verdict": None}
+    keys = sorted(state.staged, key=lambda key: state.staged[key].start)
+    staged = []
+    for key, line in zip(keys, store.read_staged_lines(rollout_id, keys), strict=True):
+        stored = orjson.loads(line) if line is not None else {}
+        row = stored.get("row", {})
+        masks = row.get("token_mask_delta", [])
+        staged.append(
+            {
+                "staging_key": key,
+                "model_call_id": row.get("model_call_id"),
+                "parent_call_id": row.get("parent_call_id"),
+                "prompt_tokens": sum(mask == 0.0 for mask in masks),
+                "generated_tokens": sum(mask == 1.0 for mask in masks),
+                "cum_len": row.get("cum_len"),
+                "extras_bytes": (stored.get("extras") or {}).get("size"),
+                "attachments": {name: ref["size"] for name, ref in stored.get("attachments", {}).items()},
+            }
+        )
+    from tokcap.lineage import FileLineageResolver
+    from tokcap.staging import FileStagingSource, finalize_rollout
+
+    try:
+        manifest = FileLineageResolver(directory).manifest_now(rollout_id)
+        done = finalize_rollout(manifest, FileStagingSource(directory))
+    except (StoreCorruptionError, ValueError) as exc:
+        return {"staged": staged, "ledger": [], "ledger_failures": [], "staging_verdict": f"masked: {exc}"}
+    return {
+        "staged": staged,
+        "ledger": [
+            {
+                "model_call_id": row["model_call_id"],
+                "parent_call_id": row["parent_call_id"],
+                "staging_key": row["staging_key"],
+                "cum_len": row["cum_len"],
+                "response_id": row["response_id"],
+            }
+            for row in manifest["records"]
+        ],
+        "ledger_failures": manifest["failures"],
+        "staging_verdict": f"masked: {done.masked_reason}" if done.masked else "trained",
     }

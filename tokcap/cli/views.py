@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["render_demo", "render_rollout", "render_store"]
+__all__ = ["render_demo", "render_rollout", "render_staging", "render_store"]
 
 
 def _count(value: int | float) -> str:
@@ -19,11 +19,10 @@ def render_demo(report: dict[str, Any], console: Console) -> None:
     totals = report["totals"]
     settings = report["settings"]
     transport = report["transport"]
-    where = (
-        "file store (no broker)"
-        if transport == "file"
-        else f"Kafka {report['bootstrap']}, topic {report['topic']}"
-    )
+    where = {
+        "file": "file store (no broker)",
+        "file-staging": "file store, engine-side staging: staging sink, ledger, staging source (no broker)",
+    }.get(transport, f"Kafka {report['bootstrap']}, topic {report['topic']}")
     table = Table(title="tokcap demo", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -101,6 +100,8 @@ def render_store(description: dict[str, Any], console: Console) -> None:
         "generated tok",
         "version",
         "rejections",
+        "staged",
+        "ledger",
     ):
         table.add_column(column, justify="right" if column not in {"rollout", "state"} else "left")
     for row in rollouts:
@@ -113,6 +114,8 @@ def render_store(description: dict[str, Any], console: Console) -> None:
             str(row["generated_tokens"]),
             str(row["version"]),
             str(row["rejections"] or ""),
+            str(row.get("staged") or ""),
+            _ledger_cell(row),
         )
     console.print(table)
     for name, checkpoint in description["kafka_checkpoints"].items():
@@ -125,12 +128,68 @@ def render_store(description: dict[str, Any], console: Console) -> None:
         console.print(f"{name}: {len(lines)} dead-lettered messages")
 
 
+def _ledger_cell(row: dict[str, Any]) -> str:
+    rows, failures = row.get("ledger_rows", 0), row.get("ledger_failures", 0)
+    if not rows and not failures:
+        return ""
+    return f"{rows}" + (f" +{failures} failed" if failures else "")
+
+
+def render_staging(detail: dict[str, Any], console: Console) -> None:
+    """A rollout's staged calls and ledger rows (engine-side staging), when it has any."""
+    if not detail.get("staged") and not detail.get("ledger") and not detail.get("ledger_failures"):
+        return
+    staged = Table(title=f"staged calls ({len(detail['staged'])})", title_justify="left")
+    for column in (
+        "staging key",
+        "parent",
+        "prompt tok",
+        "generated tok",
+        "cum len",
+        "extras B",
+        "attachments",
+    ):
+        staged.add_column(column)
+    for row in detail["staged"]:
+        attachments = ", ".join(f"{name} {size} B" for name, size in row["attachments"].items())
+        staged.add_row(
+            row["staging_key"],
+            row["parent_call_id"] or "-",
+            str(row["prompt_tokens"]),
+            str(row["generated_tokens"]),
+            str(row["cum_len"]),
+            "" if row["extras_bytes"] is None else str(row["extras_bytes"]),
+            attachments,
+        )
+    console.print(staged)
+    ledger = Table(title=f"ledger rows ({len(detail['ledger'])})", title_justify="left")
+    for column in ("call", "parent", "staging key", "cum len", "response id"):
+        ledger.add_column(column)
+    for row in detail["ledger"]:
+        ledger.add_row(
+            row["model_call_id"],
+            row["parent_call_id"] or "-",
+            row["staging_key"],
+            str(row["cum_len"]),
+            row["response_id"],
+        )
+    console.print(ledger)
+    for failure in detail["ledger_failures"]:
+        console.print(f"ledger failure: call {failure['model_call_id']}: {failure['reason']}")
+    console.print(f"staging verdict: {detail['staging_verdict']}")
+
+
 def render_rollout(detail: dict[str, Any], console: Console) -> None:
     """One rollout: its state, entries, intents, reasons, rejections, chain and the mask verdict."""
     console.print(
         f"[bold]{detail['rollout_id']}[/bold]  state {detail['state']}  version {detail['version']}  "
         f"snapshot {detail['snapshot_id'] or '-'}  incomplete {'yes' if detail['incomplete'] else 'no'}"
     )
+    if not detail["entries"] and (
+        detail.get("staged") or detail.get("ledger") or detail.get("ledger_failures")
+    ):
+        render_staging(detail, console)
+        return
     if detail["last_position"]:
         position = detail["last_position"]
         console.print(
@@ -185,3 +244,4 @@ def render_rollout(detail: dict[str, Any], console: Console) -> None:
         console.print(
             f"verdict: [bold green]trainable[/bold green], {verdict['sequence_tokens']} tokens in the sequence"
         )
+    render_staging(detail, console)

@@ -13,6 +13,8 @@ import hashlib
 import math
 import struct
 from collections.abc import Mapping, Sequence
+from itertools import compress
+from operator import not_
 from typing import Any
 
 __all__ = [
@@ -20,10 +22,12 @@ __all__ = [
     "EXTRAS_DIGEST_VERSION",
     "STAGING_DIGEST_VERSION",
     "STAGING_SCHEMA_VERSION",
+    "carry_is_zero",
     "compute_chain_hash",
     "compute_extras_digest",
     "compute_staging_digest",
     "hash_token_ids",
+    "masks_are_binary",
 ]
 
 STAGING_SCHEMA_VERSION = 2
@@ -36,6 +40,26 @@ _PREFIX = b"nemo-gym-staging-prefix-v2"
 _CHAIN = b"nemo-gym-staging-chain-v1"
 _U64 = struct.Struct(">Q")
 _MAX_U64 = 2**64 - 1
+_BINARY = frozenset({0.0, 1.0})
+
+
+def _only(kind: type, values: Sequence[Any]) -> bool:
+    """Whether every value is exactly of ``kind`` (no subclass such as ``bool``), checked in C."""
+    return set(map(type, values)) <= {kind}
+
+
+def masks_are_binary(masks: Sequence[float]) -> bool:
+    """Whether every mask is 0.0 or 1.0 (a NaN is neither), checked in C."""
+    return set(masks) <= _BINARY
+
+
+def carry_is_zero(masks: Sequence[float], log_probs: Sequence[float]) -> bool:
+    """Whether every log prob under a 0.0 mask is 0.0; the masks must already be binary.
+
+    ``compress`` keeps the log probs whose mask is falsy (0.0), and any of them that is not 0.0 (a NaN
+    included) is truthy.
+    """
+    return not any(compress(log_probs, map(not_, masks)))
 
 
 def _u64(value: int, what: str) -> bytes:
@@ -66,7 +90,7 @@ def _token_ids(ids: Sequence[int]) -> bytes:
     Packed in one call when every id is a plain int in range (a thousand ids cost 15 us instead of 300);
     otherwise id by id, to refuse the first bad one as Gym does.
     """
-    if all(type(token) is int for token in ids):
+    if _only(int, ids):
         try:
             return _U64.pack(len(ids)) + struct.pack(f">{len(ids)}Q", *ids)
         except struct.error:
@@ -79,7 +103,7 @@ def _token_ids(ids: Sequence[int]) -> bytes:
 
 def _float32s(values: Sequence[float], what: str) -> bytes:
     """Length, then each value's float32 bit pattern; packed in one call when every value is a finite float."""
-    if all(type(value) is float for value in values) and all(map(math.isfinite, values)):
+    if _only(float, values) and all(map(math.isfinite, values)):
         try:
             return _U64.pack(len(values)) + struct.pack(f">{len(values)}f", *values)
         except OverflowError:
@@ -113,39 +137,73 @@ def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Sequence[
     return hashlib.sha256(_CHAIN + head + _token_ids(token_ids_delta)).hexdigest()
 
 
-def _extra(value: Any) -> bytes:
-    kind = type(value)
-    if value is None:
-        return b"N"
-    if kind is bool:
-        return b"B\x01" if value else b"B\x00"
-    if kind is int:
-        if not -(2**63) <= value < 2**63:
-            raise ValueError(f"extras integer is outside signed 64-bit range: {value}")
-        return b"I" + struct.pack(">q", value)
-    if kind is float:
-        if not math.isfinite(value):
-            raise ValueError(f"extras floats must be finite, got {value!r}")
-        return b"F" + struct.pack(">d", value)
-    if kind is str:
-        return b"S" + _text(value)
-    if kind is list:
-        return b"L" + _u64(len(value), "extras list length") + b"".join(_extra(item) for item in value)
-    if kind is dict:
-        if any(type(key) is not str for key in value):
-            raise TypeError("extras mappings must have string keys")
-        keys = sorted(value, key=lambda key: key.encode("utf-8"))
-        body = b"".join(_text(key) + _extra(value[key]) for key in keys)
-        return b"D" + _u64(len(keys), "extras mapping length") + body
-    raise TypeError(f"extras contain unsupported value type {kind.__name__}")
+_LARGE = 1 << 16
+"""Strings at least this long are hashed in place instead of copied into the running buffer."""
+
+
+class _ExtrasEncoder:
+    """Feeds the extras encoding into a hash as it goes: a MiB-long routed-experts string is never copied."""
+
+    def __init__(self, hasher: Any) -> None:
+        self._hasher = hasher
+        self._buffer = bytearray()
+
+    def feed(self, value: Any) -> None:
+        out = self._buffer
+        kind = type(value)
+        if value is None:
+            out += b"N"
+        elif kind is bool:
+            out += b"B\x01" if value else b"B\x00"
+        elif kind is int:
+            if not -(2**63) <= value < 2**63:
+                raise ValueError(f"extras integer is outside signed 64-bit range: {value}")
+            out += b"I" + struct.pack(">q", value)
+        elif kind is float:
+            if not math.isfinite(value):
+                raise ValueError(f"extras floats must be finite, got {value!r}")
+            out += b"F" + struct.pack(">d", value)
+        elif kind is str:
+            out += b"S"
+            self._text(value)
+        elif kind is list:
+            out += b"L" + _u64(len(value), "extras list length")
+            for item in value:
+                self.feed(item)
+        elif kind is dict:
+            if any(type(key) is not str for key in value):
+                raise TypeError("extras mappings must have string keys")
+            keys = sorted(value, key=lambda key: key.encode("utf-8"))
+            out += b"D" + _u64(len(keys), "extras mapping length")
+            for key in keys:
+                self._text(key)
+                self.feed(value[key])
+        else:
+            raise TypeError(f"extras contain unsupported value type {kind.__name__}")
+
+    def _text(self, value: str) -> None:
+        data = value.encode("utf-8")
+        self._buffer += _U64.pack(len(data))
+        if len(data) < _LARGE:
+            self._buffer += data
+            return
+        self._hasher.update(self._buffer)
+        self._buffer.clear()
+        self._hasher.update(data)
+
+    def hexdigest(self) -> str:
+        self._hasher.update(self._buffer)
+        self._buffer.clear()
+        return str(self._hasher.hexdigest())
 
 
 def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
     """The digest of an extras envelope; exact about JSON types (1 and 1.0 differ, tuples are refused)."""
     if extras is not None and not isinstance(extras, Mapping):
         raise TypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
-    normalized = None if extras is None else dict(extras)
-    return hashlib.sha256(_EXTRAS + bytes([EXTRAS_DIGEST_VERSION]) + _extra(normalized)).hexdigest()
+    encoder = _ExtrasEncoder(hashlib.sha256(_EXTRAS + bytes([EXTRAS_DIGEST_VERSION])))
+    encoder.feed(None if extras is None else dict(extras))
+    return encoder.hexdigest()
 
 
 EMPTY_EXTRAS_DIGEST = compute_extras_digest(None)
@@ -193,11 +251,9 @@ def compute_staging_digest(
         raise ValueError(f"delta_len {delta_len} does not match {len(token_ids_delta)} token ids")
     if not len(token_ids_delta) == len(token_mask_delta) == len(generation_log_probs_delta):
         raise ValueError("token ids, masks and log probabilities must have equal lengths")
-    if any(mask not in (0.0, 1.0) for mask in token_mask_delta):
+    if not masks_are_binary(token_mask_delta):
         raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
-    if any(
-        m == 0.0 and lp != 0.0 for m, lp in zip(token_mask_delta, generation_log_probs_delta, strict=False)
-    ):
+    if not carry_is_zero(token_mask_delta, generation_log_probs_delta):
         raise ValueError("prompt-carry log probabilities must be 0.0")
     if cum_len != prev_len + delta_len:
         raise ValueError(f"cum_len {cum_len} does not equal prev_len + delta_len ({prev_len + delta_len})")

@@ -2,9 +2,10 @@
 
 An inference worker calls ``stage`` from its completion threads before it answers Gym. Each call becomes
 one ``stage`` event applied by the store like every other event: the extras and attachments are written
-and fsynced as blobs first, then the row naming them is appended and the state written, and the store's
-sync makes all of it durable before ``stage`` returns ok. A crash before that leaves at most blobs no
-row names; a crash after leaves a row whose every byte is on disk. So ok is never followed by a loss.
+as blobs and made durable first (one filesystem sync shared by concurrent stagers), then the row naming them
+is appended and the state written, and the store's next shared sync makes them durable before ``stage``
+returns ok. A crash before that leaves at most blobs no row names; a crash after leaves a row whose every
+byte is on disk. So ok is never followed by a loss.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ from typing import Any
 
 import orjson
 
-from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import InvalidInputError, RecordValidationError, StoreWriteError
 from tokcap.events import StagedBlob, StageEvent
 from tokcap.input_rules import check_call_id, check_finite_values, check_token_ids
 from tokcap.rules import ApplyOutcome
-from tokcap.staging.gym_types import build
+from tokcap.staging.gym_types import build, staging_records_module
 from tokcap.staging.records import StagedCallRecord, staging_key
 from tokcap.store import TokenCaptureStore
 
@@ -31,9 +31,13 @@ __all__ = ["FileStagingSink", "staged_record_from"]
 def staged_record_from(record: Any) -> StagedCallRecord:
     """A Gym or tokcap ``StagedCallRecord`` (or its mapping), checked by tokcap's input rules.
 
-    The digests are recomputed on the way in, and the same rules as for a put apply: call ids without
-    control characters, token ids in [0, 2**64), finite floats everywhere.
+    The same rules as for a put apply: call ids without control characters, token ids in [0, 2**64), finite
+    floats everywhere. A mapping is validated in full, digests recomputed. An instance of Gym's or tokcap's
+    own ``StagedCallRecord`` had both digests checked when it was built, so they are not hashed again (the
+    extras digest alone hashes every MB of routed experts); every read validates the stored row again,
+    so a record changed after it was built is refused at the read and its rollout masked.
     """
+    validated = _validated_record_type(record)
     data = record.model_dump() if hasattr(record, "model_dump") else record
     if not isinstance(data, Mapping):
         raise RecordValidationError(
@@ -52,6 +56,8 @@ def staged_record_from(record: Any) -> StagedCallRecord:
         check_token_ids(rollout_id, call_id, "token_ids_delta", ids)
     for field in ("token_mask_delta", "generation_log_probs_delta", "extras"):
         check_finite_values(rollout_id, call_id, field, data.get(field))
+    if validated and data.keys() == StagedCallRecord.model_fields.keys():
+        return StagedCallRecord.model_construct(**data)
     try:
         return StagedCallRecord.model_validate(dict(data))
     except ValueError as exc:
@@ -60,6 +66,15 @@ def staged_record_from(record: Any) -> StagedCallRecord:
             rollout_id=rollout_id,
             model_call_id=call_id,
         ) from exc
+
+
+def _validated_record_type(record: Any) -> bool:
+    """Whether ``record`` is exactly Gym's or tokcap's ``StagedCallRecord``, whose validators ran when it was built.
+
+    A subclass does not count: it may have replaced the validators.
+    """
+    kind = type(record)
+    return kind is StagedCallRecord or kind is getattr(staging_records_module(), "StagedCallRecord", None)
 
 
 def _attachment_bytes(rollout_id: str, call_id: str, attachments: Mapping[str, Any]) -> dict[str, bytes]:
@@ -112,13 +127,10 @@ class FileStagingSink:
         key = staging_key(rollout_id, call_id)
         created: list[Path] = []
         try:
-            extras = None
-            if staged.extras is not None:
-                extras = self._write_blob(rollout_id, orjson.dumps(staged.extras), created)
-            refs = {name: self._write_blob(rollout_id, data, created) for name, data in blobs.items()}
-            if created:
-                fsync_directory(created[0].parent)
-                fsync_directory(self._store.root)
+            contents: dict[str, bytes] = {}
+            extras = None if staged.extras is None else _blob(orjson.dumps(staged.extras), contents)
+            refs = {name: _blob(data, contents) for name, data in blobs.items()}
+            created = self._store.write_blobs(rollout_id, contents)
             event = StageEvent(
                 rollout_id=rollout_id,
                 staging_key=key,
@@ -140,12 +152,9 @@ class FileStagingSink:
             error = f"{key!r} was already staged with a different payload; the first one stands"
         return build("StageResult", {"ok": False, "error": error})
 
-    def _write_blob(self, rollout_id: str, data: bytes, created: list[Path]) -> StagedBlob:
-        """Write bytes under their SHA-256 and fsync them; an existing blob of that hash is already them."""
-        sha = hashlib.sha256(data).hexdigest()
-        path = self._store.blob_path_for(rollout_id, sha)
-        if not (path.exists() and path.stat().st_size == len(data)):
-            path.parent.mkdir(exist_ok=True)
-            replace_atomically(path, data, durable=True)
-            created.append(path)
-        return StagedBlob(sha256=sha, size=len(data))
+
+def _blob(data: bytes, contents: dict[str, bytes]) -> StagedBlob:
+    """Name bytes by their SHA-256 and add them to the blobs one stage writes."""
+    sha = hashlib.sha256(data).hexdigest()
+    contents[sha] = data
+    return StagedBlob(sha256=sha, size=len(data))

@@ -29,11 +29,25 @@ def staging_records_module() -> types.ModuleType:
     if found is not None:
         return found
     try:
-        if "nemo_gym" not in sys.modules and importlib.util.find_spec("nemo_gym") is None:
+        if "nemo_gym" not in sys.modules and not _gym_findable():
             return tokcap_records
         return importlib.import_module(_GYM_RECORDS)
     except ImportError:
         return tokcap_records
+
+
+_searched: list[tuple[tuple[str, ...], bool]] = []
+"""The last import path searched for ``nemo_gym`` and whether it was found there."""
+
+
+def _gym_findable() -> bool:
+    """Whether ``nemo_gym`` can be imported; searched again only when the import path changed."""
+    path = tuple(sys.path)
+    if _searched and _searched[0][0] == path:
+        return _searched[0][1]
+    found = importlib.util.find_spec("nemo_gym") is not None
+    _searched[:] = [(path, found)]
+    return found
 
 
 def build(class_name: str, data: dict[str, Any]) -> Any:

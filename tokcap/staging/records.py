@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 
 from tokcap.staging.digest import (
     EMPTY_EXTRAS_DIGEST,
+    carry_is_zero,
     compute_extras_digest,
     compute_staging_digest,
+    masks_are_binary,
 )
 
 __all__ = [
@@ -100,12 +102,11 @@ class StagedCallBaseSnapshot(_DigestWire):
         _check_parent_mode(self.parent_call_id, self.prev_len, self.mode, "staged call")
         if self.delta_len == 0:
             raise ValueError("a staged call delta must contain at least one token")
-        if any(token < 0 for token in self.token_ids_delta):
+        if self.token_ids_delta and min(self.token_ids_delta) < 0:
             raise ValueError("token_ids_delta must be non-negative")
-        if any(mask not in (0.0, 1.0) for mask in self.token_mask_delta):
+        if not masks_are_binary(self.token_mask_delta):
             raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
-        carry = zip(self.token_mask_delta, self.generation_log_probs_delta, strict=False)
-        if any(mask == 0.0 and log_prob != 0.0 for mask, log_prob in carry):
+        if not carry_is_zero(self.token_mask_delta, self.generation_log_probs_delta):
             raise ValueError("prompt-carry log probabilities must be 0.0")
         if self.digest != compute_staging_digest(**_digest_fields(self)):
             raise ValueError("digest does not match staged call contents")

@@ -1,0 +1,469 @@
+"""Engine-side staging from 16 threads, beside the floors it is read against, in one run.
+
+    python -m bench.staging [--dir /var/tmp] [--calls 320] [--images 64] [--threads 16] [--straw DIR]
+                            [--bootstrap HOST:PORT]
+
+Two shapes of ``stage()``: a 1,024-token delta (24 prompt, 1,000 generated) whose extras carry the routed
+experts of a 48-layer top-8 MoE in Gym's ``nrlre1`` envelope (int16, 1,024 x 48 x 8, about 1 MB), and a
+64-token delta with a 4 MiB image attachment. Each call is its own rollout's root, staged once. Beside them:
+
+- the file floor: the same bytes (the staged row's JSON line and each blob) written to new files and
+  fsynced, from the same number of threads;
+- straw-queue 0.1.6's ``SharedFilesystemStore.publish`` of the same bytes as one record set per call, only
+  with ``--straw DIR`` (installed there by ``pip install --no-deps --target DIR straw-queue==0.1.6 numpy``
+  when missing; never a dependency of tokcap);
+- tokcap again with one more thread recording each staged call's commit in the file ledger while the stagers
+  run (the ledger's ``record`` latency under that load), and the time ``FileStagingSource.fetch`` takes for
+  a 64-call chain.
+
+Kafka staging needs ``transports.kafka.staging`` and ``--bootstrap``; without both the table says why it is
+missing instead of showing a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import importlib.util
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.stats import median, percentile
+from tokcap.fingerprint import FINGERPRINT_VERSION
+from tokcap.lineage import FileLineageResolver
+from tokcap.staging import FileStagingSink, FileStagingSource
+from tokcap.staging.digest import (
+    compute_chain_hash,
+    compute_extras_digest,
+    compute_staging_digest,
+    hash_token_ids,
+)
+from tokcap.staging.records import CallRecord, CaptureLedgerCommit, StagedCallRecord, staging_key
+
+__all__ = ["Measured", "StagedCall", "main", "moe_calls", "image_calls", "run_staging"]
+
+LAYERS, TOP_K, MIB = 48, 8, 1 << 20
+
+
+@dataclass(frozen=True)
+class StagedCall:
+    """One call to stage: the record, its attachments, and the bytes a raw writer would write for it."""
+
+    record: StagedCallRecord
+    attachments: dict[str, bytes]
+    raw: tuple[bytes, ...]
+
+    @property
+    def size(self) -> int:
+        """The bytes one stage makes durable."""
+        return sum(map(len, self.raw))
+
+
+def _record(
+    rollout_id: str,
+    call_id: str,
+    ids: list[int],
+    mask: list[float],
+    log_probs: list[float],
+    *,
+    parent: StagedCallRecord | None = None,
+    prefix: Sequence[int] = (),
+    extras: dict[str, Any] | None = None,
+) -> StagedCallRecord:
+    prev_len = 0 if parent is None else parent.cum_len
+    fields: dict[str, Any] = {
+        "rollout_id": rollout_id,
+        "model_call_id": call_id,
+        "parent_call_id": None if parent is None else parent.model_call_id,
+        "mode": "text" if parent is None else "token_in",
+        "prev_len": prev_len,
+        "delta_len": len(ids),
+        "cum_len": prev_len + len(ids),
+        "weight_version": 1,
+        "token_ids_delta": ids,
+        "token_mask_delta": mask,
+        "generation_log_probs_delta": log_probs,
+        "extras_digest": compute_extras_digest(extras),
+        "chain_hash": compute_chain_hash(None if parent is None else parent.chain_hash, ids),
+        "cumulative_hash": hash_token_ids([*prefix, *ids]),
+    }
+    digest = compute_staging_digest(schema_version=2, digest_version=2, extras_digest_version=1, **fields)
+    return StagedCallRecord(**fields, digest=digest, extras=extras)
+
+
+def _columns(seed: int, prompt: int, generated: int) -> tuple[list[int], list[float], list[float]]:
+    ids = [(seed * 7919 + index * 104729) % 151_000 for index in range(prompt + generated)]
+    mask = [0.0] * prompt + [1.0] * generated
+    log_probs = [0.0] * prompt + [-((seed + index) % 97 + 1) / 7.0 - 1e-12 for index in range(generated)]
+    return ids, mask, log_probs
+
+
+def _with_raw(record: StagedCallRecord, attachments: dict[str, bytes]) -> StagedCall:
+    row = orjson.dumps(record.model_dump(mode="json", exclude={"extras"})) + b"\n"
+    blobs = [] if record.extras is None else [orjson.dumps(record.extras)]
+    return StagedCall(record, attachments, (row, *blobs, *attachments.values()))
+
+
+def moe_calls(count: int, run: str) -> list[StagedCall]:
+    """1,024-token deltas with routed experts of a 48-layer top-8 MoE as an ``nrlre1`` int16 envelope."""
+    out = []
+    for number in range(count):
+        ids, mask, log_probs = _columns(number, 24, 1000)
+        routes = os.urandom(len(ids) * LAYERS * TOP_K * 2)
+        envelope = f"nrlre1:int16:{len(ids)}x{LAYERS}x{TOP_K}:{base64.b64encode(routes).decode()}"
+        record = _record(
+            f"{run}-moe{number}", "c0", ids, mask, log_probs, extras={"routed_experts": envelope}
+        )
+        out.append(_with_raw(record, {}))
+    return out
+
+
+def image_calls(count: int, run: str) -> list[StagedCall]:
+    """64-token deltas, each with one 4 MiB image attachment."""
+    out = []
+    for number in range(count):
+        ids, mask, log_probs = _columns(number, 32, 32)
+        record = _record(f"{run}-img{number}", "c0", ids, mask, log_probs)
+        out.append(_with_raw(record, {"image": os.urandom(4 * MIB)}))
+    return out
+
+
+def _commit(record: StagedCallRecord) -> CaptureLedgerCommit:
+    key = staging_key(record.rollout_id, record.model_call_id)
+    row = CallRecord(
+        model_call_id=record.model_call_id,
+        parent_call_id=record.parent_call_id,
+        prev_len=record.prev_len,
+        delta_len=record.delta_len,
+        cum_len=record.cum_len,
+        weight_version=record.weight_version,
+        digest=record.digest,
+        extras_digest=record.extras_digest,
+        staging_key=key,
+        mode=record.mode,
+        chain_hash=record.chain_hash,
+        cumulative_hash=record.cumulative_hash,
+        response_id=f"resp-{record.model_call_id}",
+        fingerprint_version=FINGERPRINT_VERSION,
+    )
+    return CaptureLedgerCommit(
+        rollout_id=record.rollout_id,
+        record=row,
+        staging_chain=(key,),
+        request_items=[{"role": "user", "content": record.rollout_id}],
+        response_items=[{"role": "assistant", "content": record.model_call_id}],
+    )
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One writer over one shape: throughput and per-call latency."""
+
+    name: str
+    shape: str
+    calls: int
+    seconds: float
+    size: int
+    latencies: tuple[float, ...]
+    cpu_seconds: float
+    ledger: tuple[float, ...] = ()
+
+    @property
+    def calls_per_s(self) -> float:
+        return self.calls / self.seconds
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.size / self.seconds / 1e6
+
+
+def _threaded(
+    calls: Sequence[StagedCall], threads: int, one: Callable[[StagedCall], None]
+) -> tuple[float, list[float], float]:
+    """Run ``one`` over every call from ``threads`` threads; return the wall time, each latency and the CPU time."""
+    pending: queue.SimpleQueue[StagedCall | None] = queue.SimpleQueue()
+    for call in calls:
+        pending.put(call)
+    for _ in range(threads):
+        pending.put(None)
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while (call := pending.get()) is not None:
+            started = time.perf_counter()
+            try:
+                one(call)
+            except BaseException as exc:  # reported by the main thread after the join
+                errors.append(exc)
+                return
+            latencies.append(time.perf_counter() - started)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    cpu = time.process_time()
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu
+    if errors:
+        raise errors[0]
+    return seconds, latencies, cpu
+
+
+def run_tokcap(
+    root: Path, shape: str, calls: Sequence[StagedCall], threads: int, *, with_ledger: bool = False
+) -> Measured:
+    """``FileStagingSink.stage`` from ``threads`` threads; ``with_ledger``: one more thread records each commit.
+
+    Without the ledger thread the run does what the floor and straw-queue do; with it, it is the load the
+    ledger's latency is measured under.
+    """
+    sink = FileStagingSink(root)
+    ledger = FileLineageResolver(root)
+    staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    ledger_latencies: list[float] = []
+
+    def record_commits() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            while (record := staged.get()) is not None:
+                commit = _commit(record)
+                started = time.perf_counter()
+                loop.run_until_complete(ledger.record(commit))
+                ledger_latencies.append(time.perf_counter() - started)
+        finally:
+            loop.close()
+
+    def one(call: StagedCall) -> None:
+        result = sink.stage(call.record, attachments=call.attachments or None)
+        if not result.ok:
+            raise RuntimeError(f"stage failed: {result.error}")
+        if with_ledger:
+            staged.put(call.record)
+
+    recorder = threading.Thread(target=record_commits)
+    recorder.start()
+    try:
+        seconds, latencies, cpu = _threaded(calls, threads, one)
+    finally:
+        staged.put(None)
+        recorder.join()
+    return Measured(
+        "tokcap FileStagingSink" + (" + ledger thread" if with_ledger else ""),
+        shape,
+        len(calls),
+        seconds,
+        sum(c.size for c in calls),
+        tuple(latencies),
+        cpu,
+        tuple(ledger_latencies),
+    )
+
+
+def run_floor(root: Path, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
+    """The same bytes written to new files and fsynced, one file per row or blob, from the same threads."""
+    counter = iter(range(1 << 62))
+    lock = threading.Lock()
+
+    def one(call: StagedCall) -> None:
+        for data in call.raw:
+            with lock:
+                name = root / f"f{next(counter)}"
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    seconds, latencies, cpu = _threaded(calls, threads, one)
+    return Measured(
+        "file floor (write + fsync)",
+        shape,
+        len(calls),
+        seconds,
+        sum(c.size for c in calls),
+        tuple(latencies),
+        cpu,
+    )
+
+
+def straw_module(target: Path) -> Any:
+    """straw-queue 0.1.6 from ``target``, installed there (without its torch dependency) when missing."""
+    if not (target / "straw" / "store.py").exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--target",
+                str(target),
+                "straw-queue==0.1.6",
+                "numpy",
+            ],
+            check=True,
+        )
+    sys.path.insert(0, str(target))
+    from straw import protocol, store  # type: ignore[import-not-found]
+
+    return store, protocol
+
+
+def run_straw(root: Path, shape: str, calls: Sequence[StagedCall], threads: int, target: Path) -> Measured:
+    """``SharedFilesystemStore.publish`` of each call's bytes as one record set, one store per thread."""
+    store_module, protocol = straw_module(target)
+    local = threading.local()
+    counter = iter(range(1 << 62))
+    lock = threading.Lock()
+
+    def one(call: StagedCall) -> None:
+        store = getattr(local, "store", None)
+        if store is None:
+            store = local.store = store_module.SharedFilesystemStore(str(root), "bench")
+        with lock:
+            number = next(counter)
+        records = [protocol.Record(f"{number}:{index}", data) for index, data in enumerate(call.raw)]
+        store.publish(records, submission_id=f"s{number}")
+
+    seconds, latencies, cpu = _threaded(calls, threads, one)
+    return Measured(
+        "straw-queue 0.1.6 publish",
+        shape,
+        len(calls),
+        seconds,
+        sum(c.size for c in calls),
+        tuple(latencies),
+        cpu,
+    )
+
+
+def chain_fetch(root: Path, run: str, calls: int = 64, samples: int = 20) -> list[float]:
+    """Stage one rollout of ``calls`` chained calls (32 new tokens each), then time fetching the whole chain."""
+    sink = FileStagingSink(root)
+    parent: StagedCallRecord | None = None
+    prefix: list[int] = []
+    keys = []
+    for number in range(calls):
+        ids, mask, log_probs = _columns(number, 16, 16)
+        record = _record(f"{run}-chain", f"c{number}", ids, mask, log_probs, parent=parent, prefix=prefix)
+        if not sink.stage(record).ok:
+            raise RuntimeError("staging the chain failed")
+        prefix += ids
+        parent = record
+        keys.append(staging_key(record.rollout_id, record.model_call_id))
+    out = []
+    for _ in range(samples):
+        source = FileStagingSource(root)
+        started = time.perf_counter()
+        rows = source.fetch(keys)
+        out.append(time.perf_counter() - started)
+        assert len(rows) == calls
+    return out
+
+
+def _kafka_gap(bootstrap: str | None) -> str | None:
+    """Why Kafka staging is not measured, or ``None`` when it can be."""
+    if importlib.util.find_spec("transports.kafka.staging") is None:
+        return "not measured: transports.kafka.staging is not in this tree"
+    if bootstrap is None:
+        return "not measured: no --bootstrap"
+    return "not measured: the Kafka half of this scenario is not written yet"
+
+
+def run_staging(
+    work: Path, *, calls: int, images: int, threads: int, straw: Path | None
+) -> tuple[list[Measured], list[float]]:
+    """Every writer over both shapes, each in a fresh directory under ``work``, then the chain fetch."""
+    run = f"b{os.getpid()}"
+    shapes = {"moe 1k tokens + nrlre1": moe_calls(calls, run), "4 MiB image": image_calls(images, run)}
+    results = []
+    for shape, staged in shapes.items():
+        writers: list[Callable[[Path], Measured]] = [
+            partial(run_floor, shape=shape, calls=staged, threads=threads),
+            partial(run_tokcap, shape=shape, calls=staged, threads=threads),
+            partial(run_tokcap, shape=shape, calls=staged, threads=threads, with_ledger=True),
+        ]
+        if straw is not None:
+            writers.append(partial(run_straw, shape=shape, calls=staged, threads=threads, target=straw))
+        for writer in writers:
+            directory = Path(tempfile.mkdtemp(prefix="staging-", dir=work))
+            try:
+                results.append(writer(directory))
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+    directory = Path(tempfile.mkdtemp(prefix="chain-", dir=work))
+    try:
+        fetches = chain_fetch(directory, run)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return results, fetches
+
+
+def _table(results: Sequence[Measured], fetches: Sequence[float], kafka_gap: str | None) -> str:
+    lines = [
+        "| shape | writer | calls/s | MB/s | p50 (ms) | p99 (ms) | CPU ms/call | MB/s ÷ floor "
+        "| ledger record p99 (ms) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    floors = {r.shape: r.mb_per_s for r in results if r.name.startswith("file floor")}
+    for r in results:
+        ledger = f"{percentile(r.ledger, 0.99) * 1e3:.1f}" if r.ledger else ""
+        lines.append(
+            f"| {r.shape} | {r.name} | {r.calls_per_s:,.0f} | {r.mb_per_s:,.0f} | "
+            f"{median(r.latencies) * 1e3:.1f} | {percentile(r.latencies, 0.99) * 1e3:.1f} | "
+            f"{r.cpu_seconds / r.calls * 1e3:.2f} | "
+            f"{r.mb_per_s / floors[r.shape]:.2f} | {ledger} |"
+        )
+    if kafka_gap is not None:
+        lines.append(f"| both | Kafka staging, confluent-kafka acks=all floor | {kafka_gap} | | | | | | |")
+    lines.append("")
+    lines.append(
+        f"64-call chain fetch (`FileStagingSource.fetch`, fresh source): p50 {median(fetches) * 1e3:.1f} ms, "
+        f"p99 {percentile(fetches, 0.99) * 1e3:.1f} ms"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the scenario and print a markdown table."""
+    parser = argparse.ArgumentParser(prog="python -m bench.staging", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=None, help="parent of the scratch directories")
+    parser.add_argument("--calls", type=int, default=320, help="MoE calls staged")
+    parser.add_argument("--images", type=int, default=64, help="image calls staged")
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--straw", type=Path, default=None, help="measure straw-queue, installed in this dir")
+    parser.add_argument("--bootstrap", default=None, help="broker for the Kafka rows")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="tokcap-bench-staging-", dir=args.dir))
+    try:
+        results, fetches = run_staging(
+            work, calls=args.calls, images=args.images, threads=args.threads, straw=args.straw
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(_table(results, fetches, _kafka_gap(args.bootstrap)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

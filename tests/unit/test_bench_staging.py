@@ -1,0 +1,50 @@
+"""``bench.staging`` writes the same bytes in the floor as tokcap stages, and its shapes are the ones it names.
+
+No speed is checked.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+
+from bench.staging import image_calls, main, moe_calls, run_floor, run_tokcap
+from tokcap.staging import FileStagingSource
+
+
+def test_the_moe_shape_is_a_1k_token_delta_with_an_nrlre1_envelope_of_48_layers_top_8() -> None:
+    (call,) = moe_calls(1, "t")
+    envelope = call.record.extras["routed_experts"] if call.record.extras else ""
+    magic, dtype, shape, data = envelope.split(":", 3)
+    assert (magic, dtype, shape) == ("nrlre1", "int16", "1024x48x8")
+    assert len(base64.b64decode(data)) == 1024 * 48 * 8 * 2 and call.record.delta_len == 1024
+    (image,) = image_calls(1, "t")
+    assert len(image.attachments["image"]) == 4 << 20
+
+
+def test_the_floor_writes_the_bytes_tokcap_stages_and_tokcap_reads_them_back(tmp_path: Path) -> None:
+    calls = [*moe_calls(2, "t"), *image_calls(1, "t")]
+    (tmp_path / "floor").mkdir()
+    floor = run_floor(tmp_path / "floor", "s", calls, 2)
+    assert floor.size == sum(call.size for call in calls)
+    written = sorted(path.read_bytes() for path in (tmp_path / "floor").iterdir())
+    assert written == sorted(data for call in calls for data in call.raw)
+    staged = run_tokcap(tmp_path / "tokcap", "s", calls, 2, with_ledger=True)
+    assert staged.calls == 3 and len(staged.ledger) == 3
+    source = FileStagingSource(tmp_path / "tokcap")
+    keys = [f"{call.record.rollout_id}/c0" for call in calls]
+    assert [row.model_dump() for row in source.fetch_full(keys)] == [
+        call.record.model_dump() for call in calls
+    ]
+
+
+def test_the_command_prints_every_row_and_names_the_missing_kafka_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--calls", "2", "--images", "1", "--threads", "2", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tokcap FileStagingSink |") == 2 and out.count("+ ledger thread") == 2
+    assert out.count("file floor") == 2
+    assert "not measured" in out and "64-call chain fetch" in out
