@@ -537,15 +537,16 @@ class TokenCaptureStore:
         """Write the blobs a stage read from a log brought, durably, before the row that names them.
 
         Only an accepted stage writes them, so a refused one (a conflict, a retired rollout) leaves no file. A
-        blob of the same name and size is already those bytes (the name is their SHA-256, checked on decode).
+        blob already on disk is kept only if it holds exactly these bytes, as in ``write_blobs``.
         """
         written = False
         for ref in event.blob_refs():
             path = paths.blob(ref.sha256)
-            if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == ref.size:
+            data = event.blob_bytes[ref.sha256]
+            if _holds(path, data):
                 continue
             paths.blobs.mkdir(exist_ok=True)
-            replace_atomically(path, event.blob_bytes[ref.sha256], durable=True)
+            replace_atomically(path, data, durable=True)
             written = True
         if written:
             fsync_directory(paths.blobs)
