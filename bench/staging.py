@@ -16,8 +16,9 @@ experts of a 48-layer top-8 MoE in Gym's ``nrlre1`` envelope (int16, 1,024 x 48 
   run (the ledger's ``record`` latency under that load), and the time ``FileStagingSource.fetch`` takes for
   a 64-call chain.
 
-Kafka staging needs ``transports.kafka.staging`` and ``--bootstrap``; without both the table says why it is
-missing instead of showing a figure.
+With ``--bootstrap``, Kafka staging too: ``KafkaStagingSink.stage`` into a fresh run topic, beside the Kafka
+floor (the same bytes produced raw with confluent-kafka, ``acks=all``, in messages under the broker's default
+1 MiB limit, each call waited for); Kafka rows are read against that floor. Without it the table says why.
 """
 
 from __future__ import annotations
@@ -54,7 +55,17 @@ from tokcap.staging.digest import (
 )
 from tokcap.staging.records import CallRecord, CaptureLedgerCommit, StagedCallRecord, staging_key
 
-__all__ = ["Measured", "StagedCall", "main", "moe_calls", "image_calls", "run_staging"]
+__all__ = [
+    "KAFKA_FLOOR_CHUNK",
+    "Measured",
+    "StagedCall",
+    "image_calls",
+    "main",
+    "moe_calls",
+    "run_kafka",
+    "run_kafka_floor",
+    "run_staging",
+]
 
 LAYERS, TOP_K, MIB = 48, 8, 1 << 20
 
@@ -381,17 +392,108 @@ def chain_fetch(root: Path, run: str, calls: int = 64, samples: int = 20) -> lis
     return out
 
 
+KAFKA_FLOOR_CHUNK = 900_000
+"""Bytes per raw message of the Kafka floor: under a broker's default 1 MiB limit, as tokcap's chunks are."""
+
+
 def _kafka_gap(bootstrap: str | None) -> str | None:
     """Why Kafka staging is not measured, or ``None`` when it can be."""
     if importlib.util.find_spec("transports.kafka.staging") is None:
         return "not measured: transports.kafka.staging is not in this tree"
     if bootstrap is None:
         return "not measured: no --bootstrap"
-    return "not measured: the Kafka half of this scenario is not written yet"
+    return None
+
+
+def _fresh_topic(bootstrap: str, name: str) -> str:
+    from transports.kafka import ensure_topic
+
+    ensure_topic(bootstrap, name)
+    return name
+
+
+def _delete_topic(bootstrap: str, topic: str) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.delete_topics([topic], operation_timeout=30)[topic].result(timeout=60)
+
+
+def run_kafka(bootstrap: str, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
+    """``KafkaStagingSink.stage`` from ``threads`` threads into a fresh run topic (acks=all, chunked blobs)."""
+    from transports.kafka.staging import KafkaStagingSink
+
+    topic = _fresh_topic(bootstrap, f"tokcap.bench-staging-{os.getpid()}-{time.monotonic_ns()}")
+    sink = KafkaStagingSink(bootstrap_servers=bootstrap, topic=topic, delivery_timeout_s=60)
+
+    def one(call: StagedCall) -> None:
+        result = sink.stage(call.record, attachments=call.attachments or None)
+        if not result.ok:
+            raise RuntimeError(f"stage failed: {result.error}")
+
+    try:
+        seconds, latencies, cpu = _threaded(calls, threads, one)
+    finally:
+        sink.close()
+        _delete_topic(bootstrap, topic)
+    size = sum(c.size for c in calls)
+    return Measured("tokcap KafkaStagingSink", shape, len(calls), seconds, size, tuple(latencies), cpu)
+
+
+def run_kafka_floor(bootstrap: str, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
+    """The same bytes produced raw with confluent-kafka (acks=all, idempotent), waited for per call."""
+    from confluent_kafka import Producer
+
+    topic = _fresh_topic(bootstrap, f"tokcap.bench-floor-{os.getpid()}-{time.monotonic_ns()}")
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 1}
+    )
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            producer.poll(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+
+    def one(call: StagedCall) -> None:
+        done = threading.Semaphore(0)
+        failures: list[Any] = []
+        parts = [
+            data[start : start + KAFKA_FLOOR_CHUNK]
+            for data in call.raw
+            for start in range(0, max(len(data), 1), KAFKA_FLOOR_CHUNK)
+        ]
+
+        def delivered(error: Any, _message: Any) -> None:
+            if error is not None:
+                failures.append(error)
+            done.release()
+
+        key = call.record.rollout_id.encode()
+        for part in parts:
+            producer.produce(topic, value=part, key=key, on_delivery=delivered)
+        for _ in parts:
+            done.acquire()
+        if failures:
+            raise RuntimeError(f"raw produce failed: {failures[0]}")
+
+    try:
+        seconds, latencies, cpu = _threaded(calls, threads, one)
+    finally:
+        stop.set()
+        poller.join()
+        producer.flush(30)
+        _delete_topic(bootstrap, topic)
+    size = sum(c.size for c in calls)
+    return Measured(
+        "Kafka floor (confluent-kafka acks=all)", shape, len(calls), seconds, size, tuple(latencies), cpu
+    )
 
 
 def run_staging(
-    work: Path, *, calls: int, images: int, threads: int, straw: Path | None
+    work: Path, *, calls: int, images: int, threads: int, straw: Path | None, bootstrap: str | None = None
 ) -> tuple[list[Measured], list[float]]:
     """Every writer over both shapes, each in a fresh directory under ``work``, then the chain fetch."""
     run = f"b{os.getpid()}"
@@ -411,6 +513,9 @@ def run_staging(
                 results.append(writer(directory))
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
+        if bootstrap is not None and _kafka_gap(bootstrap) is None:
+            results.append(run_kafka_floor(bootstrap, shape, staged, threads))
+            results.append(run_kafka(bootstrap, shape, staged, threads))
     directory = Path(tempfile.mkdtemp(prefix="chain-", dir=work))
     try:
         fetches = chain_fetch(directory, run)
@@ -419,20 +524,25 @@ def run_staging(
     return results, fetches
 
 
+def _family(measured: Measured) -> str:
+    """Which floor a writer is read against: Kafka writers against the raw producer, the others the disk."""
+    return "kafka" if "Kafka" in measured.name else "file"
+
+
 def _table(results: Sequence[Measured], fetches: Sequence[float], kafka_gap: str | None) -> str:
     lines = [
         "| shape | writer | calls/s | MB/s | p50 (ms) | p99 (ms) | CPU ms/call | MB/s ÷ floor "
         "| ledger record p99 (ms) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    floors = {r.shape: r.mb_per_s for r in results if r.name.startswith("file floor")}
+    floors = {(r.shape, _family(r)): r.mb_per_s for r in results if "floor" in r.name}
     for r in results:
         ledger = f"{percentile(r.ledger, 0.99) * 1e3:.1f}" if r.ledger else ""
         lines.append(
             f"| {r.shape} | {r.name} | {r.calls_per_s:,.0f} | {r.mb_per_s:,.0f} | "
             f"{median(r.latencies) * 1e3:.1f} | {percentile(r.latencies, 0.99) * 1e3:.1f} | "
             f"{r.cpu_seconds / r.calls * 1e3:.2f} | "
-            f"{r.mb_per_s / floors[r.shape]:.2f} | {ledger} |"
+            f"{r.mb_per_s / floors[(r.shape, _family(r))]:.2f} | {ledger} |"
         )
     if kafka_gap is not None:
         lines.append(f"| both | Kafka staging, confluent-kafka acks=all floor | {kafka_gap} | | | | | | |")
@@ -457,7 +567,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tokcap-bench-staging-", dir=args.dir))
     try:
         results, fetches = run_staging(
-            work, calls=args.calls, images=args.images, threads=args.threads, straw=args.straw
+            work,
+            calls=args.calls,
+            images=args.images,
+            threads=args.threads,
+            straw=args.straw,
+            bootstrap=args.bootstrap,
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

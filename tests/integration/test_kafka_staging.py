@@ -290,3 +290,33 @@ def test_a_sink_with_a_store_dir_fails_a_conflicting_stage_from_another_process_
     finally:
         sink.close()
         asyncio.run(ledger.close())
+
+
+def test_the_staging_benchmark_measures_kafka_staging_beside_the_raw_producer_floor(
+    kafka_bootstrap: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.staging import main
+
+    assert (
+        main(
+            [
+                "--calls",
+                "2",
+                "--images",
+                "1",
+                "--threads",
+                "2",
+                "--dir",
+                str(tmp_path),
+                "--bootstrap",
+                kafka_bootstrap,
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert (
+        out.count("tokcap KafkaStagingSink |") == 2
+        and out.count("Kafka floor (confluent-kafka acks=all)") == 2
+    )
+    assert "not measured" not in out
