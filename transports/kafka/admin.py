@@ -16,7 +16,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollection, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
-from tokcap.errors import TopicNotFoundError
+from tokcap.errors import TopicNotFoundError, TransportError
 from transports.kafka.client_errors import (
     AuthenticationWatch,
     ClientContext,
@@ -37,6 +37,7 @@ __all__ = [
     "delete_topic",
     "describe_topic",
     "list_topics",
+    "partition_count",
     "probe_broker",
     "watermarks",
 ]
@@ -95,6 +96,20 @@ def list_topics(
                 raise request_error(
                     exc, doing="read the cluster metadata", context=context, timeout_s=timeout_s
                 ) from scrubbed_cause(exc, context)
+
+
+def partition_count(
+    client: AdminClient | Consumer,
+    watch: AuthenticationWatch,
+    context: ClientContext,
+    timeout_s: float,
+    topic: str,
+) -> int:
+    """How many partitions the topic has; a topic without readable partitions is a ``TransportError``."""
+    described = list_topics(client, watch, context, timeout_s, topic).topics.get(topic)
+    if described is None or described.error is not None or not described.partitions:
+        raise TransportError(f"topic {topic!r} has no readable partitions; create it first")
+    return len(described.partitions)
 
 
 def _topic_metadata(

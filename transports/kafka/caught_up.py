@@ -22,7 +22,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, TransportError
 from tokcap.store import TokenCaptureStore
-from transports.kafka.admin import list_topics
+from transports.kafka.admin import partition_count
 from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, request_error
 from transports.kafka.materializer import Materializer
 from transports.kafka.partitioner import DEFAULT_PARTITIONER, partition_of_rollout
@@ -81,11 +81,9 @@ class CaughtUpStore:
     def _partition_of(self, rollout_id: str) -> int:
         with self._lock:
             if self._partitions is None:
-                metadata = list_topics(self._asker, self._watch, self._context, self._timeout_s, self._topic)
-                described = metadata.topics.get(self._topic)
-                if described is None or described.error is not None or not described.partitions:
-                    raise TransportError(f"topic {self._topic!r} has no readable partitions; create it first")
-                self._partitions = len(described.partitions)
+                self._partitions = partition_count(
+                    self._asker, self._watch, self._context, self._timeout_s, self._topic
+                )
             return partition_of_rollout(rollout_id, self._partitions, self._partitioner)
 
     def catch_up(self, rollout_id: str) -> None:

@@ -60,7 +60,7 @@ from tokcap.lineage import (
     resolution_of,
 )
 from tokcap.records import ParentResolutionStatus, TokenEntry
-from transports.kafka.admin import list_topics
+from transports.kafka.admin import list_topics, partition_count
 from transports.kafka.client_errors import (
     AuthenticationWatch,
     ClientContext,
@@ -405,11 +405,9 @@ class KafkaLineageResolver:
 
     def _partition_of(self, rollout_id: str) -> int:
         if self._partitions is None:
-            metadata = list_topics(self._asker, self._watch, self._context, self._timeout_s, self._topic)
-            described = metadata.topics.get(self._topic)
-            if described is None or described.error is not None or not described.partitions:
-                raise TransportError(f"topic {self._topic!r} has no readable partitions; create it first")
-            self._partitions = len(described.partitions)
+            self._partitions = partition_count(
+                self._asker, self._watch, self._context, self._timeout_s, self._topic
+            )
         return partition_of_rollout(rollout_id, self._partitions, self._partitioner)
 
     def _assign(self, partition: int) -> None:
