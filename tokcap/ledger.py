@@ -130,8 +130,8 @@ class FileCaptureLedger:
     def _raise_for(self, verdict: ApplyResult, what: str) -> None:
         if verdict.outcome is ApplyOutcome.CONFLICT:
             raise ConflictingEntryError(
-                f"{what} of call {verdict.model_call_id!r} in rollout {verdict.rollout_id!r} differs from the row "
-                "already recorded for that call; the first row stands. A call id must be committed once",
+                f"{what} of call {verdict.model_call_id!r} in rollout {verdict.rollout_id!r} was refused: "
+                f"{verdict.detail}. A call id is committed once, with the row its worker staged",
                 rollout_id=verdict.rollout_id,
                 model_call_id=verdict.model_call_id,
             )

@@ -28,6 +28,7 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - The position of every applied event is recorded once, in the state the decision returns.
 - A stage of a known staging key with the same stored line is a no-op; another line is rejected, changing nothing.
 - A ledger row of a known call id with the same commit digest is a no-op; another is rejected, changing nothing.
+- A ledger row naming a staged row of its rollout with another staged digest is rejected, changing nothing.
 - A ledger failure of a known call id with the same reason is a no-op; another is rejected, changing nothing.
 - A stage, ledger row or ledger failure is refused by the fence only (not the freeze), moves no version, and is
   durable before its caller returns. Read from a log, a conflicting one also marks the rollout incomplete: its
@@ -593,6 +594,21 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
     return Decision(RolloutState(rollout_id=state.rollout_id), verdict, effects, sync_even_if_unchanged=True)
 
 
+def _names_other_staged_row(state: RolloutState, event: LedgerEvent) -> str | None:
+    """Why a ledger row cannot commit the staged row its key names here, or ``None`` when it can.
+
+    A key staged elsewhere (another rollout, or storage other than this store) is not judged.
+    """
+    key, committed = event.row.get("staging_key"), event.row.get("staging_digest")
+    slot = state.staged.get(key) if isinstance(key, str) else None
+    if slot is None or slot.record_digest is None or slot.record_digest == committed:
+        return None
+    return (
+        f"the ledger row commits {key!r} with staged digest {committed!r}, but the row staged under that key has "
+        f"digest {slot.record_digest!r}; the call was staged twice with different payloads"
+    )
+
+
 def _staging(
     state: RolloutState, event: StageEvent | LedgerEvent | LedgerFailureEvent, position: LogPosition | None
 ) -> Decision:
@@ -614,29 +630,38 @@ def _staging(
             ApplyOutcome.NOOP, event.type, state.rollout_id, call_id, detail="identical repeat"
         )
         return _unchanged(state, verdict, position)
-    if known is not None:
+    judged = known is None and isinstance(event, LedgerEvent)
+    mismatch = _names_other_staged_row(state, event) if judged and isinstance(event, LedgerEvent) else None
+    if known is not None or mismatch is not None:
         verdict = ApplyResult(
             ApplyOutcome.CONFLICT,
             event.type,
             state.rollout_id,
             call_id,
-            detail=f"{key!r} was already recorded with a different payload; the first one stands",
+            detail=mismatch or f"{key!r} was already recorded with a different payload; the first one stands",
         )
         if position is None:
             return _unchanged(state, verdict, position)
         # Read from a log, the writer was already told ok: its copy differs from the one kept, so the rollout
         # is masked rather than trained on a row its writer never staged.
         marks = _with_mark(
-            state, IncompleteMark(model_call_id=call_id, reason=f"conflicting {event.type.value} for {key!r}")
+            state,
+            IncompleteMark(
+                model_call_id=call_id, reason=f"conflicting {event.type.value} for {key!r}: {verdict.detail}"
+            ),
         )
         return Decision(state, verdict, (*marks, WriteState(durable=True)))
     effect: Effect
     if isinstance(event, StageEvent):
         effect = AppendStagedLine(line, state.staged_size)
-        state.staged = {
-            **state.staged,
-            key: StagedSlot(start=state.staged_size, length=len(line), digest=digest),
-        }
+        record_digest = event.row.get("digest")
+        slot = StagedSlot(
+            start=state.staged_size,
+            length=len(line),
+            digest=digest,
+            record_digest=record_digest if isinstance(record_digest, str) else None,
+        )
+        state.staged = {**state.staged, key: slot}
         state.staged_size += len(line)
     else:
         effect = AppendLedgerLine(line, state.ledger_size)

@@ -128,13 +128,25 @@ class FreezeAnswer(BaseModel):
 
 
 class StagedSlot(BaseModel):
-    """Where one staged row or ledger row sits in its file, and the digest of its line."""
+    """Where one staged row or ledger row sits in its file, and the digest of its line.
+
+    A staged row's slot also keeps the staged record's own digest (Gym's ``StagedCallRecord.digest``), which a
+    ledger row names as ``staging_digest``: the rules compare the two without reading the row back.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     start: StrictInt
     length: StrictInt
     digest: str
+    record_digest: str | None = None
+
+    def dumped(self) -> dict[str, Any]:
+        """The slot as the state file holds it; ``record_digest`` only where there is one."""
+        out: dict[str, Any] = {"start": self.start, "length": self.length, "digest": self.digest}
+        if self.record_digest is not None:
+            out["record_digest"] = self.record_digest
+        return out
 
 
 _GYM_KEYS = frozenset(
@@ -318,10 +330,10 @@ class RolloutState(BaseModel):
         }
         # Staging keys are written only once a rollout has staged or ledger rows.
         if self.staged or self.staged_size:
-            tokcap_part["staged"] = {key: slot.model_dump() for key, slot in self.staged.items()}
+            tokcap_part["staged"] = {key: slot.dumped() for key, slot in self.staged.items()}
             tokcap_part["staged_size"] = self.staged_size
         if self.ledger or self.ledger_failures or self.ledger_size:
-            tokcap_part["ledger"] = {key: slot.model_dump() for key, slot in self.ledger.items()}
+            tokcap_part["ledger"] = {key: slot.dumped() for key, slot in self.ledger.items()}
             tokcap_part["ledger_failures"] = self.ledger_failures
             tokcap_part["ledger_size"] = self.ledger_size
         document: dict[str, Any] = {

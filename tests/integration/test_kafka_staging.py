@@ -19,6 +19,7 @@ from staging_calls import commit_for, conversation, cumulative_tokens, staged_ca
 from store_contract import directory_contents
 
 from tests.topic_replay import replay_topic
+from tokcap.errors import ConflictingEntryError, RolloutRetiredError
 from tokcap.events import StagedBlob, StageEvent
 from tokcap.staging import verify_and_linearize
 from tokcap.staging.conformance import run_staging_conformance
@@ -287,6 +288,47 @@ def test_a_sink_with_a_store_dir_fails_a_conflicting_stage_from_another_process_
         assert asyncio.run(ledger.manifest("fenced"))["records"] == []
         assert asyncio.run(ledger.delete(["fenced"])) == {"removed": ["fenced"], "absent": []}
         assert sink.stage(first.call).ok
+    finally:
+        sink.close()
+        asyncio.run(ledger.close())
+
+
+def test_without_a_store_dir_a_stage_the_store_drops_is_refused_at_its_ledger_record_and_masks_the_rollout(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """The sink alone cannot see the verdict; the ledger row Gym writes after it does, before the commit."""
+    repo = Path(__file__).resolve().parents[2]
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(repo / 'tests')!r})\n"
+        "from staging_calls import conversation\n"
+        "from transports.kafka.staging import KafkaStagingSink\n"
+        "sink = KafkaStagingSink(bootstrap_servers=sys.argv[1], topic=sys.argv[2])\n"
+        "assert sink.stage(conversation('raced', 1)[0].call).ok\n"
+        "sink.close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    subprocess.run([sys.executable, "-c", script, kafka_bootstrap, kafka_topic], env=env, check=True)
+    store_dir = tmp_path / "trainer"
+    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+    ledger = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
+    try:
+        [second] = conversation("raced", 1, extras=True)
+        assert sink.stage(second.call).ok
+        with pytest.raises(ConflictingEntryError, match="staged twice with different payloads"):
+            asyncio.run(ledger.record(commit_for(second)))
+        assert asyncio.run(ledger.manifest("raced"))["records"] == []
+        state = TokenCaptureStore(store_dir).read_state("raced")
+        assert [mark.model_call_id for mark in state.incomplete_marks] == [second.call.model_call_id] * 2
+
+        [kept] = conversation("fenced-late", 1)
+        assert sink.stage(kept.call).ok
+        asyncio.run(ledger.record(commit_for(kept)))
+        assert asyncio.run(ledger.retire(["fenced-late"])) == {"removed": ["fenced-late"], "absent": []}
+        [late] = conversation("fenced-late", 2)[1:]
+        assert sink.stage(late.call).ok
+        with pytest.raises(RolloutRetiredError, match="fence refused"):
+            asyncio.run(ledger.record(commit_for(late)))
     finally:
         sink.close()
         asyncio.run(ledger.close())

@@ -306,6 +306,22 @@ def test_the_ledger_records_once_and_refuses_any_difference_request_items_includ
     assert [row["response_id"] for row in manifest["records"]] == ["resp-call-0"]
 
 
+def test_a_ledger_row_committing_another_payload_than_the_one_staged_under_its_key_is_refused(
+    tmp_path: Path,
+) -> None:
+    [staged] = conversation("r2", 1)
+    [other] = conversation("r2", 1, extras=True)
+    assert staged.call.digest != other.call.digest
+    assert FileStagingSink(tmp_path).stage(staged.call).ok
+    with pytest.raises(ConflictingEntryError, match="staged twice with different payloads"):
+        asyncio.run(FileLineageResolver(tmp_path).record(commit_for(other)))
+    assert asyncio.run(FileLineageResolver(tmp_path).manifest("r2"))["records"] == []
+    asyncio.run(FileLineageResolver(tmp_path).record(commit_for(staged)))
+    [unstaged_here] = conversation("r3", 1)
+    asyncio.run(FileLineageResolver(tmp_path).record(commit_for(unstaged_here)))
+    assert len(asyncio.run(FileLineageResolver(tmp_path).manifest("r3"))["records"]) == 1
+
+
 def test_the_manifest_is_plain_json_with_failures_and_has_rows_counts_failure_rows(tmp_path: Path) -> None:
     ledger = FileLineageResolver(tmp_path)
     assert ledger.is_process_shared() is True

@@ -8,10 +8,13 @@ message with ``acks=all``; the materializer applies the events with the same rul
 projects them into a store directory, which the source and the ledger read once it has applied the
 rollout's partition up to its end (``caught_up``).
 
-What a stage or a record cannot know when it returns: a different payload staged under the same key by
-another process, or a stage of a rollout retired meanwhile. The store keeps the first row, dead-letters the
-refused event and masks the rollout, so it is never trained on. Within one process the sink refuses a
-different payload under a key it already staged at once.
+What a stage cannot know from the broker's acknowledgement alone: a different payload staged under the
+same key by another process, or a stage of a rollout retired meanwhile. The store keeps the first row,
+dead-letters the refused stage and masks the rollout, so it is never trained on. The caller learns it before
+the call commits: the ledger row Gym's model server writes next waits for the store's verdict, and the rules
+refuse a row that commits a staged digest other than the one kept, or any row of a retired rollout. A sink
+given a ``store_dir`` learns it at ``stage`` already. Within one process the sink refuses a different
+payload under a key it already staged at once.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from tokcap.staging.file_sink import _attachment_bytes, staged_record_from
 from tokcap.staging.file_source import FileStagingSource
 from tokcap.staging.gym_types import build
 from tokcap.staging.records import staging_key
+from tokcap.state import IncompleteMark
 from transports.kafka.caught_up import CaughtUpStore
 from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
@@ -380,7 +384,9 @@ class KafkaCaptureLedger:
         slot = state.ledger.get(call_id)
         if slot is not None and slot.digest == event.commit_digest:
             return
-        self._refused(event.rollout_id, call_id, "ledger row", retired=state.retired)
+        self._refused(
+            event.rollout_id, call_id, "ledger row", retired=state.retired, marks=state.incomplete_marks
+        )
 
     async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         """Record a call that did not commit; it never resolves a parent and poisons the rollout."""
@@ -391,10 +397,14 @@ class KafkaCaptureLedger:
         state = self._projection.store.read_state(rollout_id)
         if state.ledger_failures.get(model_call_id) == reason:
             return
-        self._refused(rollout_id, model_call_id, "ledger failure", retired=state.retired)
+        self._refused(
+            rollout_id, model_call_id, "ledger failure", retired=state.retired, marks=state.incomplete_marks
+        )
 
     @staticmethod
-    def _refused(rollout_id: str, call_id: str, what: str, *, retired: bool) -> None:
+    def _refused(
+        rollout_id: str, call_id: str, what: str, *, retired: bool, marks: Sequence[IncompleteMark]
+    ) -> None:
         if retired:
             raise RolloutRetiredError(
                 f"rollout {rollout_id!r} is retired; its fence refused the {what} of call {call_id!r}. "
@@ -402,9 +412,14 @@ class KafkaCaptureLedger:
                 rollout_id=rollout_id,
                 model_call_id=call_id,
             )
+        # The store masked the rollout for the refused row; its mark says why.
+        why = next(
+            (mark.reason for mark in reversed(marks) if mark.model_call_id == call_id),
+            "it differs from the row already recorded for that call",
+        )
         raise ConflictingEntryError(
-            f"{what} of call {call_id!r} in rollout {rollout_id!r} differs from the row already recorded for "
-            "that call; the first row stands and the rollout is masked. A call id must be committed once",
+            f"{what} of call {call_id!r} in rollout {rollout_id!r} was refused and the rollout is masked: {why}. "
+            "A call id is committed once, with the row its worker staged",
             rollout_id=rollout_id,
             model_call_id=call_id,
         )
