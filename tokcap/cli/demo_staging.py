@@ -45,7 +45,7 @@ from tokcap.cli.demo import (
 )
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink, FileStagingSource, finalize_rollout
-from tokcap.staging.conformance import _Call, _commit, _stage_record
+from tokcap.staging.example_calls import ExampleCall, commit_of, staged_record
 
 __all__ = ["run_staging_demo_over_files"]
 
@@ -58,11 +58,11 @@ def _sizes(rng: random.Random, settings: DemoSettings, number: int) -> tuple[int
     return prompt, max(1, int(settings.generation_tokens * rng.uniform(0.5, 1.5)))
 
 
-def _calls(index: int, settings: DemoSettings) -> list[_Call]:
+def _calls(index: int, settings: DemoSettings) -> list[ExampleCall]:
     """The rollout's staged calls: a text root, then token-in continuations of the whole history."""
     rng = random.Random(settings.seed * 1_000_003 + index)
     rollout_id = rollout_id_of(index)
-    calls: list[_Call] = []
+    calls: list[ExampleCall] = []
     history: list[dict[str, Any]] = []
     for number in range(settings.turns):
         prompt_size, generated_size = _sizes(rng, settings, number)
@@ -70,8 +70,8 @@ def _calls(index: int, settings: DemoSettings) -> list[_Call]:
         generated = [rng.randrange(VOCABULARY) for _ in range(generated_size)]
         history = [*history, {"role": "user", "content": f"{rollout_id} step {number}"}]
         parent = calls[-1] if calls else None
-        record, tokens = _stage_record(rollout_id, f"call-{number}", prompt, generated, parent)
-        call = _Call(record, tokens, list(history), f"{rollout_id} answer {number}")
+        record, tokens = staged_record(rollout_id, f"call-{number}", prompt, generated, parent)
+        call = ExampleCall(record, tokens, list(history), f"{rollout_id} answer {number}")
         calls.append(call)
         history = [*history, *call.response]
     return calls
@@ -108,7 +108,7 @@ class _Worker:
                 outcome.calls_lost += 1
                 self.ledger.record_failure_now(record.rollout_id, record.model_call_id, "worker_died")
                 continue
-            commit = _commit(call, chain)
+            commit = commit_of(call, chain)
             self.ledger.record_now(commit)
             if self.fault == FAULT_RETRY:
                 self.ledger.record_now(commit)
@@ -126,7 +126,7 @@ class _Worker:
         if not done.masked:
             outcome.retired = rollout_id in asyncio.run(self.ledger.retire([rollout_id]))["removed"]
         if self.fault == FAULT_LATE_WRITE:
-            record, _ = _stage_record(rollout_id, "straggler", [1, 2], [3, 4], None)
+            record, _ = staged_record(rollout_id, "straggler", [1, 2], [3, 4], None)
             result = self.sink.stage(record)
             outcome.late_write = (
                 f"stage refused: {result.error}" if not result.ok else "acknowledged after the retire"

@@ -23,14 +23,8 @@ from typing import Any
 
 import orjson
 
-from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 from tokcap.records import ParentResolutionStatus
-from tokcap.staging.digest import (
-    compute_chain_hash,
-    compute_extras_digest,
-    compute_staging_digest,
-    hash_token_ids,
-)
+from tokcap.staging.example_calls import ExampleCall, commit_of, staged_record
 from tokcap.staging.finalize import receipt_from_manifest
 from tokcap.staging.gym_types import build
 from tokcap.staging.records import RolloutManifest, staging_key
@@ -43,55 +37,8 @@ class StagingConformanceError(AssertionError):
     """A staging implementation broke the contract; the message names the check."""
 
 
-class _Call:
-    """One staged call of a conformance rollout, with the conversation around it."""
-
-    def __init__(self, record: Any, tokens: list[int], request: list[dict[str, Any]], answer: str) -> None:
-        self.record = record
-        self.tokens = tokens
-        self.request = request
-        self.response = [{"role": "assistant", "content": answer}]
-        self.key = staging_key(record.rollout_id, record.model_call_id)
-
-
-def _stage_record(
-    rollout_id: str,
-    call_id: str,
-    prompt: list[int],
-    generated: list[int],
-    parent: _Call | None,
-    extras: dict[str, Any] | None = None,
-) -> tuple[Any, list[int]]:
-    ids = prompt + generated
-    prefix = parent.tokens if parent is not None else []
-    log_probs = [0.0] * len(prompt) + [-(index + 1) / 3.0 - 1e-13 for index in range(len(generated))]
-    fields: dict[str, Any] = {
-        "schema_version": 2,
-        "digest_version": 2,
-        "extras_digest_version": 1,
-        "rollout_id": rollout_id,
-        "model_call_id": call_id,
-        "parent_call_id": parent.record.model_call_id if parent is not None else None,
-        "mode": "token_in" if parent is not None else "text",
-        "prev_len": len(prefix),
-        "delta_len": len(ids),
-        "cum_len": len(prefix) + len(ids),
-        "weight_version": 4,
-        "token_ids_delta": ids,
-        "token_mask_delta": [0.0] * len(prompt) + [1.0] * len(generated),
-        "generation_log_probs_delta": log_probs,
-        "extras_digest": compute_extras_digest(extras),
-        "chain_hash": compute_chain_hash(parent.record.chain_hash if parent is not None else None, ids),
-        "cumulative_hash": hash_token_ids(prefix + ids),
-    }
-    record = build(
-        "StagedCallRecord", {**fields, "digest": compute_staging_digest(**fields), "extras": extras}
-    )
-    return record, prefix + ids
-
-
-def _rollout(rollout_id: str, turns: int, *, extras: bool = False) -> list[_Call]:
-    calls: list[_Call] = []
+def _rollout(rollout_id: str, turns: int, *, extras: bool = False) -> list[ExampleCall]:
+    calls: list[ExampleCall] = []
     history: list[dict[str, Any]] = []
     for number in range(turns):
         history = [*history, {"role": "user", "content": f"{rollout_id} asks {number}"}]
@@ -99,44 +46,11 @@ def _rollout(rollout_id: str, turns: int, *, extras: bool = False) -> list[_Call
         prompt = [1000 + number * 10 + offset for offset in range(3 if parent is None else 2)]
         generated = [1005 + number * 10, 2**63 + number]
         payload = {"routed_experts": [[number, 2], [3.0, 4]], "count": number, "ok": True} if extras else None
-        record, tokens = _stage_record(rollout_id, f"call-{number}", prompt, generated, parent, payload)
-        call = _Call(record, tokens, list(history), f"{rollout_id} answer {number}")
+        record, tokens = staged_record(rollout_id, f"call-{number}", prompt, generated, parent, payload)
+        call = ExampleCall(record, tokens, list(history), f"{rollout_id} answer {number}")
         calls.append(call)
         history = [*history, *call.response]
     return calls
-
-
-def _commit(call: _Call, chain: list[str], *, response_id: str | None = None) -> Any:
-    record = call.record
-    row = {
-        "model_call_id": record.model_call_id,
-        "parent_call_id": record.parent_call_id,
-        "prev_len": record.prev_len,
-        "delta_len": record.delta_len,
-        "cum_len": record.cum_len,
-        "weight_version": record.weight_version,
-        "digest": record.digest,
-        "extras_digest": record.extras_digest,
-        "staging_key": call.key,
-        "mode": record.mode,
-        "chain_hash": record.chain_hash,
-        "cumulative_hash": record.cumulative_hash,
-        "response_id": response_id or f"resp-{record.model_call_id}",
-        "admitted_at": 1_700_000_000.0 + record.prev_len,
-        "output_fingerprint": assistant_fingerprint(call.response) or None,
-        "continuation_fingerprint": assistant_fingerprint(call.request + call.response) or None,
-        "fingerprint_version": FINGERPRINT_VERSION,
-    }
-    return build(
-        "CaptureLedgerCommit",
-        {
-            "rollout_id": record.rollout_id,
-            "record": row,
-            "staging_chain": [*chain, call.key],
-            "request_items": call.request,
-            "response_items": call.response,
-        },
-    )
 
 
 def _check(condition: bool, check: str, what: str) -> None:
@@ -144,7 +58,7 @@ def _check(condition: bool, check: str, what: str) -> None:
         raise StagingConformanceError(f"{check}: {what}")
 
 
-def _stage_ok(sink: Any, call: _Call, check: str, attachments: dict[str, bytes] | None = None) -> None:
+def _stage_ok(sink: Any, call: ExampleCall, check: str, attachments: dict[str, bytes] | None = None) -> None:
     result = (
         sink.stage(call.record) if attachments is None else sink.stage(call.record, attachments=attachments)
     )
@@ -290,7 +204,7 @@ async def _threads(rollout: str, fresh: _Fresh, sinks: Callable[[], Any], source
     rollouts = [_rollout(f"{rollout}-t{n}", 4, extras=bool(n % 2)) for n in range(8)]
     failures: list[str] = []
 
-    def stage_all(calls: list[_Call]) -> None:
+    def stage_all(calls: list[ExampleCall]) -> None:
         for call in calls:
             try:
                 _stage_ok(sink, call, check, {"a": call.record.digest.encode()})
@@ -317,10 +231,10 @@ async def _threads(rollout: str, fresh: _Fresh, sinks: Callable[[], Any], source
 async def _ledger_once(rollout: str, fresh: _Fresh, ledgers: Callable[[], Any]) -> None:
     check = "ledger_records_once_and_refuses_changes"
     [call] = _rollout(rollout, 1)
-    commit = _commit(call, [])
+    commit = commit_of(call, [])
     await fresh(ledgers).record(commit)
     await fresh(ledgers).record(commit)
-    changed = _commit(call, [])
+    changed = commit_of(call, [])
     changed.request_items.append({"role": "user", "content": "an item the first commit did not have"})
     try:
         await fresh(ledgers).record(changed)
@@ -353,8 +267,8 @@ async def _resolve(rollout: str, fresh: _Fresh, ledgers: Callable[[], Any]) -> N
     check = "ledger_resolves_parents_by_fingerprint"
     calls = _rollout(rollout, 2)
     ledger = fresh(ledgers)
-    await ledger.record(_commit(calls[0], []))
-    await ledger.record(_commit(calls[1], [calls[0].key]))
+    await ledger.record(commit_of(calls[0], []))
+    await ledger.record(commit_of(calls[1], [calls[0].key]))
     await ledger.record_failure(rollout, "call-failed", "worker_capture_failed")
     parent = calls[1]
     request = [*parent.request, *parent.response, {"role": "user", "content": "go on"}]
@@ -388,7 +302,7 @@ async def _end_to_end(
     chain: list[str] = []
     for call in calls:
         _stage_ok(sink, call, check)
-        await ledger.record(_commit(call, chain))
+        await ledger.record(commit_of(call, chain))
         chain = [*chain, call.key]
     manifest = await fresh(ledgers).manifest(rollout)
     receipt = build("RolloutReceipt", receipt_from_manifest(manifest).model_dump(mode="json"))
