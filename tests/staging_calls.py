@@ -12,12 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
-from tokcap.staging.digest import (
-    compute_chain_hash,
-    compute_extras_digest,
-    compute_staging_digest,
-    hash_token_ids,
-)
+from tokcap.staging.example_calls import staged_record_fields
 from tokcap.staging.records import CallRecord, CaptureLedgerCommit, StagedCallRecord, staging_key
 
 
@@ -42,29 +37,20 @@ def staged_call(
     log_probs = [0.0] * len(prompt_delta) + [
         exact_log_prob(token + index) for index, token in enumerate(generated)
     ]
-    prev_len = parent.cum_len if parent is not None else 0
     prefix = _cumulative[(parent.rollout_id, parent.model_call_id)] if parent is not None else []
     _cumulative[(rollout_id, call_id)] = prefix + ids
-    fields: dict[str, Any] = {
-        "schema_version": 2,
-        "digest_version": 2,
-        "extras_digest_version": 1,
-        "rollout_id": rollout_id,
-        "model_call_id": call_id,
-        "parent_call_id": parent.model_call_id if parent is not None else None,
-        "mode": "token_in" if parent is not None else "text",
-        "prev_len": prev_len,
-        "delta_len": len(ids),
-        "cum_len": prev_len + len(ids),
-        "weight_version": weight_version,
-        "token_ids_delta": ids,
-        "token_mask_delta": mask,
-        "generation_log_probs_delta": log_probs,
-        "extras_digest": compute_extras_digest(extras),
-        "chain_hash": compute_chain_hash(parent.chain_hash if parent is not None else None, ids),
-        "cumulative_hash": hash_token_ids(prefix + ids),
-    }
-    return StagedCallRecord(**fields, digest=compute_staging_digest(**fields), extras=extras)
+    fields = staged_record_fields(
+        rollout_id,
+        call_id,
+        ids,
+        mask,
+        log_probs,
+        parent=parent,
+        prefix=prefix,
+        weight_version=weight_version,
+        extras=extras,
+    )
+    return StagedCallRecord(**fields)
 
 
 _cumulative: dict[tuple[str, str], list[int]] = {}

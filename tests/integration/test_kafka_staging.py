@@ -257,9 +257,8 @@ def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged
         source.close()
 
 
-def test_a_sink_with_a_store_dir_fails_a_conflicting_stage_from_another_process_and_a_late_stage_after_retire(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
-) -> None:
+def _stage_root_from_another_process(bootstrap: str, topic: str, rollout_id: str) -> None:
+    """Stage the root of ``conversation(rollout_id, 1)`` through a sink in a process of its own."""
     repo = Path(__file__).resolve().parents[2]
     script = (
         "import sys\n"
@@ -267,11 +266,17 @@ def test_a_sink_with_a_store_dir_fails_a_conflicting_stage_from_another_process_
         "from staging_calls import conversation\n"
         "from transports.kafka.staging import KafkaStagingSink\n"
         "sink = KafkaStagingSink(bootstrap_servers=sys.argv[1], topic=sys.argv[2])\n"
-        "assert sink.stage(conversation('fenced', 1)[0].call).ok\n"
+        "assert sink.stage(conversation(sys.argv[3], 1)[0].call).ok\n"
         "sink.close()\n"
     )
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    subprocess.run([sys.executable, "-c", script, kafka_bootstrap, kafka_topic], env=env, check=True)
+    subprocess.run([sys.executable, "-c", script, bootstrap, topic, rollout_id], env=env, check=True)
+
+
+def test_a_sink_with_a_store_dir_fails_a_conflicting_stage_from_another_process_and_a_late_stage_after_retire(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    _stage_root_from_another_process(kafka_bootstrap, kafka_topic, "fenced")
     store_dir = tmp_path / "own"
     sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
     ledger = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
@@ -297,18 +302,7 @@ def test_without_a_store_dir_a_stage_the_store_drops_is_refused_at_its_ledger_re
     kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
 ) -> None:
     """The sink alone cannot see the verdict; the ledger row Gym writes after it does, before the commit."""
-    repo = Path(__file__).resolve().parents[2]
-    script = (
-        "import sys\n"
-        f"sys.path.insert(0, {str(repo / 'tests')!r})\n"
-        "from staging_calls import conversation\n"
-        "from transports.kafka.staging import KafkaStagingSink\n"
-        "sink = KafkaStagingSink(bootstrap_servers=sys.argv[1], topic=sys.argv[2])\n"
-        "assert sink.stage(conversation('raced', 1)[0].call).ok\n"
-        "sink.close()\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(repo)}
-    subprocess.run([sys.executable, "-c", script, kafka_bootstrap, kafka_topic], env=env, check=True)
+    _stage_root_from_another_process(kafka_bootstrap, kafka_topic, "raced")
     store_dir = tmp_path / "trainer"
     sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
     ledger = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)

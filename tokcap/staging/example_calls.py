@@ -18,7 +18,7 @@ from tokcap.staging.digest import (
 from tokcap.staging.gym_types import build
 from tokcap.staging.records import staging_key
 
-__all__ = ["ExampleCall", "commit_of", "staged_record"]
+__all__ = ["ExampleCall", "commit_of", "staged_record", "staged_record_fields"]
 
 
 class ExampleCall:
@@ -32,6 +32,42 @@ class ExampleCall:
         self.key = staging_key(record.rollout_id, record.model_call_id)
 
 
+def staged_record_fields(
+    rollout_id: str,
+    call_id: str,
+    ids: list[int],
+    mask: list[float],
+    log_probs: list[float],
+    *,
+    parent: Any = None,
+    prefix: list[int] | None = None,
+    weight_version: int = 4,
+    extras: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Every field of a staged record extending ``parent`` (whose tokens are ``prefix``), digests computed."""
+    prefix = prefix or []
+    fields: dict[str, Any] = {
+        "schema_version": 2,
+        "digest_version": 2,
+        "extras_digest_version": 1,
+        "rollout_id": rollout_id,
+        "model_call_id": call_id,
+        "parent_call_id": parent.model_call_id if parent is not None else None,
+        "mode": "token_in" if parent is not None else "text",
+        "prev_len": len(prefix),
+        "delta_len": len(ids),
+        "cum_len": len(prefix) + len(ids),
+        "weight_version": weight_version,
+        "token_ids_delta": ids,
+        "token_mask_delta": mask,
+        "generation_log_probs_delta": log_probs,
+        "extras_digest": compute_extras_digest(extras),
+        "chain_hash": compute_chain_hash(parent.chain_hash if parent is not None else None, ids),
+        "cumulative_hash": hash_token_ids(prefix + ids),
+    }
+    return {**fields, "digest": compute_staging_digest(**fields), "extras": extras}
+
+
 def staged_record(
     rollout_id: str,
     call_id: str,
@@ -43,30 +79,19 @@ def staged_record(
     """A staged record (a text root, or a token-in continuation of ``parent``) and its whole token sequence."""
     ids = prompt + generated
     prefix = parent.tokens if parent is not None else []
+    mask = [0.0] * len(prompt) + [1.0] * len(generated)
     log_probs = [0.0] * len(prompt) + [-(index + 1) / 3.0 - 1e-13 for index in range(len(generated))]
-    fields: dict[str, Any] = {
-        "schema_version": 2,
-        "digest_version": 2,
-        "extras_digest_version": 1,
-        "rollout_id": rollout_id,
-        "model_call_id": call_id,
-        "parent_call_id": parent.record.model_call_id if parent is not None else None,
-        "mode": "token_in" if parent is not None else "text",
-        "prev_len": len(prefix),
-        "delta_len": len(ids),
-        "cum_len": len(prefix) + len(ids),
-        "weight_version": 4,
-        "token_ids_delta": ids,
-        "token_mask_delta": [0.0] * len(prompt) + [1.0] * len(generated),
-        "generation_log_probs_delta": log_probs,
-        "extras_digest": compute_extras_digest(extras),
-        "chain_hash": compute_chain_hash(parent.record.chain_hash if parent is not None else None, ids),
-        "cumulative_hash": hash_token_ids(prefix + ids),
-    }
-    record = build(
-        "StagedCallRecord", {**fields, "digest": compute_staging_digest(**fields), "extras": extras}
+    fields = staged_record_fields(
+        rollout_id,
+        call_id,
+        ids,
+        mask,
+        log_probs,
+        parent=parent.record if parent is not None else None,
+        prefix=prefix,
+        extras=extras,
     )
-    return record, prefix + ids
+    return build("StagedCallRecord", fields), prefix + ids
 
 
 def commit_of(call: ExampleCall, chain: list[str], *, response_id: str | None = None) -> Any:
