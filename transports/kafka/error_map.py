@@ -8,7 +8,8 @@ exception (a topic's metadata, a delivery report) is raised inside the block so 
 reported on the side are read through ``read_failure`` (a consumer's error message, which may be recoverable)
 and ``authentication_failure`` (the client's error callback).
 
-Which tokcap error a librdkafka error becomes, whatever was asked:
+Which tokcap error a librdkafka error becomes, whatever a connected client was asked (a request, a delivery,
+a read):
 
 - a failed TLS handshake (untrusted certificate, hostname mismatch) → ``BrokerTlsError``;
 - a refused SASL login → ``BrokerAuthenticationError`` naming broker, principal and mechanism;
