@@ -61,13 +61,7 @@ from tokcap.lineage import (
 )
 from tokcap.records import ParentResolutionStatus, TokenEntry
 from transports.kafka.admin import list_topics, partition_count
-from transports.kafka.client_errors import (
-    AuthenticationWatch,
-    ClientContext,
-    build_client,
-    read_error,
-    request_error,
-)
+from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
 from transports.kafka.codec import (
     ENCODING_DELTA,
     ENCODING_JSON,
@@ -82,6 +76,7 @@ from transports.kafka.codec import (
     rollout_of_key,
 )
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
+from transports.kafka.error_map import Request, read_failure, translated
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
 from transports.kafka.router import LogMessage
 from transports.kafka.staging import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
@@ -218,6 +213,8 @@ class KafkaLineageResolver:
         self._partitioner = partitioner
         self._timeout_s = timeout_s
         self._context = ClientContext(bootstrap_servers, dict(consumer_config or {}))
+        self._end_request = Request(f"read the end of {self._topic!r}", timeout_s)
+        self._read_request = Request(f"read {self._topic!r}", timeout_s)
         self._watch = AuthenticationWatch(self._context)
         settings = self._context.settings(
             {
@@ -421,10 +418,8 @@ class KafkaLineageResolver:
                 if partition in self._next:
                     return
             where = TopicPartition(self._topic, partition)
-            try:
+            with translated(self._context, self._end_request):
                 low, _ = self._asker.get_watermark_offsets(where, timeout=self._timeout_s, cached=False)
-            except KafkaException as exc:
-                raise self._request_error(exc) from None
             with self._lock:
                 self._raise_if_closed()
                 self._next[partition] = int(low)
@@ -437,21 +432,13 @@ class KafkaLineageResolver:
         the last stable offset: the end that reading can reach (the high watermark when nothing is transactional).
         """
         wanted = [TopicPartition(self._topic, partition, OFFSET_END) for partition in sorted(partitions)]
-        try:
-            answered = self._asker.offsets_for_times(wanted, timeout=self._timeout_s)
-        except KafkaException as exc:
-            raise self._request_error(exc) from None
         ends: dict[int, int] = {}
-        for where in answered:
-            if where.error is not None:
-                raise self._request_error(KafkaException(where.error))
-            ends[where.partition] = int(where.offset)
+        with translated(self._context, self._end_request):
+            for where in self._asker.offsets_for_times(wanted, timeout=self._timeout_s):
+                if where.error is not None:
+                    raise KafkaException(where.error)
+                ends[where.partition] = int(where.offset)
         return ends
-
-    def _request_error(self, exc: KafkaException) -> TransportError:
-        return request_error(
-            exc, doing=f"read the end of {self._topic!r}", context=self._context, timeout_s=self._timeout_s
-        )
 
     def _catch_up(self, partition: int, high: int) -> None:
         """Wait until the partition is read up to ``high``, its end as of the call.
@@ -486,22 +473,19 @@ class KafkaLineageResolver:
         messages: list[Message] = []
         self._lock.release()
         try:
-            if unassigned:
-                self._consumer.incremental_assign(unassigned)
-                unassigned = []
-            if not self._reader_knows_leaders:
-                # librdkafka learns the leaders of a topic first assigned on a handle at its next topic scan,
-                # up to a second later, and fetches nothing until then (the first resolves of a run stalled
-                # 0.5-1 s so). Asking for the topic's metadata on this handle teaches it now.
-                list_topics(self._consumer, self._watch, self._context, self._timeout_s, self._topic)
-                self._reader_knows_leaders = True
-            messages = self._consumer.consume(1, timeout_s)
-            if messages:
-                messages.extend(self._consumer.consume(500, 0))
-        except KafkaException as exc:
-            raise request_error(
-                exc, doing=f"read {self._topic!r}", context=self._context, timeout_s=self._timeout_s
-            ) from None
+            with translated(self._context, self._read_request):
+                if unassigned:
+                    self._consumer.incremental_assign(unassigned)
+                    unassigned = []
+                if not self._reader_knows_leaders:
+                    # librdkafka learns the leaders of a topic first assigned on a handle at its next topic
+                    # scan, up to a second later, and fetches nothing until then (the first resolves of a run
+                    # stalled 0.5-1 s so). Asking for the topic's metadata on this handle teaches it now.
+                    list_topics(self._consumer, self._watch, self._context, self._timeout_s, self._topic)
+                    self._reader_knows_leaders = True
+                messages = self._consumer.consume(1, timeout_s)
+                if messages:
+                    messages.extend(self._consumer.consume(500, 0))
         finally:
             self._lock.acquire()
             self._unassigned.extend(unassigned)  # not assigned: the next reader tries again
@@ -522,7 +506,7 @@ class KafkaLineageResolver:
     def _take(self, message: Message) -> TransportError | None:
         error = message.error()
         if error is not None:
-            return read_error(error, topic=self._topic, context=self._context)
+            return read_failure(error, self._context, self._topic)
         partition, offset = message.partition(), message.offset()
         if partition is None or offset is None or offset < self._next.get(partition, 0):
             return None

@@ -94,9 +94,10 @@ from transports.kafka.checkpoint import (
     checkpoint_path,
     write_checkpoints,
 )
-from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
+from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.error_map import read_failure
 from transports.kafka.incarnation import IncarnationWatch
 from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.ownership import check_owner_records, write_owner_records
@@ -364,6 +365,7 @@ class Materializer:
                 self._new_consumer, {**self._consumer_settings(), **READER_SETTINGS}, self._client, "consumer"
             ),
             self._topic,
+            context=self._client,
         )
         self._router = InboundRouter(parents=ParentRestorer(self._parent_reader.read))
         self._applied_next: dict[int, int] = {}
@@ -1077,7 +1079,7 @@ class Materializer:
         return swept
 
     def _on_consumer_error(self, error: KafkaError) -> None:
-        failure = read_error(error, topic=self._topic, context=self._client)
+        failure = read_failure(error, self._client, self._topic)
         if failure is not None:
             # A topic deleted and created again shows first as an offset out of range: say so if it is.
             assert self._incarnation is not None
