@@ -95,6 +95,7 @@ from transports.kafka.checkpoint import (
     write_checkpoints,
 )
 from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
+from transports.kafka.codec import LogMessage
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.incarnation import IncarnationWatch
@@ -107,7 +108,6 @@ from transports.kafka.router import (
     DeadLetter,
     Deferred,
     InboundRouter,
-    LogMessage,
     Routed,
     carry_out,
     refused_staging_reason,

@@ -14,7 +14,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from tokcap.errors import TransportError
-from transports.kafka.router import LogMessage
+from transports.kafka.codec import LogMessage
 
 __all__ = ["READER_SETTINGS", "OffsetReader"]
 

@@ -37,7 +37,7 @@ from transports.kafka.client_errors import (
     request_error,
     scrubbed_cause,
 )
-from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER
+from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
@@ -46,7 +46,6 @@ from transports.kafka.router import (
     Buffered,
     DeadLetter,
     InboundRouter,
-    LogMessage,
     Routed,
     carry_out,
 )
