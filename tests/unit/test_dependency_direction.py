@@ -24,8 +24,6 @@ KAFKA_MOUNT = ("tokcap/cli/app.py", "_mount_kafka")
 """The one function of the core that imports ``transports``."""
 
 KNOWN_CYCLES: list[frozenset[str]] = [
-    # builder serves Gym's builder names from projection lazily; projection builds on builder's chains.
-    frozenset({"tokcap.builder", "tokcap.projection"}),
     # FileLineageResolver is a FileCaptureLedger; the ledger still takes the resolution values from lineage,
     # which re-exports them from protocols. Broken when the ledger imports them from protocols.
     frozenset({"tokcap.ledger", "tokcap.lineage"}),
