@@ -18,9 +18,8 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from tokcap.events import Event
-from transports.kafka.codec import encode_event_messages
+from transports.kafka.codec import LogMessage, encode_event_messages
 from transports.kafka.materializer import Materializer
-from transports.kafka.router import LogMessage
 
 Headers = list[tuple[str, bytes]]
 

@@ -31,7 +31,7 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -49,6 +49,9 @@ from tokcap.input_rules import accept_event, check_entry_fields
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 
+if TYPE_CHECKING:
+    from confluent_kafka import Message
+
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "ENCODING_DELTA",
@@ -65,6 +68,7 @@ __all__ = [
     "HEADER_WRITER",
     "WIRE_DELTA_SCHEMA_VERSION",
     "ChunkHeader",
+    "LogMessage",
     "OutgoingMessage",
     "ParentLink",
     "WireDelta",
@@ -123,6 +127,44 @@ class OutgoingMessage:
     headers: list[tuple[str, bytes]]
     partition: int | None = None
     """The partition to send to; ``None`` lets the key's partitioner choose."""
+
+
+@dataclass(frozen=True)
+class LogMessage:
+    """One message as read from the log."""
+
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    key: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+    value: bytes | None
+
+    @property
+    def size(self) -> int:
+        """Bytes of key and value, what the message costs on the broker before compression."""
+        return len(self.key or b"") + len(self.value or b"")
+
+    @classmethod
+    def of(cls, message: Message) -> LogMessage:
+        """The message a consumer returned, without its error (the caller handled that)."""
+        kind, stamp = message.timestamp()
+        return cls(
+            partition=int(message.partition() or 0),
+            offset=int(message.offset() or 0),
+            timestamp_ms=int(stamp) if kind != 0 else None,
+            key=message.key(),
+            headers=_header_pairs(message.headers()),
+            value=message.value(),
+        )
+
+
+def _header_pairs(
+    headers: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]] | None,
+) -> tuple[tuple[str, bytes | None], ...]:
+    """Headers as ``(name, bytes)`` pairs in their order on the message."""
+    pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
+    return tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ from transports.kafka.codec import (
     ENCODING_PACKED,
     HEADER_ENCODING,
     HEADER_TYPE,
+    LogMessage,
     decode_event_value,
     decode_wire_delta,
     headers_to_dict,
@@ -78,7 +79,6 @@ from transports.kafka.codec import (
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
-from transports.kafka.router import LogMessage
 from transports.kafka.staging import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
 from transports.kafka.topics import resolve_topic
 

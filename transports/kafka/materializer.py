@@ -95,6 +95,7 @@ from transports.kafka.checkpoint import (
     write_checkpoints,
 )
 from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.codec import LogMessage
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import read_failure
@@ -108,7 +109,6 @@ from transports.kafka.router import (
     DeadLetter,
     Deferred,
     InboundRouter,
-    LogMessage,
     Routed,
     carry_out,
     refused_staging_reason,

@@ -15,8 +15,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from tokcap.errors import TransportError
 from transports.kafka.clients import ClientContext
+from transports.kafka.codec import LogMessage
 from transports.kafka.error_map import Request, translated
-from transports.kafka.router import LogMessage
 
 __all__ = ["READER_SETTINGS", "OffsetReader"]
 

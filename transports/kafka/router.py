@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.events import (
@@ -56,6 +55,7 @@ from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.codec import (
     HEADER_TYPE,
     ChunkHeader,
+    LogMessage,
     decode_message,
     decode_wire_delta,
     headers_to_dict,
@@ -66,9 +66,6 @@ from transports.kafka.codec import (
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
 
-if TYPE_CHECKING:
-    from confluent_kafka import Message
-
 __all__ = [
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
@@ -77,7 +74,6 @@ __all__ = [
     "DeadLetter",
     "Deferred",
     "InboundRouter",
-    "LogMessage",
     "Routed",
     "carry_out",
     "refused_staging_reason",
@@ -91,44 +87,6 @@ ORPHAN_AFTER_OFFSETS = 100_000
 
 _DEFERRABLE_TYPES = frozenset({"intent", "cancel", "put", "incomplete"})
 """Type headers of the messages whose decoding may wait: a rollout's capture, never a command a source waits on."""
-
-
-@dataclass(frozen=True)
-class LogMessage:
-    """One message as read from the log."""
-
-    partition: int
-    offset: int
-    timestamp_ms: int | None
-    key: bytes | None
-    headers: tuple[tuple[str, bytes | None], ...]
-    value: bytes | None
-
-    @property
-    def size(self) -> int:
-        """Bytes of key and value, what the message costs on the broker before compression."""
-        return len(self.key or b"") + len(self.value or b"")
-
-    @classmethod
-    def of(cls, message: Message) -> LogMessage:
-        """The message a consumer returned, without its error (the caller handled that)."""
-        kind, stamp = message.timestamp()
-        return cls(
-            partition=int(message.partition() or 0),
-            offset=int(message.offset() or 0),
-            timestamp_ms=int(stamp) if kind != 0 else None,
-            key=message.key(),
-            headers=_header_pairs(message.headers()),
-            value=message.value(),
-        )
-
-
-def _header_pairs(
-    headers: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]] | None,
-) -> tuple[tuple[str, bytes | None], ...]:
-    """Headers as ``(name, bytes)`` pairs in their order on the message."""
-    pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
-    return tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
 
 
 @dataclass(frozen=True)

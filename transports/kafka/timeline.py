@@ -30,7 +30,7 @@ from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, 
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import list_topics, watermarks
 from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
-from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER
+from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
@@ -40,7 +40,6 @@ from transports.kafka.router import (
     Buffered,
     DeadLetter,
     InboundRouter,
-    LogMessage,
     Routed,
     carry_out,
 )
