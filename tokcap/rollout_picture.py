@@ -25,10 +25,10 @@ __all__ = ["Outcome", "PictureCall", "RolloutPicture", "render_html", "render_sv
 Outcome = Literal["delivered", "masked", "retired"]
 """What became of the rollout: trained on, masked (zero loss weight), or already retired (nothing left)."""
 
-NOT_CAPTURED_PARENT = "named as a parent but never captured"
+_NOT_CAPTURED_PARENT = "named as a parent but never captured"
 """The mark of a box drawn for a parent id that no call of the picture has."""
 
-CYCLE = "its parent link forms a cycle; drawn as a root"
+_CYCLE = "its parent link forms a cycle; drawn as a root"
 """The note of a call whose parent chain loops back to itself."""
 
 
@@ -137,7 +137,9 @@ def _merged(calls: Iterable[PictureCall]) -> dict[str, PictureCall]:
             )
     for call in list(merged.values()):
         if call.parent_id is not None and call.parent_id not in merged:
-            merged[call.parent_id] = PictureCall(call.parent_id, captured=False, marks=(NOT_CAPTURED_PARENT,))
+            merged[call.parent_id] = PictureCall(
+                call.parent_id, captured=False, marks=(_NOT_CAPTURED_PARENT,)
+            )
     return merged
 
 
@@ -189,7 +191,7 @@ def _layout(picture: RolloutPicture, chars: int) -> tuple[dict[str, _Node], list
         siblings.sort(key=lambda call_id: call_id not in on_chain)
     for call_id, call in calls.items():
         if call.parent_id == call_id:
-            calls[call_id] = replace(call, parent_id=None, notes=(*call.notes, CYCLE))
+            calls[call_id] = replace(call, parent_id=None, notes=(*call.notes, _CYCLE))
     roots = [call_id for call_id, call in calls.items() if call.parent_id is None]
     roots.sort(key=lambda call_id: call_id not in on_chain)
     nodes: dict[str, _Node] = {}
@@ -200,7 +202,7 @@ def _layout(picture: RolloutPicture, chars: int) -> tuple[dict[str, _Node], list
             # Every call left sits on a parent-link cycle: break it at the first one.
             first = next(call_id for call_id in calls if call_id not in nodes)
             call = calls[first]
-            calls[first] = replace(call, parent_id=None, notes=(*call.notes, CYCLE))
+            calls[first] = replace(call, parent_id=None, notes=(*call.notes, _CYCLE))
             roots = [first]
         stack: list[tuple[str, int, str | None]] = [(root, 0, None) for root in reversed(roots)]
         roots = []
