@@ -437,12 +437,14 @@ def _html_list(items: Sequence[str]) -> str:
 
 
 def render_html(picture: RolloutPicture) -> str:
-    """A standalone HTML page: the SVG, a legend, and every reason in full (boxes cut long ones)."""
+    """A standalone HTML page: the SVG, a legend, and every reason in full (boxes cut long ones).
+
+    The SVG carries the title and verdict; wide pictures scroll on screen and shrink to the page in print.
+    """
     title = html.escape(_clean(picture.rollout_id))
     findings = [*picture.notes]
     for call in _merged(picture.calls).values():
-        findings.extend(f"{call.call_id}: {mark}" for mark in call.marks)
-    verdict = picture.outcome + (": " + ", ".join(picture.reasons) if picture.reasons else "")
+        findings.extend(f"call {call.call_id}: {mark}" for mark in call.marks)
     chain = _chain_label(picture)
     explained = [(chain, _CHAIN_TEXT[chain])] if picture.terminal_chain else []
     legend = "".join(
@@ -455,9 +457,8 @@ def render_html(picture: RolloutPicture) -> str:
         f"<title>tokcap rollout {title}</title>"
         "<style>body{font-family:system-ui,sans-serif;margin:24px;color:#1f2328}"
         "figure{margin:0;overflow-x:auto}dt{font-weight:bold;margin-top:6px}dd{margin-left:16px}"
-        "li{font-family:monospace;white-space:pre-wrap}</style></head><body>"
-        f"<h1>rollout {title}</h1>"
-        f"<p>{html.escape(_xml_safe(verdict))}</p>"
+        "li{font-family:monospace;white-space:pre-wrap;overflow-wrap:anywhere}"
+        "@media print{figure svg{max-width:100%;height:auto}}</style></head><body>"
         f"<figure>{render_svg(picture)}</figure>"
         f"<h2>Legend</h2><dl>{legend}</dl>"
         + (f"<h2>Why</h2>{_html_list(findings)}" if findings else "")
