@@ -83,7 +83,7 @@ _PAD = 9
 _MARGIN = 20
 _COL_GAP = 28
 _ROW_GAP = 34
-_MIN_BOX = 190
+_MIN_BOX = 260
 _MAX_BOX = 330
 _MIN_WIDTH = 640
 _MARK_LINES = 3
@@ -152,17 +152,23 @@ class _Node:
     parent: str | None = None
 
 
+def _counts(call: PictureCall) -> str:
+    """The token counts line of a box, or that the call was never captured."""
+    if not call.captured:
+        return "not captured"
+    prompt = "?" if call.prompt_tokens is None else f"{call.prompt_tokens:,}"
+    generated = "?" if call.generated_tokens is None else f"{call.generated_tokens:,}"
+    return f"{_clean(call.prompt_label)} {prompt} \u00b7 gen {generated}"
+
+
 def _box_lines(call: PictureCall, chars: int) -> list[tuple[str, str]]:
     """The lines of one box with their kind (``id``, ``count``, ``mark``, ``note``), fitted to ``chars``."""
-    lines: list[tuple[str, str]] = [("id", _fit(_clean(call.call_id), chars))]
-    if call.captured:
-        prompt = "?" if call.prompt_tokens is None else f"{call.prompt_tokens:,}"
-        generated = "?" if call.generated_tokens is None else f"{call.generated_tokens:,}"
-        lines.append(("count", _fit(f"{_clean(call.prompt_label)} {prompt} \u00b7 gen {generated}", chars)))
-    else:
-        lines.append(("count", "not captured"))
+    lines: list[tuple[str, str]] = [
+        ("id", _fit(_clean(call.call_id), chars)),
+        ("count", _fit(_counts(call), chars)),
+    ]
     if call.weight_version is not None:
-        lines.append(("count", f"weight version {call.weight_version}"))
+        lines.append(("count", _fit(f"weight version {call.weight_version}", chars)))
     for mark in call.marks:
         lines.extend(("mark", line) for line in _wrap("\u00d7 " + _clean(mark), chars, _MARK_LINES))
     for note in call.notes:
@@ -174,7 +180,7 @@ def _box_chars(calls: Iterable[PictureCall]) -> int:
     """Characters per box line: enough for the longest id and counts, within the box width limits."""
     longest = 0
     for call in calls:
-        longest = max(longest, len(_clean(call.call_id)), len(_clean(call.prompt_label)) + 22)
+        longest = max(longest, len(_clean(call.call_id)), len(_counts(call)))
     width = min(max(longest * _CHAR + 2 * _PAD, _MIN_BOX), _MAX_BOX)
     return int((width - 2 * _PAD) / _CHAR)
 
@@ -396,7 +402,7 @@ def render_svg(picture: RolloutPicture) -> str:
             )
         boxes.append("</g>")
 
-    legend, legend_height = _legend(picture, tree_bottom + 24)
+    legend, legend_height = _legend(picture, tree_bottom + 24) if nodes else ([], -24.0)
     canvas_height = tree_bottom + 24 + legend_height + _MARGIN
     defs = (
         "<defs>"

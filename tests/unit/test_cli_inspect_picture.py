@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import tokcap
 from staging_calls import commit_for, conversation
 
-from tokcap.cli.demo import FAULT_FAILED_WRITE, FAULT_LATE_WRITE, FAULT_LOST_CALL
+from tokcap.cli.demo import FAULT_FAILED_WRITE, FAULT_LATE_WRITE, FAULT_LOST_CALL, FAULT_RETRY
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink
 
@@ -149,3 +149,16 @@ def test_drawing_needs_a_rollout(demo_store: tuple[Path, dict[str, Any]], tmp_pa
     assert completed.returncode == 1
     assert "--svg and --html draw one rollout" in completed.stderr
     assert not (tmp_path / "all.svg").exists()
+
+
+def test_a_retired_rollout_is_drawn_as_retired_with_nothing_left_to_draw(
+    demo_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    directory, faults = demo_store
+    rollout = faults[FAULT_RETRY]["rollout_id"]
+    svg = tmp_path / "retired.svg"
+    assert tokcap("inspect", str(directory), rollout, "--svg", str(svg)).returncode == 0
+    assert _calls(svg) == {}
+    header = _header(svg)
+    assert "retired (records removed)" in header
+    assert any("only its fence is kept, so there is nothing to draw" in line for line in header)

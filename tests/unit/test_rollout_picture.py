@@ -186,7 +186,9 @@ def test_a_staged_rollout_shows_delta_prompts_weight_versions_and_a_failure_row_
     boxes = _assert_readable(svg)
     assert boxes["call-1"].lines[1:3] == ["delta prompt 54 \u00b7 gen 40", "weight version 4"]
     assert "weight version 5" in boxes["call-3"].lines
-    assert boxes["call-2"].dashed and "\u00d7 ledger failure: capture_failed" in boxes["call-2"].lines
+    assert boxes["call-2"].dashed and "\u00d7 ledger failure: capture_failed" in " ".join(
+        boxes["call-2"].lines
+    )
     assert boxes["call-3"].y > boxes["call-2"].y
     assert not any(box.terminal for box in boxes.values())
 
@@ -256,6 +258,16 @@ def test_long_ids_and_reasons_are_cut_to_fit_their_box_and_kept_whole_in_the_too
     assert box.lines[-1].endswith("\u2026")
     assert box.title == f"{long_id}\n{reason}"
     assert reason in render_html(picture)
+
+
+def test_token_counts_are_never_cut_however_large() -> None:
+    picture = RolloutPicture(
+        "r-big",
+        "delivered",
+        calls=(PictureCall("c", None, 12_345_678, 9_876_543, prompt_label="delta prompt"),),
+    )
+    box = _assert_readable(render_svg(picture))["c"]
+    assert box.lines[1] == "delta prompt 12,345,678 \u00b7 gen 9,876,543"
 
 
 def test_the_html_page_wraps_the_same_svg_with_a_legend() -> None:

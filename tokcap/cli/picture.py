@@ -144,8 +144,12 @@ def picture_of(detail: Mapping[str, Any]) -> RolloutPicture:
         chain = _entry_calls(detail, calls)
         verdict_detail = detail.get("verdict")
         if verdict_detail is None:
-            outcome = "retired"
-        elif verdict_detail["masked"]:
+            return RolloutPicture(
+                rollout_id=str(detail["rollout_id"]),
+                outcome="retired",
+                summary=f"version {detail['version']}; only its fence is kept, so there is nothing to draw",
+            )
+        if verdict_detail["masked"]:
             outcome, reasons = "masked", tuple(verdict_detail["mask_reasons"])
         else:
             outcome = "delivered"
