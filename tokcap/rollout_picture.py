@@ -387,8 +387,9 @@ def render_svg(picture: RolloutPicture) -> str:
         stroke, fill, stroke_width, dash = _box_style(node.call, call_id in on_chain, chain_colours)
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
         terminal = "true" if call_id in on_chain else "false"
+        parent_attr = "" if node.parent is None else f" data-parent-id={quoteattr(_xml_safe(node.parent))}"
         boxes.append(
-            f'<g class="call" data-call-id={quoteattr(_xml_safe(call_id))} data-terminal="{terminal}">'
+            f'<g class="call" data-call-id={quoteattr(_xml_safe(call_id))}{parent_attr} data-terminal="{terminal}">'
         )
         boxes.append(f"<title>{escape(_tooltip(node.call))}</title>")
         boxes.append(

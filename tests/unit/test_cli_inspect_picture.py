@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 from cli_helpers import tokcap
+from factories import make_entry
 from staging_calls import commit_for, conversation
 
 from tokcap.cli.demo import FAULT_FAILED_WRITE, FAULT_LATE_WRITE, FAULT_LOST_CALL, FAULT_RETRY
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink
+from tokcap.store import TokenCaptureStore
 
 _SVG = "{http://www.w3.org/2000/svg}"
 
@@ -162,3 +164,22 @@ def test_a_retired_rollout_is_drawn_as_retired_with_nothing_left_to_draw(
     header = _header(svg)
     assert "retired (records removed)" in header
     assert any("only its fence is kept, so there is nothing to draw" in line for line in header)
+
+
+def test_records_without_lineage_are_drawn_on_the_parent_links_the_builder_joined_them_by(
+    tmp_path: Path,
+) -> None:
+    store = TokenCaptureStore(tmp_path)
+    store.append(make_entry("r1", "c1", prompt=[1, 2, 3], generation=[4, 5], created_at=1.0))
+    store.append(make_entry("r1", "c2", prompt=[1, 2, 3, 4, 5, 6], generation=[7], created_at=2.0))
+    store.append(make_entry("r1", "side", prompt=[1, 2, 3, 4, 5, 9], generation=[10], created_at=3.0))
+    store.append(make_entry("r1", "c3", prompt=[1, 2, 3, 4, 5, 6, 7, 8], generation=[11], created_at=4.0))
+    svg = tmp_path / "r1.svg"
+    assert tokcap("inspect", str(tmp_path), "r1", "--svg", str(svg)).returncode == 0
+    parents = {
+        group.get("data-call-id"): group.get("data-parent-id")
+        for group in ET.parse(svg).getroot().iter(f"{_SVG}g")
+        if group.get("class") == "call"
+    }
+    assert parents == {"c1": None, "c2": "c1", "c3": "c2", "side": "c1"}
+    assert [call for call, (terminal, _, _) in _calls(svg).items() if terminal] == ["c1", "c2", "c3"]

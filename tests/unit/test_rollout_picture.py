@@ -18,6 +18,7 @@ _CHAR_WIDTH = 7.3
 @dataclass(frozen=True)
 class Box:
     call_id: str
+    parent_id: str | None
     terminal: bool
     x: float
     y: float
@@ -43,6 +44,7 @@ def _boxes(svg: str) -> dict[str, Box]:
         assert call_id is not None and call_id not in boxes, f"call {call_id!r} drawn twice"
         boxes[call_id] = Box(
             call_id=call_id,
+            parent_id=group.get("data-parent-id"),
             terminal=group.get("data-terminal") == "true",
             x=float(rect.get("x", "0")),
             y=float(rect.get("y", "0")),
@@ -131,6 +133,13 @@ def test_a_branching_tree_highlights_only_the_terminal_chain_and_greys_the_aband
     svg = render_svg(picture)
     boxes = _assert_readable(svg)
     assert {call_id for call_id, box in boxes.items() if box.terminal} == {"root", "kept", "kept-end"}
+    assert {call_id: box.parent_id for call_id, box in boxes.items()} == {
+        "root": None,
+        "side": "root",
+        "side-child": "side",
+        "kept": "root",
+        "kept-end": "kept",
+    }
     assert boxes["side"].stroke == boxes["side-child"].stroke == "#6e7781"
     assert "discarded retry" in boxes["side"].lines
     # The terminal chain runs straight down the left; the abandoned branch sits beside it.
@@ -234,6 +243,7 @@ def test_hostile_call_ids_and_reasons_are_escaped_in_the_svg_and_the_html_page()
     # The strings come back unchanged once parsed, except characters XML cannot hold.
     assert set(boxes) == {script, '"&amp;\ufffd\ufffd'}
     assert script in boxes[script].lines
+    assert boxes['"&amp;\ufffd\ufffd'].parent_id == script
     assert "\u00d7 <img src=x onerror=alert(1)>" in " ".join(boxes['"&amp;\ufffd\ufffd'].lines)
     assert 'masked: "&, <b>bold</b>' in _all_text(svg)
 

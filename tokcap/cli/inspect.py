@@ -186,6 +186,7 @@ def _build_dict(build: BuildOutput | None) -> dict[str, Any] | None:
         "chains": build.notes.chains,
         "main_chain": _chain_dict(main) if main is not None else None,
         "branch_chain_ids": list(build.branch_chain_ids),
+        "chain_call_ids": [list(chain.call_ids) for chain in build.chains],
         "discarded_retries": list(build.notes.discarded_retries),
         "unresolved_retries": [list(group) for group in build.notes.unresolved_retries],
         "quarantined_call_ids": list(build.quarantined_call_ids),

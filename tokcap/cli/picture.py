@@ -8,6 +8,7 @@ a failure row or a late event still gets a box, so a dangling call is seen where
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,10 @@ def _entry_calls(detail: Mapping[str, Any], calls: _Calls) -> tuple[str, ...]:
     build = detail.get("build") or {}
     main = build.get("main_chain") or {}
     chain = tuple(link["model_call_id"] for link in main.get("links", []))
-    # Records without lineage are joined by prefix: the main chain is the only parent link known.
-    chain_parent = dict(zip(chain[1:], chain, strict=False))
+    # Records without lineage are joined by prefix: the builder's chains are the only parent links known.
+    chain_parent = {
+        call: parent for links in build.get("chain_call_ids", []) for parent, call in pairwise(links)
+    }
     for entry in detail["entries"]:
         call_id = entry["model_call_id"]
         lineage = entry.get("parent_resolution") is not None
