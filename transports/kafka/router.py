@@ -549,10 +549,13 @@ class InboundRouter:
                     message, headers, size, f"chunk {chunk.index}/{chunk.count} of group {chunk.group}: {why}"
                 ),
             ]
-        evicted = self._make_room(message, len(value), group)
+        evicted: list[Routed] = []
+        if self._held[partition] + len(value) > self.max_open_chunk_bytes:
+            evicted = self._make_room(message, len(value), group)
         self._add(partition, group, message.offset, value, size)
         if len(group.pieces) < group.header.count:
-            return [*evicted, Buffered(partition, message.offset, headers, size, self._progress(chunk))]
+            buffered = Buffered(partition, message.offset, headers, size, self._progress(chunk))
+            return [*evicted, buffered] if evicted else [buffered]
         self._close(partition, group)
         if group.ghost:
             return evicted
