@@ -549,7 +549,7 @@ class InboundRouter:
                     message, headers, size, f"chunk {chunk.index}/{chunk.count} of group {chunk.group}: {why}"
                 ),
             ]
-        evicted: list[Routed] = []
+        evicted = []
         if self._held[partition] + len(value) > self.max_open_chunk_bytes:
             evicted = self._make_room(message, len(value), group)
         self._add(partition, group, message.offset, value, size)
