@@ -3,7 +3,8 @@
 A legitimate stage of a 4 MiB attachment with several MiB of routed experts is chunked, reassembled by the
 router, digest-checked and fetched exactly. A stage or put over the maximum event size is refused by its
 sink with nothing sent. A chunk group on the topic that declares more than the limit is dead-lettered at
-its first chunk and its rollout masked, its later chunks are orphans, and the other rollouts apply.
+its first chunk and its rollout masked, its later chunks are orphans, and the other rollouts apply; the
+lineage resolver, reassembling through the same router, still resolves a chunked parent beside it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from staging_calls import Turn, assistant, commit_for, cumulative_tokens, staged
 from store_contract import make_entry
 
 from tokcap.errors import EventTooLargeError
+from tokcap.lineage import LineageResolution, stamp_continuation
+from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokcap.staging import verify_and_linearize
 from tokcap.staging.digest import compute_extras_digest
 from tokcap.staging.records import RolloutReceipt
@@ -29,6 +32,7 @@ from transports.kafka import KafkaTokenSink
 from transports.kafka.admin import watermarks
 from transports.kafka.codec import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_EVENT_BYTES
 from transports.kafka.dead_letters import dead_letter_files
+from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
 
 pytestmark = pytest.mark.kafka
@@ -182,3 +186,52 @@ def test_a_crafted_chunk_group_over_the_event_limit_is_dead_lettered_and_masked_
     assert "max_event_bytes" in lines[0]["reason"]
     assert [line["rollout_id"] for line in lines] == ["crafted-r"] * 3
     assert all("orphaned chunk" in line["reason"] for line in lines[1:])
+
+
+def test_the_lineage_resolver_resolves_a_chunked_parent_beside_a_crafted_oversized_group(
+    kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    request: list[dict[str, Any]] = [{"role": "user", "content": "task"}]
+    prompt = list(range(400_000))
+    entry = TokenEntry(
+        rollout_id="long-r",
+        model_call_id="root",
+        prompt_token_ids=prompt,
+        generation_token_ids=[4, 5],
+        generation_log_probs=[-0.5, -0.25],
+        output_items=[{"role": "assistant", "content": "a long answer"}],
+    )
+    stamp_continuation(entry, request)
+    stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    headers = [("tokcap.type", b"put"), ("tokcap.schema_version", b"1"), ("tokcap.encoding", b"packed")]
+    for index in range(2):
+        chunk = [
+            ("tokcap.chunk.group", b"crafted:0"),
+            ("tokcap.chunk.index", str(index).encode()),
+            ("tokcap.chunk.count", b"300"),
+            ("tokcap.chunk.sha256", b"0" * 64),
+        ]
+        producer.produce(
+            kafka_topic, key=b"crafted-r", value=b"\x00" * DEFAULT_CHUNK_BYTES, headers=headers + chunk
+        )
+    assert producer.flush(30) == 0
+    continuation = [
+        *request,
+        {"role": "assistant", "content": "a long answer"},
+        {"role": "user", "content": "more"},
+    ]
+
+    async def run() -> LineageResolution:
+        sink = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+        resolver = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, timeout_s=20)
+        try:
+            await sink.put(entry)
+            return await resolver.resolve("long-r", continuation)
+        finally:
+            await asyncio.gather(sink.close(), resolver.close())
+
+    resolution = asyncio.run(run())
+    assert _messages_on(kafka_bootstrap, kafka_topic) >= 4  # two crafted chunks and the put's chunks
+    assert resolution.status is ParentResolutionStatus.RESOLVED
+    assert resolution.match is not None and resolution.match.cumulative_token_ids == (*prompt, 4, 5)

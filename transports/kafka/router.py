@@ -388,7 +388,8 @@ class InboundRouter:
         """A message read but not routed (another rollout's): it can still make open groups abandoned.
 
         A reader of one rollout calls this for the others' messages, so it abandons exactly the groups
-        the materializer, which reads them all, abandons.
+        the materializer, which reads them all, abandons. A reader that needs only some events (the lineage
+        resolver, puts) passes over the chunks of the others the same way: counted, never kept or decoded.
         """
         routed: list[Routed] = []
         try:
