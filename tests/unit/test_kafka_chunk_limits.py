@@ -331,7 +331,7 @@ def test_the_staging_sink_refuses_a_stage_over_the_limit_at_once_naming_the_size
     sink = KafkaStagingSink(
         bootstrap_servers=f"127.0.0.1:{_closed_port()}",
         run_id="nobody",
-        delivery_timeout_s=3.0,
+        delivery_timeout_s=1.0,
         chunk_bytes=1024,
         max_event_bytes=8192,
     )
@@ -357,7 +357,7 @@ def test_the_put_sink_raises_event_too_large_before_sending_and_frees_the_call_i
         sink = KafkaTokenSink(
             bootstrap_servers="127.0.0.1:1",
             topic="t",
-            delivery_timeout_s=3.0,
+            delivery_timeout_s=1.0,
             chunk_bytes=1024,
             max_event_bytes=8192,
         )
