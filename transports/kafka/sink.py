@@ -201,7 +201,11 @@ class KafkaTokenSink:
                 del self._digests[(rollout_id, call_id)]
 
     async def put(self, entry: TokenEntry) -> None:
-        """Publish a call's entry and return once the broker acknowledged it; a Gym entry is taken as is."""
+        """Publish a call's entry and return once the broker acknowledged it; a Gym entry is taken as is.
+
+        An entry whose encoded put is larger than ``max_event_bytes`` raises ``EventTooLargeError`` with
+        nothing sent: the caller marks the rollout incomplete, as after any failed put.
+        """
         entry = accept_entry(entry)
         rollout_id = validate_rollout_id(entry.rollout_id)
         call_id = entry.model_call_id
