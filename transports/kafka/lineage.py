@@ -7,7 +7,9 @@ per rollout, on any node, including a resolver built after the put.
 
 Only the JSON head of each packed put is parsed (call id, fingerprint, context digest, lengths, digest,
 parent link); the token arrays are kept as the undecoded bytes that arrived and are decoded for the one
-proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire.
+proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire. A put too large for
+one message is reassembled by the inbound router (``router``), with its digest check and memory limits, and
+decoded whole there; the chunks of other large events are counted towards those limits but not kept.
 
 Every put is checked by the sinks' input rules as it is read: its head by the rules on the entry's fields,
 its ids on their packed bytes (``codec.read_packed_head``); a put refused is no candidate. The rules that
@@ -50,7 +52,6 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, Message, Topic
 from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, TransportError
 from tokcap.events import PutEvent
 from tokcap.fingerprint import assistant_fingerprint
-from tokcap.hashing import sha256_hex
 from tokcap.lineage import (
     KeptParents,
     LineageIndex,
@@ -71,6 +72,7 @@ from transports.kafka.codec import (
     LogMessage,
     decode_event_value,
     decode_wire_delta,
+    encode_event_value,
     headers_to_dict,
     read_chunk_header,
     read_packed_head,
@@ -79,6 +81,7 @@ from transports.kafka.codec import (
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
+from transports.kafka.router import ApplyEvent, InboundRouter
 from transports.kafka.staging import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
 from transports.kafka.topics import resolve_topic
 
@@ -247,7 +250,8 @@ class KafkaLineageResolver:
         self._rollouts: dict[str, _RolloutLog] = {}
         self._parents = KeptParents(max_kept_tokens)
         """Each rollout's last materialized parent, kept with the log it was read from."""
-        self._chunks: dict[str, list[bytes]] = {}
+        self._chunk_router = InboundRouter()
+        """Reassembles chunk groups, the one way every reader does (bounded by its default memory limits)."""
         # Restoring is CPU work on one rollout; striped by rollout so concurrent calls do not queue on one lock,
         # with the kept tokens still bounded overall.
         self._restorers = [
@@ -384,7 +388,7 @@ class KafkaLineageResolver:
             await self._ledger.close()
         with self._lock:
             self._rollouts.clear()
-            self._chunks.clear()
+            self._chunk_router = InboundRouter()
             self._parents.clear()
             self._read.notify_all()
         await asyncio.to_thread(self._stop_reading)
@@ -517,23 +521,33 @@ class KafkaLineageResolver:
             return None
         try:
             headers = headers_to_dict(message.headers())
-            chunk = read_chunk_header(headers)
-            if chunk is not None:
-                parts = self._chunks.setdefault(chunk.group, [])
-                if chunk.index != len(parts):
-                    self._chunks.pop(chunk.group, None)
-                    return None
-                parts.append(value)
-                if len(parts) < chunk.count:
-                    return None
-                value = b"".join(self._chunks.pop(chunk.group))
-                if sha256_hex(value) != chunk.digest:
-                    return None
-            self._fold(rollout_id, value, headers, partition, offset if chunk is None else -1)
+            if read_chunk_header(headers) is not None:
+                if headers.get(HEADER_TYPE) == "put":
+                    self._take_chunk(LogMessage.of(message))
+                else:
+                    # A large stage (media, routed experts) is no candidate: its bytes are counted, not kept.
+                    self._chunk_router.pass_over(LogMessage.of(message))
+                return None
+            self._fold(rollout_id, value, headers, partition, offset)
         except (EventDecodeError, orjson.JSONDecodeError, ValueError, KeyError, TypeError):
             # The materializer dead-letters what it cannot decode; for lineage it is simply not a candidate.
             pass
         return None
+
+    def _take_chunk(self, message: LogMessage) -> None:
+        """Reassemble through the inbound router, with its checks and memory limits; fold a completed event.
+
+        A group the router dead-letters is simply no candidate. A completed put is folded as its packed value,
+        which the router already decoded and checked whole.
+        """
+        for decided in self._chunk_router.route(message):
+            if isinstance(decided, ApplyEvent):
+                event = decided.event
+                encoding, value = (
+                    encode_event_value(event) if isinstance(event, PutEvent) else (ENCODING_JSON, b"")
+                )
+                headers = {**decided.headers, HEADER_ENCODING: encoding}
+                self._fold(event.rollout_id, value, headers, decided.partition, -1)
 
     def _fold(
         self, rollout_id: str, value: bytes, headers: dict[str, str], partition: int = 0, offset: int = -1

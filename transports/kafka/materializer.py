@@ -95,7 +95,7 @@ from transports.kafka.checkpoint import (
     write_checkpoints,
 )
 from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
-from transports.kafka.codec import LogMessage
+from transports.kafka.codec import DEFAULT_MAX_EVENT_BYTES, LogMessage
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import read_failure
@@ -103,6 +103,7 @@ from transports.kafka.incarnation import IncarnationWatch
 from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.ownership import check_owner_records, write_owner_records
 from transports.kafka.router import (
+    DEFAULT_MAX_OPEN_CHUNK_BYTES,
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
     ApplyEvent,
@@ -327,6 +328,8 @@ class Materializer:
         on_dead_letter: Callable[[DeadLetterLine], object] | None = None,
         block_messages: int | None = None,
         topic_id_reader: Callable[[], str] | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_open_chunk_bytes: int = DEFAULT_MAX_OPEN_CHUNK_BYTES,
     ) -> None:
         """``consumer_factory`` builds the consumer from its settings; tests pass an in-memory topic double.
 
@@ -339,6 +342,10 @@ class Materializer:
         ``block_messages`` bounds the in-order sweep's deferred-durability blocks: smaller blocks checkpoint
         more often (a resume applies less again), larger ones write each rollout's state fewer times; the
         default is ``SWEEP_BLOCK_MESSAGES``.
+
+        ``max_event_bytes`` and ``max_open_chunk_bytes`` bound the memory of large events being reassembled
+        (``router``): a larger chunk group is dead-lettered and its rollout masked. Keep ``max_event_bytes`` at
+        least the sinks' and the same on every reader of the topic.
         """
         self._block_messages = check_block_messages(
             SWEEP_BLOCK_MESSAGES if block_messages is None else block_messages
@@ -367,7 +374,11 @@ class Materializer:
             self._topic,
             context=self._client,
         )
-        self._router = InboundRouter(parents=ParentRestorer(self._parent_reader.read))
+        self._router = InboundRouter(
+            max_event_bytes=max_event_bytes,
+            max_open_chunk_bytes=max_open_chunk_bytes,
+            parents=ParentRestorer(self._parent_reader.read),
+        )
         self._applied_next: dict[int, int] = {}
         self._applied_ahead: dict[int, set[int]] = {}
         self._counters = MaterializerCounters()
