@@ -8,6 +8,7 @@ a failure row or a late event still gets a box, so a dangling call is seen where
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -24,30 +25,36 @@ class _Calls:
         self.calls: dict[str, PictureCall] = {}
         self.marks: dict[str, list[str]] = {}
         self.notes: dict[str, list[str]] = {}
+        self._placeholders: set[str] = set()
 
     def add(self, call: PictureCall) -> None:
-        self.calls.setdefault(call.call_id, call)
+        """Keep the first description of a call; one known only by a finding gives way to a real one."""
+        if call.call_id not in self.calls or call.call_id in self._placeholders:
+            self.calls[call.call_id] = call
+            self._placeholders.discard(call.call_id)
+
+    def _known(self, call_id: str) -> None:
+        if call_id not in self.calls:
+            self.calls[call_id] = PictureCall(call_id, captured=False)
+            self._placeholders.add(call_id)
 
     def mark(self, call_id: str, reason: str) -> None:
-        self.add(PictureCall(call_id, captured=False))
+        """Say why ``call_id`` masks the rollout or cannot be used."""
+        self._known(call_id)
         self.marks.setdefault(call_id, []).append(reason)
 
     def note(self, call_id: str, text: str) -> None:
-        self.add(PictureCall(call_id, captured=False))
+        """Say something harmless about ``call_id``."""
+        self._known(call_id)
         self.notes.setdefault(call_id, []).append(text)
 
     def done(self) -> tuple[PictureCall, ...]:
+        """Every call with its findings, in first-seen order."""
         return tuple(
-            PictureCall(
-                call.call_id,
-                call.parent_id,
-                call.prompt_tokens,
-                call.generated_tokens,
-                call.weight_version,
-                call.captured,
-                (*call.marks, *self.marks.get(call_id, ())),
-                (*call.notes, *self.notes.get(call_id, ())),
-                call.prompt_label,
+            replace(
+                call,
+                marks=(*call.marks, *self.marks.get(call_id, ())),
+                notes=(*call.notes, *self.notes.get(call_id, ())),
             )
             for call_id, call in self.calls.items()
         )
