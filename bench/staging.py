@@ -13,8 +13,11 @@ experts of a 48-layer top-8 MoE in Gym's ``nrlre1`` envelope (int16, 1,024 x 48 
   with ``--straw DIR`` (installed there by ``pip install --no-deps --target DIR straw-queue==0.1.6 numpy``
   when missing; never a dependency of tokcap);
 - tokcap again with one more thread recording each staged call's commit in the file ledger while the stagers
-  run (the ledger's ``record`` latency under that load), and the time ``FileStagingSource.fetch`` takes for
-  a 64-call chain.
+  run (the ledger's ``record`` latency under that load), and beside it one more thread doing the ledger floor
+  for each call: the bytes a durable record needs on disk, written and synced file by file with nothing around
+  them (the row's line appended to a new file and fsynced, the directory fsynced, a state-sized file written,
+  fsynced and renamed, the directory fsynced again);
+- the time ``FileStagingSource.fetch`` takes for a 64-call chain.
 
 With ``--bootstrap``, Kafka staging too: ``KafkaStagingSink.stage`` into a fresh run topic, beside the Kafka
 floor (the same bytes produced raw with confluent-kafka, ``acks=all``, in messages under the broker's default
@@ -44,7 +47,9 @@ from typing import Any
 import orjson
 
 from bench.stats import median, percentile
+from tokcap.durable_io import fsync_directory
 from tokcap.fingerprint import FINGERPRINT_VERSION
+from tokcap.ledger import ledger_event
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink, FileStagingSource
 from tokcap.staging.digest import (
@@ -57,9 +62,11 @@ from tokcap.staging.records import CallRecord, CaptureLedgerCommit, StagedCallRe
 
 __all__ = [
     "KAFKA_FLOOR_CHUNK",
+    "LEDGER_FLOOR_STATE",
     "Measured",
     "StagedCall",
     "image_calls",
+    "ledger_floor",
     "main",
     "moe_calls",
     "run_kafka",
@@ -68,6 +75,9 @@ __all__ = [
 ]
 
 LAYERS, TOP_K, MIB = 48, 8, 1 << 20
+
+LEDGER_FLOOR_STATE = b"s" * 700
+"""The state the ledger floor writes: about the size of a one-call rollout's state after its ledger row."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +202,8 @@ class Measured:
     latencies: tuple[float, ...]
     cpu_seconds: float
     ledger: tuple[float, ...] = ()
+    ledger_floor: tuple[float, ...] = ()
+    ledger_append_floor: tuple[float, ...] = ()
 
     @property
     def calls_per_s(self) -> float:
@@ -238,18 +250,55 @@ def _threaded(
     return seconds, latencies, cpu
 
 
+def ledger_floor(directory: Path, name: str, line: bytes, state: bytes) -> tuple[float, float]:
+    """The disk work of one durable ledger record with nothing around it; return (append done, all done).
+
+    The row's ``line`` is appended to a new file and fsynced, and the directory fsynced (the file is new);
+    ``state`` is written to a temporary file, fsynced, renamed over the state and the directory fsynced.
+    """
+    started = time.perf_counter()
+    fd = os.open(directory / f"{name}.ledger", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    appended = time.perf_counter() - started
+    fsync_directory(directory)
+    temporary = directory / f"{name}.state.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, state)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, directory / f"{name}.state")
+    fsync_directory(directory)
+    return appended, time.perf_counter() - started
+
+
 def run_tokcap(
     root: Path, shape: str, calls: Sequence[StagedCall], threads: int, *, with_ledger: bool = False
 ) -> Measured:
     """``FileStagingSink.stage`` from ``threads`` threads; ``with_ledger``: one more thread records each commit.
 
     Without the ledger thread the run does what the floor and straw-queue do; with it, it is the load the
-    ledger's latency is measured under.
+    ledger's latency is measured under, and one more thread does the ledger floor (``ledger_floor``) for
+    each staged call in a directory of its own on the same filesystem, under the same load.
     """
     sink = FileStagingSink(root)
     ledger = FileLineageResolver(root)
     staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    floor_queue: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
     ledger_latencies: list[float] = []
+    floor_latencies: list[tuple[float, float]] = []
+    floor_directory = root / "ledger-floor"
+    floor_directory.mkdir()
+
+    def floor_commits() -> None:
+        while (record := floor_queue.get()) is not None:
+            line = ledger_event(_commit(record)).stored_line
+            floor_latencies.append(ledger_floor(floor_directory, record.rollout_id, line, LEDGER_FLOOR_STATE))
 
     def record_commits() -> None:
         loop = asyncio.new_event_loop()
@@ -268,14 +317,19 @@ def run_tokcap(
             raise RuntimeError(f"stage failed: {result.error}")
         if with_ledger:
             staged.put(call.record)
+            floor_queue.put(call.record)
 
     recorder = threading.Thread(target=record_commits)
+    floor = threading.Thread(target=floor_commits)
     recorder.start()
+    floor.start()
     try:
         seconds, latencies, cpu = _threaded(calls, threads, one)
     finally:
         staged.put(None)
+        floor_queue.put(None)
         recorder.join()
+        floor.join()
     return Measured(
         "tokcap FileStagingSink" + (" + ledger thread" if with_ledger else ""),
         shape,
@@ -285,6 +339,8 @@ def run_tokcap(
         tuple(latencies),
         cpu,
         tuple(ledger_latencies),
+        tuple(total for _, total in floor_latencies),
+        tuple(appended for appended, _ in floor_latencies),
     )
 
 
@@ -529,24 +585,36 @@ def _family(measured: Measured) -> str:
     return "kafka" if "Kafka" in measured.name else "file"
 
 
+def _p50_p99(latencies: Sequence[float]) -> str:
+    """``p50 / p99`` in milliseconds, or nothing when there are no latencies."""
+    if not latencies:
+        return ""
+    return f"{median(latencies) * 1e3:.1f} / {percentile(latencies, 0.99) * 1e3:.1f}"
+
+
 def _table(results: Sequence[Measured], fetches: Sequence[float], kafka_gap: str | None) -> str:
     lines = [
         "| shape | writer | calls/s | MB/s | p50 (ms) | p99 (ms) | CPU ms/call | MB/s ÷ floor "
-        "| ledger record p99 (ms) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ledger record p50 / p99 (ms) | ledger floor p50 / p99 (ms) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     floors = {(r.shape, _family(r)): r.mb_per_s for r in results if "floor" in r.name}
     for r in results:
-        ledger = f"{percentile(r.ledger, 0.99) * 1e3:.1f}" if r.ledger else ""
         lines.append(
             f"| {r.shape} | {r.name} | {r.calls_per_s:,.0f} | {r.mb_per_s:,.0f} | "
             f"{median(r.latencies) * 1e3:.1f} | {percentile(r.latencies, 0.99) * 1e3:.1f} | "
             f"{r.cpu_seconds / r.calls * 1e3:.2f} | "
-            f"{r.mb_per_s / floors[(r.shape, _family(r))]:.2f} | {ledger} |"
+            f"{r.mb_per_s / floors[(r.shape, _family(r))]:.2f} | {_p50_p99(r.ledger)} | "
+            f"{_p50_p99(r.ledger_floor)} |"
         )
     if kafka_gap is not None:
-        lines.append(f"| both | Kafka staging, confluent-kafka acks=all floor | {kafka_gap} | | | | | | |")
+        lines.append(f"| both | Kafka staging, confluent-kafka acks=all floor | {kafka_gap} | | | | | | | |")
     lines.append("")
+    for r in results:
+        if r.ledger_append_floor:
+            lines.append(
+                f"Ledger floor's append + fsync alone ({r.shape}): {_p50_p99(r.ledger_append_floor)} ms (p50 / p99)."
+            )
     lines.append(
         f"64-call chain fetch (`FileStagingSource.fetch`, fresh source): p50 {median(fetches) * 1e3:.1f} ms, "
         f"p99 {percentile(fetches, 0.99) * 1e3:.1f} ms"

@@ -33,6 +33,11 @@ def test_the_floor_writes_the_bytes_tokcap_stages_and_tokcap_reads_them_back(tmp
     assert written == sorted(data for call in calls for data in call.raw)
     staged = run_tokcap(tmp_path / "tokcap", "s", calls, 2, with_ledger=True)
     assert staged.calls == 3 and len(staged.ledger) == 3
+    assert len(staged.ledger_floor) == len(staged.ledger_append_floor) == 3
+    assert all(
+        0 < appended <= total
+        for appended, total in zip(staged.ledger_append_floor, staged.ledger_floor, strict=True)
+    )
     source = FileStagingSource(tmp_path / "tokcap")
     keys = [f"{call.record.rollout_id}/c0" for call in calls]
     assert [row.model_dump() for row in source.fetch_full(keys)] == [
@@ -46,5 +51,5 @@ def test_the_command_prints_every_row_and_names_the_missing_kafka_rows(
     assert main(["--calls", "2", "--images", "1", "--threads", "2", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("tokcap FileStagingSink |") == 2 and out.count("+ ledger thread") == 2
-    assert out.count("file floor") == 2
+    assert out.count("file floor") == 2 and out.count("Ledger floor's append + fsync alone") == 2
     assert "not measured" in out and "64-call chain fetch" in out
