@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import base64
 import importlib.util
+import multiprocessing
 import os
 import queue
 import shutil
@@ -277,6 +278,82 @@ def ledger_floor(directory: Path, name: str, line: bytes, state: bytes) -> tuple
     return appended, time.perf_counter() - started
 
 
+def _ledger_process(root: str, inbox: Any, outbox: Any, stop: Any) -> None:
+    """A model server's ledger in a process of its own: record each staged call's commit, then do its floor.
+
+    Runs until ``stop`` is set, so every latency it reports was measured while the stagers ran; records still
+    queued then are left. Reports ``(record latencies, [(floor append, floor total)])`` on ``outbox``.
+    """
+    ledger = FileLineageResolver(root)
+    floor_directory = Path(root) / "ledger-floor-process"
+    floor_directory.mkdir()
+    recorded: list[float] = []
+    floors: list[tuple[float, float]] = []
+    loop = asyncio.new_event_loop()
+    outbox.put("ready")
+    try:
+        while not stop.is_set():
+            try:
+                fields = inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            commit = _commit(StagedCallRecord.model_construct(**fields))
+            started = time.perf_counter()
+            loop.run_until_complete(ledger.record(commit))
+            recorded.append(time.perf_counter() - started)
+            line = ledger_event(commit).stored_line
+            floors.append(ledger_floor(floor_directory, commit.rollout_id, line, LEDGER_FLOOR_STATE))
+    finally:
+        loop.close()
+        outbox.put((recorded, floors))
+
+
+def run_tokcap_ledger_process(root: Path, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
+    """``FileStagingSink.stage`` from ``threads`` threads while the ledger runs in a process of its own.
+
+    That is how Gym deploys them: the inference worker stages, Gym's model server records. The ledger
+    process records each staged call's commit and then does the ledger floor for it, one after the other,
+    so both see the same disk load and neither waits for the stagers' interpreter lock.
+    """
+    context = multiprocessing.get_context("spawn")
+    inbox, outbox, stop = context.Queue(), context.Queue(), context.Event()
+    process = context.Process(target=_ledger_process, args=(str(root), inbox, outbox, stop))
+    process.start()
+    try:
+        if outbox.get(timeout=120) != "ready":
+            raise RuntimeError("the ledger process did not start")
+        sink = FileStagingSink(root)
+
+        def one(call: StagedCall) -> None:
+            result = sink.stage(call.record, attachments=call.attachments or None)
+            if not result.ok:
+                raise RuntimeError(f"stage failed: {result.error}")
+            inbox.put(call.record.model_dump(exclude={"extras"}) | {"extras": None})
+
+        try:
+            seconds, latencies, cpu = _threaded(calls, threads, one)
+        finally:
+            stop.set()
+        recorded, floors = outbox.get(timeout=120)
+    finally:
+        inbox.cancel_join_thread()  # records the ledger left are never read: do not wait to flush them at exit
+        process.join(timeout=120)
+        if process.is_alive():
+            process.kill()
+    return Measured(
+        "tokcap FileStagingSink + ledger process",
+        shape,
+        len(calls),
+        seconds,
+        sum(c.size for c in calls),
+        tuple(latencies),
+        cpu,
+        tuple(recorded),
+        tuple(total for _, total in floors),
+        tuple(appended for appended, _ in floors),
+    )
+
+
 def run_tokcap(
     root: Path, shape: str, calls: Sequence[StagedCall], threads: int, *, with_ledger: bool = False
 ) -> Measured:
@@ -284,7 +361,8 @@ def run_tokcap(
 
     Without the ledger thread the run does what the floor and straw-queue do; with it, it is the load the
     ledger's latency is measured under, and one more thread does the ledger floor (``ledger_floor``) for
-    each staged call in a directory of its own on the same filesystem, under the same load.
+    each staged call in a directory of its own on the same filesystem, under the same load. Both threads
+    share the stagers' interpreter lock; ``run_tokcap_ledger_process`` measures the ledger without it.
     """
     sink = FileStagingSink(root)
     ledger = FileLineageResolver(root)
@@ -560,6 +638,7 @@ def run_staging(
             partial(run_floor, shape=shape, calls=staged, threads=threads),
             partial(run_tokcap, shape=shape, calls=staged, threads=threads),
             partial(run_tokcap, shape=shape, calls=staged, threads=threads, with_ledger=True),
+            partial(run_tokcap_ledger_process, shape=shape, calls=staged, threads=threads),
         ]
         if straw is not None:
             writers.append(partial(run_straw, shape=shape, calls=staged, threads=threads, target=straw))
