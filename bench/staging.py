@@ -17,6 +17,9 @@ experts of a 48-layer top-8 MoE in Gym's ``nrlre1`` envelope (int16, 1,024 x 48 
   for each call: the bytes a durable record needs on disk, written and synced file by file with nothing around
   them (the row's line appended to a new file and fsynced, the directory fsynced, a state-sized file written,
   fsynced and renamed, the directory fsynced again);
+- tokcap once more with the ledger in a process of its own, as Gym runs it (the inference worker stages,
+  Gym's model server records), recording each staged call's commit and then doing its floor while the
+  stagers run: the ledger's latency without the stagers' interpreter lock;
 - the time ``FileStagingSource.fetch`` takes for a 64-call chain.
 
 With ``--bootstrap``, Kafka staging too: ``KafkaStagingSink.stage`` into a fresh run topic, beside the Kafka
