@@ -556,25 +556,110 @@ def _delete_topic(bootstrap: str, topic: str) -> None:
     admin.delete_topics([topic], operation_timeout=30)[topic].result(timeout=60)
 
 
-def run_kafka(bootstrap: str, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
-    """``KafkaStagingSink.stage`` from ``threads`` threads into a fresh run topic (acks=all, chunked blobs)."""
+def run_kafka(
+    bootstrap: str, shape: str, calls: Sequence[StagedCall], threads: int, *, with_ledger: bool = False
+) -> Measured:
+    """``KafkaStagingSink.stage`` from ``threads`` threads into a fresh run topic (acks=all, chunked blobs).
+
+    ``with_ledger``: one more thread records each staged call's commit through a ``KafkaLineageResolver``
+    (its own projection, as a model server runs it), and one more produces the same ledger line raw with
+    confluent-kafka (acks=all, waited for) to a topic of its own: the ledger's floor under the same load.
+    """
+    from confluent_kafka import Producer
+
+    from transports.kafka.lineage import KafkaLineageResolver
     from transports.kafka.staging import KafkaStagingSink
 
     topic = _fresh_topic(bootstrap, f"tokcap.bench-staging-{os.getpid()}-{time.monotonic_ns()}")
+    floor_topic = _fresh_topic(bootstrap, f"tokcap.bench-ledger-floor-{os.getpid()}-{time.monotonic_ns()}")
     sink = KafkaStagingSink(bootstrap_servers=bootstrap, topic=topic, delivery_timeout_s=60)
+    projection = Path(tempfile.mkdtemp(prefix="ledger-projection-"))
+    ledger = (
+        KafkaLineageResolver(bootstrap_servers=bootstrap, topic=topic, store_dir=projection, timeout_s=120)
+        if with_ledger
+        else None
+    )
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True})
+    staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    floor_queue: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    ledger_latencies: list[float] = []
+    floor_latencies: list[float] = []
+
+    warm = threading.Event()
+
+    def record_commits() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            if ledger is not None:
+                # The projection joins the topic before the clock starts: a model server's runs all the time.
+                loop.run_until_complete(ledger.has_rows("bench-warm-up"))
+            warm.set()
+            while (record := staged.get()) is not None:
+                assert ledger is not None
+                commit = _commit(record)
+                started = time.perf_counter()
+                loop.run_until_complete(ledger.record(commit))
+                ledger_latencies.append(time.perf_counter() - started)
+        finally:
+            loop.close()
+
+    def floor_commits() -> None:
+        while (record := floor_queue.get()) is not None:
+            line = ledger_event(_commit(record)).stored_line
+            failures: list[Any] = []
+            started = time.perf_counter()
+            producer.produce(
+                floor_topic,
+                value=line,
+                key=record.rollout_id.encode(),
+                on_delivery=lambda error, _message, out=failures: out.append(error),
+            )
+            while not failures:
+                producer.poll(0.001)
+            if failures[0] is not None:
+                raise RuntimeError(f"raw ledger produce failed: {failures[0]}")
+            floor_latencies.append(time.perf_counter() - started)
 
     def one(call: StagedCall) -> None:
         result = sink.stage(call.record, attachments=call.attachments or None)
         if not result.ok:
             raise RuntimeError(f"stage failed: {result.error}")
+        if with_ledger:
+            staged.put(call.record)
+            floor_queue.put(call.record)
 
+    recorder = threading.Thread(target=record_commits)
+    floor = threading.Thread(target=floor_commits)
+    recorder.start()
+    floor.start()
     try:
+        warm.wait(120)
         seconds, latencies, cpu = _threaded(calls, threads, one)
     finally:
+        staged.put(None)
+        floor_queue.put(None)
+        recorder.join()
+        floor.join()
         sink.close()
+        if ledger is not None:
+            asyncio.run(ledger.close())
+        producer.flush(30)
+        shutil.rmtree(projection, ignore_errors=True)
         _delete_topic(bootstrap, topic)
+        _delete_topic(bootstrap, floor_topic)
     size = sum(c.size for c in calls)
-    return Measured("tokcap KafkaStagingSink", shape, len(calls), seconds, size, tuple(latencies), cpu)
+    name = "tokcap KafkaStagingSink" + (" + Kafka ledger thread" if with_ledger else "")
+    return Measured(
+        name,
+        shape,
+        len(calls),
+        seconds,
+        size,
+        tuple(latencies),
+        cpu,
+        tuple(ledger_latencies),
+        tuple(floor_latencies),
+    )
 
 
 def run_kafka_floor(bootstrap: str, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
@@ -654,6 +739,7 @@ def run_staging(
         if bootstrap is not None and _kafka_gap(bootstrap) is None:
             results.append(run_kafka_floor(bootstrap, shape, staged, threads))
             results.append(run_kafka(bootstrap, shape, staged, threads))
+            results.append(run_kafka(bootstrap, shape, staged, threads, with_ledger=True))
     directory = Path(tempfile.mkdtemp(prefix="chain-", dir=work))
     try:
         fetches = chain_fetch(directory, run)
