@@ -591,8 +591,10 @@ def run_kafka(
         loop = asyncio.new_event_loop()
         try:
             if ledger is not None:
-                # The projection joins the topic before the clock starts: a model server's runs all the time.
-                loop.run_until_complete(ledger.has_rows("bench-warm-up"))
+                # The projection joins the topic and reads every partition before the clock starts: a model
+                # server's runs all the time. Rollout ids spread over the partitions by their hash.
+                for number in range(64):
+                    loop.run_until_complete(ledger.has_rows(f"bench-warm-up-{number}"))
             warm.set()
             while (record := staged.get()) is not None:
                 assert ledger is not None
