@@ -33,9 +33,9 @@ __all__ = [
     "EVENTS_APPLIED",
     "FREEZE_SECONDS",
     "LATENCY_BUCKETS",
-    "MASK_KINDS",
     "MARKERS_FORWARDED",
     "MARKERS_SPILLED",
+    "MASK_KINDS",
     "REGISTRY",
     "ROLLOUTS_MASKED",
     "SENT_BYTES",
@@ -49,6 +49,7 @@ __all__ = [
     "failure_kind",
     "sink_timed",
     "source_timed",
+    "stage_timed",
     "watch_loop",
 ]
 
@@ -224,6 +225,39 @@ def _timed(histogram: Histogram, failures: Counter, transport: str, operation: s
 def sink_timed(transport: str, operation: str) -> Callable[[_F], _F]:
     """Decorate a sink call (put, intent, cancel, mark, stage) of a transport (file, kafka)."""
     return _timed(SINK_SECONDS, SINK_FAILURES, transport, operation)
+
+
+def stage_timed(transport: str) -> Callable[[_F], _F]:
+    """Decorate a staging sink's ``stage``, which answers a failure with a ``StageResult`` instead of raising.
+
+    A failed result counts as a failure of kind ``conflict`` (another payload holds the key), ``retired`` (the
+    rollout's fence refused it) or ``not_staged`` (the write or the delivery failed); a raised error by its class.
+    """
+    timed = _timed(SINK_SECONDS, SINK_FAILURES, transport, "stage")
+    failures = {kind: SINK_FAILURES.labels(transport, "stage", kind) for kind in _STAGE_FAILURES}
+
+    def decorate(function: _F) -> _F:
+        @functools.wraps(function)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            result = function(*args, **kwargs)
+            if getattr(result, "ok", True) is False:
+                failures[_stage_failure_kind(str(getattr(result, "error", "")))].inc()
+            return result
+
+        return timed(cast("_F", counted))
+
+    return decorate
+
+
+_STAGE_FAILURES = ("conflict", "retired", "not_staged")
+
+
+def _stage_failure_kind(error: str) -> str:
+    if "already staged with a different payload" in error:
+        return "conflict"
+    if "is retired" in error:
+        return "retired"
+    return "not_staged"
 
 
 def source_timed(transport: str, operation: str) -> Callable[[_F], _F]:
