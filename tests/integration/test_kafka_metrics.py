@@ -1,0 +1,202 @@
+"""A materializer's ``/metrics`` and ``/healthz``, scraped over HTTP while a real broker run is under way.
+
+The materializer is held back the way a real one is: another process holds a rollout's lock file, so the
+apply of that rollout's events waits while the sink goes on writing. The values scraped must move as the run
+does: the lag rises while events arrive and nothing is applied, then falls to 0; ``/healthz`` is 503 until the
+materializer applied what the log held when it started, then 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+from prometheus_client.parser import text_string_to_metric_families
+from store_contract import make_entry
+
+from tokcap.events import FreezeEvent
+from tokcap.metrics_http import MetricsServer
+from transports.kafka import KafkaTokenSink
+from transports.kafka.codec import encode_event_messages
+from transports.kafka.materializer import Materializer
+from transports.kafka.readiness import serve_metrics
+
+pytestmark = pytest.mark.kafka
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status), bytes(response.read())
+    except urllib.error.HTTPError as error:
+        return int(error.code), bytes(error.read())
+
+
+class Scraper:
+    """Reads the served endpoints the way Prometheus and a readiness probe do."""
+
+    def __init__(self, server: MetricsServer) -> None:
+        self.base = f"http://127.0.0.1:{server.port}"
+
+    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        status, body = _get(self.base + "/metrics")
+        assert status == 200
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(body.decode())
+            for sample in family.samples
+        }
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def health(self) -> tuple[int, str]:
+        status, body = _get(self.base + "/healthz")
+        return status, str(json.loads(body)["reason"])
+
+    def until(self, what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} did not happen within {timeout_s} s; health: {self.health()}")
+            time.sleep(0.1)
+
+
+@contextmanager
+def held_lock(path: Path) -> Iterator[None]:
+    """Hold a rollout's lock file from another process, as a second writer or a repair would."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire(); "
+            "print('held', flush=True); sys.stdin.read()",
+            str(path),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.close()
+        holder.wait(10)
+        holder.stdout.close()
+
+
+def _put_calls(bootstrap: str, topic: str, rollout_id: str, calls: range) -> None:
+    async def run() -> None:
+        sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+        try:
+            for call in calls:
+                await sink.put(make_entry(rollout_id, f"c{call}"))
+        finally:
+            await sink.close()
+
+    asyncio.run(run())
+
+
+def test_lag_rises_while_the_apply_is_held_and_falls_to_zero_and_healthz_turns_200_once_caught_up(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    rollout_id = f"r-lag-{uuid.uuid4().hex[:8]}"
+    _put_calls(kafka_bootstrap, kafka_topic, rollout_id, range(20))
+    materializer = Materializer(kafka_bootstrap, kafka_topic, tmp_path)
+    server = serve_metrics(materializer, port=0)
+    scrape = Scraper(server)
+    partition = {"topic": kafka_topic, "partition": "0"}
+    try:
+        assert scrape.health()[0] == 503  # not started: it owns nothing yet
+        with held_lock(materializer.store.lock_path_for(rollout_id)):
+            materializer.start()
+            scrape.until(
+                "lag of the backlog",
+                lambda: scrape.value("tokcap_materializer_lag_messages", **partition) >= 20,
+            )
+            assert scrape.value("tokcap_materializer_owned_partitions", topic=kafka_topic) == 1
+            scrape.until("a 503 saying it catches up", lambda: scrape.health()[1].startswith("catching up"))
+            assert scrape.health()[0] == 503
+            _put_calls(kafka_bootstrap, kafka_topic, rollout_id, range(20, 30))
+            scrape.until(
+                "lag rising", lambda: scrape.value("tokcap_materializer_lag_messages", **partition) >= 30
+            )
+            scrape.until(
+                "a waiting message aging",
+                lambda: scrape.value("tokcap_materializer_lag_seconds", **partition) > 0,
+            )
+            assert scrape.health()[0] == 503
+            applied_before = scrape.value("tokcap_materializer_events_applied_total", type="put")
+        scrape.until(
+            "lag back to 0", lambda: scrape.value("tokcap_materializer_lag_messages", **partition) == 0
+        )
+        scrape.until("healthy", lambda: scrape.health()[0] == 200)
+        assert scrape.value("tokcap_materializer_lag_seconds", **partition) == 0
+        assert scrape.value("tokcap_materializer_events_applied_total", type="put") >= applied_before + 30
+    finally:
+        materializer.stop()
+        server.close()
+    status, reason = scrape_after_stop(server)
+    assert status is None or status == 503, reason
+
+
+def scrape_after_stop(server: MetricsServer) -> tuple[int | None, str]:
+    """A closed server answers nothing: the port is released."""
+    try:
+        return _get(f"http://127.0.0.1:{server.port}/healthz")[0], "answered after close"
+    except OSError as exc:
+        return None, str(exc)
+
+
+def test_a_poison_event_counts_a_dead_letter_and_its_frozen_rollout_counts_as_masked(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    rollout_id = f"r-poison-{uuid.uuid4().hex[:8]}"
+    materializer = Materializer(kafka_bootstrap, kafka_topic, tmp_path)
+    server = serve_metrics(materializer, port=0)
+    scrape = Scraper(server)
+    try:
+        materializer.start()
+        scrape.until("healthy on an empty topic", lambda: scrape.health()[0] == 200)
+        dead_before = scrape.value("tokcap_materializer_dead_letters_total", reason="undecodable")
+        masked_before = scrape.value("tokcap_materializer_rollouts_masked_total", reason="dead_letter")
+        _put_calls(kafka_bootstrap, kafka_topic, rollout_id, range(1))
+        (freeze,) = encode_event_messages(
+            FreezeEvent(rollout_id=rollout_id), next_chunk_group=lambda: "unused:0"
+        )
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce(kafka_topic, key=rollout_id.encode(), value=b"\x00not json", headers=[])
+        producer.produce(kafka_topic, key=freeze.key, value=freeze.value, headers=freeze.headers)
+        assert producer.flush(30) == 0
+        scrape.until(
+            "a dead letter",
+            lambda: (
+                scrape.value("tokcap_materializer_dead_letters_total", reason="undecodable")
+                == dead_before + 1
+            ),
+        )
+        scrape.until(
+            "a masked rollout",
+            lambda: (
+                scrape.value("tokcap_materializer_rollouts_masked_total", reason="dead_letter")
+                == masked_before + 1
+            ),
+        )
+        assert scrape.value("tokcap_materializer_lag_messages", topic=kafka_topic, partition="0") == 0
+        assert scrape.health()[0] == 200
+    finally:
+        materializer.stop()
+        server.close()
