@@ -15,6 +15,7 @@ Error tree::
     │   ├── ConflictingEntryError
     │   ├── EventDecodeError
     │   │   └── WireDeltaError
+    │   ├── EventTooLargeError
     │   ├── UnknownBuilderError
     │   └── UndeliverableBuilderError
     ├── ConfigError (ValueError)
@@ -50,7 +51,7 @@ Error tree::
         ├── BrokerAuthorizationError
         └── TopicNotFoundError
 
-Kafka client errors are translated into this tree in one place, ``transports.kafka.client_errors``;
+Kafka client errors are translated into this tree in one place, ``transports.kafka.error_map``;
 an invalid client setting (``-X``, ``producer_config``) becomes a ``ConfigError`` there.
 
 Errors carry the rollout id and the model call id where one applies, so a
@@ -70,6 +71,7 @@ __all__ = [
     "DeliveryError",
     "DeliveryTimeoutError",
     "EventDecodeError",
+    "EventTooLargeError",
     "InjectedFaultError",
     "InvalidInputError",
     "InvalidRolloutIdError",
@@ -161,6 +163,13 @@ class EventDecodeError(InvalidInputError):
 
 class WireDeltaError(EventDecodeError):
     """A put sent as (parent link, prompt suffix) cannot be restored to the exact entry the sink was given."""
+
+
+class EventTooLargeError(InvalidInputError):
+    """An event is larger than the transport's maximum event size; nothing of it was sent.
+
+    Readers refuse to reassemble a larger one, so sending it would report ok for an event never applied.
+    """
 
 
 class UnknownBuilderError(InvalidInputError):

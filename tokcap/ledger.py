@@ -32,7 +32,7 @@ from tokcap.staging.records import CallRecord, CaptureLedgerCommit, ManifestFail
 from tokcap.store import TokenCaptureStore
 
 if TYPE_CHECKING:
-    from tokcap.lineage import LineageResolution
+    from tokcap.protocols import LineageResolution
 
 __all__ = ["FileCaptureLedger", "ledger_event", "ledger_failure_event", "ledger_row"]
 
@@ -182,8 +182,7 @@ class FileCaptureLedger:
         Failure rows and rows stamped by another fingerprint version never match; two matching rows are
         ambiguous and resolve nothing, as in Gym's file ledger.
         """
-        # Deferred: tokcap.lineage imports this module.
-        from tokcap.lineage import LineageMatch, LineageResolution
+        from tokcap.protocols import LineageMatch, LineageResolution
 
         fingerprint = assistant_fingerprint(request_items)
         if not fingerprint:

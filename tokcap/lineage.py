@@ -27,6 +27,7 @@ from tokcap.errors import ConfigError, LineageLookupError
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from tokcap.ledger import FileCaptureLedger
 from tokcap.metrics import source_timed
+from tokcap.protocols import LineageMatch, LineageResolution
 from tokcap.records import (
     ParentResolutionStatus,
     TokenEntry,
@@ -51,33 +52,6 @@ __all__ = [
 ]
 
 _MAX_CHAIN_DEPTH = 10_000
-
-
-@dataclass(frozen=True)
-class LineageMatch:
-    """The one proven parent: its call id and the cumulative tokens a child's prompt starts with (Gym's fields)."""
-
-    model_call_id: str
-    cumulative_token_ids: tuple[int, ...]
-    digest: str
-    staging_chain: tuple[str, ...] = ()
-    prev_len: int = 0
-    chain_hash: str = ""
-
-
-@dataclass(frozen=True)
-class LineageResolution:
-    """One immutable parent decision; a match exactly when the status is RESOLVED (Gym's fields)."""
-
-    status: ParentResolutionStatus
-    match: LineageMatch | None = None
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        if (self.status == ParentResolutionStatus.RESOLVED) != (self.match is not None):
-            raise ValueError(
-                f"a {self.status.value} lineage resolution must carry a match only when resolved"
-            )
 
 
 def stamp_continuation(entry: Any, request_items: Sequence[Any]) -> Any:

@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from tokcap.builder import BuildOutput, Chain
+from tokcap.chains import BuildOutput, Chain
 from tokcap.errors import PrefixContiguityError, TrajectoryBuildError
 from tokcap.hashing import sha256_hex
 from tokcap.records import REQUIRED_TOKEN_FIELDS, strip_token_arrays

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from tokcap.records import TokenEntry
-
-if TYPE_CHECKING:
-    from tokcap.lineage import LineageMatch, LineageResolution
+from tokcap.records import ParentResolutionStatus, TokenEntry
 
 __all__ = [
     "CaptureLedger",
@@ -117,6 +114,33 @@ class TokenSource(Protocol):
     async def close(self) -> None:
         """Release resources; calling it again is a no-op."""
         ...
+
+
+@dataclass(frozen=True)
+class LineageMatch:
+    """The one proven parent: its call id and the cumulative tokens a child's prompt starts with (Gym's fields)."""
+
+    model_call_id: str
+    cumulative_token_ids: tuple[int, ...]
+    digest: str
+    staging_chain: tuple[str, ...] = ()
+    prev_len: int = 0
+    chain_hash: str = ""
+
+
+@dataclass(frozen=True)
+class LineageResolution:
+    """One immutable parent decision; a match exactly when the status is RESOLVED (Gym's fields)."""
+
+    status: ParentResolutionStatus
+    match: LineageMatch | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.status == ParentResolutionStatus.RESOLVED) != (self.match is not None):
+            raise ValueError(
+                f"a {self.status.value} lineage resolution must carry a match only when resolved"
+            )
 
 
 @runtime_checkable
@@ -236,12 +260,3 @@ def install_lineage_store(store: LineageResolver | None) -> None:
 def installed_lineage_store() -> LineageResolver | None:
     """The lineage store installed in this process, if any."""
     return _INSTALLED_LINEAGE_STORE
-
-
-def __getattr__(name: str) -> Any:
-    """Gym's ``protocols`` also holds the resolution values; tokcap keeps them with the resolvers that make them."""
-    if name in ("LineageMatch", "LineageResolution"):
-        from tokcap import lineage
-
-        return getattr(lineage, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,9 +18,8 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from tokcap.events import Event
-from transports.kafka.codec import encode_event_messages
+from transports.kafka.codec import LogMessage, encode_event_messages
 from transports.kafka.materializer import Materializer
-from transports.kafka.router import LogMessage
 
 Headers = list[tuple[str, bytes]]
 
@@ -163,8 +162,12 @@ def materialize(
     *,
     block_messages: int | None = None,
     partitions: Sequence[int] | None = None,
+    **chunk_limits: int,
 ) -> Materializer:
-    """Run a materializer over everything in the double's topic (or ``partitions``) into ``directory``, then stop it."""
+    """Run a materializer over everything in the double's topic (or ``partitions``) into ``directory``, then stop it.
+
+    ``chunk_limits`` are the router's ``max_event_bytes`` and ``max_open_chunk_bytes``.
+    """
     materializer = Materializer(
         "memory",
         topic.name,
@@ -173,6 +176,7 @@ def materialize(
         topic_id_reader=topic.topic_id,
         block_messages=block_messages,
         partitions=partitions,
+        **chunk_limits,
     )
     materializer.start()
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokcap.cli.kafka_options import parse_key_values, parse_offsets, parse_partitions, resolve_run_topic
 from tokcap.errors import InvalidInputError
+from transports.kafka.cli.options import parse_key_values, parse_offsets, parse_partitions, resolve_run_topic
 
 
 def test_client_settings_keep_their_values_as_strings_and_split_at_the_first_equals_sign() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from tokcap.cli.topic import render_description
+from transports.kafka.cli.topic import render_description
 
 LOST_START_WARNING = "retention removed the start of the run; a full replay is no longer possible"
 

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 from delta_chains import DeltaChain, delta_chain
+from kafka_topic_double import MemoryTopic
 
 import transports.kafka.lineage as kafka_lineage
 from tokcap.errors import EventDecodeError, LineageLookupError
@@ -22,6 +23,7 @@ from transports.kafka.codec import (
     HEADER_TYPE,
     ParentLink,
     encode_delta_message,
+    encode_event_messages,
     encode_event_value,
     headers_to_dict,
 )
@@ -320,3 +322,57 @@ def test_a_retired_rollout_resolves_nothing_after_its_parent_was_kept(resolver: 
     _assert_chain_resolves(resolver, chain, 2)
     _feed(resolver, RetireEvent(rollout_id="r"))
     assert resolver._answer("r", chain.requests[3]).status == ParentResolutionStatus.UNRESOLVED
+
+
+def _taken(resolver: KafkaLineageResolver, topic: MemoryTopic) -> None:
+    """Hand the resolver every message of the topic as its consumer would."""
+    with resolver._lock:
+        for message in topic.messages():
+            resolver._take(message)  # type: ignore[arg-type]
+
+
+def test_a_put_too_large_for_one_message_is_reassembled_by_the_router_and_resolves_exactly(
+    resolver: KafkaLineageResolver,
+) -> None:
+    topic = MemoryTopic("fold")
+    prompt = list(range(300_000))
+    assert len(topic.publish(_put("c1", "one", prompt))) > 1
+    _taken(resolver, topic)
+    resolution = resolver._answer("r", _next_request("one"))
+    assert resolution.match is not None
+    assert resolution.match.cumulative_token_ids == (*prompt, 7, 8)
+    assert resolver._chunk_router.open_chunk_bytes(0) == 0
+
+
+def test_a_chunk_group_declaring_more_than_the_event_limit_is_not_buffered_by_the_resolver(
+    resolver: KafkaLineageResolver,
+) -> None:
+    topic = MemoryTopic("fold")
+    headers = [("tokcap.type", b"put"), ("tokcap.schema_version", b"1"), ("tokcap.encoding", b"packed")]
+    for index in range(3):
+        chunk = [
+            ("tokcap.chunk.group", b"crafted:0"),
+            ("tokcap.chunk.index", str(index).encode()),
+            ("tokcap.chunk.count", b"300"),
+            ("tokcap.chunk.sha256", b"0" * 64),
+        ]
+        topic.produce(b"r", b"\x00" * 900_000, [*headers, *chunk])
+    _taken(resolver, topic)
+    assert resolver._chunk_router.open_chunk_bytes(0) == 0
+    assert resolver._chunk_router.open_groups() == []
+
+
+def test_the_chunks_of_a_large_stage_are_counted_but_never_kept_by_the_resolver(
+    resolver: KafkaLineageResolver,
+) -> None:
+    topic = MemoryTopic("fold")
+    messages = encode_event_messages(_put("c1", "one", list(range(300_000))), next_chunk_group=lambda: "s:0")
+    for message in messages[:-1]:
+        topic.produce(
+            message.key, message.value, [(n, b"stage" if n == HEADER_TYPE else v) for n, v in message.headers]
+        )
+    _taken(resolver, topic)
+    router = resolver._chunk_router
+    assert router.open_chunk_bytes(0) == sum(len(m.value) for m in messages[:-1])
+    assert router.open_groups() == []
+    assert all(piece == b"" for group in router._groups[0].values() for piece in group.pieces)

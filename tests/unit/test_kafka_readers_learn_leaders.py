@@ -19,6 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from tests.unit.kafka_topic_double import MemoryTopic, materialize
 from tokcap.errors import TransportError
 from tokcap.events import IntentEvent
+from transports.kafka.clients import ClientContext
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.offset_reader import OffsetReader
 
@@ -105,7 +106,7 @@ def test_the_parent_reader_asks_a_new_handle_for_the_topic_before_its_first_read
         opened.append(_RecordingConsumer([_EndOfPartition()]))
         return opened[-1]
 
-    reader = OffsetReader(open_consumer, "leaders", timeout_s=5.0)
+    reader = OffsetReader(open_consumer, "leaders", context=ClientContext("127.0.0.1:1"), timeout_s=5.0)
     assert reader.read(0, 3) is None
     assert reader.read(1, 4) is None
     assert len(opened) == 1
@@ -128,7 +129,7 @@ def test_a_parent_reader_that_cannot_learn_the_leaders_fails_and_opens_a_new_han
         opened[-1].refuse_metadata = len(opened) == 1
         return opened[-1]
 
-    reader = OffsetReader(open_consumer, "leaders", timeout_s=5.0)
+    reader = OffsetReader(open_consumer, "leaders", context=ClientContext("127.0.0.1:1"), timeout_s=5.0)
     with pytest.raises(TransportError, match=r"metadata of 'leaders'.*TOPIC_AUTHORIZATION_FAILED"):
         reader.read(0, 3)
     assert opened[0].closed

@@ -17,10 +17,10 @@ from store_contract import make_entry
 from tokcap.events import EVENT_SCHEMA_VERSION, DeleteEvent, FreezeEvent, IntentEvent, PutEvent, encode_event
 from tokcap.store import TokenCaptureStore
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
-from transports.kafka.codec import OutgoingMessage, encode_event_messages
+from transports.kafka.codec import LogMessage, OutgoingMessage, encode_event_messages
 from transports.kafka.dead_letters import DeadLetterLine, dead_letter_path
 from transports.kafka.materializer import Materializer
-from transports.kafka.router import DeadLetter, InboundRouter, LogMessage
+from transports.kafka.router import DeadLetter, InboundRouter
 from transports.kafka.timeline import BUFFERED, DEAD_LETTERED, LogApplier
 
 TOPIC = "tokcap.routing-test"

@@ -13,6 +13,7 @@ import pytest
 from tokcap.cli.inspect import describe_store
 from tokcap.errors import StoreCorruptionError
 from transports.kafka.checkpoint import PartitionCheckpoint, applied_next_offset, checkpoint_path
+from transports.kafka.cli.side_files import describe_side_files
 from transports.kafka.dead_letters import DeadLetterLog
 from transports.kafka.ownership import write_owner_records
 
@@ -23,8 +24,9 @@ _PROBE = textwrap.dedent(
     from pathlib import Path
 
     from tokcap.cli.inspect import describe_store
+    from transports.kafka.cli.side_files import describe_side_files
 
-    described = describe_store(Path(sys.argv[1]))
+    described = describe_store(Path(sys.argv[1]), describe_side_files)
     loaded = sorted(name for name in sys.modules if name.split(".")[0] == "confluent_kafka")
     print(json.dumps({"described": described, "loaded": loaded}))
     """
@@ -75,4 +77,4 @@ def test_the_applied_offset_of_a_directory_is_its_checkpoints_next_offset_and_ze
 def test_inspect_names_a_damaged_side_file_instead_of_failing_without_its_name(tmp_path: Path) -> None:
     (tmp_path / "kafka-owner-p2.json").write_bytes(b"{not json")
     with pytest.raises(StoreCorruptionError, match=r"kafka-owner-p2\.json is not valid JSON"):
-        describe_store(tmp_path)
+        describe_store(tmp_path, describe_side_files)

@@ -1,7 +1,10 @@
-"""The ``tokcap`` command: run the demo, inspect a store, and operate and debug the Kafka transport.
+"""The ``tokcap`` command: run the demo and inspect a store; a mounted transport adds its own commands.
 
-Commands that talk to Kafka import ``transports.kafka`` only when they run, so ``tokcap demo`` and
-``tokcap inspect`` work without the ``kafka`` extra.
+The core commands import no transport. ``_mount_kafka`` is the one place this package reaches into
+``transports``: it registers the Kafka commands (``materialize``, ``replay``, ``log``, ``topic``) and keeps
+the ``MountedTransport`` that ``demo --bootstrap`` and ``inspect`` reach Kafka through. The Kafka package
+loads its client only when one of its commands runs, so ``tokcap demo`` and ``tokcap inspect`` work without
+the ``kafka`` extra, and a Kafka command without it fails with one line naming the extra.
 """
 
 from __future__ import annotations
@@ -13,24 +16,15 @@ from typing import Annotated
 
 import typer
 
-from tokcap.cli.console import emit_json, progress_console, stdout_console
-from tokcap.cli.demo import DemoSettings, run_demo_over_files, run_demo_over_kafka
+from tokcap.cli.console import emit_json, stdout_console
+from tokcap.cli.demo import DemoSettings, run_demo_over_files
 from tokcap.cli.inspect import describe_rollout, describe_store
+from tokcap.cli.options import JsonFlag, Timeout
+from tokcap.cli.transport import MountedTransport
 from tokcap.cli.views import render_demo, render_rollout, render_store
-from tokcap.errors import InvalidInputError
+from tokcap.errors import ConfigError, InvalidInputError
 
-__all__ = [
-    "app",
-    "demo",
-    "inspect",
-    "log",
-    "materialize",
-    "replay",
-    "topic_app",
-    "topic_create",
-    "topic_delete",
-    "topic_describe",
-]
+__all__ = ["app", "demo", "inspect"]
 
 app = typer.Typer(
     name="tokcap",
@@ -40,37 +34,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-topic_app = typer.Typer(
-    help="Create, describe or delete the Kafka topic of a run.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-app.add_typer(topic_app, name="topic")
-
-_JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
-_Bootstrap = Annotated[
-    str,
-    typer.Option(
-        "--bootstrap",
-        "-b",
-        envvar="TOKCAP_KAFKA_BOOTSTRAP",
-        help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT]; defaults to $TOKCAP_KAFKA_BOOTSTRAP.",
-    ),
-]
-_RunId = Annotated[str | None, typer.Option("--run", help="The run id; its topic is tokcap.RUN.")]
-_TopicName = Annotated[str | None, typer.Option("--topic", help="An explicit topic name instead of --run.")]
-_ClientOptions = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--kafka-option",
-        "-X",
-        help="A librdkafka setting KEY=VALUE for every client (repeatable), e.g. -X security.protocol=SASL_SSL.",
-    ),
-]
-_Timeout = Annotated[
-    float, typer.Option("--timeout", help="Seconds to wait for the broker before giving up.", min=0.1)
-]
 
 
 @app.callback()
@@ -87,7 +50,7 @@ def _configure(
     )
     if not verbose:
         # Commands report lost turns and masks in their own output; the library's log lines would repeat them.
-        for name in ("tokcap", "transports"):
+        for name in ("tokcap", *([] if _KAFKA is None else [_KAFKA.logger_name])):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -127,8 +90,8 @@ def demo(
             "ledger, staging source, verify and finalize. No broker.",
         ),
     ] = False,
-    timeout: _Timeout = 10.0,
-    as_json: _JsonFlag = False,
+    timeout: Timeout = 10.0,
+    as_json: JsonFlag = False,
 ) -> None:
     """Run a synthetic multi-turn agent workload end to end and print what happened."""
     settings = DemoSettings(
@@ -155,7 +118,7 @@ def demo(
         else:
             import uuid
 
-            report = run_demo_over_kafka(
+            report = _kafka("--bootstrap").run_demo(
                 settings,
                 bootstrap,
                 run or f"demo-{uuid.uuid4().hex[:8]}",
@@ -179,15 +142,18 @@ def demo(
 def inspect(
     directory: Annotated[Path, typer.Argument(help="A store directory.")],
     rollout: Annotated[str | None, typer.Argument(help="One rollout to show in full.")] = None,
-    as_json: _JsonFlag = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """Show the rollouts of a store, or one rollout with its chain and mask verdict."""
     if rollout is None:
-        description = describe_store(directory)
+        description = describe_store(directory, None if _KAFKA is None else _KAFKA.describe_side_files)
         if as_json:
             emit_json(description)
         else:
-            render_store(description, stdout_console())
+            console = stdout_console()
+            render_store(description, console)
+            if _KAFKA is not None:
+                _KAFKA.render_side_files(description, console)
         return
     detail = describe_rollout(directory, rollout)
     if as_json:
@@ -196,199 +162,32 @@ def inspect(
         render_rollout(detail, stdout_console())
 
 
-# ------------------------------------------------------------ Kafka commands
+# ----------------------------------------------------------- the Kafka mount
 
 
-@app.command()
-def materialize(
-    bootstrap: _Bootstrap,
-    directory: Annotated[Path, typer.Option("--dir", help="The store directory this materializer owns.")],
-    run: _RunId = None,
-    topic: _TopicName = None,
-    partitions: Annotated[
-        str | None, typer.Option(help="Partitions to apply, e.g. 0-3,6 (default: all).")
-    ] = None,
-    workers: Annotated[
-        int,
-        typer.Option(help="Worker processes, each applying a disjoint subset of the partitions.", min=1),
-    ] = 1,
-    until_caught_up: Annotated[
-        bool, typer.Option("--until-caught-up", help="Stop once everything in the log at start is applied.")
-    ] = False,
-    interval: Annotated[float, typer.Option(help="Seconds between lag reports.", min=0.1)] = 2.0,
-    block_messages: Annotated[
-        int | None,
-        typer.Option(
-            help="Most messages applied per durable block before a checkpoint (default 1000). Smaller blocks "
-            "checkpoint more often; larger ones write each rollout's state fewer times.",
-            min=1,
-        ),
-    ] = None,
-    kafka_option: _ClientOptions = None,
-    timeout: _Timeout = 10.0,
-) -> None:
-    """Apply the run topic to a store directory until SIGINT/SIGTERM, showing lag per partition."""
-    from tokcap.cli.materialize import run_materializer
+def _mount_kafka() -> MountedTransport | None:
+    """Register the Kafka commands on ``app``: the one import of ``transports`` in ``tokcap``.
 
-    run_materializer(
-        bootstrap,
-        directory,
-        run_id=run,
-        topic=topic,
-        partitions=partitions,
-        workers=workers,
-        until_caught_up=until_caught_up,
-        interval_s=interval,
-        block_messages=block_messages,
-        client_options=kafka_option or [],
-        timeout_s=timeout,
-        console=progress_console(),
-    )
+    ``None`` when the ``transports`` package is not installed beside ``tokcap``; any other import failure
+    is a bug and is raised.
+    """
+    try:
+        from transports.kafka.cli import mount
+    except ModuleNotFoundError as exc:
+        if exc.name not in {"transports", "transports.kafka", "transports.kafka.cli"}:
+            raise
+        return None
+    return mount(app)
 
 
-@app.command()
-def replay(
-    bootstrap: _Bootstrap,
-    directory: Annotated[Path, typer.Option("--dir", help="An empty directory to rebuild the store in.")],
-    run: _RunId = None,
-    topic: _TopicName = None,
-    rollout: Annotated[str | None, typer.Option(help="Replay only this rollout's events.")] = None,
-    until: Annotated[
-        str,
-        typer.Option(help="'end' (the log at start) or PARTITION:OFFSET[,...]: apply offsets below these."),
-    ] = "end",
-    force: Annotated[
-        bool, typer.Option("--force", help="Replay into a directory that already has files.")
-    ] = False,
-    kafka_option: _ClientOptions = None,
-    timeout: _Timeout = 10.0,
-    as_json: _JsonFlag = False,
-) -> None:
-    """Rebuild a store from the run's log into an empty directory."""
-    from tokcap.cli.replay import run_replay
-
-    summary = run_replay(
-        bootstrap,
-        directory,
-        run_id=run,
-        topic=topic,
-        rollout_id=rollout,
-        until=until,
-        force=force,
-        client_options=kafka_option or [],
-        timeout_s=timeout,
-        show_progress=not as_json,
-    )
-    if as_json:
-        emit_json(summary)
-    else:
-        from tokcap.cli.replay import render_replay
-
-        render_replay(summary, stdout_console())
+_KAFKA = _mount_kafka()
 
 
-@app.command()
-def log(
-    bootstrap: _Bootstrap,
-    rollout: Annotated[str, typer.Option(help="The rollout whose events to show.")],
-    run: _RunId = None,
-    topic: _TopicName = None,
-    kafka_option: _ClientOptions = None,
-    timeout: _Timeout = 10.0,
-    as_json: _JsonFlag = False,
-) -> None:
-    """The event timeline of one rollout, with what the apply step decided for each event."""
-    from tokcap.cli.log import render_timeline, rollout_timeline
-
-    timeline = rollout_timeline(
-        bootstrap, rollout, run_id=run, topic=topic, client_options=kafka_option or [], timeout_s=timeout
-    )
-    if as_json:
-        emit_json(timeline)
-    else:
-        render_timeline(timeline, stdout_console())
-
-
-@topic_app.command("create")
-def topic_create(
-    bootstrap: _Bootstrap,
-    run: _RunId = None,
-    topic: _TopicName = None,
-    partitions: Annotated[int, typer.Option(help="Partitions; rollouts spread over them by key.", min=1)] = 1,
-    replication_factor: Annotated[int, typer.Option(help="Copies of each partition.", min=1)] = 1,
-    config: Annotated[
-        list[str] | None, typer.Option("--config", "-c", help="Topic config KEY=VALUE (repeatable).")
-    ] = None,
-    kafka_option: _ClientOptions = None,
-    timeout: _Timeout = 10.0,
-    as_json: _JsonFlag = False,
-) -> None:
-    """Create the run topic; an existing topic with the same settings is fine, one with others is an error."""
-    from tokcap.cli.topic import create_topic
-
-    result = create_topic(
-        bootstrap,
-        run_id=run,
-        topic=topic,
-        partitions=partitions,
-        replication_factor=replication_factor,
-        config=config or [],
-        client_options=kafka_option or [],
-        timeout_s=timeout,
-    )
-    if as_json:
-        emit_json(result)
-    else:
-        stdout_console().print(
-            f"topic {result['topic']}: {'created' if result['created'] else 'already exists'}"
+def _kafka(option: str) -> MountedTransport:
+    """The mounted Kafka part, or a one-line error naming the extra that provides it."""
+    if _KAFKA is None:
+        raise ConfigError(
+            f"{option} runs over Kafka, which is not installed: pip install 'tokcap[kafka]' "
+            "(or `pip install -e '.[kafka]'` in a clone)"
         )
-
-
-@topic_app.command("describe")
-def topic_describe(
-    bootstrap: _Bootstrap,
-    run: _RunId = None,
-    topic: _TopicName = None,
-    kafka_option: _ClientOptions = None,
-    timeout: _Timeout = 10.0,
-    as_json: _JsonFlag = False,
-) -> None:
-    """Partitions, leaders, replicas, in-sync replicas, offsets and the configs that matter for durability."""
-    from tokcap.cli.topic import describe, render_description
-
-    description = describe(
-        bootstrap, run_id=run, topic=topic, client_options=kafka_option or [], timeout_s=timeout
-    )
-    if as_json:
-        emit_json(description)
-    else:
-        render_description(description, stdout_console())
-
-
-@topic_app.command("delete")
-def topic_delete(
-    bootstrap: _Bootstrap,
-    run: _RunId = None,
-    topic: _TopicName = None,
-    yes: Annotated[
-        bool, typer.Option("--yes", help="Confirm: the run's log cannot be replayed afterwards.")
-    ] = False,
-    kafka_option: _ClientOptions = None,
-    timeout: _Timeout = 10.0,
-    as_json: _JsonFlag = False,
-) -> None:
-    """Delete the run topic, and with it every way to replay the run."""
-    from tokcap.cli.topic import delete
-
-    result = delete(
-        bootstrap,
-        run_id=run,
-        topic=topic,
-        confirmed=yes,
-        client_options=kafka_option or [],
-        timeout_s=timeout,
-    )
-    if as_json:
-        emit_json(result)
-    else:
-        stdout_console().print(f"topic {result['topic']}: deleted")
+    return _KAFKA

@@ -16,8 +16,8 @@ With faults on (the default) four rollouts misbehave on purpose, one fault each:
 - ``late-write``: an attempt still running writes after the freeze; the write is rejected, the version moves,
   and the consumed snapshot is kept as evidence instead of being retired.
 
-The workload is transport-agnostic: it runs over the file store (no broker) or over Kafka sinks and a
-Kafka source with its own materializer.
+The workload is transport-agnostic: it runs here over the file store (no broker); a mounted transport runs
+it over its own sinks and source (``tokcap demo --bootstrap``).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ __all__ = [
     "fault_of",
     "rollout_id_of",
     "run_demo_over_files",
-    "run_demo_over_kafka",
     "run_workload",
+    "store_directory",
 ]
 
 MODEL = "tokcap-demo-policy"
@@ -485,7 +485,8 @@ class StoreDirectory:
 
 
 @contextlib.contextmanager
-def _store_directory(directory: Path | None, keep: bool) -> Iterator[StoreDirectory]:
+def store_directory(directory: Path | None, keep: bool) -> Iterator[StoreDirectory]:
+    """The demo's store directory for the length of the block, removed afterwards unless it is kept."""
     store_dir = StoreDirectory.prepare(directory, keep)
     try:
         yield store_dir
@@ -500,7 +501,7 @@ def run_demo_over_files(
     on_progress: ProgressCallback | None = None,
 ) -> DemoReport:
     """The workload over the file store, which is both the sink and the source."""
-    with _store_directory(directory, keep) as store_dir:
+    with store_directory(directory, keep) as store_dir:
 
         async def run() -> tuple[list[RolloutOutcome], float, float]:
             store = TokenCaptureStore(store_dir.path)
@@ -522,85 +523,4 @@ def run_demo_over_files(
             capture_seconds=capture_s,
             finalize_seconds=finalize_s,
             rollouts=outcomes,
-        )
-
-
-def run_demo_over_kafka(
-    settings: DemoSettings,
-    bootstrap: str,
-    run_id: str,
-    *,
-    servers: int = 3,
-    partitions: int = 3,
-    directory: Path | None = None,
-    keep: bool = False,
-    on_progress: ProgressCallback | None = None,
-    broker_timeout_s: float = 10.0,
-) -> DemoReport:
-    """The same workload with one Kafka sink per simulated model server and a Kafka source.
-
-    The source runs an in-process materializer that projects the run topic into the store directory.
-    The run topic must not exist yet, so the demo never mixes with an earlier run.
-    """
-    from transports.kafka import KafkaTokenSink, KafkaTokenSource, TopicSettings, ensure_topic, topic_for_run
-    from transports.kafka.admin import probe_broker
-    from transports.kafka.lineage import KafkaLineageResolver
-
-    if servers < 1:
-        raise InvalidInputError(f"--servers must be at least 1, got {servers}")
-    topic = topic_for_run(run_id)
-    probe_broker(bootstrap, timeout_s=broker_timeout_s)
-    if not ensure_topic(bootstrap, topic, TopicSettings(partitions=partitions)):
-        raise InvalidInputError(
-            f"topic {topic!r} already exists; pick a new --run (the demo writes a fresh run), "
-            f"or delete it with `tokcap topic delete --run {run_id} --bootstrap {bootstrap}`"
-        )
-    with _store_directory(directory, keep) as store_dir:
-
-        async def run() -> tuple[list[RolloutOutcome], float, float]:
-            sinks = [
-                KafkaTokenSink(
-                    bootstrap_servers=bootstrap,
-                    run_id=run_id,
-                    writer_id=f"demo-server-{number}",
-                )
-                for number in range(servers)
-            ]
-            source = KafkaTokenSource(
-                bootstrap_servers=bootstrap,
-                run_id=run_id,
-                store_dir=store_dir.path,
-                writer_id="demo-trainer",
-            )
-            # Each simulated server resolves parents from the topic, as its model server would.
-            resolvers = [
-                KafkaLineageResolver(bootstrap_servers=bootstrap, run_id=run_id) for _ in range(servers)
-            ]
-            try:
-                return await run_workload(
-                    settings,
-                    lambda index: sinks[index % servers],
-                    source,
-                    on_progress,
-                    lambda index: resolvers[index % servers],
-                )
-            finally:
-                for sink in sinks:
-                    await sink.close()
-                for resolver in resolvers:
-                    await resolver.close()
-                await source.close()
-
-        outcomes, capture_s, finalize_s = asyncio.run(run())
-        return DemoReport(
-            transport="kafka",
-            store_dir=str(store_dir.path),
-            store_kept=store_dir.keep,
-            settings=settings,
-            capture_seconds=capture_s,
-            finalize_seconds=finalize_s,
-            rollouts=outcomes,
-            topic=topic,
-            bootstrap=bootstrap,
-            servers=servers,
         )

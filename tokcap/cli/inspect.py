@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,18 +27,15 @@ from tokcap.state import RolloutState
 from tokcap.store import TokenCaptureStore
 
 __all__ = [
-    "KAFKA_FILE_PREFIX",
     "PreviewSource",
     "RolloutSummary",
+    "SideFiles",
     "describe_rollout",
     "describe_store",
     "intent_status",
     "open_existing_store",
     "summarize_rollout",
 ]
-
-KAFKA_FILE_PREFIX = "kafka-"
-"""Materializer checkpoints and dead-letter records start with this."""
 
 
 def open_existing_store(directory: Path) -> TokenCaptureStore:
@@ -48,23 +45,6 @@ def open_existing_store(directory: Path) -> TokenCaptureStore:
     if not directory.is_dir():
         raise InvalidInputError(f"{directory} is not a directory")
     return TokenCaptureStore(directory)
-
-
-def _json_lines(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of an append-only side file; a torn last line is ignored as the store ignores it."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    records: list[dict[str, Any]] = []
-    for line in data.split(b"\n"):
-        if not line:
-            continue
-        try:
-            records.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            continue
-    return records
 
 
 @dataclass(frozen=True)
@@ -110,36 +90,19 @@ def summarize_rollout(store: TokenCaptureStore, rollout_id: str) -> RolloutSumma
     )
 
 
-def describe_store(directory: Path) -> dict[str, Any]:
-    """Every rollout of a store, plus the materializer files a Kafka projection leaves there."""
+SideFiles = Callable[[Path], dict[str, Any]]
+"""What a transport's readers left in a store directory besides the rollouts, keyed as ``--json`` prints it."""
+
+
+def describe_store(directory: Path, side_files: SideFiles | None = None) -> dict[str, Any]:
+    """Every rollout of a store, plus what ``side_files`` (a mounted transport's) finds beside them."""
     store = open_existing_store(directory)
     rollouts = [summarize_rollout(store, rollout_id) for rollout_id in store.rollout_ids()]
-    # The transport's own modules name its files; these three import no Kafka client.
-    from transports.kafka.checkpoint import checkpoint_files
-    from transports.kafka.dead_letters import dead_letter_files
-    from transports.kafka.ownership import owner_record_files
-
-    checkpoints = {path.name: _json_file(path) for path in checkpoint_files(directory)}
-    owners = {path.name: _json_file(path) for path in owner_record_files(directory)}
-    dead_letters = {path.name: _json_lines(path) for path in dead_letter_files(directory)}
     return {
         "store_dir": str(directory),
         "rollouts": [summary.to_dict() for summary in rollouts],
-        "kafka_checkpoints": checkpoints,
-        "kafka_owners": owners,
-        "dead_letters": dead_letters,
+        **(side_files(directory) if side_files is not None else {}),
     }
-
-
-def _json_file(path: Path) -> dict[str, Any]:
-    """A side file's JSON object; a damaged one is named, so inspecting never hides which file it was."""
-    try:
-        value = orjson.loads(path.read_bytes())
-    except orjson.JSONDecodeError as exc:
-        raise StoreCorruptionError(f"{path} is not valid JSON ({exc}): the side file is damaged") from exc
-    if not isinstance(value, dict):
-        raise StoreCorruptionError(f"{path} holds {type(value).__name__}, not a JSON object")
-    return value
 
 
 class PreviewSource:

@@ -118,14 +118,6 @@ def render_store(description: dict[str, Any], console: Console) -> None:
             _ledger_cell(row),
         )
     console.print(table)
-    for name, checkpoint in description["kafka_checkpoints"].items():
-        bound = f" (id {checkpoint['topic_id']})" if checkpoint.get("topic_id") else ""
-        console.print(f"{name}: topic {checkpoint['topic']}{bound} next offset {checkpoint['next_offset']}")
-    for name, owner in description.get("kafka_owners", {}).items():
-        bound = f" (id {owner['topic_id']})" if owner.get("topic_id") else ""
-        console.print(f"{name}: owns partition {owner.get('partition')} of topic {owner.get('topic')}{bound}")
-    for name, lines in description["dead_letters"].items():
-        console.print(f"{name}: {len(lines)} dead-lettered messages")
 
 
 def _ledger_cell(row: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """What an operator asks the broker: is it there, what does the run topic look like, delete it.
 
-librdkafka failures become tokcap errors through ``transports.kafka.client_errors``, so command-line tools
+librdkafka failures become tokcap errors through ``transports.kafka.error_map``, so command-line tools
 print one clear line instead of a ``KafkaException``; a refused login or TLS handshake ends a wait at once.
 """
 
@@ -17,15 +17,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollectio
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from tokcap.errors import TopicNotFoundError, TransportError
-from transports.kafka.client_errors import (
-    AuthenticationWatch,
-    ClientContext,
-    build_client,
-    kafka_error_of,
-    request_error,
-    scrubbed_cause,
-)
 from transports.kafka.client_log import LIBRDKAFKA_LOGGER
+from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.error_map import Request, kafka_error_of, translated
 from transports.kafka.topics import KEEP_WHOLE_RUN, validate_topic_name
 
 __all__ = [
@@ -58,6 +52,9 @@ DURABILITY_CONFIGS: tuple[str, ...] = (
 _METADATA_SLICE_S = 0.5
 """How often a metadata wait checks whether the broker refused the login meanwhile."""
 
+_RETRIED = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT})
+"""A metadata slice that failed so is asked again until the wait's deadline: the broker may still answer."""
+
 
 def _admin(context: ClientContext, watch: AuthenticationWatch | None = None) -> AdminClient:
     fixed = {} if watch is None else {"error_cb": watch}
@@ -77,25 +74,21 @@ def list_topics(
     ``list_topics(timeout)`` would wait the whole timeout and then only say that no broker answered.
     """
     deadline = time.monotonic() + timeout_s
-    while True:
-        watch.raise_if_failed()
-        remaining = deadline - time.monotonic()
-        try:
-            if topic is None:
-                return client.list_topics(timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
-            return client.list_topics(topic=topic, timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            retryable = isinstance(error, KafkaError) and error.code() in (
-                KafkaError._TIMED_OUT,
-                KafkaError._TRANSPORT,
-            )
-            client.poll(0)
+    with translated(context, Request("read the cluster metadata", timeout_s)):
+        while True:
             watch.raise_if_failed()
-            if not retryable or time.monotonic() >= deadline:
-                raise request_error(
-                    exc, doing="read the cluster metadata", context=context, timeout_s=timeout_s
-                ) from scrubbed_cause(exc, context)
+            remaining = deadline - time.monotonic()
+            try:
+                if topic is None:
+                    return client.list_topics(timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
+                return client.list_topics(topic=topic, timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
+            except KafkaException as exc:
+                error = kafka_error_of(exc)
+                retryable = error is not None and error.code() in _RETRIED
+                client.poll(0)
+                watch.raise_if_failed()
+                if not retryable or time.monotonic() >= deadline:
+                    raise
 
 
 def partition_count(
@@ -123,10 +116,8 @@ def _topic_metadata(
             "`tokcap topic create`"
         )
     if metadata.error is not None:
-        cause = KafkaException(metadata.error)
-        raise request_error(
-            cause, doing=f"describe topic {topic!r}", context=context, timeout_s=timeout_s, topic=topic
-        ) from scrubbed_cause(cause, context)
+        with translated(context, Request(f"describe topic {topic!r}", timeout_s, topic)):
+            raise KafkaException(metadata.error)
     return metadata
 
 
@@ -236,19 +227,14 @@ def watermarks(
     )
     consumer = build_client(Consumer, settings, context, "consumer")
     try:
-        result: dict[int, tuple[int, int]] = {}
-        for partition in sorted(metadata.partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout_s)
-            result[partition] = (int(low), int(high))
-        return result
-    except KafkaException as exc:
-        raise request_error(
-            exc,
-            doing=f"read the offsets of topic {topic!r}",
-            context=context,
-            timeout_s=timeout_s,
-            topic=topic,
-        ) from scrubbed_cause(exc, context)
+        with translated(context, Request(f"read the offsets of topic {topic!r}", timeout_s, topic)):
+            result: dict[int, tuple[int, int]] = {}
+            for partition in sorted(metadata.partitions):
+                low, high = consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=timeout_s
+                )
+                result[partition] = (int(low), int(high))
+            return result
     finally:
         consumer.close()
 
@@ -268,18 +254,10 @@ def describe_topic(
     metadata = _topic_metadata(admin, watch, context, topic, timeout_s)
     offsets = watermarks(bootstrap_servers, topic, client_config=client_config, timeout_s=timeout_s)
     resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
-    try:
+    with translated(context, Request(f"read the configs of topic {topic!r}", timeout_s, topic)):
         described = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(
             timeout=timeout_s
         )
-    except KafkaException as exc:
-        raise request_error(
-            exc,
-            doing=f"read the configs of topic {topic!r}",
-            context=context,
-            timeout_s=timeout_s,
-            topic=topic,
-        ) from scrubbed_cause(exc, context)
     configs = {key: (described[key].value if key in described else None) for key in DURABILITY_CONFIGS}
     partitions = tuple(
         PartitionDescription(
@@ -309,13 +287,9 @@ def delete_topic(
     watch = AuthenticationWatch(context)
     admin = _admin(context, watch)
     _topic_metadata(admin, watch, context, topic, timeout_s)
-    future = admin.delete_topics([topic], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
-    try:
+    with translated(context, Request(f"delete topic {topic!r}", timeout_s, topic)):
+        future = admin.delete_topics([topic], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
         future.result(timeout=timeout_s)
-    except KafkaException as exc:
-        raise request_error(
-            exc, doing=f"delete topic {topic!r}", context=context, timeout_s=timeout_s, topic=topic
-        ) from scrubbed_cause(exc, context)
 
 
 class TopicIdReader:
@@ -343,6 +317,7 @@ class TopicIdReader:
         self._context = ClientContext(bootstrap_servers, dict(client_config or {}))
         self._watch = AuthenticationWatch(self._context)
         self._timeout_s = timeout_s
+        self._request = Request(f"read the id of topic {self._topic!r}", timeout_s, self._topic)
         self._admin: AdminClient | None = None
         self._lock = threading.Lock()
 
@@ -357,26 +332,21 @@ class TopicIdReader:
                 self._admin = _admin(self._context, self._watch)
             admin = self._admin
         self._watch.raise_if_failed()
-        future = admin.describe_topics(TopicCollection([self._topic]), request_timeout=self._timeout_s)[
-            self._topic
-        ]
-        try:
-            described = future.result(timeout=self._timeout_s + 1.0)
-        except (KafkaException, TimeoutError) as exc:
-            self._watch.raise_if_failed()
-            error = kafka_error_of(exc)
-            if error is None or error.code() not in (
-                KafkaError.UNKNOWN_TOPIC_OR_PART,
-                KafkaError._UNKNOWN_TOPIC,
-            ):
-                with self._lock:
-                    if self._admin is admin:
-                        self._admin = None
-            raise request_error(
-                exc,
-                doing=f"read the id of topic {self._topic!r}",
-                context=self._context,
-                timeout_s=self._timeout_s,
-                topic=self._topic,
-            ) from scrubbed_cause(exc, self._context)
+        with translated(self._context, self._request):
+            future = admin.describe_topics(TopicCollection([self._topic]), request_timeout=self._timeout_s)[
+                self._topic
+            ]
+            try:
+                described = future.result(timeout=self._timeout_s + 1.0)
+            except (KafkaException, TimeoutError) as exc:
+                self._watch.raise_if_failed()
+                error = kafka_error_of(exc)
+                if error is None or error.code() not in (
+                    KafkaError.UNKNOWN_TOPIC_OR_PART,
+                    KafkaError._UNKNOWN_TOPIC,
+                ):
+                    with self._lock:
+                        if self._admin is admin:
+                            self._admin = None
+                raise
         return str(described.topic_id)

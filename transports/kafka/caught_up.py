@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, TransportError
 from tokcap.store import TokenCaptureStore
 from transports.kafka.admin import partition_count
-from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, request_error
+from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.error_map import Request, translated
 from transports.kafka.materializer import Materializer
 from transports.kafka.partitioner import DEFAULT_PARTITIONER, partition_of_rollout
 from transports.kafka.shared_materializers import shared_materializers
@@ -90,17 +91,10 @@ class CaughtUpStore:
         """Block until the store holds every event of the rollout's partition acknowledged before this call."""
         materializer = self._materializer_now()
         partition = self._partition_of(rollout_id)
-        try:
+        with translated(self._context, Request(f"read the end of {self._topic!r}", self._timeout_s)):
             _, end = self._asker.get_watermark_offsets(
                 TopicPartition(self._topic, partition), timeout=self._timeout_s, cached=False
             )
-        except KafkaException as exc:
-            raise request_error(
-                exc,
-                doing=f"read the end of {self._topic!r}",
-                context=self._context,
-                timeout_s=self._timeout_s,
-            ) from None
         if end > 0 and not materializer.wait_for(partition, int(end) - 1, self._timeout_s):
             raise DeliveryTimeoutError(
                 f"the materializer of {self._topic!r} did not apply partition {partition} up to offset {end - 1} "

@@ -21,7 +21,9 @@ gets it: what a sink would have refused to send is refused the same way when it 
 an integer dtype and hold no negative value; that is checked on its bytes, before it is decoded.
 
 A value larger than the chunk size is split into chunk messages that carry
-``(group id, index, count, sha256 of the whole value)`` headers; the materializer reassembles them.
+``(group id, index, count, sha256 of the whole value)`` headers; the inbound router reassembles them.
+No value larger than ``DEFAULT_MAX_EVENT_BYTES`` (or the sink's ``max_event_bytes``) is sent: the router
+refuses to reassemble one, so a sink that sent it would have reported ok for an event no reader applies.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from tokcap.errors import (
+    ConfigError,
     EventDecodeError,
+    EventTooLargeError,
     InvalidInputError,
     InvalidRolloutIdError,
     NewerSchemaError,
@@ -49,8 +53,12 @@ from tokcap.input_rules import accept_event, check_entry_fields
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 
+if TYPE_CHECKING:
+    from confluent_kafka import Message
+
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_MAX_EVENT_BYTES",
     "ENCODING_DELTA",
     "ENCODING_JSON",
     "ENCODING_PACKED",
@@ -65,9 +73,11 @@ __all__ = [
     "HEADER_WRITER",
     "WIRE_DELTA_SCHEMA_VERSION",
     "ChunkHeader",
+    "LogMessage",
     "OutgoingMessage",
     "ParentLink",
     "WireDelta",
+    "check_size_settings",
     "decode_event_value",
     "decode_message",
     "decode_wire_delta",
@@ -83,6 +93,14 @@ __all__ = [
 
 DEFAULT_CHUNK_BYTES = 900_000
 """Largest value sent in one message; below the producer's and broker's default 1 MB limits."""
+
+DEFAULT_MAX_EVENT_BYTES = 256 * 1024 * 1024
+"""Largest event value, whole or reassembled from chunks, a sink sends and a reader reassembles.
+
+One number for both sides: a sink refuses a larger event before sending anything, and the inbound router
+abandons a chunk group that declares or reaches more, so a runaway or crafted writer cannot make a reader
+buffer without bound. Routed experts of a large MoE at long context and media attachments are a few to
+tens of MiB; 256 MiB leaves room for both while bounding what one event can cost a reader."""
 
 HEADER_TYPE = "tokcap.type"
 HEADER_SCHEMA = "tokcap.schema_version"
@@ -123,6 +141,44 @@ class OutgoingMessage:
     headers: list[tuple[str, bytes]]
     partition: int | None = None
     """The partition to send to; ``None`` lets the key's partitioner choose."""
+
+
+@dataclass(frozen=True)
+class LogMessage:
+    """One message as read from the log."""
+
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    key: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+    value: bytes | None
+
+    @property
+    def size(self) -> int:
+        """Bytes of key and value, what the message costs on the broker before compression."""
+        return len(self.key or b"") + len(self.value or b"")
+
+    @classmethod
+    def of(cls, message: Message) -> LogMessage:
+        """The message a consumer returned, without its error (the caller handled that)."""
+        kind, stamp = message.timestamp()
+        return cls(
+            partition=int(message.partition() or 0),
+            offset=int(message.offset() or 0),
+            timestamp_ms=int(stamp) if kind != 0 else None,
+            key=message.key(),
+            headers=_header_pairs(message.headers()),
+            value=message.value(),
+        )
+
+
+def _header_pairs(
+    headers: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]] | None,
+) -> tuple[tuple[str, bytes | None], ...]:
+    """Headers as ``(name, bytes)`` pairs in their order on the message."""
+    pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
+    return tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
 
 
 @dataclass(frozen=True)
@@ -620,17 +676,50 @@ def encode_event_value(event: Event) -> tuple[str, bytes]:
     return ENCODING_JSON, encode_event(event)
 
 
+def check_size_settings(chunk_bytes: int, max_event_bytes: int) -> None:
+    """Refuse a sink's size settings that would send messages the broker or the readers refuse."""
+    if chunk_bytes < 1024:
+        raise ConfigError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+    if max_event_bytes < chunk_bytes:
+        raise ConfigError(
+            f"max_event_bytes ({max_event_bytes}) must be at least chunk_bytes ({chunk_bytes}): "
+            "an event that fits one message must also fit the event limit"
+        )
+
+
+def _check_event_size(event: Event, size: int, max_event_bytes: int) -> None:
+    """Refuse an event value larger than the readers reassemble, before any of it is sent."""
+    if size <= max_event_bytes:
+        return
+    call_id = getattr(event, "model_call_id", None)
+    if isinstance(event, PutEvent):
+        call_id = event.entry.model_call_id
+    what = f"{event.type.value} event of rollout {event.rollout_id!r}"
+    if call_id:
+        what += f" call {call_id!r}"
+    raise EventTooLargeError(
+        f"{what} is {size:,} bytes encoded, over the maximum event size of {max_event_bytes:,} bytes "
+        "(max_event_bytes); nothing was sent. Keep media of that size out of the capture (stage a reference "
+        "to it), or raise max_event_bytes on every sink and every reader of the topic together",
+        rollout_id=event.rollout_id,
+        model_call_id=call_id or None,
+    )
+
+
 def encode_event_messages(
     event: Event,
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     next_chunk_group: Callable[[], str],
 ) -> list[OutgoingMessage]:
     """The message, or chunk messages, that carry one event.
 
     ``next_chunk_group`` names a chunk group ``<session>:<sequence>``; it is called only when chunking.
+    An event whose value is larger than ``max_event_bytes`` raises ``EventTooLargeError``.
     """
     encoding, value = encode_event_value(event)
+    _check_event_size(event, len(value), max_event_bytes)
     key = event.rollout_id.encode()
     base_headers = [
         (HEADER_TYPE, event.type.value.encode()),

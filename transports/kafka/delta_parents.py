@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tokcap.errors import EventDecodeError, NewerSchemaError, WireDeltaError
 from tokcap.events import PutEvent
 from transports.kafka.codec import (
+    LogMessage,
     ParentLink,
     WireDelta,
     decode_message,
@@ -30,9 +30,6 @@ from transports.kafka.codec import (
     read_chunk_header,
 )
 
-if TYPE_CHECKING:
-    from transports.kafka.router import LogMessage
-
 __all__ = ["DEFAULT_KEPT_PER_ROLLOUT", "DEFAULT_KEPT_TOKENS", "ParentRead", "ParentRestorer"]
 
 DEFAULT_KEPT_TOKENS = 4_000_000
@@ -41,7 +38,7 @@ DEFAULT_KEPT_TOKENS = 4_000_000
 DEFAULT_KEPT_PER_ROLLOUT = 2
 """Puts kept per rollout: a sink links the latest, or the one before it."""
 
-ParentRead = Callable[[int, int], "LogMessage | None"]
+ParentRead = Callable[[int, int], LogMessage | None]
 """Reads the message at ``(partition, offset)``; ``None`` when the log does not hold it."""
 
 

@@ -7,7 +7,9 @@ per rollout, on any node, including a resolver built after the put.
 
 Only the JSON head of each packed put is parsed (call id, fingerprint, context digest, lengths, digest,
 parent link); the token arrays are kept as the undecoded bytes that arrived and are decoded for the one
-proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire.
+proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire. A put too large for
+one message is reassembled by the inbound router (``router``), with its digest check and memory limits, and
+decoded whole there; the chunks of other large events are counted towards those limits but not kept.
 
 Every put is checked by the sinks' input rules as it is read: its head by the rules on the entry's fields,
 its ids on their packed bytes (``codec.read_packed_head``); a put refused is no candidate. The rules that
@@ -50,7 +52,6 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, Message, Topic
 from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, TransportError
 from tokcap.events import PutEvent
 from tokcap.fingerprint import assistant_fingerprint
-from tokcap.hashing import sha256_hex
 from tokcap.lineage import (
     KeptParents,
     LineageIndex,
@@ -62,29 +63,26 @@ from tokcap.lineage import (
 from tokcap.metrics import source_timed
 from tokcap.records import ParentResolutionStatus, TokenEntry
 from transports.kafka.admin import list_topics, partition_count
-from transports.kafka.client_errors import (
-    AuthenticationWatch,
-    ClientContext,
-    build_client,
-    read_error,
-    request_error,
-)
+from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
 from transports.kafka.codec import (
     ENCODING_DELTA,
     ENCODING_JSON,
     ENCODING_PACKED,
     HEADER_ENCODING,
     HEADER_TYPE,
+    LogMessage,
     decode_event_value,
     decode_wire_delta,
+    encode_event_value,
     headers_to_dict,
     read_chunk_header,
     read_packed_head,
     rollout_of_key,
 )
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
+from transports.kafka.error_map import Request, read_failure, translated
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
-from transports.kafka.router import LogMessage
+from transports.kafka.router import ApplyEvent, InboundRouter
 from transports.kafka.staging import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
 from transports.kafka.topics import resolve_topic
 
@@ -219,6 +217,8 @@ class KafkaLineageResolver:
         self._partitioner = partitioner
         self._timeout_s = timeout_s
         self._context = ClientContext(bootstrap_servers, dict(consumer_config or {}))
+        self._end_request = Request(f"read the end of {self._topic!r}", timeout_s)
+        self._read_request = Request(f"read {self._topic!r}", timeout_s)
         self._watch = AuthenticationWatch(self._context)
         settings = self._context.settings(
             {
@@ -251,7 +251,8 @@ class KafkaLineageResolver:
         self._rollouts: dict[str, _RolloutLog] = {}
         self._parents = KeptParents(max_kept_tokens)
         """Each rollout's last materialized parent, kept with the log it was read from."""
-        self._chunks: dict[str, list[bytes]] = {}
+        self._chunk_router = InboundRouter()
+        """Reassembles chunk groups, the one way every reader does (bounded by its default memory limits)."""
         # Restoring is CPU work on one rollout; striped by rollout so concurrent calls do not queue on one lock,
         # with the kept tokens still bounded overall.
         self._restorers = [
@@ -389,7 +390,7 @@ class KafkaLineageResolver:
             await self._ledger.close()
         with self._lock:
             self._rollouts.clear()
-            self._chunks.clear()
+            self._chunk_router = InboundRouter()
             self._parents.clear()
             self._read.notify_all()
         await asyncio.to_thread(self._stop_reading)
@@ -423,10 +424,8 @@ class KafkaLineageResolver:
                 if partition in self._next:
                     return
             where = TopicPartition(self._topic, partition)
-            try:
+            with translated(self._context, self._end_request):
                 low, _ = self._asker.get_watermark_offsets(where, timeout=self._timeout_s, cached=False)
-            except KafkaException as exc:
-                raise self._request_error(exc) from None
             with self._lock:
                 self._raise_if_closed()
                 self._next[partition] = int(low)
@@ -439,21 +438,13 @@ class KafkaLineageResolver:
         the last stable offset: the end that reading can reach (the high watermark when nothing is transactional).
         """
         wanted = [TopicPartition(self._topic, partition, OFFSET_END) for partition in sorted(partitions)]
-        try:
-            answered = self._asker.offsets_for_times(wanted, timeout=self._timeout_s)
-        except KafkaException as exc:
-            raise self._request_error(exc) from None
         ends: dict[int, int] = {}
-        for where in answered:
-            if where.error is not None:
-                raise self._request_error(KafkaException(where.error))
-            ends[where.partition] = int(where.offset)
+        with translated(self._context, self._end_request):
+            for where in self._asker.offsets_for_times(wanted, timeout=self._timeout_s):
+                if where.error is not None:
+                    raise KafkaException(where.error)
+                ends[where.partition] = int(where.offset)
         return ends
-
-    def _request_error(self, exc: KafkaException) -> TransportError:
-        return request_error(
-            exc, doing=f"read the end of {self._topic!r}", context=self._context, timeout_s=self._timeout_s
-        )
 
     def _catch_up(self, partition: int, high: int) -> None:
         """Wait until the partition is read up to ``high``, its end as of the call.
@@ -488,22 +479,19 @@ class KafkaLineageResolver:
         messages: list[Message] = []
         self._lock.release()
         try:
-            if unassigned:
-                self._consumer.incremental_assign(unassigned)
-                unassigned = []
-            if not self._reader_knows_leaders:
-                # librdkafka learns the leaders of a topic first assigned on a handle at its next topic scan,
-                # up to a second later, and fetches nothing until then (the first resolves of a run stalled
-                # 0.5-1 s so). Asking for the topic's metadata on this handle teaches it now.
-                list_topics(self._consumer, self._watch, self._context, self._timeout_s, self._topic)
-                self._reader_knows_leaders = True
-            messages = self._consumer.consume(1, timeout_s)
-            if messages:
-                messages.extend(self._consumer.consume(500, 0))
-        except KafkaException as exc:
-            raise request_error(
-                exc, doing=f"read {self._topic!r}", context=self._context, timeout_s=self._timeout_s
-            ) from None
+            with translated(self._context, self._read_request):
+                if unassigned:
+                    self._consumer.incremental_assign(unassigned)
+                    unassigned = []
+                if not self._reader_knows_leaders:
+                    # librdkafka learns the leaders of a topic first assigned on a handle at its next topic
+                    # scan, up to a second later, and fetches nothing until then (the first resolves of a run
+                    # stalled 0.5-1 s so). Asking for the topic's metadata on this handle teaches it now.
+                    list_topics(self._consumer, self._watch, self._context, self._timeout_s, self._topic)
+                    self._reader_knows_leaders = True
+                messages = self._consumer.consume(1, timeout_s)
+                if messages:
+                    messages.extend(self._consumer.consume(500, 0))
         finally:
             self._lock.acquire()
             self._unassigned.extend(unassigned)  # not assigned: the next reader tries again
@@ -524,7 +512,7 @@ class KafkaLineageResolver:
     def _take(self, message: Message) -> TransportError | None:
         error = message.error()
         if error is not None:
-            return read_error(error, topic=self._topic, context=self._context)
+            return read_failure(error, self._context, self._topic)
         partition, offset = message.partition(), message.offset()
         if partition is None or offset is None or offset < self._next.get(partition, 0):
             return None
@@ -535,23 +523,33 @@ class KafkaLineageResolver:
             return None
         try:
             headers = headers_to_dict(message.headers())
-            chunk = read_chunk_header(headers)
-            if chunk is not None:
-                parts = self._chunks.setdefault(chunk.group, [])
-                if chunk.index != len(parts):
-                    self._chunks.pop(chunk.group, None)
-                    return None
-                parts.append(value)
-                if len(parts) < chunk.count:
-                    return None
-                value = b"".join(self._chunks.pop(chunk.group))
-                if sha256_hex(value) != chunk.digest:
-                    return None
-            self._fold(rollout_id, value, headers, partition, offset if chunk is None else -1)
+            if read_chunk_header(headers) is not None:
+                if headers.get(HEADER_TYPE) == "put":
+                    self._take_chunk(LogMessage.of(message))
+                else:
+                    # A large stage (media, routed experts) is no candidate: its bytes are counted, not kept.
+                    self._chunk_router.pass_over(LogMessage.of(message))
+                return None
+            self._fold(rollout_id, value, headers, partition, offset)
         except (EventDecodeError, orjson.JSONDecodeError, ValueError, KeyError, TypeError):
             # The materializer dead-letters what it cannot decode; for lineage it is simply not a candidate.
             pass
         return None
+
+    def _take_chunk(self, message: LogMessage) -> None:
+        """Reassemble through the inbound router, with its checks and memory limits; fold a completed event.
+
+        A group the router dead-letters is simply no candidate. A completed put is folded as its packed value,
+        which the router already decoded and checked whole.
+        """
+        for decided in self._chunk_router.route(message):
+            if isinstance(decided, ApplyEvent):
+                event = decided.event
+                encoding, value = (
+                    encode_event_value(event) if isinstance(event, PutEvent) else (ENCODING_JSON, b"")
+                )
+                headers = {**decided.headers, HEADER_ENCODING: encoding}
+                self._fold(event.rollout_id, value, headers, decided.partition, -1)
 
     def _fold(
         self, rollout_id: str, value: bytes, headers: dict[str, str], partition: int = 0, offset: int = -1

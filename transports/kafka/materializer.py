@@ -95,21 +95,23 @@ from transports.kafka.checkpoint import (
     checkpoint_path,
     write_checkpoints,
 )
-from transports.kafka.client_errors import AuthenticationWatch, ClientContext, build_client, read_error
+from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.codec import DEFAULT_MAX_EVENT_BYTES, LogMessage
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.error_map import read_failure
 from transports.kafka.incarnation import IncarnationWatch
 from transports.kafka.loop_metrics import count_applied, count_dead_letter, observe_freeze
 from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.ownership import check_owner_records, write_owner_records
 from transports.kafka.router import (
+    DEFAULT_MAX_OPEN_CHUNK_BYTES,
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
     ApplyEvent,
     DeadLetter,
     Deferred,
     InboundRouter,
-    LogMessage,
     Routed,
     carry_out,
     refused_staging_reason,
@@ -332,6 +334,8 @@ class Materializer:
         on_dead_letter: Callable[[DeadLetterLine], object] | None = None,
         block_messages: int | None = None,
         topic_id_reader: Callable[[], str] | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_open_chunk_bytes: int = DEFAULT_MAX_OPEN_CHUNK_BYTES,
     ) -> None:
         """``consumer_factory`` builds the consumer from its settings; tests pass an in-memory topic double.
 
@@ -344,6 +348,10 @@ class Materializer:
         ``block_messages`` bounds the in-order sweep's deferred-durability blocks: smaller blocks checkpoint
         more often (a resume applies less again), larger ones write each rollout's state fewer times; the
         default is ``SWEEP_BLOCK_MESSAGES``.
+
+        ``max_event_bytes`` and ``max_open_chunk_bytes`` bound the memory of large events being reassembled
+        (``router``): a larger chunk group is dead-lettered and its rollout masked. Keep ``max_event_bytes`` at
+        least the sinks' and the same on every reader of the topic.
         """
         self._block_messages = check_block_messages(
             SWEEP_BLOCK_MESSAGES if block_messages is None else block_messages
@@ -370,8 +378,13 @@ class Materializer:
                 self._new_consumer, {**self._consumer_settings(), **READER_SETTINGS}, self._client, "consumer"
             ),
             self._topic,
+            context=self._client,
         )
-        self._router = InboundRouter(parents=ParentRestorer(self._parent_reader.read))
+        self._router = InboundRouter(
+            max_event_bytes=max_event_bytes,
+            max_open_chunk_bytes=max_open_chunk_bytes,
+            parents=ParentRestorer(self._parent_reader.read),
+        )
         self._applied_next: dict[int, int] = {}
         self._applied_ahead: dict[int, set[int]] = {}
         self._counters = MaterializerCounters()
@@ -1136,7 +1149,7 @@ class Materializer:
         return swept
 
     def _on_consumer_error(self, error: KafkaError) -> None:
-        failure = read_error(error, topic=self._topic, context=self._client)
+        failure = read_failure(error, self._client, self._topic)
         if failure is not None:
             # A topic deleted and created again shows first as an offset out of range: say so if it is.
             assert self._incarnation is not None

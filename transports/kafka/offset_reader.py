@@ -14,7 +14,9 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from tokcap.errors import TransportError
-from transports.kafka.router import LogMessage
+from transports.kafka.clients import ClientContext
+from transports.kafka.codec import LogMessage
+from transports.kafka.error_map import Request, translated
 
 __all__ = ["READER_SETTINGS", "OffsetReader"]
 
@@ -31,12 +33,16 @@ class OffsetReader:
 
     ``open_consumer`` builds the consumer with the reader's own settings (security included) and
     ``READER_SETTINGS``; it must not reset offsets by itself (``auto.offset.reset: error``), so an offset that
-    retention removed is reported as missing instead of silently answered with another message.
+    retention removed is reported as missing instead of silently answered with another message. ``context``
+    describes that consumer, so its failures name the broker and carry none of its settings.
     """
 
-    def __init__(self, open_consumer: Callable[[], Any], topic: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, open_consumer: Callable[[], Any], topic: str, *, context: ClientContext, timeout_s: float = 30.0
+    ) -> None:
         self._open_consumer = open_consumer
         self._topic = topic
+        self._context = context
         self._timeout_s = timeout_s
         self._consumer: Consumer | None = None
 
@@ -51,29 +57,29 @@ class OffsetReader:
         consumer = self._consumer
         consumer.assign([TopicPartition(self._topic, partition, offset)])
         deadline = time.monotonic() + self._timeout_s
+        asked = Request(f"read offset {offset} of partition {partition} of {self._topic!r}", self._timeout_s)
         try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransportError(
-                        f"could not read offset {offset} of partition {partition} of {self._topic!r} within "
-                        f"{self._timeout_s:g} s; is the broker reachable?"
-                    )
-                for message in consumer.consume(1, min(remaining, _POLL_S)):
-                    error = message.error()
-                    if error is not None:
-                        if error.code() in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._PARTITION_EOF):
-                            return None
+            with translated(self._context, asked):
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
                         raise TransportError(
-                            f"reading offset {offset} of partition {partition} of {self._topic!r} failed: {error}"
+                            f"could not read offset {offset} of partition {partition} of {self._topic!r} within "
+                            f"{self._timeout_s:g} s; is the broker reachable?"
                         )
-                    if int(message.partition() or 0) != partition:
-                        continue
-                    found = int(message.offset() or 0)
-                    if found == offset:
-                        return LogMessage.of(message)
-                    if found > offset:
-                        return None
+                    for message in consumer.consume(1, min(remaining, _POLL_S)):
+                        error = message.error()
+                        if error is not None:
+                            if error.code() in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._PARTITION_EOF):
+                                return None
+                            raise KafkaException(error)
+                        if int(message.partition() or 0) != partition:
+                            continue
+                        found = int(message.offset() or 0)
+                        if found == offset:
+                            return LogMessage.of(message)
+                        if found > offset:
+                            return None
         finally:
             consumer.assign([])
 
@@ -84,18 +90,13 @@ class OffsetReader:
         second later, and fetches nothing until then; asking for the topic's metadata first saves that wait.
         """
         consumer = self._open_consumer()
+        asked = Request(f"read the metadata of {self._topic!r} to read a parent message", self._timeout_s)
         try:
-            consumer.list_topics(topic=self._topic, timeout=self._timeout_s)
-        except KafkaException as exc:
+            with translated(self._context, asked):
+                consumer.list_topics(topic=self._topic, timeout=self._timeout_s)
+        except TransportError:
             consumer.close()
-            # The error's code only: librdkafka's text can echo configured values, and this reader has no
-            # redactor of its own.
-            error = exc.args[0] if exc.args else None
-            code = error.name() if isinstance(error, KafkaError) else type(exc).__name__
-            raise TransportError(
-                f"could not read the metadata of {self._topic!r} within {self._timeout_s:g} s to read a parent "
-                f"message ({code}); is the broker reachable and is this client allowed to describe the topic?"
-            ) from None
+            raise
         return consumer
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ librdkafka reports deliveries from ``poll()``; a background thread polls, collec
 ``poll()``, and hands them to each owning event loop with one ``call_soon_threadsafe``, which resolves
 their futures.
 Awaiting callers therefore never block the loop, and many concurrent sends share batches.
-Failures are translated by ``transports.kafka.client_errors``. A refused login or TLS handshake fails every
+Failures are translated by ``transports.kafka.error_map``. A refused login or TLS handshake fails every
 waiting send at once, instead of after ``delivery_timeout_s``, since retrying cannot help.
 """
 
@@ -22,22 +22,15 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from tokcap.errors import ConfigError, DeliveryError, DeliveryTimeoutError
-from transports.kafka.client_errors import (
-    AuthenticationWatch,
-    ClientContext,
-    authentication_failure,
-    build_client,
-    delivery_error,
-    scrubbed_cause,
-)
 from transports.kafka.client_log import ClientLog
+from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
 from transports.kafka.codec import OutgoingMessage
+from transports.kafka.error_map import Delivery, authentication_failure, translated
 
 __all__ = [
     "DEFAULT_DELIVERY_TIMEOUT_S",
     "Delivered",
     "ProducerBridge",
-    "delivery_error",
     "logger",
 ]
 
@@ -248,42 +241,31 @@ class ProducerBridge:
             raise DeliveryError(f"{what} cannot be sent: the Kafka producer is closed")
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Delivered]] = []
-        with self._produce_lock:
+        sent = Delivery(what, topic)
+        with self._produce_lock, translated(self._context, sent):
             # Checked under the lock that _on_error takes: a send either sees the failure or is failed by it.
             self._watch.raise_if_failed()
             producer = self._producer_for_send()
             for message in messages:
                 future: asyncio.Future[Delivered] = loop.create_future()
-                try:
-                    producer.produce(
-                        topic,
-                        value=message.value,
-                        key=message.key,
-                        headers=list(message.headers),
-                        on_delivery=partial(self._on_delivery, loop, future),
-                        # -1 is librdkafka's "let the partitioner choose".
-                        partition=-1 if message.partition is None else message.partition,
-                    )
-                except BufferError as exc:
-                    raise DeliveryError(
-                        f"{what} cannot be queued: the local producer queue is full; the broker is not keeping up"
-                    ) from exc
-                except KafkaException as exc:
-                    error = exc.args[0]
-                    translated = delivery_error(error, what=what, topic=topic, context=self._context)
-                    raise translated from scrubbed_cause(error, self._context)
+                producer.produce(
+                    topic,
+                    value=message.value,
+                    key=message.key,
+                    headers=list(message.headers),
+                    on_delivery=partial(self._on_delivery, loop, future),
+                    # -1 is librdkafka's "let the partitioner choose".
+                    partition=-1 if message.partition is None else message.partition,
+                )
                 futures.append(future)
                 self._waiting.add((loop, future))
         outcomes = await self._reports(loop, futures, what=what, topic=topic)
         delivered: list[Delivered] = []
-        for outcome in outcomes:
-            if isinstance(outcome, KafkaException):
-                error = outcome.args[0]
-                translated = delivery_error(error, what=what, topic=topic, context=self._context)
-                raise translated from scrubbed_cause(error, self._context)
-            if isinstance(outcome, BaseException):
-                raise outcome
-            delivered.append(outcome)
+        with translated(self._context, sent):
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                delivered.append(outcome)
         return delivered
 
     async def _reports(

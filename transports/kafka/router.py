@@ -20,6 +20,18 @@ abandons its rollout's open groups before it applies: whatever completes after t
 the snapshot, so a snapshot taken while a group is open must be masked, not returned complete. The router
 only decides; ``carry_out`` applies a decision to a store, and only the materializer writes dead-letter lines.
 
+Memory is bounded. A group larger than ``max_event_bytes`` (the sinks' limit, ``DEFAULT_MAX_EVENT_BYTES``)
+is dead-lettered and its rollout masked as soon as its first chunk declares it (``count - 1`` chunks of the
+first chunk's length and at least one byte more) or its chunks so far exceed it; nothing more of it is
+buffered, and its later chunks are orphans. The open groups of one partition hold at most
+``max_open_chunk_bytes`` value bytes; a chunk that would take them past it first abandons the partition's
+oldest open groups (``_make_room`` says why). Both limits are per partition, not per router, because every
+reader must take the same decision from the same log: the materializer, a resumed materializer, one that
+owns a subset of the partitions, and ``tokcap log``/``replay`` read partitions interleaved differently, but
+each partition in the same order. A router reading ``P`` partitions thus holds at most
+``P * max_open_chunk_bytes`` bytes of chunks. A whole message is not checked: the broker's message limit
+already bounds it, and it is in memory once fetched.
+
 Deferred decoding (the materializer's router): decoding and validating a put costs far more than reading its
 headers, and a freeze waits for every message before it to be routed. A deferred message is decoded when its
 own rollout needs it (that rollout's freeze is answered or its events are applied), or when the reader has
@@ -31,13 +43,13 @@ are never deferred.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from tokcap.errors import EventDecodeError, NewerSchemaError
+from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError
 from tokcap.events import (
     DeleteEvent,
     Event,
@@ -54,8 +66,10 @@ from tokcap.hashing import sha256_hex
 from tokcap.records import token_count
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.codec import (
+    DEFAULT_MAX_EVENT_BYTES,
     HEADER_TYPE,
     ChunkHeader,
+    LogMessage,
     decode_message,
     decode_wire_delta,
     headers_to_dict,
@@ -66,10 +80,8 @@ from transports.kafka.codec import (
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
 
-if TYPE_CHECKING:
-    from confluent_kafka import Message
-
 __all__ = [
+    "DEFAULT_MAX_OPEN_CHUNK_BYTES",
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
     "ApplyEvent",
@@ -77,11 +89,13 @@ __all__ = [
     "DeadLetter",
     "Deferred",
     "InboundRouter",
-    "LogMessage",
     "Routed",
     "carry_out",
+    "logger",
     "refused_staging_reason",
 ]
+
+logger = logging.getLogger(__name__)
 
 MATERIALIZER_WRITER = "tokcap-materializer"
 """Writer id of the incomplete markers the materializer itself applies."""
@@ -89,46 +103,15 @@ MATERIALIZER_WRITER = "tokcap-materializer"
 ORPHAN_AFTER_OFFSETS = 100_000
 """A chunk group still open this many offsets after its first chunk will never complete."""
 
+DEFAULT_MAX_OPEN_CHUNK_BYTES = 2 * DEFAULT_MAX_EVENT_BYTES
+"""Value bytes the open chunk groups of one partition may hold together.
+
+Twice the event limit: one event of the largest size can be reassembled while other writers' groups are
+open beside it. Legitimate groups are short-lived (a sink sends a group's chunks back to back), so only many
+writers sending events of hundreds of MiB at once, or groups that will never complete, come near it."""
+
 _DEFERRABLE_TYPES = frozenset({"intent", "cancel", "put", "incomplete"})
 """Type headers of the messages whose decoding may wait: a rollout's capture, never a command a source waits on."""
-
-
-@dataclass(frozen=True)
-class LogMessage:
-    """One message as read from the log."""
-
-    partition: int
-    offset: int
-    timestamp_ms: int | None
-    key: bytes | None
-    headers: tuple[tuple[str, bytes | None], ...]
-    value: bytes | None
-
-    @property
-    def size(self) -> int:
-        """Bytes of key and value, what the message costs on the broker before compression."""
-        return len(self.key or b"") + len(self.value or b"")
-
-    @classmethod
-    def of(cls, message: Message) -> LogMessage:
-        """The message a consumer returned, without its error (the caller handled that)."""
-        kind, stamp = message.timestamp()
-        return cls(
-            partition=int(message.partition() or 0),
-            offset=int(message.offset() or 0),
-            timestamp_ms=int(stamp) if kind != 0 else None,
-            key=message.key(),
-            headers=_header_pairs(message.headers()),
-            value=message.value(),
-        )
-
-
-def _header_pairs(
-    headers: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]] | None,
-) -> tuple[tuple[str, bytes | None], ...]:
-    """Headers as ``(name, bytes)`` pairs in their order on the message."""
-    pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
-    return tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
 
 
 @dataclass(frozen=True)
@@ -198,7 +181,11 @@ Routed = ApplyEvent | Buffered | DeadLetter
 
 @dataclass
 class _OpenGroup:
-    """The chunks of one large event received so far."""
+    """The chunks of one large event received so far.
+
+    A ghost is another rollout's group seen by ``pass_over``: its bytes are counted but not kept, so a reader
+    of one rollout takes the budget decisions a reader of them all takes.
+    """
 
     header: ChunkHeader
     key: bytes
@@ -206,16 +193,29 @@ class _OpenGroup:
     offsets: list[int]
     pieces: list[bytes]
     size: int
+    held: int
+    """Value bytes of the chunks received, what the reassembled value holds so far."""
+    ghost: bool = False
 
 
 @dataclass
 class InboundRouter:
-    """Routes messages partition by partition, holding the chunk groups still open in each."""
+    """Routes messages partition by partition, holding the chunk groups still open in each.
+
+    ``max_event_bytes`` and ``max_open_chunk_bytes`` bound the memory chunks take (module docstring); every
+    reader of a topic must use the same values, or they may decide differently about a large group.
+    """
 
     orphan_after_offsets: int = ORPHAN_AFTER_OFFSETS
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    """The largest reassembled value; set it at least as large as the sinks' ``max_event_bytes``."""
+    max_open_chunk_bytes: int = DEFAULT_MAX_OPEN_CHUNK_BYTES
+    """Value bytes the open groups of one partition may hold together; at least ``max_event_bytes``."""
     parents: ParentRestorer = field(default_factory=ParentRestorer)
     """Restores wire deltas; give it a way to read the log (``OffsetReader``) where parents may be forgotten."""
     _groups: dict[int, dict[str, _OpenGroup]] = field(default_factory=dict)
+    _held: dict[int, int] = field(default_factory=dict)
+    """Per partition, the value bytes its open groups hold (ghosts' counted too)."""
     _deferred: dict[bytes, deque[Deferred]] = field(default_factory=dict)
     """Per key, its deferred messages not settled yet, in log order."""
     _arrived: deque[Deferred] = field(default_factory=deque)
@@ -224,6 +224,15 @@ class InboundRouter:
     """Tokens of the puts ``settle_oldest`` decoded that nobody has asked for yet: memory a reader that
     decodes ahead holds on top of the messages' bytes, which it may bound."""
 
+    def __post_init__(self) -> None:
+        if self.max_event_bytes < 1:
+            raise ConfigError(f"max_event_bytes must be positive, got {self.max_event_bytes}")
+        if self.max_open_chunk_bytes < self.max_event_bytes:
+            raise ConfigError(
+                f"max_open_chunk_bytes ({self.max_open_chunk_bytes}) must be at least max_event_bytes "
+                f"({self.max_event_bytes}), or an event of the largest size could never be reassembled"
+            )
+
     # ------------------------------------------------------------ what is open
 
     def open_chunk_offsets(self, partition: int) -> list[int]:
@@ -231,8 +240,15 @@ class InboundRouter:
         return sorted(o for group in self._groups.get(partition, {}).values() for o in group.offsets)
 
     def open_groups(self) -> list[str]:
-        """Chunk groups still waiting for chunks, in every partition."""
-        return sorted(group for groups in self._groups.values() for group in groups)
+        """Chunk groups still waiting for chunks, in every partition (another rollout's seen by ``pass_over``
+        excluded)."""
+        return sorted(
+            name for groups in self._groups.values() for name, group in groups.items() if not group.ghost
+        )
+
+    def open_chunk_bytes(self, partition: int) -> int:
+        """Value bytes the partition's open groups hold (``max_open_chunk_bytes`` bounds it)."""
+        return self._held.get(partition, 0)
 
     def unsettled(self) -> int:
         """Deferred messages not decoded yet, over every rollout."""
@@ -330,16 +346,36 @@ class InboundRouter:
         """A message read but not routed (another rollout's): it can still make open groups abandoned.
 
         A reader of one rollout calls this for the others' messages, so it abandons exactly the groups
-        the materializer, which reads them all, abandons.
+        the materializer, which reads them all, abandons. A reader that needs only some events (the lineage
+        resolver, puts) passes over the chunks of the others the same way: counted, never kept or decoded.
         """
         routed: list[Routed] = []
         try:
-            chunk = read_chunk_header(headers_to_dict(message.headers))
+            headers = headers_to_dict(message.headers)
+            chunk = read_chunk_header(headers)
         except EventDecodeError:
             chunk = None
-        if chunk is not None and chunk.index == 0:
-            routed = self._abandon_session(message, chunk)
+        if chunk is not None:
+            # Its group is kept as a ghost (sizes, no bytes); only the groups this reader routes are reported.
+            routed = [
+                decided
+                for decided in self._take_chunk(message, headers, chunk, ghost=True)
+                if isinstance(decided, DeadLetter) and not decided.positioned
+            ]
+        elif headers.get(HEADER_TYPE) == "freeze":
+            self._close_frozen_ghosts(message, headers)
         return routed + self._abandon_stale(message)
+
+    def _close_frozen_ghosts(self, message: LogMessage, headers: Mapping[str, str]) -> None:
+        """A freeze passed over closes its rollout's ghost groups, as routing it closes the groups it abandons."""
+        try:
+            event = decode_message(message.key, message.value, headers)
+        except (EventDecodeError, NewerSchemaError):
+            return
+        if isinstance(event, FreezeEvent):
+            for group in list(self._groups.get(message.partition, {}).values()):
+                if group.ghost and rollout_of_key(group.key) == event.rollout_id:
+                    self._close(message.partition, group)
 
     def rebuffer(self, message: LogMessage) -> None:
         """Take back a chunk of a group that was open at the checkpoint; it was checked when first read."""
@@ -350,16 +386,15 @@ class InboundRouter:
                 f"checkpointed chunk offset {message.offset} of partition {message.partition} is not a chunk; "
                 "the checkpoint does not belong to this topic: replay into a new directory"
             )
-        groups = self._groups.setdefault(message.partition, {})
-        group = groups.get(header.group)
+        value = message.value or b""
+        group = self._groups.get(message.partition, {}).get(header.group)
         if group is None:
-            groups[header.group] = _OpenGroup(
-                header, message.key or b"", headers, [message.offset], [message.value or b""], message.size
+            self._open(
+                message.partition,
+                _OpenGroup(header, message.key or b"", headers, [], [], 0, 0),
             )
-            return
-        group.offsets.append(message.offset)
-        group.pieces.append(message.value or b"")
-        group.size += message.size
+            group = self._groups[message.partition][header.group]
+        self._add(message.partition, group, message.offset, value, message.size)
 
     # ------------------------------------------------------------ the rules
 
@@ -414,28 +449,42 @@ class InboundRouter:
             self.parents.forget(key or b"")
         return ApplyEvent(event, message.partition, message.offset, headers, size)
 
-    def _take_chunk(self, message: LogMessage, headers: dict[str, str], chunk: ChunkHeader) -> list[Routed]:
-        """Add a chunk to its group; a completed group becomes its event."""
+    def _take_chunk(
+        self, message: LogMessage, headers: dict[str, str], chunk: ChunkHeader, *, ghost: bool = False
+    ) -> list[Routed]:
+        """Add a chunk to its group; a completed group becomes its event (a ghost's, nothing)."""
         key = message.key or b""
         value = message.value or b""
         size = message.size
-        groups = self._groups.setdefault(message.partition, {})
+        partition = message.partition
         if chunk.index == 0:
             # The same session's older group, the same group id included, can no longer complete.
             abandoned = self._abandon_session(message, chunk)
-            groups[chunk.group] = _OpenGroup(chunk, key, headers, [message.offset], [value], size)
+            declared = (chunk.count - 1) * len(value) + 1
+            if declared > self.max_event_bytes:
+                why = (
+                    f"chunk group {chunk.group} declares at least {declared:,} bytes ({chunk.count} chunks of "
+                    f"{len(value):,}), over the maximum event size of {self.max_event_bytes:,} bytes "
+                    "(max_event_bytes); none of it is buffered"
+                )
+                return [*abandoned, self._too_large(message, headers, size, why, ghost)]
+            evicted = self._make_room(message, len(value), None)
+            opened = _OpenGroup(chunk, key, headers, [], [], 0, 0, ghost)
+            self._open(partition, opened)
+            self._add(partition, opened, message.offset, value, size)
             return [
                 *abandoned,
-                Buffered(message.partition, message.offset, headers, size, self._progress(chunk)),
+                *evicted,
+                Buffered(partition, message.offset, headers, size, self._progress(chunk)),
             ]
-        group = groups.get(chunk.group)
+        group = self._groups.get(partition, {}).get(chunk.group)
         if group is None:
             why = f"orphaned chunk {chunk.index}/{chunk.count} of group {chunk.group}"
             return [self._dead_letter(message, headers, size, why)]
         expected = (len(group.pieces), group.header.count, group.header.digest, group.key)
         if (chunk.index, chunk.count, chunk.digest, key) != expected:
             return [
-                self._abandon(
+                *self._abandon(
                     message, group, f"chunk {chunk.index} at offset {message.offset} does not continue it"
                 ),
                 self._dead_letter(
@@ -445,17 +494,104 @@ class InboundRouter:
                     f"chunk {chunk.index}/{chunk.count} does not continue group {chunk.group}",
                 ),
             ]
-        group.offsets.append(message.offset)
-        group.pieces.append(value)
-        group.size += size
+        received = group.held + len(value)
+        if received > self.max_event_bytes:
+            why = (
+                f"its chunks reach {received:,} bytes at chunk {chunk.index} (offset {message.offset}), over the "
+                f"maximum event size of {self.max_event_bytes:,} bytes (max_event_bytes)"
+            )
+            too_large = self._abandon(message, group, why)
+            self._log_abandoned(too_large)
+            return [
+                *too_large,
+                self._dead_letter(
+                    message, headers, size, f"chunk {chunk.index}/{chunk.count} of group {chunk.group}: {why}"
+                ),
+            ]
+        evicted = []
+        if self._held[partition] + len(value) > self.max_open_chunk_bytes:
+            evicted = self._make_room(message, len(value), group)
+        self._add(partition, group, message.offset, value, size)
         if len(group.pieces) < group.header.count:
-            return [Buffered(message.partition, message.offset, headers, size, self._progress(chunk))]
-        del groups[chunk.group]
+            buffered = Buffered(partition, message.offset, headers, size, self._progress(chunk))
+            return [*evicted, buffered] if evicted else [buffered]
+        self._close(partition, group)
+        if group.ghost:
+            return evicted
         whole = b"".join(group.pieces)
         if sha256_hex(whole) != group.header.digest:
             why = f"chunk group {chunk.group} reassembles to a different digest"
-            return [self._dead_letter(message, headers, group.size, why)]
-        return [self._decode(message, group.key, whole, group.headers, group.size)]
+            return [*evicted, self._dead_letter(message, headers, group.size, why)]
+        return [*evicted, self._decode(message, group.key, whole, group.headers, group.size)]
+
+    def _open(self, partition: int, group: _OpenGroup) -> None:
+        self._groups.setdefault(partition, {})[group.header.group] = group
+        self._held[partition] = self._held.get(partition, 0) + group.held
+
+    def _add(self, partition: int, group: _OpenGroup, offset: int, value: bytes, size: int) -> None:
+        """Append a chunk to an open group; a ghost keeps its length only."""
+        group.offsets.append(offset)
+        group.pieces.append(b"" if group.ghost else value)
+        group.size += size
+        group.held += len(value)
+        self._held[partition] += len(value)
+
+    def _close(self, partition: int, group: _OpenGroup) -> None:
+        groups = self._groups.get(partition, {})
+        if groups.get(group.header.group) is group:
+            del groups[group.header.group]
+            self._held[partition] -= group.held
+
+    def _make_room(self, message: LogMessage, incoming: int, keep: _OpenGroup | None) -> list[Routed]:
+        """Abandon the partition's oldest open groups (not ``keep``) until ``incoming`` more bytes fit the budget.
+
+        Never a silent drop: each abandoned group is a dead letter whose reason says to raise the budget, and
+        its rollout is masked, so it is never trained on partial data. The oldest go first because a group
+        that has stayed open while newer ones began is the one most likely never to complete (its writer
+        died between chunks), whereas the group receiving a chunk has a live writer; refusing the newcomer
+        instead would let one stuck group mask every later large event until it goes stale. ``keep`` fits
+        alone once the others are gone: it is at most ``max_event_bytes``, and the budget is at least that.
+        """
+        partition = message.partition
+        held = self._held.get(partition, 0)
+        if held + incoming <= self.max_open_chunk_bytes:
+            return []
+        why = (
+            f"the open chunk groups of partition {partition} would hold {held + incoming:,} bytes, over the "
+            f"budget of {self.max_open_chunk_bytes:,} bytes (max_open_chunk_bytes); the oldest open group is "
+            "abandoned first. Raise max_open_chunk_bytes on every reader if writers send many large events at once"
+        )
+        evicted: list[Routed] = []
+        for group in sorted(
+            self._groups.get(partition, {}).values(), key=lambda open_group: open_group.offsets[0]
+        ):
+            if self._held[partition] + incoming <= self.max_open_chunk_bytes:
+                break
+            if group is not keep:
+                evicted.extend(self._abandon(message, group, why))
+        self._log_abandoned(evicted)
+        return evicted
+
+    def _too_large(
+        self, message: LogMessage, headers: Mapping[str, str], size: int, why: str, ghost: bool
+    ) -> DeadLetter:
+        decided = self._dead_letter(message, headers, size, why)
+        if not ghost:
+            self._log_abandoned([decided])
+        return decided
+
+    @staticmethod
+    def _log_abandoned(decided: Sequence[Routed]) -> None:
+        """Log the groups the memory limits abandoned: an operator may have to raise a limit."""
+        for item in decided:
+            if isinstance(item, DeadLetter):
+                logger.warning(
+                    "chunk group dead-lettered at partition %d offset %d (rollout %s masked): %s",
+                    item.partition,
+                    item.offset,
+                    item.rollout_id,
+                    item.reason,
+                )
 
     @staticmethod
     def _progress(chunk: ChunkHeader) -> str:
@@ -464,9 +600,12 @@ class InboundRouter:
     def _abandon_session(self, message: LogMessage, chunk: ChunkHeader) -> list[Routed]:
         """A writer session began a new group: its older open groups in the partition can never complete."""
         return [
-            self._abandon(message, group, f"a new chunk group {chunk.group} of the same writer began")
+            decided
             for group in list(self._groups.get(message.partition, {}).values())
             if group.header.session == chunk.session
+            for decided in self._abandon(
+                message, group, f"a new chunk group {chunk.group} of the same writer began"
+            )
         ]
 
     def _abandon_before_freeze(
@@ -480,28 +619,40 @@ class InboundRouter:
         for item in routed:
             if isinstance(item, ApplyEvent) and isinstance(item.event, FreezeEvent):
                 rollout_id = item.event.rollout_id
-                decided.extend(
-                    self._abandon(message, group, f"its rollout was frozen at offset {message.offset} first")
-                    for group in list(self._groups.get(message.partition, {}).values())
-                    if rollout_of_key(group.key) == rollout_id
-                )
+                for group in list(self._groups.get(message.partition, {}).values()):
+                    if rollout_of_key(group.key) == rollout_id:
+                        decided.extend(
+                            self._abandon(
+                                message, group, f"its rollout was frozen at offset {message.offset} first"
+                            )
+                        )
             decided.append(item)
         return decided
 
     def _abandon_stale(self, message: LogMessage) -> list[Routed]:
         return [
-            self._abandon(message, group, f"still open {self.orphan_after_offsets} offsets later")
+            decided
             for group in list(self._groups.get(message.partition, {}).values())
             if message.offset - group.offsets[0] >= self.orphan_after_offsets
+            for decided in self._abandon(
+                message, group, f"still open {self.orphan_after_offsets} offsets later"
+            )
         ]
 
-    def _abandon(self, message: LogMessage, group: _OpenGroup, why: str) -> DeadLetter:
-        """Close a group that can never complete, decided while routing ``message``; its rollout is masked."""
+    def _abandon(self, message: LogMessage, group: _OpenGroup, why: str) -> list[DeadLetter]:
+        """Close a group that can never complete, decided while routing ``message``; its rollout is masked.
+
+        A ghost is closed without a decision: its rollout is not this reader's.
+        """
         partition = message.partition
-        self._groups[partition].pop(group.header.group, None)
+        self._close(partition, group)
+        if group.ghost:
+            return []
+        offsets = group.offsets
+        where = f"{offsets}" if len(offsets) <= 8 else f"[{offsets[0]}, {offsets[1]}, ..., {offsets[-1]}]"
         reason = (
             f"orphaned chunk group {group.header.group}: {len(group.pieces)} of {group.header.count} chunks "
-            f"at offsets {group.offsets}; {why}"
+            f"at offsets {where}; {why}"
         )
         rollout_id = rollout_of_key(group.key)
         mask = (
@@ -509,17 +660,19 @@ class InboundRouter:
             if rollout_id is None
             else IncompleteEvent(rollout_id=rollout_id, writer=MATERIALIZER_WRITER, reason=reason)
         )
-        return DeadLetter(
-            partition,
-            group.offsets[0],
-            group.headers,
-            group.size,
-            reason,
-            rollout_id,
-            mask,
-            positioned=False,
-            decided_at=message.offset,
-        )
+        return [
+            DeadLetter(
+                partition,
+                group.offsets[0],
+                group.headers,
+                group.size,
+                reason,
+                rollout_id,
+                mask,
+                positioned=False,
+                decided_at=message.offset,
+            )
+        ]
 
     @staticmethod
     def _dead_letter(message: LogMessage, headers: Mapping[str, str], size: int, reason: str) -> DeadLetter:

@@ -19,6 +19,7 @@ from tokcap.events import PutEvent
 from tokcap.records import TokenEntry
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_EVENT_BYTES,
     OutgoingMessage,
     ParentLink,
     encode_delta_message,
@@ -134,6 +135,7 @@ def encode_put(
     *,
     next_chunk_group: Callable[[], str],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     entry_digest: str | None = None,
 ) -> list[OutgoingMessage]:
     """The messages a sink sends for a put: one wire delta when ``sent`` proves a parent and it fits one
@@ -145,4 +147,6 @@ def encode_put(
             message = encode_delta_message(event, link, entry_digest=entry_digest)
             if len(message.value) <= chunk_bytes:
                 return [message]
-    return encode_event_messages(event, chunk_bytes=chunk_bytes, next_chunk_group=next_chunk_group)
+    return encode_event_messages(
+        event, chunk_bytes=chunk_bytes, max_event_bytes=max_event_bytes, next_chunk_group=next_chunk_group
+    )

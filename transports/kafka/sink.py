@@ -36,7 +36,9 @@ from tokcap.records import TokenEntry, token_count
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_EVENT_BYTES,
     OutgoingMessage,
+    check_size_settings,
     encode_event_messages,
 )
 from transports.kafka.marker_forwarder import MarkerForwarder
@@ -81,6 +83,7 @@ class KafkaTokenSink:
         delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
         producer_config: Mapping[str, Any] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
         remembered_calls: int = DEFAULT_REMEMBERED_CALLS,
         spill_dir: str | Path | None = None,
         wire_deltas: bool = True,
@@ -93,11 +96,13 @@ class KafkaTokenSink:
         ``wire_deltas`` sends a put whose prompt continues a call this sink already sent for the rollout as
         (parent link, suffix); readers restore the exact entry (docs/events.md). Readers must be upgraded
         first: older ones dead-letter such messages. ``wire_delta_tokens`` bounds the tokens remembered for it.
+
+        ``max_event_bytes`` is the largest encoded put sent (``codec.DEFAULT_MAX_EVENT_BYTES``); a larger one
+        raises ``EventTooLargeError`` and nothing is sent. Readers must allow at least as much.
         """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
-        if chunk_bytes < 1024:
-            raise ConfigError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        check_size_settings(chunk_bytes, max_event_bytes)
         if remembered_calls < 1:
             raise ConfigError(f"remembered_calls must be at least 1, got {remembered_calls}")
         if wire_delta_tokens < 0:
@@ -106,6 +111,7 @@ class KafkaTokenSink:
         self._topic = resolve_topic(run_id, topic)
         self._writer_id = writer_id or default_writer_id()
         self._chunk_bytes = chunk_bytes
+        self._max_event_bytes = max_event_bytes
         self._session = uuid.uuid4().hex
         self._chunk_sequence = itertools.count()
         self._digests: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -163,11 +169,15 @@ class KafkaTokenSink:
                 event,
                 self._sent,
                 chunk_bytes=self._chunk_bytes,
+                max_event_bytes=self._max_event_bytes,
                 next_chunk_group=self._next_chunk_group,
                 entry_digest=entry_digest,
             )
         return encode_event_messages(
-            event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
+            event,
+            chunk_bytes=self._chunk_bytes,
+            max_event_bytes=self._max_event_bytes,
+            next_chunk_group=self._next_chunk_group,
         )
 
     def _reserve_digest(self, rollout_id: str, call_id: str, digest: str) -> bool:
@@ -197,7 +207,11 @@ class KafkaTokenSink:
 
     @sink_timed("kafka", "put")
     async def put(self, entry: TokenEntry) -> None:
-        """Publish a call's entry and return once the broker acknowledged it; a Gym entry is taken as is."""
+        """Publish a call's entry and return once the broker acknowledged it; a Gym entry is taken as is.
+
+        An entry whose encoded put is larger than ``max_event_bytes`` raises ``EventTooLargeError`` with
+        nothing sent: the caller marks the rollout incomplete, as after any failed put.
+        """
         entry = accept_entry(entry)
         rollout_id = validate_rollout_id(entry.rollout_id)
         call_id = entry.model_call_id

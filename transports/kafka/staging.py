@@ -36,6 +36,7 @@ import orjson
 from tokcap.errors import (
     ConfigError,
     ConflictingEntryError,
+    EventTooLargeError,
     RolloutRetiredError,
     StagingKeyNotFoundError,
     TransportError,
@@ -50,7 +51,12 @@ from tokcap.staging.gym_types import build
 from tokcap.staging.records import staging_key
 from tokcap.state import IncompleteMark
 from transports.kafka.caught_up import CaughtUpStore
-from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.codec import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_EVENT_BYTES,
+    check_size_settings,
+    encode_event_messages,
+)
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
 from transports.kafka.sink import default_writer_id
 from transports.kafka.source import KafkaTokenSource
@@ -146,19 +152,23 @@ class KafkaStagingSink:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         store_dir: str | Path | None = None,
         consumer_config: Mapping[str, Any] | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
-        """``store_dir`` (a directory of this process's own) makes ``stage`` also wait until the materializer
+        """``max_event_bytes`` bounds a stage's encoded size, row, extras and attachments together
+        (``codec.DEFAULT_MAX_EVENT_BYTES``): a larger stage fails at once and sends nothing.
+
+        ``store_dir`` (a directory of this process's own) makes ``stage`` also wait until the materializer
         applied the stage and answer with the store's verdict: a different payload already staged under the
         key by any process, or a retired rollout, then fails the stage instead of being dead-lettered after
         an ok. It costs the apply's latency on every stage.
         """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
-        if chunk_bytes < 1024:
-            raise ConfigError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        check_size_settings(chunk_bytes, max_event_bytes)
         self._topic = resolve_topic(run_id, topic)
         self._writer_id = writer_id or default_writer_id()
         self._chunk_bytes = chunk_bytes
+        self._max_event_bytes = max_event_bytes
         self._session = uuid.uuid4().hex
         self._chunk_sequence = itertools.count()
         self._bridge = ProducerBridge(
@@ -219,7 +229,7 @@ class KafkaStagingSink:
         try:
             last = self._send(event, f"stage of {key!r}")
             refused = None if self._projection is None else self._verdict(event, digest, last)
-        except (TransportError, FutureTimeoutError) as exc:
+        except (TransportError, FutureTimeoutError, EventTooLargeError) as exc:
             if reserved:
                 _staged_digests.forget(self._topic, key, digest)
             return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
@@ -234,7 +244,10 @@ class KafkaStagingSink:
         if self._closed:
             raise TransportError(f"{self!r} is closed; {what} was not sent")
         messages = encode_event_messages(
-            event, chunk_bytes=self._chunk_bytes, next_chunk_group=self._next_chunk_group
+            event,
+            chunk_bytes=self._chunk_bytes,
+            max_event_bytes=self._max_event_bytes,
+            next_chunk_group=self._next_chunk_group,
         )
         # The bridge fails the send within the delivery timeout; the margin only guards a stuck loop.
         sent = self._loop.run(

@@ -23,30 +23,23 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
 
 from tokcap.errors import TransportError
 from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, LedgerFailureEvent, StageEvent
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import list_topics, watermarks
-from transports.kafka.client_errors import (
-    AuthenticationWatch,
-    ClientContext,
-    build_client,
-    read_error,
-    request_error,
-    scrubbed_cause,
-)
-from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER
+from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.error_map import Request, read_failure, translated
 from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.router import (
     ApplyEvent,
     Buffered,
     DeadLetter,
     InboundRouter,
-    LogMessage,
     Routed,
     carry_out,
 )
@@ -92,12 +85,8 @@ class TimelineEntry:
 
 
 def _messages_of(consumer: Consumer, timeout_s: float, context: ClientContext) -> list[Message]:
-    try:
+    with translated(context, Request("read the log", timeout_s)):
         return list(consumer.consume(_BATCH, min(timeout_s, _POLL_S)))
-    except KafkaException as exc:
-        raise request_error(
-            exc, doing="read the log", context=context, timeout_s=timeout_s
-        ) from scrubbed_cause(exc, context)
 
 
 def read_log(
@@ -168,7 +157,7 @@ def read_log(
             for message in messages:
                 error = message.error()
                 if error is not None:
-                    failure = read_error(error, topic=topic, context=context)
+                    failure = read_failure(error, context, topic)
                     if failure is not None:
                         raise failure
                     continue
@@ -239,6 +228,7 @@ class LogApplier:
         reader = OffsetReader(
             lambda: build_client(Consumer, settings, context, "consumer"),
             topic,
+            context=context,
             timeout_s=max(timeout_s, 30.0),
         )
         return cls(store, topic, InboundRouter(parents=ParentRestorer(reader.read)), reader=reader)

@@ -23,7 +23,8 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
 
 from tokcap.errors import ConfigError, TopicMismatchError, TransportError
-from transports.kafka.client_errors import ClientContext, build_client, request_error, scrubbed_cause
+from transports.kafka.clients import ClientContext, build_client
+from transports.kafka.error_map import Request, kafka_error_of, translated
 
 __all__ = [
     "KEEP_WHOLE_RUN",
@@ -174,25 +175,23 @@ def ensure_topic(
         replication_factor=wanted.replication_factor,
         config=wanted.topic_config,
     )
-    future = admin.create_topics([new_topic], operation_timeout=timeout_s, request_timeout=timeout_s)[topic]
-    try:
-        future.result(timeout=timeout_s)
-    except KafkaException as exc:
-        error = exc.args[0] if exc.args else None
-        if not (isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS):
-            raise request_error(
-                exc, doing=f"create topic {topic!r}", context=context, timeout_s=timeout_s
-            ) from scrubbed_cause(exc, context)
+    with translated(context, Request(f"create topic {topic!r}", timeout_s)):
+        future = admin.create_topics([new_topic], operation_timeout=timeout_s, request_timeout=timeout_s)[
+            topic
+        ]
         try:
-            problems = _existing_mismatches(admin, topic, wanted, timeout_s)
-        except KafkaException as inner:
-            raise request_error(
-                inner, doing=f"check the settings of topic {topic!r}", context=context, timeout_s=timeout_s
-            ) from scrubbed_cause(inner, context)
-        if problems:
-            raise TopicMismatchError(
-                f"topic {topic!r} already exists with different settings: {'; '.join(problems)}. "
-                "Use a new run id, or delete the topic and create it again"
-            ) from exc
-        return False
-    return True
+            future.result(timeout=timeout_s)
+            return True
+        except KafkaException as exc:
+            error = kafka_error_of(exc)
+            if error is None or error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+            existing = exc
+    with translated(context, Request(f"check the settings of topic {topic!r}", timeout_s)):
+        problems = _existing_mismatches(admin, topic, wanted, timeout_s)
+    if problems:
+        raise TopicMismatchError(
+            f"topic {topic!r} already exists with different settings: {'; '.join(problems)}. "
+            "Use a new run id, or delete the topic and create it again"
+        ) from existing
+    return False

@@ -16,11 +16,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tokcap.cli.kafka_options import parse_key_values, resolve_run_topic
 from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import TokenCaptureStore
+from transports.kafka.admin import probe_broker
+from transports.kafka.cli.options import parse_key_values, resolve_run_topic
+from transports.kafka.timeline import LogApplier, read_log
 
 __all__ = ["format_timestamp", "render_lineage", "render_timeline", "rollout_timeline"]
 
@@ -38,9 +40,6 @@ def rollout_timeline(
     name = resolve_run_topic(run_id, topic)
     rollout_id = validate_rollout_id(rollout_id)
     client_config = parse_key_values(client_options, "-X")
-    from transports.kafka.admin import probe_broker
-    from transports.kafka.timeline import LogApplier, read_log
-
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
     with tempfile.TemporaryDirectory(prefix="tokcap-log-") as scratch:
         applier = LogApplier.over_log(

@@ -20,7 +20,11 @@ from typing import Any
 
 from rich.console import Console
 
-from tokcap.cli.kafka_options import parse_key_values, parse_partitions, resolve_run_topic
+from tokcap.errors import InvalidInputError
+from transports.kafka.admin import probe_broker, watermarks
+from transports.kafka.cli.options import parse_key_values, parse_partitions, resolve_run_topic
+from transports.kafka.materializer import Materializer
+from transports.kafka.workers import MaterializerWorkers
 
 __all__ = ["format_lag", "run_materializer", "stop_on_signals"]
 
@@ -68,16 +72,11 @@ def run_materializer(
     name = resolve_run_topic(run_id, topic)
     chosen = parse_partitions(partitions)
     client_config = parse_key_values(client_options, "-X")
-    from transports.kafka import Materializer
-    from transports.kafka.admin import probe_broker, watermarks
-
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
     marks = watermarks(bootstrap, name, client_config=client_config, timeout_s=timeout_s)
     if chosen is not None:
         missing = sorted(set(chosen) - set(marks))
         if missing:
-            from tokcap.errors import InvalidInputError
-
             raise InvalidInputError(f"topic {name!r} has no partition {missing[0]} (it has {sorted(marks)})")
         marks = {p: marks[p] for p in chosen}
     target = {p: high for p, (_, high) in marks.items()}
@@ -143,8 +142,6 @@ def _run_workers(
     block_messages: int | None = None,
 ) -> dict[str, Any]:
     """``--workers N``: N processes apply disjoint partition subsets into the one directory; one lag report."""
-    from transports.kafka.admin import watermarks
-    from transports.kafka.workers import MaterializerWorkers
 
     def report_dead_letter(line: str) -> None:
         console.print(f"dead letter: {line}", markup=False, soft_wrap=True)

@@ -1,7 +1,4 @@
-"""Parsing what Kafka commands take on the command line: client settings, partitions and offsets.
-
-Nothing here imports a Kafka client; the commands do that when they run.
-"""
+"""Parsing what Kafka commands take on the command line: client settings, partitions and offsets."""
 
 from __future__ import annotations
 
@@ -9,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokcap.errors import InvalidInputError
+from transports.kafka.topics import resolve_topic
 
 __all__ = ["parse_key_values", "parse_offsets", "parse_partitions", "resolve_run_topic"]
 
@@ -71,6 +69,4 @@ def resolve_run_topic(run_id: str | None, topic: str | None) -> str:
     """The topic a command works on, from exactly one of ``--run`` or ``--topic``."""
     if (run_id is None) == (topic is None):
         raise InvalidInputError("pass exactly one of --run RUN (topic tokcap.RUN) or --topic TOPIC")
-    from transports.kafka.topics import resolve_topic
-
     return resolve_topic(run_id, topic)

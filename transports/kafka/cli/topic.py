@@ -8,8 +8,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tokcap.cli.kafka_options import parse_key_values, resolve_run_topic
 from tokcap.errors import InvalidInputError
+from transports.kafka.admin import delete_topic, describe_topic, probe_broker
+from transports.kafka.cli.options import parse_key_values, resolve_run_topic
+from transports.kafka.topics import TopicSettings, ensure_topic
 
 __all__ = ["create_topic", "delete", "describe", "render_description"]
 
@@ -29,9 +31,6 @@ def create_topic(
     name = resolve_run_topic(run_id, topic)
     topic_config = parse_key_values(config, "--config")
     client_config = parse_key_values(client_options, "-X")
-    from transports.kafka.admin import probe_broker
-    from transports.kafka.topics import TopicSettings, ensure_topic
-
     settings = TopicSettings(
         partitions=partitions, replication_factor=replication_factor, config=topic_config
     )
@@ -57,8 +56,6 @@ def describe(
     """The topic's partitions, replicas, offsets and durability configs."""
     name = resolve_run_topic(run_id, topic)
     client_config = parse_key_values(client_options, "-X")
-    from transports.kafka.admin import describe_topic, probe_broker
-
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
     return describe_topic(bootstrap, name, client_config=client_config, timeout_s=timeout_s).to_dict()
 
@@ -79,8 +76,6 @@ def delete(
         raise InvalidInputError(
             f"deleting {name!r} removes the only copy of the run's log (no replay afterwards); pass --yes to confirm"
         )
-    from transports.kafka.admin import delete_topic, probe_broker
-
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
     delete_topic(bootstrap, name, client_config=client_config, timeout_s=max(timeout_s, 30.0))
     return {"topic": name, "deleted": True}

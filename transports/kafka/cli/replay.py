@@ -17,12 +17,15 @@ from typing import Any
 
 from rich.console import Console
 
-from tokcap.cli.kafka_options import parse_key_values, parse_offsets, resolve_run_topic
 from tokcap.cli.progress import make_progress
 from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import TokenCaptureStore
+from transports.kafka.admin import probe_broker, watermarks
+from transports.kafka.cli.options import parse_key_values, parse_offsets, resolve_run_topic
+from transports.kafka.materializer import Materializer
+from transports.kafka.timeline import LogApplier, read_log
 
 __all__ = ["prepare_replay_directory", "render_replay", "run_replay"]
 
@@ -59,8 +62,6 @@ def run_replay(
     if rollout_id is not None:
         rollout_id = validate_rollout_id(rollout_id)
     client_config = parse_key_values(client_options, "-X")
-    from transports.kafka.admin import probe_broker, watermarks
-
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
     marks = watermarks(bootstrap, name, client_config=client_config, timeout_s=timeout_s)
     prepare_replay_directory(directory, force)
@@ -112,8 +113,6 @@ def _replay_whole(
     show_progress: bool,
 ) -> int:
     """Run a materializer until it applied every offset the log held at the start, then stop it cleanly."""
-    from transports.kafka import Materializer
-
     total = sum(high for _, high in marks.values())
     materializer = Materializer(bootstrap, topic, directory, consumer_config=client_config)
     with make_progress(show_progress) as progress:
@@ -147,8 +146,6 @@ def _replay_part(
     show_progress: bool,
 ) -> int:
     """Apply the chosen rollout's events, up to the chosen offsets, through the store's apply step."""
-    from transports.kafka.timeline import LogApplier, read_log
-
     total = sum(min(high, (offsets or {}).get(p, high)) for p, (_, high) in marks.items())
     store = TokenCaptureStore(directory)
     applier = LogApplier.over_log(store, topic, bootstrap, client_config=client_config, timeout_s=timeout_s)
