@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -200,3 +205,51 @@ def test_a_poison_event_counts_a_dead_letter_and_its_frozen_rollout_counts_as_ma
     finally:
         materializer.stop()
         server.close()
+
+
+def test_tokcap_materialize_with_metrics_port_serves_metrics_and_healthz_on_localhost(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    _put_calls(kafka_bootstrap, kafka_topic, f"r-cli-{uuid.uuid4().hex[:8]}", range(5))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokcap.cli", "materialize", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic,
+         "--dir", str(tmp_path / "store"), "--metrics-port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+    )  # fmt: skip
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+    assert process.stderr is not None
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stderr or ()], daemon=True)
+    reader.start()
+    try:
+        address = None
+        deadline = time.monotonic() + 60
+        while address is None and time.monotonic() < deadline:
+            found = re.search(
+                r"serving /metrics and /healthz on (http://127\.0\.0\.1:\d+)", lines.get(timeout=60)
+            )
+            address = found.group(1) if found else None
+        assert address is not None, "the command did not say where it serves"
+        deadline = time.monotonic() + 60
+        while _get(address + "/healthz")[0] != 200:
+            assert time.monotonic() < deadline, _get(address + "/healthz")
+            time.sleep(0.2)
+        status, body = _get(address + "/metrics")
+        assert status == 200
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(body.decode())
+            for sample in family.samples
+        }
+        assert samples[("tokcap_materializer_owned_partitions", (("topic", kafka_topic),))] == 1
+        assert (
+            samples[("tokcap_materializer_lag_messages", (("partition", "0"), ("topic", kafka_topic)))] == 0
+        )
+        assert samples[("tokcap_materializer_events_applied_total", (("type", "put"),))] == 5
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+        reader.join(10)
+        process.stderr.close()
