@@ -11,6 +11,7 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from factories import make_entry
@@ -170,3 +171,38 @@ def test_the_server_exposes_the_registry_and_answers_healthz_as_its_check_says()
         assert _get(base + "/other")[0] == 404
     finally:
         server.close()
+
+
+def test_the_registry_mounted_in_a_fastapi_app_serves_tokcap_families() -> None:
+    fastapi = pytest.importorskip("fastapi")
+    from prometheus_client import make_asgi_app
+
+    app = fastapi.FastAPI()
+    app.mount("/metrics", make_asgi_app(REGISTRY))
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/metrics/",
+        "raw_path": b"/metrics/",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [],
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+    }
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 200
+    body = b"".join(message.get("body", b"") for message in sent[1:])
+    names = {family.name for family in text_string_to_metric_families(body.decode())}
+    assert {"tokcap_sink_operation_seconds", "tokcap_materializer_lag_messages"} <= names
