@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import time
 import weakref
@@ -47,11 +48,14 @@ __all__ = [
     "PartitionStatus",
     "StatusReporter",
     "failure_kind",
+    "logger",
     "sink_timed",
     "source_timed",
     "stage_timed",
     "watch_loop",
 ]
+
+logger = logging.getLogger(__name__)
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 """tokcap's own registry: serve it, or mount it in an ASGI or WSGI app."""
@@ -365,7 +369,14 @@ class _LoopGauges(Collector):
         per_partition: dict[tuple[str, str], tuple[float, float, float]] = {}
         per_topic: dict[str, list[int]] = {}
         for reporter in reporters:
-            status = reporter.loop_status()
+            try:
+                status = reporter.loop_status()
+            except Exception:
+                # One loop that cannot say where it stands must not take every other family off the scrape.
+                logger.warning(
+                    "could not read the status of %r for the metrics scrape", reporter, exc_info=True
+                )
+                continue
             totals = per_topic.setdefault(status.topic, [0, 0, 0, 0])
             if status.running:
                 totals[0] += len(status.partitions)

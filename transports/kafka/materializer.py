@@ -69,7 +69,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from filelock import FileLock, Timeout
 
 from tokcap.durable_io import remove_stale_temp_files
@@ -1239,10 +1239,14 @@ class Materializer:
 
 
 def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
-    """The partition's end as the consumer last saw it in a fetch (no request); ``None`` before any fetch."""
+    """The partition's end as the consumer last saw it in a fetch; ``None`` before any fetch.
+
+    A cached read sends no request, so nothing is translated: a failure (a partition the handle does not know
+    yet, a consumer closing) only means the end is not known now, and the scrape reports no lag.
+    """
     try:
         _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), cached=True)
-    except Exception:
+    except (KafkaException, RuntimeError):
         return None
     return int(high) if high is not None and high >= 0 else None
 
