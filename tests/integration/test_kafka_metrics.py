@@ -30,7 +30,8 @@ from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
 from store_contract import make_entry
 
-from tokcap.events import FreezeEvent
+from tokcap.events import FreezeEvent, PutEvent
+from tokcap.metrics import REGISTRY
 from tokcap.metrics_http import MetricsServer
 from transports.kafka import KafkaTokenSink
 from transports.kafka.codec import encode_event_messages
@@ -38,6 +39,10 @@ from transports.kafka.materializer import Materializer
 from transports.kafka.readiness import serve_metrics
 
 pytestmark = pytest.mark.kafka
+
+_SPILLED = "tokcap_sink_markers_spilled_total"
+_FORWARDED = "tokcap_sink_markers_forwarded_total"
+_SINK_COUNTERS = (_SPILLED, _FORWARDED)
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -253,3 +258,38 @@ def test_tokcap_materialize_with_metrics_port_serves_metrics_and_healthz_on_loca
         process.wait(10)
         reader.join(10)
         process.stderr.close()
+
+
+def test_a_sink_counts_bytes_it_sent_and_a_marker_it_spilled_that_a_later_sink_forwards(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    spill_dir = tmp_path / "spill"
+    before = {name: REGISTRY.get_sample_value(name) or 0.0 for name in _SINK_COUNTERS}
+    sent_before = REGISTRY.get_sample_value("tokcap_sink_sent_bytes_total", {"transport": "kafka"}) or 0.0
+
+    async def run() -> None:
+        unreachable = KafkaTokenSink(
+            bootstrap_servers="127.0.0.1:1", topic=kafka_topic, delivery_timeout_s=1, spill_dir=spill_dir
+        )
+        await unreachable.mark_incomplete("r-spilled", "c1", "lost while the broker was away")
+        await unreachable.close()
+        assert REGISTRY.get_sample_value("tokcap_sink_markers_spilled_total") == before[_SPILLED] + 1
+        assert REGISTRY.get_sample_value("tokcap_sink_markers_forwarded_total") == before[_FORWARDED]
+        sink = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, spill_dir=spill_dir)
+        try:
+            deadline = time.monotonic() + 60
+            while await sink.forward_spilled():
+                assert time.monotonic() < deadline, "the spilled marker was never forwarded"
+            await sink.put(make_entry("r-sent", "c1"))
+        finally:
+            await sink.close()
+
+    asyncio.run(run())
+    assert REGISTRY.get_sample_value("tokcap_sink_markers_forwarded_total") == before[_FORWARDED] + 1
+    sent = (
+        REGISTRY.get_sample_value("tokcap_sink_sent_bytes_total", {"transport": "kafka"}) or 0.0
+    ) - sent_before
+    # The forwarded marker and the put, keys and values, as the sink encoded them.
+    put = PutEvent(rollout_id="r-sent", entry=make_entry("r-sent", "c1"))
+    put_messages = encode_event_messages(put, next_chunk_group=lambda: "unused:0")
+    assert sent > sum(len(message.value) for message in put_messages) // 2
