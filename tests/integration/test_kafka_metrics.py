@@ -30,6 +30,7 @@ from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
 from store_contract import make_entry
 
+from tokcap.errors import MaterializerOwnedElsewhereError
 from tokcap.events import FreezeEvent, PutEvent
 from tokcap.metrics import REGISTRY
 from tokcap.metrics_http import MetricsServer
@@ -156,19 +157,13 @@ def test_lag_rises_while_the_apply_is_held_and_falls_to_zero_and_healthz_turns_2
         scrape.until("healthy", lambda: scrape.health()[0] == 200)
         assert scrape.value("tokcap_materializer_lag_seconds", **partition) == 0
         assert scrape.value("tokcap_materializer_events_applied_total", type="put") >= applied_before + 30
+        materializer.stop()
+        status, reason = scrape.health()
+        assert status == 503 and "no longer owns its partitions" in reason, reason
+        assert scrape.value("tokcap_materializer_owned_partitions", topic=kafka_topic) == 0
     finally:
         materializer.stop()
         server.close()
-    status, reason = scrape_after_stop(server)
-    assert status is None or status == 503, reason
-
-
-def scrape_after_stop(server: MetricsServer) -> tuple[int | None, str]:
-    """A closed server answers nothing: the port is released."""
-    try:
-        return _get(f"http://127.0.0.1:{server.port}/healthz")[0], "answered after close"
-    except OSError as exc:
-        return None, str(exc)
 
 
 def test_a_poison_event_counts_a_dead_letter_and_its_frozen_rollout_counts_as_masked(
@@ -206,6 +201,18 @@ def test_a_poison_event_counts_a_dead_letter_and_its_frozen_rollout_counts_as_ma
             ),
         )
         assert scrape.value("tokcap_materializer_lag_messages", topic=kafka_topic, partition="0") == 0
+        assert scrape.health()[0] == 200
+        # A second materializer on the same directory cannot own the partition: its probe says why.
+        second = Materializer(kafka_bootstrap, kafka_topic, tmp_path)
+        second_server = serve_metrics(second, port=0)
+        try:
+            with pytest.raises(MaterializerOwnedElsewhereError):
+                second.start()
+            status, reason = Scraper(second_server).health()
+            assert status == 503 and "already being materialized" in reason, reason
+        finally:
+            second.stop()
+            second_server.close()
         assert scrape.health()[0] == 200
     finally:
         materializer.stop()
