@@ -98,7 +98,7 @@ SINK_FAILURES = Counter(
 )
 SENT_BYTES = Counter(
     "tokcap_sink_sent_bytes",
-    "Key and value bytes of the messages a sink handed to the broker.",
+    "Key and value bytes of the messages a Kafka sink had acknowledged by the broker.",
     ["transport"],
     registry=REGISTRY,
 )
