@@ -13,8 +13,14 @@ experts of a 48-layer top-8 MoE in Gym's ``nrlre1`` envelope (int16, 1,024 x 48 
   with ``--straw DIR`` (installed there by ``pip install --no-deps --target DIR straw-queue==0.1.6 numpy``
   when missing; never a dependency of tokcap);
 - tokcap again with one more thread recording each staged call's commit in the file ledger while the stagers
-  run (the ledger's ``record`` latency under that load), and the time ``FileStagingSource.fetch`` takes for
-  a 64-call chain.
+  run (the ledger's ``record`` latency under that load), and beside it one more thread doing the ledger floor
+  for each call: the bytes a durable record needs on disk, written and synced file by file with nothing around
+  them (the row's line appended to a new file and fsynced, the directory fsynced, a state-sized file written,
+  fsynced and renamed, the directory fsynced again);
+- tokcap once more with the ledger in a process of its own, as Gym runs it (the inference worker stages,
+  Gym's model server records), recording each staged call's commit and then doing its floor while the
+  stagers run: the ledger's latency without the stagers' interpreter lock;
+- the time ``FileStagingSource.fetch`` takes for a 64-call chain.
 
 With ``--bootstrap``, Kafka staging too: ``KafkaStagingSink.stage`` into a fresh run topic, beside the Kafka
 floor (the same bytes produced raw with confluent-kafka, ``acks=all``, in messages under the broker's default
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import base64
 import importlib.util
+import multiprocessing
 import os
 import queue
 import shutil
@@ -44,7 +51,9 @@ from typing import Any
 import orjson
 
 from bench.stats import median, percentile
+from tokcap.durable_io import fsync_directory
 from tokcap.fingerprint import FINGERPRINT_VERSION
+from tokcap.ledger import ledger_event
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink, FileStagingSource
 from tokcap.staging.digest import (
@@ -57,9 +66,11 @@ from tokcap.staging.records import CallRecord, CaptureLedgerCommit, StagedCallRe
 
 __all__ = [
     "KAFKA_FLOOR_CHUNK",
+    "LEDGER_FLOOR_STATE",
     "Measured",
     "StagedCall",
     "image_calls",
+    "ledger_floor",
     "main",
     "moe_calls",
     "run_kafka",
@@ -68,6 +79,9 @@ __all__ = [
 ]
 
 LAYERS, TOP_K, MIB = 48, 8, 1 << 20
+
+LEDGER_FLOOR_STATE = b"s" * 700
+"""The state the ledger floor writes: about the size of a one-call rollout's state after its ledger row."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +206,8 @@ class Measured:
     latencies: tuple[float, ...]
     cpu_seconds: float
     ledger: tuple[float, ...] = ()
+    ledger_floor: tuple[float, ...] = ()
+    ledger_append_floor: tuple[float, ...] = ()
 
     @property
     def calls_per_s(self) -> float:
@@ -238,18 +254,132 @@ def _threaded(
     return seconds, latencies, cpu
 
 
+def ledger_floor(directory: Path, name: str, line: bytes, state: bytes) -> tuple[float, float]:
+    """The disk work of one durable ledger record with nothing around it; return (append done, all done).
+
+    The row's ``line`` is appended to a new file and fsynced, and the directory fsynced (the file is new);
+    ``state`` is written to a temporary file, fsynced, renamed over the state and the directory fsynced.
+    """
+    started = time.perf_counter()
+    fd = os.open(directory / f"{name}.ledger", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    appended = time.perf_counter() - started
+    fsync_directory(directory)
+    temporary = directory / f"{name}.state.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, state)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, directory / f"{name}.state")
+    fsync_directory(directory)
+    return appended, time.perf_counter() - started
+
+
+def _ledger_process(root: str, inbox: Any, outbox: Any, stop: Any) -> None:
+    """A model server's ledger in a process of its own: record each staged call's commit, then do its floor.
+
+    Runs until ``stop`` is set, so every latency it reports was measured while the stagers ran; records still
+    queued then are left. Reports ``(record latencies, [(floor append, floor total)])`` on ``outbox``.
+    """
+    ledger = FileLineageResolver(root)
+    floor_directory = Path(root) / "ledger-floor-process"
+    floor_directory.mkdir()
+    recorded: list[float] = []
+    floors: list[tuple[float, float]] = []
+    loop = asyncio.new_event_loop()
+    outbox.put("ready")
+    try:
+        while not stop.is_set():
+            try:
+                fields = inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            commit = _commit(StagedCallRecord.model_construct(**fields))
+            started = time.perf_counter()
+            loop.run_until_complete(ledger.record(commit))
+            recorded.append(time.perf_counter() - started)
+            line = ledger_event(commit).stored_line
+            floors.append(ledger_floor(floor_directory, commit.rollout_id, line, LEDGER_FLOOR_STATE))
+    finally:
+        loop.close()
+        outbox.put((recorded, floors))
+
+
+def run_tokcap_ledger_process(root: Path, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
+    """``FileStagingSink.stage`` from ``threads`` threads while the ledger runs in a process of its own.
+
+    That is how Gym deploys them: the inference worker stages, Gym's model server records. The ledger
+    process records each staged call's commit and then does the ledger floor for it, one after the other,
+    so both see the same disk load and neither waits for the stagers' interpreter lock.
+    """
+    context = multiprocessing.get_context("spawn")
+    inbox, outbox, stop = context.Queue(), context.Queue(), context.Event()
+    process = context.Process(target=_ledger_process, args=(str(root), inbox, outbox, stop))
+    process.start()
+    try:
+        if outbox.get(timeout=120) != "ready":
+            raise RuntimeError("the ledger process did not start")
+        sink = FileStagingSink(root)
+
+        def one(call: StagedCall) -> None:
+            result = sink.stage(call.record, attachments=call.attachments or None)
+            if not result.ok:
+                raise RuntimeError(f"stage failed: {result.error}")
+            inbox.put(call.record.model_dump(exclude={"extras"}) | {"extras": None})
+
+        try:
+            seconds, latencies, cpu = _threaded(calls, threads, one)
+        finally:
+            stop.set()
+        recorded, floors = outbox.get(timeout=120)
+    finally:
+        inbox.cancel_join_thread()  # records the ledger left are never read: do not wait to flush them at exit
+        process.join(timeout=120)
+        if process.is_alive():
+            process.kill()
+    return Measured(
+        "tokcap FileStagingSink + ledger process",
+        shape,
+        len(calls),
+        seconds,
+        sum(c.size for c in calls),
+        tuple(latencies),
+        cpu,
+        tuple(recorded),
+        tuple(total for _, total in floors),
+        tuple(appended for appended, _ in floors),
+    )
+
+
 def run_tokcap(
     root: Path, shape: str, calls: Sequence[StagedCall], threads: int, *, with_ledger: bool = False
 ) -> Measured:
     """``FileStagingSink.stage`` from ``threads`` threads; ``with_ledger``: one more thread records each commit.
 
     Without the ledger thread the run does what the floor and straw-queue do; with it, it is the load the
-    ledger's latency is measured under.
+    ledger's latency is measured under, and one more thread does the ledger floor (``ledger_floor``) for
+    each staged call in a directory of its own on the same filesystem, under the same load. Both threads
+    share the stagers' interpreter lock; ``run_tokcap_ledger_process`` measures the ledger without it.
     """
     sink = FileStagingSink(root)
     ledger = FileLineageResolver(root)
     staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    floor_queue: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
     ledger_latencies: list[float] = []
+    floor_latencies: list[tuple[float, float]] = []
+    floor_directory = root / "ledger-floor"
+    floor_directory.mkdir()
+
+    def floor_commits() -> None:
+        while (record := floor_queue.get()) is not None:
+            line = ledger_event(_commit(record)).stored_line
+            floor_latencies.append(ledger_floor(floor_directory, record.rollout_id, line, LEDGER_FLOOR_STATE))
 
     def record_commits() -> None:
         loop = asyncio.new_event_loop()
@@ -268,14 +398,19 @@ def run_tokcap(
             raise RuntimeError(f"stage failed: {result.error}")
         if with_ledger:
             staged.put(call.record)
+            floor_queue.put(call.record)
 
     recorder = threading.Thread(target=record_commits)
+    floor = threading.Thread(target=floor_commits)
     recorder.start()
+    floor.start()
     try:
         seconds, latencies, cpu = _threaded(calls, threads, one)
     finally:
         staged.put(None)
+        floor_queue.put(None)
         recorder.join()
+        floor.join()
     return Measured(
         "tokcap FileStagingSink" + (" + ledger thread" if with_ledger else ""),
         shape,
@@ -285,6 +420,8 @@ def run_tokcap(
         tuple(latencies),
         cpu,
         tuple(ledger_latencies),
+        tuple(total for _, total in floor_latencies),
+        tuple(appended for appended, _ in floor_latencies),
     )
 
 
@@ -419,25 +556,110 @@ def _delete_topic(bootstrap: str, topic: str) -> None:
     admin.delete_topics([topic], operation_timeout=30)[topic].result(timeout=60)
 
 
-def run_kafka(bootstrap: str, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
-    """``KafkaStagingSink.stage`` from ``threads`` threads into a fresh run topic (acks=all, chunked blobs)."""
+def run_kafka(
+    bootstrap: str, shape: str, calls: Sequence[StagedCall], threads: int, *, with_ledger: bool = False
+) -> Measured:
+    """``KafkaStagingSink.stage`` from ``threads`` threads into a fresh run topic (acks=all, chunked blobs).
+
+    ``with_ledger``: one more thread records each staged call's commit through a ``KafkaLineageResolver``
+    (its own projection, as a model server runs it), and one more produces the same ledger line raw with
+    confluent-kafka (acks=all, waited for) to a topic of its own: the ledger's floor under the same load.
+    """
+    from confluent_kafka import Producer
+
+    from transports.kafka.lineage import KafkaLineageResolver
     from transports.kafka.staging import KafkaStagingSink
 
     topic = _fresh_topic(bootstrap, f"tokcap.bench-staging-{os.getpid()}-{time.monotonic_ns()}")
+    floor_topic = _fresh_topic(bootstrap, f"tokcap.bench-ledger-floor-{os.getpid()}-{time.monotonic_ns()}")
     sink = KafkaStagingSink(bootstrap_servers=bootstrap, topic=topic, delivery_timeout_s=60)
+    projection = Path(tempfile.mkdtemp(prefix="ledger-projection-"))
+    ledger = (
+        KafkaLineageResolver(bootstrap_servers=bootstrap, topic=topic, store_dir=projection, timeout_s=120)
+        if with_ledger
+        else None
+    )
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True})
+    staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    floor_queue: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    ledger_latencies: list[float] = []
+    floor_latencies: list[float] = []
+
+    warm = threading.Event()
+
+    def record_commits() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            if ledger is not None:
+                # The projection joins the topic before the clock starts: a model server's runs all the time.
+                loop.run_until_complete(ledger.has_rows("bench-warm-up"))
+            warm.set()
+            while (record := staged.get()) is not None:
+                assert ledger is not None
+                commit = _commit(record)
+                started = time.perf_counter()
+                loop.run_until_complete(ledger.record(commit))
+                ledger_latencies.append(time.perf_counter() - started)
+        finally:
+            loop.close()
+
+    def floor_commits() -> None:
+        while (record := floor_queue.get()) is not None:
+            line = ledger_event(_commit(record)).stored_line
+            failures: list[Any] = []
+            started = time.perf_counter()
+            producer.produce(
+                floor_topic,
+                value=line,
+                key=record.rollout_id.encode(),
+                on_delivery=lambda error, _message, out=failures: out.append(error),
+            )
+            while not failures:
+                producer.poll(0.001)
+            if failures[0] is not None:
+                raise RuntimeError(f"raw ledger produce failed: {failures[0]}")
+            floor_latencies.append(time.perf_counter() - started)
 
     def one(call: StagedCall) -> None:
         result = sink.stage(call.record, attachments=call.attachments or None)
         if not result.ok:
             raise RuntimeError(f"stage failed: {result.error}")
+        if with_ledger:
+            staged.put(call.record)
+            floor_queue.put(call.record)
 
+    recorder = threading.Thread(target=record_commits)
+    floor = threading.Thread(target=floor_commits)
+    recorder.start()
+    floor.start()
     try:
+        warm.wait(120)
         seconds, latencies, cpu = _threaded(calls, threads, one)
     finally:
+        staged.put(None)
+        floor_queue.put(None)
+        recorder.join()
+        floor.join()
         sink.close()
+        if ledger is not None:
+            asyncio.run(ledger.close())
+        producer.flush(30)
+        shutil.rmtree(projection, ignore_errors=True)
         _delete_topic(bootstrap, topic)
+        _delete_topic(bootstrap, floor_topic)
     size = sum(c.size for c in calls)
-    return Measured("tokcap KafkaStagingSink", shape, len(calls), seconds, size, tuple(latencies), cpu)
+    name = "tokcap KafkaStagingSink" + (" + Kafka ledger thread" if with_ledger else "")
+    return Measured(
+        name,
+        shape,
+        len(calls),
+        seconds,
+        size,
+        tuple(latencies),
+        cpu,
+        tuple(ledger_latencies),
+        tuple(floor_latencies),
+    )
 
 
 def run_kafka_floor(bootstrap: str, shape: str, calls: Sequence[StagedCall], threads: int) -> Measured:
@@ -504,6 +726,7 @@ def run_staging(
             partial(run_floor, shape=shape, calls=staged, threads=threads),
             partial(run_tokcap, shape=shape, calls=staged, threads=threads),
             partial(run_tokcap, shape=shape, calls=staged, threads=threads, with_ledger=True),
+            partial(run_tokcap_ledger_process, shape=shape, calls=staged, threads=threads),
         ]
         if straw is not None:
             writers.append(partial(run_straw, shape=shape, calls=staged, threads=threads, target=straw))
@@ -516,6 +739,7 @@ def run_staging(
         if bootstrap is not None and _kafka_gap(bootstrap) is None:
             results.append(run_kafka_floor(bootstrap, shape, staged, threads))
             results.append(run_kafka(bootstrap, shape, staged, threads))
+            results.append(run_kafka(bootstrap, shape, staged, threads, with_ledger=True))
     directory = Path(tempfile.mkdtemp(prefix="chain-", dir=work))
     try:
         fetches = chain_fetch(directory, run)
@@ -529,24 +753,36 @@ def _family(measured: Measured) -> str:
     return "kafka" if "Kafka" in measured.name else "file"
 
 
+def _p50_p99(latencies: Sequence[float]) -> str:
+    """``p50 / p99`` in milliseconds, or nothing when there are no latencies."""
+    if not latencies:
+        return ""
+    return f"{median(latencies) * 1e3:.1f} / {percentile(latencies, 0.99) * 1e3:.1f}"
+
+
 def _table(results: Sequence[Measured], fetches: Sequence[float], kafka_gap: str | None) -> str:
     lines = [
         "| shape | writer | calls/s | MB/s | p50 (ms) | p99 (ms) | CPU ms/call | MB/s ÷ floor "
-        "| ledger record p99 (ms) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ledger record p50 / p99 (ms) | ledger floor p50 / p99 (ms) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     floors = {(r.shape, _family(r)): r.mb_per_s for r in results if "floor" in r.name}
     for r in results:
-        ledger = f"{percentile(r.ledger, 0.99) * 1e3:.1f}" if r.ledger else ""
         lines.append(
             f"| {r.shape} | {r.name} | {r.calls_per_s:,.0f} | {r.mb_per_s:,.0f} | "
             f"{median(r.latencies) * 1e3:.1f} | {percentile(r.latencies, 0.99) * 1e3:.1f} | "
             f"{r.cpu_seconds / r.calls * 1e3:.2f} | "
-            f"{r.mb_per_s / floors[(r.shape, _family(r))]:.2f} | {ledger} |"
+            f"{r.mb_per_s / floors[(r.shape, _family(r))]:.2f} | {_p50_p99(r.ledger)} | "
+            f"{_p50_p99(r.ledger_floor)} |"
         )
     if kafka_gap is not None:
-        lines.append(f"| both | Kafka staging, confluent-kafka acks=all floor | {kafka_gap} | | | | | | |")
+        lines.append(f"| both | Kafka staging, confluent-kafka acks=all floor | {kafka_gap} | | | | | | | |")
     lines.append("")
+    for r in results:
+        if r.ledger_append_floor:
+            lines.append(
+                f"Ledger floor's append + fsync alone ({r.shape}): {_p50_p99(r.ledger_append_floor)} ms (p50 / p99)."
+            )
     lines.append(
         f"64-call chain fetch (`FileStagingSource.fetch`, fresh source): p50 {median(fetches) * 1e3:.1f} ms, "
         f"p99 {percentile(fetches, 0.99) * 1e3:.1f} ms"

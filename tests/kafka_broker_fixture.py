@@ -25,6 +25,7 @@ import importlib.util
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -73,6 +74,27 @@ def load_broker_module() -> ModuleType:
     return module
 
 
+def start_again(state_dir: Path) -> str:
+    """Start the stopped broker of ``state_dir`` on its ports and data, from a process that exits once it answers.
+
+    Started from the test session itself, the broker would be the session's child, left running when the
+    session ends (scripts/test and a developer's broker must outlive it), and Python reports such a child as
+    leaked at exit. Started the way ``scripts/test`` starts it, it is no one's child in the session.
+    """
+    started = subprocess.run(
+        [sys.executable, str(BROKER_SCRIPT), "--state-dir", str(state_dir), "start", "--reuse"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if started.returncode != 0 or not started.stdout.strip():
+        raise RuntimeError(
+            f"the broker in {state_dir} did not start again (exit {started.returncode}): "
+            f"{started.stderr.strip()[-2000:]}"
+        )
+    return started.stdout.strip().splitlines()[-1]
+
+
 @dataclass
 class KafkaBroker:
     """The broker this test session uses and where it came from."""
@@ -104,8 +126,8 @@ class KafkaBroker:
 
     def ensure_running(self) -> None:
         """Bring a local broker back if a test stopped it and did not restart it."""
-        if self.restartable and self.stopped_by_test:
-            load_broker_module().start(self.state_dir, reuse=True)
+        if self.restartable and self.stopped_by_test and self.state_dir is not None:
+            start_again(self.state_dir)
             self.stopped_by_test = False
 
 
@@ -145,8 +167,9 @@ class KafkaBrokerControl:
 
     def start(self) -> str:
         """Start the stopped broker again on the same port and data dir; returns once it answers."""
-        module = self._require()
-        bootstrap = str(module.start(self._broker.state_dir, reuse=True))
+        self._require()
+        assert self._broker.state_dir is not None
+        bootstrap = start_again(self._broker.state_dir)
         self._broker.stopped_by_test = False
         if bootstrap != self._broker.bootstrap:
             raise RuntimeError(f"broker came back at {bootstrap}, expected {self._broker.bootstrap}")

@@ -356,3 +356,8 @@ def test_the_staging_benchmark_measures_kafka_staging_beside_the_raw_producer_fl
         and out.count("Kafka floor (confluent-kafka acks=all)") == 2
     )
     assert "not measured" not in out
+    ledger_rows = [line.split("|") for line in out.splitlines() if "+ Kafka ledger thread |" in line]
+    assert len(ledger_rows) == 2
+    for cells in ledger_rows:
+        record, floor = cells[-3].strip(), cells[-2].strip()
+        assert record and floor, cells

@@ -99,6 +99,11 @@ class MemoryTopic:
         )
         return [self.produce(m.key, m.value, m.headers, partition) for m in messages]
 
+    def wake_consumers(self) -> None:
+        """Wake every consumer waiting for a message, so a loop asked to stop need not sit out its poll."""
+        with self.changed:
+            self.changed.notify_all()
+
     def messages(self, partition: int = 0) -> list[StoredMessage]:
         with self.changed:
             return list(self.partitions[partition])
@@ -184,5 +189,7 @@ def materialize(
     try:
         assert materializer.wait_until_caught_up(60)
     finally:
+        materializer.request_stop()
+        topic.wake_consumers()
         materializer.stop()
     return materializer

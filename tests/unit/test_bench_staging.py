@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.staging import image_calls, main, moe_calls, run_floor, run_tokcap
+from bench.staging import image_calls, main, moe_calls, run_floor, run_tokcap, run_tokcap_ledger_process
 from tokcap.staging import FileStagingSource
 
 
@@ -33,6 +33,11 @@ def test_the_floor_writes_the_bytes_tokcap_stages_and_tokcap_reads_them_back(tmp
     assert written == sorted(data for call in calls for data in call.raw)
     staged = run_tokcap(tmp_path / "tokcap", "s", calls, 2, with_ledger=True)
     assert staged.calls == 3 and len(staged.ledger) == 3
+    assert len(staged.ledger_floor) == len(staged.ledger_append_floor) == 3
+    assert all(
+        0 < appended <= total
+        for appended, total in zip(staged.ledger_append_floor, staged.ledger_floor, strict=True)
+    )
     source = FileStagingSource(tmp_path / "tokcap")
     keys = [f"{call.record.rollout_id}/c0" for call in calls]
     assert [row.model_dump() for row in source.fetch_full(keys)] == [
@@ -46,5 +51,22 @@ def test_the_command_prints_every_row_and_names_the_missing_kafka_rows(
     assert main(["--calls", "2", "--images", "1", "--threads", "2", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("tokcap FileStagingSink |") == 2 and out.count("+ ledger thread") == 2
-    assert out.count("file floor") == 2
+    assert out.count("file floor") == 2 and out.count("+ ledger process") == 2
+    assert out.count("Ledger floor's append + fsync alone") == 4
     assert "not measured" in out and "64-call chain fetch" in out
+
+
+def test_the_ledger_process_records_the_staged_calls_it_was_handed_and_does_their_floor(
+    tmp_path: Path,
+) -> None:
+    calls = moe_calls(12, "p")
+    measured = run_tokcap_ledger_process(tmp_path, "s", calls, 1)
+    assert measured.calls == 12 and measured.name.endswith("+ ledger process")
+    # It stops when the stagers do, so it may have recorded fewer than all; each one it timed has its floor.
+    assert 0 < len(measured.ledger) == len(measured.ledger_floor) == len(measured.ledger_append_floor)
+    recorded = FileStagingSource(tmp_path)
+    for call in calls:
+        assert recorded.fetch([f"{call.record.rollout_id}/c0"])[0].digest == call.record.digest
+    ledger_files = sorted(tmp_path.glob("*.tokens.ledger"))
+    assert len(ledger_files) == len(measured.ledger)
+    assert len(list((tmp_path / "ledger-floor-process").glob("*.ledger"))) == len(measured.ledger)

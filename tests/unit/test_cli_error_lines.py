@@ -94,3 +94,21 @@ def test_interrupts_aborts_and_exits_map_to_their_status(
 def test_a_command_returning_a_status_passes_it_through_and_anything_else_is_success() -> None:
     assert run_reporting_failures(lambda: 3) == 3
     assert run_reporting_failures(lambda: None) == 0
+
+
+def test_a_missing_kafka_client_says_which_extra_to_install() -> None:
+    stream = io.StringIO()
+    status = report_failure(
+        ModuleNotFoundError("No module named 'confluent_kafka'", name="confluent_kafka"), stream
+    )
+    assert status == 1
+    assert stream.getvalue().count("\n") == 1
+    assert "pip install 'tokcap[kafka]'" in stream.getvalue()
+
+
+def test_an_unexpected_error_is_still_one_line_and_points_at_the_debug_switch() -> None:
+    stream = io.StringIO()
+    status = report_failure(ZeroDivisionError("division by zero\nwith a second line"), stream)
+    assert status == 1
+    assert stream.getvalue().count("\n") == 1
+    assert "TOKCAP_DEBUG=1" in stream.getvalue()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import orjson
@@ -13,7 +10,6 @@ import pytest
 from tokcap.errors import MaterializerFailedError
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
 from transports.kafka.dead_letters import DeadLetterLog
-from transports.kafka.materializer import remove_stale_temp_files
 
 
 def test_a_checkpoint_round_trips_and_names_where_reading_resumes(tmp_path: Path) -> None:
@@ -57,19 +53,6 @@ def test_a_torn_dead_letter_line_is_cut_off_and_written_again(tmp_path: Path) ->
     log = DeadLetterLog(path)
     assert path.read_bytes() == clean
     assert log.record(0, 2, "second", None) is True
-
-
-def test_temporary_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
-    finished = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
-    )
-    dead_pid = int(finished.stdout)
-    stale = tmp_path / f"r1.tokens.state.json.tmp-{dead_pid}-1"
-    live = tmp_path / f"r1.tokens.state.json.tmp-{os.getpid()}-1"
-    stale.write_bytes(b"x")
-    live.write_bytes(b"y")
-    assert remove_stale_temp_files(tmp_path) == [stale]
-    assert live.exists() and not stale.exists()
 
 
 def test_a_checkpoint_lists_commands_applied_ahead_and_omits_the_key_when_there_are_none(

@@ -20,6 +20,7 @@ from tokcap.cli.console import emit_json, stdout_console
 from tokcap.cli.demo import DemoSettings, run_demo_over_files
 from tokcap.cli.inspect import describe_rollout, describe_store
 from tokcap.cli.options import JsonFlag, Timeout
+from tokcap.cli.picture import draw_rollout
 from tokcap.cli.transport import MountedTransport
 from tokcap.cli.views import render_demo, render_rollout, render_store
 from tokcap.errors import ConfigError, InvalidInputError
@@ -142,9 +143,17 @@ def demo(
 def inspect(
     directory: Annotated[Path, typer.Argument(help="A store directory.")],
     rollout: Annotated[str | None, typer.Argument(help="One rollout to show in full.")] = None,
+    svg: Annotated[
+        Path | None, typer.Option("--svg", help="Also draw the rollout's call tree to this SVG file.")
+    ] = None,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="Also draw it to this HTML page, with a legend.")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Show the rollouts of a store, or one rollout with its chain and mask verdict."""
+    if rollout is None and (svg is not None or html is not None):
+        raise InvalidInputError("--svg and --html draw one rollout: name it after the directory")
     if rollout is None:
         description = describe_store(directory, None if _KAFKA is None else _KAFKA.describe_side_files)
         if as_json:
@@ -156,10 +165,14 @@ def inspect(
                 _KAFKA.render_side_files(description, console)
         return
     detail = describe_rollout(directory, rollout)
+    drawn = draw_rollout(detail, svg=svg, html=html)
     if as_json:
         emit_json(detail)
     else:
-        render_rollout(detail, stdout_console())
+        console = stdout_console()
+        render_rollout(detail, console)
+        for path in drawn:
+            console.print(f"picture: {path}")
 
 
 # ----------------------------------------------------------- the Kafka mount

@@ -186,9 +186,11 @@ def _build_dict(build: BuildOutput | None) -> dict[str, Any] | None:
         "chains": build.notes.chains,
         "main_chain": _chain_dict(main) if main is not None else None,
         "branch_chain_ids": list(build.branch_chain_ids),
+        "chain_call_ids": [list(chain.call_ids) for chain in build.chains],
         "discarded_retries": list(build.notes.discarded_retries),
         "unresolved_retries": [list(group) for group in build.notes.unresolved_retries],
         "quarantined_call_ids": list(build.quarantined_call_ids),
+        "unresolved_parent_calls": list(build.notes.unresolved_parent_calls),
         "empty_generation_calls": list(build.notes.empty_generation_calls),
     }
 
@@ -222,6 +224,11 @@ def describe_rollout(directory: Path, rollout_id: str) -> dict[str, Any]:
         "entries": [
             {
                 "model_call_id": entry.model_call_id,
+                "parent_call_id": entry.parent_call_id,
+                "parent_resolution": None
+                if entry.parent_resolution is None
+                else entry.parent_resolution.value,
+                "parent_resolution_reason": entry.parent_resolution_reason,
                 "model": entry.model,
                 "prompt_tokens": len(entry.prompt_token_ids),
                 "prompt_is_delta": entry.prompt_is_delta,
@@ -247,7 +254,13 @@ def _staging(
 ) -> dict[str, Any]:
     """The rollout's staged calls and ledger rows, and what a trainer would make of them (engine-side staging)."""
     if state.retired or not (state.staged or state.ledger or state.ledger_failures):
-        return {"staged": [], "ledger": [], "ledger_failures": [], "staging_verdict": None}
+        return {
+            "staged": [],
+            "ledger": [],
+            "ledger_failures": [],
+            "staging_verdict": None,
+            "staging_chain": [],
+        }
     keys = sorted(state.staged, key=lambda key: state.staged[key].start)
     staged = []
     for key, line in zip(keys, store.read_staged_lines(rollout_id, keys), strict=True):
@@ -262,6 +275,7 @@ def _staging(
                 "prompt_tokens": sum(mask == 0.0 for mask in masks),
                 "generated_tokens": sum(mask == 1.0 for mask in masks),
                 "cum_len": row.get("cum_len"),
+                "weight_version": row.get("weight_version"),
                 "extras_bytes": (stored.get("extras") or {}).get("size"),
                 "attachments": {name: ref["size"] for name, ref in stored.get("attachments", {}).items()},
             }
@@ -273,7 +287,13 @@ def _staging(
         manifest = FileLineageResolver(directory).manifest_now(rollout_id)
         done = finalize_rollout(manifest, FileStagingSource(directory))
     except (StoreCorruptionError, ValueError) as exc:
-        return {"staged": staged, "ledger": [], "ledger_failures": [], "staging_verdict": f"masked: {exc}"}
+        return {
+            "staged": staged,
+            "ledger": [],
+            "ledger_failures": [],
+            "staging_verdict": f"masked: {exc}",
+            "staging_chain": [],
+        }
     return {
         "staged": staged,
         "ledger": [
@@ -288,4 +308,5 @@ def _staging(
         ],
         "ledger_failures": manifest["failures"],
         "staging_verdict": f"masked: {done.masked_reason}" if done.masked else "trained",
+        "staging_chain": [] if done.row is None else list(done.row.model_call_ids),
     }

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
 from cli_helpers import Completed, tokcap
 
-from tokcap.cli.errors import report_failure
 from tokcap.store import TokenCaptureStore
 
 
@@ -78,24 +76,6 @@ def test_a_run_id_kafka_cannot_name_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(
         tokcap("log", "--bootstrap", "localhost:1", "--run", "bad run", "--rollout", "r1"), 1, "cannot name"
     )
-
-
-def test_a_missing_kafka_client_says_which_extra_to_install() -> None:
-    stream = io.StringIO()
-    status = report_failure(
-        ModuleNotFoundError("No module named 'confluent_kafka'", name="confluent_kafka"), stream
-    )
-    assert status == 1
-    assert stream.getvalue().count("\n") == 1
-    assert "pip install 'tokcap[kafka]'" in stream.getvalue()
-
-
-def test_an_unexpected_error_is_still_one_line_and_points_at_the_debug_switch() -> None:
-    stream = io.StringIO()
-    status = report_failure(ZeroDivisionError("division by zero\nwith a second line"), stream)
-    assert status == 1
-    assert stream.getvalue().count("\n") == 1
-    assert "TOKCAP_DEBUG=1" in stream.getvalue()
 
 
 @pytest.mark.parametrize(
