@@ -25,6 +25,7 @@ from tokcap.errors import ConflictingEntryError, InvalidInputError, RolloutRetir
 from tokcap.events import LedgerEvent, LedgerFailureEvent
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from tokcap.input_rules import check_call_id, check_finite_values
+from tokcap.metrics import source_timed
 from tokcap.records import ParentResolutionStatus
 from tokcap.rules import ApplyOutcome, ApplyResult
 from tokcap.staging.records import CallRecord, CaptureLedgerCommit, ManifestFailure, RolloutManifest
@@ -209,6 +210,7 @@ class FileCaptureLedger:
         )
         return LineageResolution(ParentResolutionStatus.RESOLVED, match=match)
 
+    @source_timed("file", "record")
     async def record(self, commit: Any) -> None:
         """Record a committed call; returns once every process on the directory can read it."""
         await asyncio.to_thread(self.record_now, commit)

@@ -26,6 +26,7 @@ from typing import Any
 from tokcap.errors import ConfigError, LineageLookupError
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from tokcap.ledger import FileCaptureLedger
+from tokcap.metrics import source_timed
 from tokcap.protocols import LineageMatch, LineageResolution
 from tokcap.records import (
     ParentResolutionStatus,
@@ -382,6 +383,7 @@ class FileLineageResolver(FileCaptureLedger):
     def __repr__(self) -> str:
         return f"FileLineageResolver(root={str(self._store.root)!r})"
 
+    @source_timed("file", "resolve")
     async def resolve(self, rollout_id: str, request_items: list[dict[str, Any]]) -> LineageResolution:
         """Return ROOT, RESOLVED with the proven parent's cumulative tokens, or UNRESOLVED with a reason."""
         return await asyncio.to_thread(self.resolve_now, rollout_id, request_items)

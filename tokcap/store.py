@@ -80,6 +80,7 @@ from tokcap.layout import (
     rollout_ids_in,
 )
 from tokcap.locks import RolloutLocks
+from tokcap.metrics import sink_timed, source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.records import TokenEntry
 from tokcap.recovery import CutTail, FinishRetire, Recovered, recover
@@ -1136,22 +1137,27 @@ class TokenCaptureStore:
 
     # --------------------------------------------------------- async surface
 
+    @sink_timed("file", "put")
     async def put(self, entry: TokenEntry) -> None:
         """Store an entry durably without blocking the event loop."""
         await self._in_thread(self.append, entry)
 
+    @sink_timed("file", "intent")
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record a call's intent before dispatch; a failure here happens before generation."""
         await self._in_thread(self.begin_call_now, rollout_id, model_call_id)
 
+    @sink_timed("file", "cancel")
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> None:
         """Close a call's intent when it ended without generation."""
         await self._in_thread(self.cancel_call_now, rollout_id, model_call_id)
 
+    @sink_timed("file", "mark")
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
         """Durably record that a call was lost."""
         await self._in_thread(self.mark_incomplete_now, rollout_id, model_call_id, reason)
 
+    @source_timed("file", "freeze")
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze a rollout and return its snapshot without blocking the event loop."""
         return await self._in_thread(self.freeze_now, rollout_id, urgent=True)

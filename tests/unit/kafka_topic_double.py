@@ -129,7 +129,9 @@ class MemoryConsumer:
         metadata = SimpleNamespace(error=None, partitions=partitions)
         return SimpleNamespace(topics={self._topic.name: metadata} if topic == self._topic.name else {})
 
-    def get_watermark_offsets(self, partition: TopicPartition, timeout: float) -> tuple[int, int]:
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float = 1.0, cached: bool = False
+    ) -> tuple[int, int]:
         return 0, len(self._topic.messages(partition.partition))
 
     def assign(self, assignment: Sequence[TopicPartition]) -> None:

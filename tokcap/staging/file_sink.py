@@ -20,6 +20,7 @@ import orjson
 from tokcap.errors import InvalidInputError, RecordValidationError, StoreWriteError
 from tokcap.events import StagedBlob, StageEvent
 from tokcap.input_rules import check_call_id, check_finite_values, check_token_ids
+from tokcap.metrics import stage_timed
 from tokcap.rules import ApplyOutcome
 from tokcap.staging.gym_types import build, staging_records_module
 from tokcap.staging.records import StagedCallRecord, staging_key
@@ -114,6 +115,7 @@ class FileStagingSink:
     def __repr__(self) -> str:
         return f"FileStagingSink(root={str(self._store.root)!r})"
 
+    @stage_timed("file")
     def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         """Make one staged call durable and return a ``StageResult`` with its key.
 

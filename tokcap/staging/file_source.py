@@ -17,6 +17,7 @@ import orjson
 
 from tokcap.durable_io import read_no_follow
 from tokcap.errors import StagingKeyNotFoundError, StoreCorruptionError
+from tokcap.metrics import source_timed
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.staging.gym_types import build
 from tokcap.store import TokenCaptureStore
@@ -61,6 +62,7 @@ class FileStagingSource:
                 found[index] = orjson.loads(line)
         return [item for item in found if item is not None]
 
+    @source_timed("file", "fetch")
     def fetch(self, staging_keys: list[str]) -> list[Any]:
         """One ``StagedCallBaseSnapshot`` per key, in order, without extras (Gym's class when Gym imports)."""
         return [build("StagedCallBaseSnapshot", stored["row"]) for stored in self._stored(staging_keys)]

@@ -60,6 +60,7 @@ from tokcap.lineage import (
     materialize_tokens,
     resolution_of,
 )
+from tokcap.metrics import source_timed
 from tokcap.records import ParentResolutionStatus, TokenEntry
 from transports.kafka.admin import list_topics, partition_count
 from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
@@ -280,6 +281,7 @@ class KafkaLineageResolver:
         """The run topic this resolver reads."""
         return self._topic
 
+    @source_timed("kafka", "resolve")
     async def resolve(self, rollout_id: str, request_items: list[dict[str, Any]]) -> LineageResolution:
         """Return ROOT, RESOLVED with the proven parent's cumulative tokens, or UNRESOLVED with a reason."""
         fingerprint = assistant_fingerprint(request_items)

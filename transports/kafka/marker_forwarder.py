@@ -16,6 +16,7 @@ from typing import Any
 
 from tokcap.errors import TransportError
 from tokcap.events import IncompleteEvent
+from tokcap.metrics import MARKERS_FORWARDED
 from transports.kafka.marker_spill import MarkerSpill
 
 __all__ = ["FIRST_RETRY_S", "LAST_RETRY_S", "MarkerForwarder", "Send", "logger"]
@@ -87,6 +88,7 @@ class MarkerForwarder:
                     )
                     break
                 self._spill.remove(marker)
+                MARKERS_FORWARDED.inc()
                 logger.info(
                     "forwarded spilled incomplete marker %s of rollout %r",
                     marker.marker_id,

@@ -69,7 +69,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from filelock import FileLock, Timeout
 
 from tokcap.durable_io import remove_stale_temp_files
@@ -84,6 +84,7 @@ from tokcap.errors import (
     TransportError,
 )
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
+from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import TopicIdReader, list_topics
@@ -100,6 +101,7 @@ from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, Dead
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import read_failure
 from transports.kafka.incarnation import IncarnationWatch
+from transports.kafka.loop_metrics import count_applied, count_dead_letter, observe_freeze
 from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
 from transports.kafka.ownership import check_owner_records, write_owner_records
 from transports.kafka.router import (
@@ -248,6 +250,10 @@ class _Read:
     size: int
     answered_ahead: bool = False
     """A freeze whose source was answered from its rollout's events decided in memory; it is not urgent."""
+    timestamp_ms: int | None = None
+    """The message's log timestamp: the lag in seconds is the age of the oldest one not applied."""
+    read_at: float = 0.0
+    """When it was fetched (``time.monotonic``): a freeze's latency runs from here to its answer."""
 
 
 @dataclass
@@ -401,6 +407,12 @@ class Materializer:
         """Every wait in progress, by its future, in the order they began."""
         self._ahead_waiters: dict[tuple[int, int], list[asyncio.Future[None]]] = {}
         """The waits an answer ahead can end, by position: a burst of answers must not rescan every wait."""
+        self._consumer: Consumer | None = None
+        """The loop's consumer while it owns its partitions: a scrape reads its cached end offsets."""
+        self._consumer_lock = threading.Lock()
+        self._checkpoint_moved: dict[int, float] = {}
+        """Per partition, when its checkpoint last moved forward (``time.monotonic``)."""
+        watch_loop(self)
 
     # ---------------------------------------------------------------- public
 
@@ -489,6 +501,38 @@ class Materializer:
         """A copy of the loop's counters."""
         with self._condition:
             return MaterializerCounters(**self._counters.__dict__)
+
+    def loop_status(self) -> LoopStatus:
+        """Where the loop stands now, read from another thread (a metrics scrape, a health check)."""
+        now = time.monotonic()
+        with self._consumer_lock:
+            consumer = self._consumer
+            ends = {p: _cached_end(consumer, self._topic, p) for p in self._progress} if consumer else {}
+        with self._condition:
+            applied = dict(self._applied_next)
+            failure = None if self._failure is None else str(self._failure) or type(self._failure).__name__
+        partitions = []
+        for partition, progress in list(self._progress.items()):
+            oldest = _oldest_timestamp_ms(progress)
+            partitions.append(
+                PartitionStatus(
+                    topic=self._topic,
+                    partition=partition,
+                    applied_next=applied.get(partition, progress.checkpoint.next_offset),
+                    high_watermark=ends.get(partition),
+                    oldest_unapplied_age_s=0.0 if oldest is None else max(0.0, time.time() - oldest / 1000),
+                    checkpoint_age_s=now - self._checkpoint_moved.get(partition, now),
+                )
+            )
+        return LoopStatus(
+            topic=self._topic,
+            running=consumer is not None and failure is None,
+            failure=failure,
+            partitions=partitions,
+            rollouts_held=sum(len(progress.by_rollout) for progress in list(self._progress.values())),
+            messages_held=self._held_messages,
+            kept_tokens=self._applied_entries.kept_tokens,
+        )
 
     def _is_applied(self, partition: int, offset: int, command: bool) -> bool:
         """Whether this offset and everything before it (for a command: its rollout's events before it) is
@@ -677,6 +721,8 @@ class Materializer:
                 remove_stale_temp_files(self._store.root)
                 self._consume(consumer, checkpoints)
         finally:
+            with self._consumer_lock:
+                self._consumer = None
             if self._incarnation is not None:
                 self._incarnation.stop()
             consumer.close()
@@ -752,6 +798,7 @@ class Materializer:
                 fetch_next=checkpoint.resume_offset(),
             )
             self._progress[partition] = progress
+            self._checkpoint_moved[partition] = time.monotonic()
             with self._condition:
                 self._applied_next[partition] = checkpoint.next_offset
                 self._applied_ahead[partition] = set()
@@ -769,6 +816,8 @@ class Materializer:
             {tp.partition: tp.offset for tp in assignment},
             self._block_messages,
         )
+        with self._consumer_lock:
+            self._consumer = consumer
         self._ready.set()
         budget = _COMMAND_BUDGET
         while not self._stop.is_set():
@@ -872,6 +921,7 @@ class Materializer:
             encoded = progress.checkpoint.encode()
             if encoded != progress.written:
                 changed[partition] = encoded
+                self._checkpoint_moved[partition] = time.monotonic()
         write_checkpoints(self._store.root, changed)
         with self._condition:
             for partition, progress in self._progress.items():
@@ -907,7 +957,15 @@ class Materializer:
         log_message = LogMessage.of(message)
         chunks_before = tuple(self._router.open_chunk_offsets(partition))
         routed = self._router.route_deferring(log_message)
-        read = _Read(offset, routed, [False] * len(routed), chunks_before, log_message.size)
+        read = _Read(
+            offset,
+            routed,
+            [False] * len(routed),
+            chunks_before,
+            log_message.size,
+            timestamp_ms=log_message.timestamp_ms,
+            read_at=self._fetched_at,
+        )
         progress.pending.append(read)
         for index, decision in enumerate(routed):
             rollout_id = _rollout_of(decision)
@@ -974,6 +1032,7 @@ class Materializer:
         if answer is None:
             return
         read.answered_ahead = True
+        observe_freeze(read.read_at, time.monotonic())
         with self._condition:
             self._answers[(partition, read.offset)] = answer
             while len(self._answers) > _ANSWERS_KEPT:
@@ -1030,7 +1089,7 @@ class Materializer:
                 waiting = progress.by_rollout[rollout_id]
                 while True:
                     earlier, earlier_index = waiting.popleft()
-                    self._apply(progress, self._settled(earlier, earlier_index))
+                    self._apply(progress, self._settled(earlier, earlier_index), earlier)
                     earlier.done[earlier_index] = True
                     self._counters.decisions_ahead += 1
                     carried += 1
@@ -1080,7 +1139,7 @@ class Materializer:
                             assert popped[0] is read and popped[1] == index, "rollout order broken"
                             if not waiting:
                                 del progress.by_rollout[rollout_id]
-                        self._apply(progress, decision)
+                        self._apply(progress, decision, read)
                         read.done[index] = True
                     self._record_dead_letter(progress, decision)
                 self._held_messages -= 1
@@ -1116,9 +1175,16 @@ class Materializer:
             f"{self._store.root} may hold events the topic no longer has. Replay the topic into a new directory"
         )
 
-    def _apply(self, progress: _PartitionProgress, routed: Routed) -> None:
+    def _apply(self, progress: _PartitionProgress, routed: Routed, read: _Read) -> None:
         """Carry one routing decision out on the store and remember its verdict."""
         result = carry_out(self._store, self._topic, routed)
+        count_applied(self._store, routed, result)
+        if (
+            isinstance(routed, ApplyEvent)
+            and isinstance(routed.event, FreezeEvent)
+            and not read.answered_ahead
+        ):
+            observe_freeze(read.read_at, time.monotonic())
         if result is not None and isinstance(routed, ApplyEvent):
             self._applied_entries.note(routed.event, result)
             refused = refused_staging_reason(routed, result)
@@ -1145,6 +1211,8 @@ class Materializer:
             )
             rollout_id = routed.event.rollout_id
             written = progress.dead_letters.record(routed.partition, routed.offset, reason, rollout_id)
+            if written:
+                count_dead_letter(routed)
             if written and self._on_dead_letter is not None:
                 self._on_dead_letter(DeadLetterLine(routed.partition, routed.offset, rollout_id, reason))
             return
@@ -1160,12 +1228,35 @@ class Materializer:
         written = progress.dead_letters.record(
             routed.partition, routed.offset, routed.reason, routed.rollout_id
         )
+        if written:
+            count_dead_letter(routed)
         if written and self._on_dead_letter is not None:
             self._on_dead_letter(
                 DeadLetterLine(
                     routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
                 )
             )
+
+
+def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
+    """The partition's end as the consumer last saw it in a fetch; ``None`` before any fetch.
+
+    A cached read sends no request, so nothing is translated: a failure (a partition the handle does not know
+    yet, a consumer closing) only means the end is not known now, and the scrape reports no lag.
+    """
+    try:
+        _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), cached=True)
+    except (KafkaException, RuntimeError):
+        return None
+    return int(high) if high is not None and high >= 0 else None
+
+
+def _oldest_timestamp_ms(progress: _PartitionProgress) -> int | None:
+    """The log timestamp of the oldest message read and not applied, read while the loop may change it."""
+    try:
+        return progress.pending[0].timestamp_ms
+    except IndexError:
+        return None
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -31,6 +31,7 @@ from typing import Any
 from tokcap.errors import ConfigError, ConflictingEntryError, DeliveryError, TransportError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
 from tokcap.input_rules import accept_entry, check_call_id
+from tokcap.metrics import MARKERS_SPILLED, SENT_BYTES, sink_timed
 from tokcap.records import TokenEntry, token_count
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.codec import (
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_REMEMBERED_CALLS = 100_000
 """How many (rollout, call) digests a sink keeps to refuse conflicting payloads; oldest are forgotten first."""
+
+_SENT = SENT_BYTES.labels("kafka")
 
 _LARGE_ENTRY_TOKENS = 50_000
 """Entries with more tokens than this are encoded in a worker thread, off the event loop."""
@@ -155,7 +158,9 @@ class KafkaTokenSink:
             messages = await asyncio.to_thread(self._encode, event, entry_digest)
         else:
             messages = self._encode(event, entry_digest)
-        return await self._bridge.send(self._topic, messages, what=what)
+        delivered = await self._bridge.send(self._topic, messages, what=what)
+        _SENT.inc(sum(len(message.key) + len(message.value) for message in messages))
+        return delivered
 
     def _encode(self, event: Event, entry_digest: str | None = None) -> list[OutgoingMessage]:
         """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is."""
@@ -200,6 +205,7 @@ class KafkaTokenSink:
             if self._digests.get((rollout_id, call_id)) == digest:
                 del self._digests[(rollout_id, call_id)]
 
+    @sink_timed("kafka", "put")
     async def put(self, entry: TokenEntry) -> None:
         """Publish a call's entry and return once the broker acknowledged it; a Gym entry is taken as is.
 
@@ -228,18 +234,21 @@ class KafkaTokenSink:
             # Acknowledged as one message: its partition and offset are a link every reader can follow.
             self._sent.remember(entry, delivered[0].partition, delivered[0].offset)
 
+    @sink_timed("kafka", "intent")
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Publish a call's intent before dispatch; a failure here stops the call before generation."""
         check_call_id(rollout_id, model_call_id)
         event = IntentEvent(rollout_id=rollout_id, writer=self._writer_id, model_call_id=model_call_id)
         await self._publish(event, what=f"intent of call {model_call_id!r} of rollout {rollout_id!r}")
 
+    @sink_timed("kafka", "cancel")
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> None:
         """Publish that a call ended without generation, closing its intent."""
         check_call_id(rollout_id, model_call_id)
         event = CancelEvent(rollout_id=rollout_id, writer=self._writer_id, model_call_id=model_call_id)
         await self._publish(event, what=f"cancel of call {model_call_id!r} of rollout {rollout_id!r}")
 
+    @sink_timed("kafka", "mark")
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
         """Record that a call of the rollout failed to capture, so the rollout is masked.
 
@@ -278,6 +287,7 @@ class KafkaTokenSink:
                 logger.warning(
                     "%s is kept in %s until the broker answers: %s", what, self._spill.directory, exc
                 )
+                MARKERS_SPILLED.inc()
                 return
             acknowledged = True
             if spilled is not None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, PartitionOwnerMissingError, RolloutRetiredError
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
+from tokcap.metrics import source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
@@ -284,6 +285,7 @@ class KafkaTokenSource:
             )
         return ApplyResult(ApplyOutcome.NOOP, event.type, event.rollout_id, detail="re-derived")
 
+    @source_timed("kafka", "freeze")
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze a rollout at a log position and return its snapshot; freezing again returns the same one."""
         rollout_id = validate_rollout_id(rollout_id)

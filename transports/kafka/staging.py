@@ -44,6 +44,7 @@ from tokcap.errors import (
 from tokcap.events import Event, StagedBlob, StageEvent
 from tokcap.hashing import sha256_hex
 from tokcap.ledger import FileCaptureLedger, ledger_event, ledger_failure_event
+from tokcap.metrics import SENT_BYTES, source_timed, stage_timed
 from tokcap.staging.file_sink import _attachment_bytes, staged_record_from
 from tokcap.staging.file_source import FileStagingSource
 from tokcap.staging.gym_types import build
@@ -74,6 +75,9 @@ _REMEMBERED_KEYS = 200_000
 """Staged keys whose row digest a process remembers, to refuse a different payload under one at once."""
 
 _T = TypeVar("_T")
+
+
+_SENT = SENT_BYTES.labels("kafka")
 
 
 class _LoopThread:
@@ -189,6 +193,7 @@ class KafkaStagingSink:
     def _next_chunk_group(self) -> str:
         return f"{self._session}:{next(self._chunk_sequence)}"
 
+    @stage_timed("kafka")
     def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         """Make one staged call durable on the topic and return a ``StageResult`` with its key.
 
@@ -248,6 +253,7 @@ class KafkaStagingSink:
         sent = self._loop.run(
             self._bridge.send(self._topic, messages, what=what), self._delivery_timeout_s + 5.0
         )
+        _SENT.inc(sum(len(message.key) + len(message.value) for message in messages))
         return sent[-1]
 
     def _verdict(self, event: StageEvent, digest: str, last: Delivered) -> str | None:
@@ -315,6 +321,7 @@ class KafkaStagingSource:
                 caught_up.add(exc.rollout_id)
                 self._projection.catch_up(exc.rollout_id)
 
+    @source_timed("kafka", "fetch")
     def fetch(self, staging_keys: list[str]) -> list[Any]:
         """One ``StagedCallBaseSnapshot`` per key, in order, without extras; a missing key raises."""
         return self._current(self._files.fetch, list(staging_keys))
@@ -388,6 +395,7 @@ class KafkaCaptureLedger:
             self._projection.wait_applied, delivered.partition, delivered.offset, event.rollout_id
         )
 
+    @source_timed("kafka", "record")
     async def record(self, commit: Any) -> None:
         """Record a committed call; returns once every serving worker can read it. A different repeat raises."""
         event = ledger_event(commit).model_copy(update={"writer": self._writer_id})

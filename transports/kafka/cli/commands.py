@@ -19,6 +19,7 @@ from rich.console import Console
 from tokcap.cli.console import emit_json, progress_console, stdout_console
 from tokcap.cli.demo import DemoReport, DemoSettings, ProgressCallback
 from tokcap.cli.options import JsonFlag, Timeout
+from tokcap.metrics_http import DEFAULT_METRICS_HOST
 from transports.kafka.cli.side_files import describe_side_files, render_side_files
 
 __all__ = [
@@ -137,6 +138,17 @@ def materialize(
             min=1,
         ),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Serve Prometheus /metrics and a /healthz readiness check on this port (0: any free port).",
+            min=0,
+            max=65535,
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str, typer.Option(help="The address --metrics-port listens on.")
+    ] = DEFAULT_METRICS_HOST,
     kafka_option: _ClientOptions = None,
     timeout: Timeout = 10.0,
 ) -> None:
@@ -156,6 +168,8 @@ def materialize(
         client_options=kafka_option or [],
         timeout_s=timeout,
         console=progress_console(),
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
 
 

@@ -21,9 +21,11 @@ from typing import Any
 from rich.console import Console
 
 from tokcap.errors import InvalidInputError
+from tokcap.metrics_http import DEFAULT_METRICS_HOST, MetricsServer
 from transports.kafka.admin import probe_broker, watermarks
 from transports.kafka.cli.options import parse_key_values, parse_partitions, resolve_run_topic
 from transports.kafka.materializer import Materializer
+from transports.kafka.readiness import serve_metrics
 from transports.kafka.workers import MaterializerWorkers
 
 __all__ = ["format_lag", "run_materializer", "stop_on_signals"]
@@ -67,8 +69,13 @@ def run_materializer(
     client_options: Sequence[str],
     timeout_s: float,
     console: Console,
+    metrics_port: int | None = None,
+    metrics_host: str = DEFAULT_METRICS_HOST,
 ) -> dict[str, Any]:
-    """Apply the topic until a signal (or, with ``until_caught_up``, until the log at start is applied)."""
+    """Apply the topic until a signal (or, with ``until_caught_up``, until the log at start is applied).
+
+    With ``metrics_port``, ``/metrics`` and ``/healthz`` are served while it runs (``transports.kafka.readiness``).
+    """
     name = resolve_run_topic(run_id, topic)
     chosen = parse_partitions(partitions)
     client_config = parse_key_values(client_options, "-X")
@@ -82,6 +89,11 @@ def run_materializer(
     target = {p: high for p, (_, high) in marks.items()}
     directory.mkdir(parents=True, exist_ok=True)
     if workers > 1:
+        if metrics_port is not None:
+            raise InvalidInputError(
+                "--metrics-port serves the metrics of one materializer process; with --workers each worker is "
+                "its own process: run one `tokcap materialize --partitions ...` per worker, each with its port"
+            )
         return _run_workers(
             bootstrap, directory, name, workers, target, until_caught_up, interval_s, client_config,
             timeout_s, console, block_messages,
@@ -104,7 +116,11 @@ def run_materializer(
 
     stop = threading.Event()
     console.print(f"materializing {name} into {directory} (partitions {sorted(marks)}); Ctrl-C stops cleanly")
-    with stop_on_signals(stop):
+    server = None
+    if metrics_port is not None:
+        server = serve_metrics(materializer, host=metrics_host, port=metrics_port)
+        console.print(f"serving /metrics and /healthz on http://{server.host}:{server.port}")
+    with stop_on_signals(stop), _closing(server):
         materializer.start()
         try:
             next_report = 0.0
@@ -126,6 +142,16 @@ def run_materializer(
     applied = materializer.applied_offsets()
     console.print(f"stopped; checkpoint written: {format_lag(applied, target)}")
     return {"topic": name, "store_dir": str(directory), "applied_offsets": applied}
+
+
+@contextmanager
+def _closing(server: MetricsServer | None) -> Iterator[None]:
+    """Close the metrics server, if any, once the materializer stopped."""
+    try:
+        yield
+    finally:
+        if server is not None:
+            server.close()
 
 
 def _run_workers(
