@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -357,6 +357,80 @@ def run_tokcap_ledger_process(root: Path, shape: str, calls: Sequence[StagedCall
     )
 
 
+@dataclass
+class _StagedRun:
+    """What staging beside a ledger measured: the stagers' wall time, latencies and CPU, each ledger record's
+    latency and each floor result."""
+
+    seconds: float
+    latencies: list[float]
+    cpu: float
+    recorded: list[float]
+    floors: list[Any]
+
+
+def _stage_beside_ledger(
+    sink: Any,
+    calls: Sequence[StagedCall],
+    threads: int,
+    *,
+    record: Callable[[CaptureLedgerCommit], Awaitable[None]] | None = None,
+    floor: Callable[[StagedCallRecord], Any] | None = None,
+    warm_up: Callable[[], Awaitable[object]] | None = None,
+) -> _StagedRun:
+    """Stage every call from ``threads`` threads; each staged call's commit then goes to ``record`` (timed, in a
+    thread with its own event loop, after ``warm_up``) and its record to ``floor``, in one more thread each."""
+    staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    floor_queue: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
+    recorded: list[float] = []
+    floors: list[Any] = []
+    warm = threading.Event()
+
+    def record_commits() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            if warm_up is not None:
+                loop.run_until_complete(warm_up())
+            warm.set()
+            while (staged_record := staged.get()) is not None:
+                assert record is not None
+                commit = _commit(staged_record)
+                started = time.perf_counter()
+                loop.run_until_complete(record(commit))
+                recorded.append(time.perf_counter() - started)
+        finally:
+            warm.set()
+            loop.close()
+
+    def floor_commits() -> None:
+        while (staged_record := floor_queue.get()) is not None:
+            assert floor is not None
+            floors.append(floor(staged_record))
+
+    def one(call: StagedCall) -> None:
+        result = sink.stage(call.record, attachments=call.attachments or None)
+        if not result.ok:
+            raise RuntimeError(f"stage failed: {result.error}")
+        if record is not None:
+            staged.put(call.record)
+        if floor is not None:
+            floor_queue.put(call.record)
+
+    recorder = threading.Thread(target=record_commits)
+    floorer = threading.Thread(target=floor_commits)
+    recorder.start()
+    floorer.start()
+    try:
+        warm.wait(120)
+        seconds, latencies, cpu = _threaded(calls, threads, one)
+    finally:
+        staged.put(None)
+        floor_queue.put(None)
+        recorder.join()
+        floorer.join()
+    return _StagedRun(seconds, latencies, cpu, recorded, floors)
+
+
 def run_tokcap(
     root: Path, shape: str, calls: Sequence[StagedCall], threads: int, *, with_ledger: bool = False
 ) -> Measured:
@@ -368,60 +442,31 @@ def run_tokcap(
     share the stagers' interpreter lock; ``run_tokcap_ledger_process`` measures the ledger without it.
     """
     sink = FileStagingSink(root)
-    ledger = FileLineageResolver(root)
-    staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
-    floor_queue: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
-    ledger_latencies: list[float] = []
-    floor_latencies: list[tuple[float, float]] = []
     floor_directory = root / "ledger-floor"
     floor_directory.mkdir()
 
-    def floor_commits() -> None:
-        while (record := floor_queue.get()) is not None:
-            line = ledger_event(_commit(record)).stored_line
-            floor_latencies.append(ledger_floor(floor_directory, record.rollout_id, line, LEDGER_FLOOR_STATE))
+    def floor(record: StagedCallRecord) -> tuple[float, float]:
+        line = ledger_event(_commit(record)).stored_line
+        return ledger_floor(floor_directory, record.rollout_id, line, LEDGER_FLOOR_STATE)
 
-    def record_commits() -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            while (record := staged.get()) is not None:
-                commit = _commit(record)
-                started = time.perf_counter()
-                loop.run_until_complete(ledger.record(commit))
-                ledger_latencies.append(time.perf_counter() - started)
-        finally:
-            loop.close()
-
-    def one(call: StagedCall) -> None:
-        result = sink.stage(call.record, attachments=call.attachments or None)
-        if not result.ok:
-            raise RuntimeError(f"stage failed: {result.error}")
-        if with_ledger:
-            staged.put(call.record)
-            floor_queue.put(call.record)
-
-    recorder = threading.Thread(target=record_commits)
-    floor = threading.Thread(target=floor_commits)
-    recorder.start()
-    floor.start()
-    try:
-        seconds, latencies, cpu = _threaded(calls, threads, one)
-    finally:
-        staged.put(None)
-        floor_queue.put(None)
-        recorder.join()
-        floor.join()
+    run = _stage_beside_ledger(
+        sink,
+        calls,
+        threads,
+        record=FileLineageResolver(root).record if with_ledger else None,
+        floor=floor if with_ledger else None,
+    )
     return Measured(
         "tokcap FileStagingSink" + (" + ledger thread" if with_ledger else ""),
         shape,
         len(calls),
-        seconds,
+        run.seconds,
         sum(c.size for c in calls),
-        tuple(latencies),
-        cpu,
-        tuple(ledger_latencies),
-        tuple(total for _, total in floor_latencies),
-        tuple(appended for appended, _ in floor_latencies),
+        tuple(run.latencies),
+        run.cpu,
+        tuple(run.recorded),
+        tuple(total for _, total in run.floors),
+        tuple(appended for appended, _ in run.floors),
     )
 
 
@@ -580,68 +625,39 @@ def run_kafka(
         else None
     )
     producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True})
-    staged: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
-    floor_queue: queue.SimpleQueue[StagedCallRecord | None] = queue.SimpleQueue()
-    ledger_latencies: list[float] = []
-    floor_latencies: list[float] = []
 
-    warm = threading.Event()
+    async def warm_up() -> None:
+        # The projection joins the topic and reads every partition before the clock starts: a model server's
+        # runs all the time. Rollout ids spread over the partitions by their hash.
+        assert ledger is not None
+        for number in range(64):
+            await ledger.has_rows(f"bench-warm-up-{number}")
 
-    def record_commits() -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            if ledger is not None:
-                # The projection joins the topic and reads every partition before the clock starts: a model
-                # server's runs all the time. Rollout ids spread over the partitions by their hash.
-                for number in range(64):
-                    loop.run_until_complete(ledger.has_rows(f"bench-warm-up-{number}"))
-            warm.set()
-            while (record := staged.get()) is not None:
-                assert ledger is not None
-                commit = _commit(record)
-                started = time.perf_counter()
-                loop.run_until_complete(ledger.record(commit))
-                ledger_latencies.append(time.perf_counter() - started)
-        finally:
-            loop.close()
+    def floor(record: StagedCallRecord) -> float:
+        failures: list[Any] = []
+        started = time.perf_counter()
+        producer.produce(
+            floor_topic,
+            value=ledger_event(_commit(record)).stored_line,
+            key=record.rollout_id.encode(),
+            on_delivery=lambda error, _message: failures.append(error),
+        )
+        while not failures:
+            producer.poll(0.001)
+        if failures[0] is not None:
+            raise RuntimeError(f"raw ledger produce failed: {failures[0]}")
+        return time.perf_counter() - started
 
-    def floor_commits() -> None:
-        while (record := floor_queue.get()) is not None:
-            line = ledger_event(_commit(record)).stored_line
-            failures: list[Any] = []
-            started = time.perf_counter()
-            producer.produce(
-                floor_topic,
-                value=line,
-                key=record.rollout_id.encode(),
-                on_delivery=lambda error, _message, out=failures: out.append(error),
-            )
-            while not failures:
-                producer.poll(0.001)
-            if failures[0] is not None:
-                raise RuntimeError(f"raw ledger produce failed: {failures[0]}")
-            floor_latencies.append(time.perf_counter() - started)
-
-    def one(call: StagedCall) -> None:
-        result = sink.stage(call.record, attachments=call.attachments or None)
-        if not result.ok:
-            raise RuntimeError(f"stage failed: {result.error}")
-        if with_ledger:
-            staged.put(call.record)
-            floor_queue.put(call.record)
-
-    recorder = threading.Thread(target=record_commits)
-    floor = threading.Thread(target=floor_commits)
-    recorder.start()
-    floor.start()
     try:
-        warm.wait(120)
-        seconds, latencies, cpu = _threaded(calls, threads, one)
+        run = _stage_beside_ledger(
+            sink,
+            calls,
+            threads,
+            record=None if ledger is None else ledger.record,
+            floor=floor if with_ledger else None,
+            warm_up=None if ledger is None else warm_up,
+        )
     finally:
-        staged.put(None)
-        floor_queue.put(None)
-        recorder.join()
-        floor.join()
         sink.close()
         if ledger is not None:
             asyncio.run(ledger.close())
@@ -649,18 +665,16 @@ def run_kafka(
         shutil.rmtree(projection, ignore_errors=True)
         _delete_topic(bootstrap, topic)
         _delete_topic(bootstrap, floor_topic)
-    size = sum(c.size for c in calls)
-    name = "tokcap KafkaStagingSink" + (" + Kafka ledger thread" if with_ledger else "")
     return Measured(
-        name,
+        "tokcap KafkaStagingSink" + (" + Kafka ledger thread" if with_ledger else ""),
         shape,
         len(calls),
-        seconds,
-        size,
-        tuple(latencies),
-        cpu,
-        tuple(ledger_latencies),
-        tuple(floor_latencies),
+        run.seconds,
+        sum(c.size for c in calls),
+        tuple(run.latencies),
+        run.cpu,
+        tuple(run.recorded),
+        tuple(run.floors),
     )
 
 
