@@ -53,7 +53,6 @@ Run it in a thread (``start``/``stop``) or as a process::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
@@ -117,6 +116,7 @@ from transports.kafka.router import (
     refused_staging_reason,
 )
 from transports.kafka.topics import validate_topic_name
+from transports.kafka.waiters import WaiterRegistry
 
 # CHECKPOINT_PREFIX, DEAD_LETTER_PREFIX, MATERIALIZER_WRITER and ORPHAN_AFTER_OFFSETS live in their own
 # modules now; they stay importable from here.
@@ -302,23 +302,6 @@ def _rollout_of(routed: Routed | Deferred) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class _AsyncWaiter:
-    """One wait of ``applied``: the position it waits for, how, and the event loop its future belongs to."""
-
-    partition: int
-    offset: int
-    command: bool
-    ahead: bool
-    loop: asyncio.AbstractEventLoop
-
-
-def _resolve_waiter(future: asyncio.Future[None]) -> None:
-    """Runs on the waiter's loop: wake it unless it already gave up."""
-    if not future.done():
-        future.set_result(None)
-
-
 class Materializer:
     """Consumes a run topic and projects it into a ``TokenCaptureStore`` directory."""
 
@@ -398,15 +381,12 @@ class Materializer:
         """The entries this loop applied, per rollout: an answer ahead copies them instead of parsing the file."""
         self._ahead_writers: Counter[str] = Counter()
         """Writer ids of the in-process sources whose freezes are answered ahead of their apply."""
-        self._condition = threading.Condition()
-        self._failure: BaseException | None = None
+        self._waiters = WaiterRegistry(self._is_applied, self._is_answered_ahead)
+        self._condition = self._waiters.condition
+        """Guards what the waits read (applied offsets, answers ahead) and what other threads read."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._async_waiters: dict[asyncio.Future[None], _AsyncWaiter] = {}
-        """Every wait in progress, by its future, in the order they began."""
-        self._ahead_waiters: dict[tuple[int, int], list[asyncio.Future[None]]] = {}
-        """The waits an answer ahead can end, by position: a burst of answers must not rescan every wait."""
         self._consumer: Consumer | None = None
         """The loop's consumer while it owns its partitions: a scrape reads its cached end offsets."""
         self._consumer_lock = threading.Lock()
@@ -510,7 +490,8 @@ class Materializer:
             ends = {p: _cached_end(consumer, self._topic, p) for p in self._progress} if consumer else {}
         with self._condition:
             applied = dict(self._applied_next)
-            failure = None if self._failure is None else str(self._failure) or type(self._failure).__name__
+            failed = self._waiters.failure
+            failure = None if failed is None else str(failed) or type(failed).__name__
         partitions = []
         for partition, progress in list(self._progress.items()):
             oldest = _oldest_timestamp_ms(progress)
@@ -541,20 +522,15 @@ class Materializer:
             return True
         return command and offset in self._applied_ahead.get(partition, ())
 
-    def _is_answered(self, partition: int, offset: int, command: bool, ahead: bool) -> bool:
-        """Applied, or (``ahead``) a freeze answered ahead of its apply; the caller holds the condition."""
-        return self._is_applied(partition, offset, command) or (
-            ahead and (partition, offset) in self._answers
-        )
+    def _is_answered_ahead(self, partition: int, offset: int) -> bool:
+        """Whether the freeze at this position was answered ahead of its apply; the caller holds the condition."""
+        return (partition, offset) in self._answers
 
     def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
         """Block until every event up to this offset is applied; return ``False`` on timeout."""
-        with self._condition:
-            applied = self._condition.wait_for(
-                lambda: self._failure is not None or self._is_applied(partition, offset, False), timeout_s
-            )
+        applied = self._waiters.wait(partition, offset, timeout_s)
         self._raise_if_failed()
-        return bool(applied)
+        return applied
 
     async def applied(
         self, partition: int, offset: int, timeout_s: float, *, command: bool = False, ahead: bool = False
@@ -567,61 +543,10 @@ class Materializer:
         (``take_snapshot_ahead``) is waited for no further. Many trainers' freezes wait at once; a blocking
         wait per freeze would queue them behind the event loop's few executor threads.
         """
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        waiter = _AsyncWaiter(partition, offset, command, ahead, loop)
-        with self._condition:
-            if self._failure is None and self._is_answered(partition, offset, command, ahead):
-                return True
-            if self._failure is None:
-                self._async_waiters[future] = waiter
-                if ahead:
-                    self._ahead_waiters.setdefault((partition, offset), []).append(future)
-        if self._failure is not None:
+        answered = await self._waiters.wait_async(partition, offset, timeout_s, command=command, ahead=ahead)
+        if answered:
             self._raise_if_failed()
-        try:
-            # A plain await under a timeout: ``wait_for`` would resume this caller one event-loop turn later.
-            async with asyncio.timeout(timeout_s):
-                await future
-        except TimeoutError:
-            with self._condition:
-                self._forget_waiter(future)
-            return False
-        self._raise_if_failed()
-        return True
-
-    def _wake_async_waiters(self) -> None:
-        """Resolve the waits that are now applied, or all of them when the loop failed; caller holds the condition."""
-        for future, waiter in list(self._async_waiters.items()):
-            if self._failure is not None or self._is_answered(
-                waiter.partition, waiter.offset, waiter.command, waiter.ahead
-            ):
-                self._resolve(future)
-
-    def _wake_answered(self, partition: int, offset: int) -> None:
-        """Resolve the waits the freeze answered ahead at this position ends; caller holds the condition."""
-        for future in list(self._ahead_waiters.get((partition, offset), ())):
-            self._resolve(future)
-
-    def _resolve(self, future: asyncio.Future[None]) -> None:
-        """End one wait on its own event loop; caller holds the condition."""
-        waiter = self._forget_waiter(future)
-        if waiter is not None:
-            # A closed event loop raises here: nobody is waiting on it any more.
-            with contextlib.suppress(RuntimeError):
-                waiter.loop.call_soon_threadsafe(_resolve_waiter, future)
-
-    def _forget_waiter(self, future: asyncio.Future[None]) -> _AsyncWaiter | None:
-        """Drop a wait from both indexes; caller holds the condition."""
-        waiter = self._async_waiters.pop(future, None)
-        if waiter is not None and waiter.ahead:
-            position = (waiter.partition, waiter.offset)
-            waiting = self._ahead_waiters.get(position, [])
-            if future in waiting:
-                waiting.remove(future)
-            if not waiting:
-                self._ahead_waiters.pop(position, None)
-        return waiter
+        return answered
 
     def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
         """Per assigned partition, the offset after the last message currently in the log."""
@@ -686,14 +611,15 @@ class Materializer:
             time.sleep(0.2)
 
     def _raise_if_failed(self) -> None:
-        if isinstance(self._failure, MaterializerOwnedElsewhereError):
-            raise self._failure
-        if self._failure is not None:
+        failure = self._waiters.failure
+        if isinstance(failure, MaterializerOwnedElsewhereError):
+            raise failure
+        if failure is not None:
             # A specific stop (another topic incarnation, an offset gap) keeps its class for the caller.
-            kind = type(self._failure) if isinstance(self._failure, MaterializerFailedError) else None
+            kind = type(failure) if isinstance(failure, MaterializerFailedError) else None
             raise (kind or MaterializerFailedError)(
-                f"the materializer of topic {self._topic!r} stopped: {self._failure}"
-            ) from self._failure
+                f"the materializer of topic {self._topic!r} stopped: {failure}"
+            ) from failure
 
     def _run_guarded(self) -> None:
         try:
@@ -703,10 +629,7 @@ class Materializer:
                 logger.info("%s", exc)
             else:
                 logger.exception("materializer of topic %s failed", self._topic)
-            with self._condition:
-                self._failure = exc
-                self._condition.notify_all()
-                self._wake_async_waiters()
+            self._waiters.fail(exc)
         finally:
             self._ready.set()
 
@@ -932,8 +855,7 @@ class Materializer:
                 ahead |= progress.ahead
                 progress.ahead = set()
                 ahead.difference_update([offset for offset in ahead if offset < applied_next])
-            self._condition.notify_all()
-            self._wake_async_waiters()
+            self._waiters.applied_moved()
 
     def _take(self, message: Message) -> None:
         """Take one consumed message: an error, a replayed chunk, a skipped offset or a new message to route."""
@@ -1038,8 +960,7 @@ class Materializer:
             while len(self._answers) > _ANSWERS_KEPT:
                 self._answers.popitem(last=False)
             self._counters.freezes_answered_ahead += 1
-            self._condition.notify_all()
-            self._wake_answered(partition, read.offset)
+            self._waiters.answered(partition, read.offset)
 
     def _pending_events(
         self, partition: int, rollout_id: str, read: _Read, index: int
