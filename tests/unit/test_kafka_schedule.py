@@ -199,9 +199,7 @@ def test_what_a_freeze_waits_on_is_its_rollouts_decisions_not_carried_out_up_to_
     assert harness.scheduler.waiting_until(0, freeze, 0) == [(masked, 0), (freeze, 0)]
 
 
-def test_a_burst_of_commands_is_carried_out_in_blocks_that_double_up_to_the_most_and_a_sweep_resets_them() -> (
-    None
-):
+def test_a_burst_of_commands_is_carried_out_in_blocks_that_double_up_to_the_most_until_it_ends() -> None:
     harness = Harness(first_block=2, most_block=8)
     harness.open(0)
     for rollout in range(40):
@@ -212,9 +210,12 @@ def test_a_burst_of_commands_is_carried_out_in_blocks_that_double_up_to_the_most
         if not harness.scheduler.command_block_done():
             break
     assert blocks == [2, 4, 8, 8, 8, 8, 2]
-    for rollout in range(40, 45):
+    for rollout in range(40, 60):
         harness.add(0, FreezeEvent(rollout_id=f"r{rollout}"))
+    # Sweeping alone ends no burst: the loop says when it sweeps again.
     harness.sweep(1)
+    assert harness.commands() == 8
+    harness.scheduler.end_burst()
     assert harness.commands() == 2
 
 

@@ -28,8 +28,9 @@ Commands first (a freeze never waits behind other rollouts' backlog):
   decoding every other rollout's puts before it.
 - Routing decisions are then carried out per rollout in log order (``schedule`` keeps that order and the
   low-water mark below), but not across rollouts: when the read-ahead holds a source command (freeze, drop,
-  retire, delete), that rollout's decisions up to the command are carried out first. A rollout's files depend only on its own events and their positions, so every
-  rollout's files end as a clean in-order replay leaves them.
+  retire, delete), that rollout's decisions up to the command are carried out first. A rollout's files
+  depend only on its own events and their positions, so every rollout's files end as a clean in-order
+  replay leaves them.
 - The checkpoint stays the low-water mark: ``next_offset`` is the first message with a decision not yet
   carried out, and its open chunk offsets are the router's as of that message. Every rollout has applied a
   prefix of its own events, so on resume the store skips exactly the ones at or before its recorded position.
@@ -696,6 +697,7 @@ class Materializer:
                 self._checkpoint()
                 if self._schedule.command_block_done():
                     continue  # a burst: the sweep waits until it is answered
+            self._schedule.end_burst()
             with self._store.deferred_durability():
                 self._sweep_reading(consumer)
             self._checkpoint()

@@ -221,15 +221,17 @@ class Scheduler:
             return True
         return False
 
+    def end_burst(self) -> None:
+        """The loop sweeps again: a burst of commands is over, and the next command block is a first one."""
+        self._command_block = self._first_block
+
     def sweep(self, budget: int, step_s: float | None = None) -> Iterator[Step]:
         """Up to ``budget`` messages in log order, shared between the partitions that have some.
 
         Every decision of each message is handed out, in order; one carried out ahead comes with ``carry``
         false (only its dead-letter line is due). With ``step_s``, no message is started once that many
-        seconds passed since the call, after at least one. A sweep ends a burst of commands: the next
-        command block is a first one again.
+        seconds passed since the call, after at least one.
         """
-        self._command_block = self._first_block
         deadline = None if step_s is None else self._clock() + step_s
         active = [(partition, state) for partition, state in self._partitions.items() if state.pending]
         if not active:
