@@ -31,6 +31,7 @@ __all__ = [
     "Read",
     "Scheduler",
     "Step",
+    "logger",
     "rollout_of",
 ]
 
