@@ -141,7 +141,7 @@ class PhaseTracer:
         bridge.send = traced_send  # type: ignore[method-assign]
 
     def _wrap_answer(self, source: KafkaTokenSource) -> None:
-        from transports.kafka.materializer import _rollout_of
+        from transports.kafka.schedule import rollout_of
 
         materializer = source.materializer
         answer: Callable[[int, Any, int], None] = materializer._answer_ahead
@@ -149,7 +149,7 @@ class PhaseTracer:
         def traced_answer(partition: int, read: Any, index: int) -> None:
             began, cpu_began = time.perf_counter(), time.thread_time()
             answer(partition, read, index)
-            rollout_id = _rollout_of(read.routed[index])
+            rollout_id = rollout_of(read.routed[index])
             if read.answered_ahead and rollout_id is not None:
                 self._answers[rollout_id] = _Answer(
                     began, time.perf_counter(), time.thread_time() - cpu_began

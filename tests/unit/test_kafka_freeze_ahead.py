@@ -22,6 +22,7 @@ from tests.exact_shape import snapshot_shape
 from tokcap.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
 from transports.kafka.materializer import Materializer
 from transports.kafka.router import Routed
+from transports.kafka.waiters import WaiterRegistry
 
 TOPIC = "tokcap.freeze-ahead-test"
 TRAINER = "trainer-source"
@@ -168,9 +169,9 @@ def test_each_answer_ahead_ends_only_its_own_freezes_wait_without_rescanning_eve
     topic = MemoryTopic(TOPIC)
     freezes = rollouts_then_freezes(topic, rollouts=40, calls=2)
     checks = []
-    real_is_answered = Materializer._is_answered
+    real_is_answered = WaiterRegistry._is_answered
 
-    def counted(self: Materializer, partition: int, offset: int, command: bool, ahead: bool) -> bool:
+    def counted(self: WaiterRegistry, partition: int, offset: int, command: bool, ahead: bool) -> bool:
         checks.append(offset)
         return real_is_answered(self, partition, offset, command, ahead)
 
@@ -201,7 +202,7 @@ def test_each_answer_ahead_ends_only_its_own_freezes_wait_without_rescanning_eve
             materializer.stop()
 
     with (
-        mock.patch.object(Materializer, "_is_answered", counted),
+        mock.patch.object(WaiterRegistry, "_is_answered", counted),
         nothing_applied_until_released() as release,
     ):
         answered, still_waiting, checks_while_answering = asyncio.run(wait_all(release))

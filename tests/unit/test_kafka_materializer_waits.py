@@ -22,9 +22,10 @@ def test_a_waiting_source_resumes_within_two_loop_turns_of_its_answer(tmp_path: 
     async def scenario() -> int:
         wait = asyncio.ensure_future(materializer.applied(0, 5, 60, command=True, ahead=True))
         await asyncio.sleep(0)  # the source now waits
-        with materializer._condition:
-            (future,) = list(materializer._async_waiters)
-            materializer._resolve(future)  # what the materializer's thread does once the freeze is answered
+        waiters = materializer._waiters
+        with waiters.condition:
+            (future,) = list(waiters._async_waiters)
+            waiters._resolve(future)  # what the materializer's thread does once the freeze is answered
         turns = await turns_until(wait)
         assert wait.result() is True
         return turns
@@ -40,5 +41,5 @@ def test_a_wait_past_its_bound_returns_false_and_forgets_its_waiter(tmp_path: Pa
         return await materializer.applied(0, 5, 0.01, command=True, ahead=True)
 
     assert asyncio.run(scenario()) is False
-    assert not materializer._async_waiters
-    assert not materializer._ahead_waiters
+    assert not materializer._waiters._async_waiters
+    assert not materializer._waiters._ahead_waiters

@@ -120,9 +120,9 @@ def test_sweep_steps_cut_short_by_their_time_bound_take_turns_between_partitions
     order: list[int] = []
 
     def recorded(self: Materializer, budget: int, deadline: float | None = None) -> int:
-        before = {p: len(progress.pending) for p, progress in self._progress.items()}
+        before = {p: self._schedule.pending_messages(p) for p in self._progress}
         swept = real_sweep(self, budget, deadline)
-        order.extend(p for p, progress in self._progress.items() if len(progress.pending) < before[p])
+        order.extend(p for p in self._progress if self._schedule.pending_messages(p) < before[p])
         return swept
 
     with (

@@ -3,7 +3,8 @@
 It reads each assigned partition from its own checkpoint in the store directory (``checkpoint``),
 not from consumer-group offsets, routes every message through the inbound router (``router``) and
 applies what it decides through ``TokenCaptureStore.apply`` with the event's log position. This module
-holds only that loop and the waits on it.
+holds that loop: consumer I/O, checkpoints and lifecycle. The scheduler (``schedule``) decides which routed
+decision to carry out next; the waiter registry (``waiters``) holds the sources' waits on positions.
 
 Exactly-once argument, per partition:
 
@@ -25,10 +26,11 @@ Commands first (a freeze never waits behind other rollouts' backlog):
   when its own rollout needs it (a freeze answered ahead, the rollout's apply), in that rollout's log order.
   So reading ahead of a backlog costs a few microseconds a message, and a freeze is read without first
   decoding every other rollout's puts before it.
-- Routing decisions are then carried out per rollout in log order, but not across rollouts: when the
-  read-ahead holds a source command (freeze, drop, retire, delete), that rollout's decisions up to the command
-  are carried out first. A rollout's files depend only on its own events and their positions, so every
-  rollout's files end as a clean in-order replay leaves them.
+- Routing decisions are then carried out per rollout in log order (``schedule`` keeps that order and the
+  low-water mark below), but not across rollouts: when the read-ahead holds a source command (freeze, drop,
+  retire, delete), that rollout's decisions up to the command are carried out first. A rollout's files
+  depend only on its own events and their positions, so every rollout's files end as a clean in-order
+  replay leaves them.
 - The checkpoint stays the low-water mark: ``next_offset`` is the first message with a decision not yet
   carried out, and its open chunk offsets are the router's as of that message. Every rollout has applied a
   prefix of its own events, so on resume the store skips exactly the ones at or before its recorded position.
@@ -53,7 +55,6 @@ Run it in a thread (``start``/``stop``) or as a process::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
@@ -61,7 +62,7 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ from tokcap.errors import (
     TokcapError,
     TransportError,
 )
-from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
+from tokcap.events import Event, FreezeEvent, LogPosition
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
@@ -116,7 +117,9 @@ from transports.kafka.router import (
     carry_out,
     refused_staging_reason,
 )
+from transports.kafka.schedule import MaterializerCounters, Read, Scheduler
 from transports.kafka.topics import validate_topic_name
+from transports.kafka.waiters import WaiterRegistry
 
 # CHECKPOINT_PREFIX, DEAD_LETTER_PREFIX, MATERIALIZER_WRITER and ORPHAN_AFTER_OFFSETS live in their own
 # modules now; they stay importable from here.
@@ -215,50 +218,11 @@ _ANSWERS_KEPT = 1_000
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
 
-_COMMANDS = (FreezeEvent, DropEvent, RetireEvent, DeleteEvent)
-"""The events a source waits on: they go ahead of other rollouts' backlog."""
-
-
-@dataclass
-class MaterializerCounters:
-    """What the loop did, for benchmarks and tests: how much work a command skipped by going first."""
-
-    messages_routed: int = 0
-    """Messages read at or after the checkpoint and routed."""
-    messages_swept: int = 0
-    """Messages the in-order sweep finished."""
-    commands_ahead: int = 0
-    """Commands carried out before every message before them was."""
-    decisions_ahead: int = 0
-    """Decisions carried out ahead of the sweep: the commands and their rollouts' earlier events."""
-    backlog_skipped: int = 0
-    """Summed over commands carried out ahead: messages still waiting before each of them when it was."""
-    freezes_answered_ahead: int = 0
-    """Freezes answered from their rollouts' events decided in memory, before those events were applied."""
-
-
-@dataclass
-class _Read:
-    """One routed message whose decisions are not all carried out yet."""
-
-    offset: int
-    routed: list[Routed | Deferred]
-    """Its decisions; a deferred one is replaced by what it settles to (``_settled``)."""
-    done: list[bool]
-    chunks_before: tuple[int, ...]
-    """The partition's open chunk offsets before this message was routed: a checkpoint here names them."""
-    size: int
-    answered_ahead: bool = False
-    """A freeze whose source was answered from its rollout's events decided in memory; it is not urgent."""
-    timestamp_ms: int | None = None
-    """The message's log timestamp: the lag in seconds is the age of the oldest one not applied."""
-    read_at: float = 0.0
-    """When it was fetched (``time.monotonic``): a freeze's latency runs from here to its answer."""
-
 
 @dataclass
 class _PartitionProgress:
-    """Runtime state of one partition: its checkpoint, dead letters, replay window and read-ahead."""
+    """Runtime state of one partition: its checkpoint, dead letters and replay window (the scheduler holds its
+    read-ahead)."""
 
     checkpoint: PartitionCheckpoint
     dead_letters: DeadLetterLog
@@ -266,18 +230,8 @@ class _PartitionProgress:
     replay_chunks: set[int]
     """Chunk offsets of the checkpoint's open groups that have not been read again yet."""
     written: bytes
-    read_next: int
-    """The next offset to route; everything below it is routed."""
     fetch_next: int
     """The offset the next fetched message must have: reading goes on from the resume offset without a gap."""
-    pending: deque[_Read] = field(default_factory=deque)
-    """Routed messages in log order, from the first one not fully carried out."""
-    by_rollout: dict[str, deque[tuple[_Read, int]]] = field(default_factory=dict)
-    """Per rollout, its decisions not carried out yet, in log order."""
-    commands: deque[tuple[_Read, int]] = field(default_factory=deque)
-    """Commands read and not carried out yet, in log order."""
-    ahead: set[int] = field(default_factory=set)
-    """Offsets of commands carried out ahead in the current batch; published once the batch is durable."""
     refused: dict[int, str] = field(default_factory=dict)
     """Offsets of applied staging events the store refused, with the reason their dead-letter line gives."""
 
@@ -289,34 +243,6 @@ def check_block_messages(block_messages: object) -> int:
             f"block_messages must be a positive number of messages, got {block_messages!r}"
         )
     return block_messages
-
-
-def _rollout_of(routed: Routed | Deferred) -> str | None:
-    """The rollout whose files a decision changes; ``None`` when it changes none."""
-    if isinstance(routed, ApplyEvent):
-        return routed.event.rollout_id
-    if isinstance(routed, Deferred):
-        return routed.rollout_id
-    if isinstance(routed, DeadLetter) and routed.mask is not None:
-        return routed.mask.rollout_id
-    return None
-
-
-@dataclass(frozen=True)
-class _AsyncWaiter:
-    """One wait of ``applied``: the position it waits for, how, and the event loop its future belongs to."""
-
-    partition: int
-    offset: int
-    command: bool
-    ahead: bool
-    loop: asyncio.AbstractEventLoop
-
-
-def _resolve_waiter(future: asyncio.Future[None]) -> None:
-    """Runs on the waiter's loop: wake it unless it already gave up."""
-    if not future.done():
-        future.set_result(None)
 
 
 class Materializer:
@@ -387,10 +313,10 @@ class Materializer:
         )
         self._applied_next: dict[int, int] = {}
         self._applied_ahead: dict[int, set[int]] = {}
-        self._counters = MaterializerCounters()
-        self._held_messages = 0
-        self._held_bytes = 0
-        self._sweep_turn = 0
+        self._schedule = Scheduler(
+            time.monotonic, first_command_block=_COMMAND_BUDGET, most_command_block=_COMMAND_BUDGET_MOST
+        )
+        self._counters = self._schedule.counters
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
         self._answers: OrderedDict[tuple[int, int], tuple[ApplyResult, TokenCaptureSnapshot]] = OrderedDict()
         """Freezes answered ahead of their apply, by position: the verdict and the snapshot, taken once."""
@@ -398,15 +324,12 @@ class Materializer:
         """The entries this loop applied, per rollout: an answer ahead copies them instead of parsing the file."""
         self._ahead_writers: Counter[str] = Counter()
         """Writer ids of the in-process sources whose freezes are answered ahead of their apply."""
-        self._condition = threading.Condition()
-        self._failure: BaseException | None = None
+        self._waiters = WaiterRegistry(self._is_applied, self._is_answered_ahead)
+        self._condition = self._waiters.condition
+        """Guards what the waits read (applied offsets, answers ahead) and what other threads read."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._async_waiters: dict[asyncio.Future[None], _AsyncWaiter] = {}
-        """Every wait in progress, by its future, in the order they began."""
-        self._ahead_waiters: dict[tuple[int, int], list[asyncio.Future[None]]] = {}
-        """The waits an answer ahead can end, by position: a burst of answers must not rescan every wait."""
         self._consumer: Consumer | None = None
         """The loop's consumer while it owns its partitions: a scrape reads its cached end offsets."""
         self._consumer_lock = threading.Lock()
@@ -510,10 +433,11 @@ class Materializer:
             ends = {p: _cached_end(consumer, self._topic, p) for p in self._progress} if consumer else {}
         with self._condition:
             applied = dict(self._applied_next)
-            failure = None if self._failure is None else str(self._failure) or type(self._failure).__name__
+            failed = self._waiters.failure
+            failure = None if failed is None else str(failed) or type(failed).__name__
         partitions = []
         for partition, progress in list(self._progress.items()):
-            oldest = _oldest_timestamp_ms(progress)
+            oldest = self._schedule.oldest_timestamp_ms(partition)
             partitions.append(
                 PartitionStatus(
                     topic=self._topic,
@@ -529,8 +453,8 @@ class Materializer:
             running=consumer is not None and failure is None,
             failure=failure,
             partitions=partitions,
-            rollouts_held=sum(len(progress.by_rollout) for progress in list(self._progress.values())),
-            messages_held=self._held_messages,
+            rollouts_held=self._schedule.rollouts_held(),
+            messages_held=self._schedule.held_messages,
             kept_tokens=self._applied_entries.kept_tokens,
         )
 
@@ -541,20 +465,15 @@ class Materializer:
             return True
         return command and offset in self._applied_ahead.get(partition, ())
 
-    def _is_answered(self, partition: int, offset: int, command: bool, ahead: bool) -> bool:
-        """Applied, or (``ahead``) a freeze answered ahead of its apply; the caller holds the condition."""
-        return self._is_applied(partition, offset, command) or (
-            ahead and (partition, offset) in self._answers
-        )
+    def _is_answered_ahead(self, partition: int, offset: int) -> bool:
+        """Whether the freeze at this position was answered ahead of its apply; the caller holds the condition."""
+        return (partition, offset) in self._answers
 
     def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
         """Block until every event up to this offset is applied; return ``False`` on timeout."""
-        with self._condition:
-            applied = self._condition.wait_for(
-                lambda: self._failure is not None or self._is_applied(partition, offset, False), timeout_s
-            )
+        applied = self._waiters.wait(partition, offset, timeout_s)
         self._raise_if_failed()
-        return bool(applied)
+        return applied
 
     async def applied(
         self, partition: int, offset: int, timeout_s: float, *, command: bool = False, ahead: bool = False
@@ -567,61 +486,10 @@ class Materializer:
         (``take_snapshot_ahead``) is waited for no further. Many trainers' freezes wait at once; a blocking
         wait per freeze would queue them behind the event loop's few executor threads.
         """
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        waiter = _AsyncWaiter(partition, offset, command, ahead, loop)
-        with self._condition:
-            if self._failure is None and self._is_answered(partition, offset, command, ahead):
-                return True
-            if self._failure is None:
-                self._async_waiters[future] = waiter
-                if ahead:
-                    self._ahead_waiters.setdefault((partition, offset), []).append(future)
-        if self._failure is not None:
+        answered = await self._waiters.wait_async(partition, offset, timeout_s, command=command, ahead=ahead)
+        if answered:
             self._raise_if_failed()
-        try:
-            # A plain await under a timeout: ``wait_for`` would resume this caller one event-loop turn later.
-            async with asyncio.timeout(timeout_s):
-                await future
-        except TimeoutError:
-            with self._condition:
-                self._forget_waiter(future)
-            return False
-        self._raise_if_failed()
-        return True
-
-    def _wake_async_waiters(self) -> None:
-        """Resolve the waits that are now applied, or all of them when the loop failed; caller holds the condition."""
-        for future, waiter in list(self._async_waiters.items()):
-            if self._failure is not None or self._is_answered(
-                waiter.partition, waiter.offset, waiter.command, waiter.ahead
-            ):
-                self._resolve(future)
-
-    def _wake_answered(self, partition: int, offset: int) -> None:
-        """Resolve the waits the freeze answered ahead at this position ends; caller holds the condition."""
-        for future in list(self._ahead_waiters.get((partition, offset), ())):
-            self._resolve(future)
-
-    def _resolve(self, future: asyncio.Future[None]) -> None:
-        """End one wait on its own event loop; caller holds the condition."""
-        waiter = self._forget_waiter(future)
-        if waiter is not None:
-            # A closed event loop raises here: nobody is waiting on it any more.
-            with contextlib.suppress(RuntimeError):
-                waiter.loop.call_soon_threadsafe(_resolve_waiter, future)
-
-    def _forget_waiter(self, future: asyncio.Future[None]) -> _AsyncWaiter | None:
-        """Drop a wait from both indexes; caller holds the condition."""
-        waiter = self._async_waiters.pop(future, None)
-        if waiter is not None and waiter.ahead:
-            position = (waiter.partition, waiter.offset)
-            waiting = self._ahead_waiters.get(position, [])
-            if future in waiting:
-                waiting.remove(future)
-            if not waiting:
-                self._ahead_waiters.pop(position, None)
-        return waiter
+        return answered
 
     def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
         """Per assigned partition, the offset after the last message currently in the log."""
@@ -686,14 +554,15 @@ class Materializer:
             time.sleep(0.2)
 
     def _raise_if_failed(self) -> None:
-        if isinstance(self._failure, MaterializerOwnedElsewhereError):
-            raise self._failure
-        if self._failure is not None:
+        failure = self._waiters.failure
+        if isinstance(failure, MaterializerOwnedElsewhereError):
+            raise failure
+        if failure is not None:
             # A specific stop (another topic incarnation, an offset gap) keeps its class for the caller.
-            kind = type(self._failure) if isinstance(self._failure, MaterializerFailedError) else None
+            kind = type(failure) if isinstance(failure, MaterializerFailedError) else None
             raise (kind or MaterializerFailedError)(
-                f"the materializer of topic {self._topic!r} stopped: {self._failure}"
-            ) from self._failure
+                f"the materializer of topic {self._topic!r} stopped: {failure}"
+            ) from failure
 
     def _run_guarded(self) -> None:
         try:
@@ -703,10 +572,7 @@ class Materializer:
                 logger.info("%s", exc)
             else:
                 logger.exception("materializer of topic %s failed", self._topic)
-            with self._condition:
-                self._failure = exc
-                self._condition.notify_all()
-                self._wake_async_waiters()
+            self._waiters.fail(exc)
         finally:
             self._ready.set()
 
@@ -794,10 +660,10 @@ class Materializer:
                 replay_below=checkpoint.next_offset,
                 replay_chunks=set(checkpoint.pending_chunk_offsets),
                 written=checkpoint.encode(),
-                read_next=checkpoint.next_offset,
                 fetch_next=checkpoint.resume_offset(),
             )
             self._progress[partition] = progress
+            self._schedule.open(partition, checkpoint.next_offset)
             self._checkpoint_moved[partition] = time.monotonic()
             with self._condition:
                 self._applied_next[partition] = checkpoint.next_offset
@@ -819,23 +685,19 @@ class Materializer:
         with self._consumer_lock:
             self._consumer = consumer
         self._ready.set()
-        budget = _COMMAND_BUDGET
         while not self._stop.is_set():
             for message in self._read(consumer):
                 self._take(message)
             # Commands first, in a block and a checkpoint of their own: their sources are answered before
             # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
             # written only after it is durable.
-            if self._commands_waiting():
+            if self._schedule.commands_waiting():
                 with self._store.deferred_durability():
-                    self._carry_out_commands(budget)
+                    self._carry_out_commands()
                 self._checkpoint()
-                if self._commands_waiting():
-                    # A burst: answer it in blocks that double, so its first commands are answered soon and
-                    # its last ones pay few syncs; the sweep waits until the burst is answered.
-                    budget = min(2 * budget, _COMMAND_BUDGET_MOST)
-                    continue
-            budget = _COMMAND_BUDGET
+                if self._schedule.command_block_done():
+                    continue  # a burst: the sweep waits until it is answered
+            self._schedule.end_burst()
             with self._store.deferred_durability():
                 self._sweep_reading(consumer)
             self._checkpoint()
@@ -859,21 +721,19 @@ class Materializer:
                 ):
                     for message in self._read(consumer):
                         self._take(message)
-                    if self._commands_waiting():
+                    if self._schedule.commands_waiting():
                         return
                     continue
-            step = self._sweep(
-                min(_SWEEP_STEP, self._block_messages - swept), time.monotonic() + _SWEEP_STEP_S
-            )
+            step = self._sweep(min(_SWEEP_STEP, self._block_messages - swept), _SWEEP_STEP_S)
             swept += step
-            if not self._held_messages:
+            if not self._schedule.held_messages:
                 self._router.settle_oldest(0.0)  # everything is applied: let go of what it was
                 return
             if not step:
                 return
             for message in self._read(consumer):
                 self._take(message)
-            if self._commands_waiting():
+            if self._schedule.commands_waiting():
                 return
             self._router.settle_oldest(time.monotonic() + _SETTLE_STEP_S)
 
@@ -883,10 +743,10 @@ class Materializer:
         Wait for one message only when nothing is left to apply; then take what is already fetched:
         consume(n, t) alone blocks until n messages or t, which would delay every freeze by up to t.
         """
-        room = min(_READ_STEP, READ_AHEAD_MESSAGES - self._held_messages)
-        if room <= 0 or self._held_bytes >= READ_AHEAD_BYTES:
+        room = min(_READ_STEP, READ_AHEAD_MESSAGES - self._schedule.held_messages)
+        if room <= 0 or self._schedule.held_bytes >= READ_AHEAD_BYTES:
             return []
-        idle = self._held_messages == 0
+        idle = self._schedule.held_messages == 0
         messages = list(consumer.consume(1, _POLL_TIMEOUT_S if idle else 0))
         self._watch.raise_if_failed()
         if messages and room > 1:
@@ -901,13 +761,13 @@ class Materializer:
         """Write every changed checkpoint atomically, then tell waiters what is applied."""
         changed: dict[int, bytes] = {}
         for partition, progress in self._progress.items():
-            if progress.pending:
+            head = self._schedule.low_water(partition)
+            if head is not None:
                 # The low-water mark: resume re-reads from the first message not fully carried out.
-                head = progress.pending[0]
                 progress.checkpoint.next_offset = head.offset
                 open_chunks: Sequence[int] = head.chunks_before
             else:
-                progress.checkpoint.next_offset = progress.read_next
+                progress.checkpoint.next_offset = self._schedule.read_next(partition)
                 open_chunks = self._router.open_chunk_offsets(partition)
             # Chunks of the checkpoint's open groups not re-read yet are still open: a batch that read none
             # of this partition must not forget them.
@@ -915,7 +775,7 @@ class Materializer:
             next_offset = progress.checkpoint.next_offset
             progress.checkpoint.commands_applied = sorted(
                 offset
-                for offset in {*self._applied_ahead.get(partition, ()), *progress.ahead}
+                for offset in {*self._applied_ahead.get(partition, ()), *self._schedule.ahead(partition)}
                 if offset >= next_offset
             )
             encoded = progress.checkpoint.encode()
@@ -929,11 +789,9 @@ class Materializer:
                 applied_next = progress.checkpoint.next_offset
                 self._applied_next[partition] = applied_next
                 ahead = self._applied_ahead.setdefault(partition, set())
-                ahead |= progress.ahead
-                progress.ahead = set()
+                ahead |= self._schedule.take_ahead(partition)
                 ahead.difference_update([offset for offset in ahead if offset < applied_next])
-            self._condition.notify_all()
-            self._wake_async_waiters()
+            self._waiters.applied_moved()
 
     def _take(self, message: Message) -> None:
         """Take one consumed message: an error, a replayed chunk, a skipped offset or a new message to route."""
@@ -957,7 +815,7 @@ class Materializer:
         log_message = LogMessage.of(message)
         chunks_before = tuple(self._router.open_chunk_offsets(partition))
         routed = self._router.route_deferring(log_message)
-        read = _Read(
+        read = Read(
             offset,
             routed,
             [False] * len(routed),
@@ -966,25 +824,17 @@ class Materializer:
             timestamp_ms=log_message.timestamp_ms,
             read_at=self._fetched_at,
         )
-        progress.pending.append(read)
-        for index, decision in enumerate(routed):
-            rollout_id = _rollout_of(decision)
-            if rollout_id is not None:
-                progress.by_rollout.setdefault(rollout_id, deque()).append((read, index))
-            if isinstance(decision, ApplyEvent) and isinstance(decision.event, _COMMANDS):
-                # No source is answered from a topic created again: prove the incarnation first (one
-                # request per batch read, however many commands it holds).
-                assert self._incarnation is not None
-                self._incarnation.confirm_since(self._fetched_at, self._stop)
-                progress.commands.append((read, index))
-                if isinstance(decision.event, FreezeEvent) and self._answers_ahead_for(decision.event.writer):
-                    self._answer_ahead(partition, read, index)
-        progress.read_next = offset + 1
-        self._held_messages += 1
-        self._held_bytes += read.size
-        self._counters.messages_routed += 1
+        for index in self._schedule.add(partition, read):
+            # No source is answered from a topic created again: prove the incarnation first (one
+            # request per batch read, however many commands it holds).
+            assert self._incarnation is not None
+            self._incarnation.confirm_since(self._fetched_at, self._stop)
+            decision = routed[index]
+            assert isinstance(decision, ApplyEvent)
+            if isinstance(decision.event, FreezeEvent) and self._answers_ahead_for(decision.event.writer):
+                self._answer_ahead(partition, read, index)
 
-    def _settled(self, read: _Read, index: int) -> Routed:
+    def _settled(self, read: Read, index: int) -> Routed:
         """The decision at ``read``/``index``, decoding it first (and its rollout's earlier ones) if deferred."""
         decision = read.routed[index]
         if isinstance(decision, Deferred):
@@ -1003,7 +853,7 @@ class Materializer:
         with self._condition:
             return writer in self._ahead_writers
 
-    def _answer_ahead(self, partition: int, read: _Read, index: int) -> None:
+    def _answer_ahead(self, partition: int, read: Read, index: int) -> None:
         """Answer a routed freeze from its rollout's events decided in memory.
 
         A freeze's verdict and snapshot depend only on its rollout's events before it, all routed already,
@@ -1012,9 +862,9 @@ class Materializer:
         answer needs something carried out first (a removal, a repair, a group abandoned without a position)
         waits for its apply.
         """
-        rollout_id = _rollout_of(read.routed[index])
+        rollout_id = read.rollouts[index]
         assert rollout_id is not None
-        pending = self._pending_events(partition, rollout_id, read, index)
+        pending = self._pending_events(partition, read, index)
         if pending is None:
             return
         try:
@@ -1038,18 +888,20 @@ class Materializer:
             while len(self._answers) > _ANSWERS_KEPT:
                 self._answers.popitem(last=False)
             self._counters.freezes_answered_ahead += 1
-            self._condition.notify_all()
-            self._wake_answered(partition, read.offset)
+            self._waiters.answered(partition, read.offset)
 
     def _pending_events(
-        self, partition: int, rollout_id: str, read: _Read, index: int
+        self, partition: int, read: Read, index: int
     ) -> list[tuple[Event, LogPosition]] | None:
         """The rollout's events not applied yet, up to and including the decision at ``read``/``index``.
 
         ``None`` when one of them is a mask applied without a log position, which a decision alone cannot answer.
         """
+        waiting = self._schedule.waiting_until(partition, read, index)
+        if waiting is None:
+            return None
         events: list[tuple[Event, LogPosition]] = []
-        for earlier, earlier_index in self._progress[partition].by_rollout.get(rollout_id, ()):
+        for earlier, earlier_index in waiting:
             routed = self._settled(earlier, earlier_index)
             position = LogPosition(self._topic, routed.partition, routed.offset)
             if isinstance(routed, ApplyEvent):
@@ -1058,95 +910,26 @@ class Materializer:
                 events.append((routed.mask, position))
             else:
                 return None
-            if earlier is read and earlier_index == index:
-                return events
-        return None
+        return events
 
-    def _commands_waiting(self) -> bool:
-        """Whether a command waits to be carried out first; a freeze answered ahead waits for the sweep."""
-        for progress in self._progress.values():
-            while progress.commands and progress.commands[0][0].answered_ahead:
-                progress.commands.popleft()
-            if progress.commands:
-                return True
-        return False
+    def _carry_out_commands(self) -> None:
+        """Carry out a block of the commands read so far, each after its own rollout's earlier decisions only."""
+        for step in self._schedule.commands():
+            self._apply(self._progress[step.partition], self._settled(step.read, step.index), step.read)
 
-    def _carry_out_commands(self, budget: int) -> None:
-        """Carry out the commands read so far, each after its own rollout's earlier decisions only.
+    def _sweep(self, budget: int, step_s: float | None = None) -> int:
+        """Finish up to ``budget`` messages in log order, starting none after ``step_s`` seconds but the first.
 
-        No command is started once ``budget`` decisions are carried out: a burst of freezes is answered
-        block by block, the first ones without waiting for the last ones' rollouts.
+        Return how many were finished.
         """
-        carried = 0
-        for partition, progress in self._progress.items():
-            while progress.commands and carried < budget:
-                read, index = progress.commands.popleft()
-                if read.done[index] or read.answered_ahead:
-                    continue
-                decision = read.routed[index]
-                rollout_id = _rollout_of(decision)
-                assert rollout_id is not None
-                waiting = progress.by_rollout[rollout_id]
-                while True:
-                    earlier, earlier_index = waiting.popleft()
-                    self._apply(progress, self._settled(earlier, earlier_index), earlier)
-                    earlier.done[earlier_index] = True
-                    self._counters.decisions_ahead += 1
-                    carried += 1
-                    if earlier is read and earlier_index == index:
-                        break
-                if not waiting:
-                    del progress.by_rollout[rollout_id]
-                progress.ahead.add(read.offset)
-                backlog = read.offset - progress.pending[0].offset
-                if backlog:
-                    self._counters.commands_ahead += 1
-                    self._counters.backlog_skipped += backlog
-                logger.debug(
-                    "partition %d offset %d: command carried out ahead of %d messages",
-                    partition,
-                    read.offset,
-                    backlog,
-                )
-
-    def _sweep(self, budget: int, deadline: float | None = None) -> int:
-        """Finish up to ``budget`` messages in log order, shared between the partitions that have some.
-
-        Stop early once ``deadline`` (``time.monotonic``) passed, after at least one message. Return how many
-        were finished.
-        """
-        active = [progress for progress in self._progress.values() if progress.pending]
-        if not active:
-            return 0
-        # Each step starts at the next partition, so a step cut short by its deadline starves none of them.
-        first = self._sweep_turn % len(active)
-        active = active[first:] + active[:first]
-        self._sweep_turn += 1
-        swept = 0
-        share = max(1, budget // len(active))
-        for progress in active:
-            for _ in range(min(share, len(progress.pending))):
-                if swept and deadline is not None and time.monotonic() > deadline:
-                    return swept
-                read = progress.pending.popleft()
-                for index in range(len(read.routed)):
-                    decision = self._settled(read, index)
-                    if not read.done[index]:
-                        rollout_id = _rollout_of(decision)
-                        if rollout_id is not None:
-                            waiting = progress.by_rollout[rollout_id]
-                            popped = waiting.popleft()
-                            assert popped[0] is read and popped[1] == index, "rollout order broken"
-                            if not waiting:
-                                del progress.by_rollout[rollout_id]
-                        self._apply(progress, decision, read)
-                        read.done[index] = True
-                    self._record_dead_letter(progress, decision)
-                self._held_messages -= 1
-                self._held_bytes -= read.size
-                self._counters.messages_swept += 1
-                swept += 1
-        return swept
+        swept_before = self._counters.messages_swept
+        for step in self._schedule.sweep(budget, step_s):
+            progress = self._progress[step.partition]
+            decision = self._settled(step.read, step.index)
+            if step.carry:
+                self._apply(progress, decision, step.read)
+            self._record_dead_letter(progress, decision)
+        return self._counters.messages_swept - swept_before
 
     def _on_consumer_error(self, error: KafkaError) -> None:
         failure = read_failure(error, self._client, self._topic)
@@ -1175,7 +958,7 @@ class Materializer:
             f"{self._store.root} may hold events the topic no longer has. Replay the topic into a new directory"
         )
 
-    def _apply(self, progress: _PartitionProgress, routed: Routed, read: _Read) -> None:
+    def _apply(self, progress: _PartitionProgress, routed: Routed, read: Read) -> None:
         """Carry one routing decision out on the store and remember its verdict."""
         result = carry_out(self._store, self._topic, routed)
         count_applied(self._store, routed, result)
@@ -1249,14 +1032,6 @@ def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
     except (KafkaException, RuntimeError):
         return None
     return int(high) if high is not None and high >= 0 else None
-
-
-def _oldest_timestamp_ms(progress: _PartitionProgress) -> int | None:
-    """The log timestamp of the oldest message read and not applied, read while the loop may change it."""
-    try:
-        return progress.pending[0].timestamp_ms
-    except IndexError:
-        return None
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
