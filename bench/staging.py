@@ -368,6 +368,28 @@ class _StagedRun:
     recorded: list[float]
     floors: list[Any]
 
+    def measured(
+        self,
+        name: str,
+        shape: str,
+        calls: Sequence[StagedCall],
+        ledger_floor: Sequence[float],
+        ledger_append_floor: Sequence[float] = (),
+    ) -> Measured:
+        """The run as a table row: ``calls`` staged under ``name`` over ``shape``."""
+        return Measured(
+            name,
+            shape,
+            len(calls),
+            self.seconds,
+            sum(c.size for c in calls),
+            tuple(self.latencies),
+            self.cpu,
+            tuple(self.recorded),
+            tuple(ledger_floor),
+            tuple(ledger_append_floor),
+        )
+
 
 def _stage_beside_ledger(
     sink: Any,
@@ -456,17 +478,12 @@ def run_tokcap(
         record=FileLineageResolver(root).record if with_ledger else None,
         floor=floor if with_ledger else None,
     )
-    return Measured(
+    return run.measured(
         "tokcap FileStagingSink" + (" + ledger thread" if with_ledger else ""),
         shape,
-        len(calls),
-        run.seconds,
-        sum(c.size for c in calls),
-        tuple(run.latencies),
-        run.cpu,
-        tuple(run.recorded),
-        tuple(total for _, total in run.floors),
-        tuple(appended for appended, _ in run.floors),
+        calls,
+        [total for _, total in run.floors],
+        [appended for appended, _ in run.floors],
     )
 
 
@@ -665,16 +682,11 @@ def run_kafka(
         shutil.rmtree(projection, ignore_errors=True)
         _delete_topic(bootstrap, topic)
         _delete_topic(bootstrap, floor_topic)
-    return Measured(
+    return run.measured(
         "tokcap KafkaStagingSink" + (" + Kafka ledger thread" if with_ledger else ""),
         shape,
-        len(calls),
-        run.seconds,
-        sum(c.size for c in calls),
-        tuple(run.latencies),
-        run.cpu,
-        tuple(run.recorded),
-        tuple(run.floors),
+        calls,
+        run.floors,
     )
 
 
