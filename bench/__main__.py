@@ -1,9 +1,10 @@
-"""``python -m bench``: measure capture, freeze and replay for the file store and Kafka, side by side."""
+"""``python -m bench``: the one entry point; ``--only`` picks scenarios of ``bench.scenarios`` by name."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -15,8 +16,9 @@ from rich.console import Console
 
 from bench.broker import local_broker
 from bench.markdown import update_readme
-from bench.options import SECTIONS, BenchOptions, WorkloadShape
+from bench.options import BenchOptions, WorkloadShape
 from bench.report import print_report, write_json
+from bench.scenarios import DEFAULT, SCENARIOS, by_name
 from bench.suite import run_suite
 
 __all__ = ["main", "parse_options"]
@@ -28,20 +30,36 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part)
 
 
-def _sections(text: str) -> tuple[str, ...]:
+def _scenarios(text: str) -> tuple[str, ...]:
     chosen = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [part for part in chosen if part not in SECTIONS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown section {', '.join(unknown)}; choose from {', '.join(SECTIONS)}"
-        )
-    return tuple(section for section in SECTIONS if section in chosen)
+    for name in chosen:
+        try:
+            by_name(name)
+        except KeyError as error:
+            raise argparse.ArgumentTypeError(str(error.args[0])) from None
+    return tuple(scenario.name for scenario in SCENARIOS if scenario.name in chosen)
+
+
+def _scenario_help() -> str:
+    return "; ".join(
+        f"{s.name}{' (default)' if s.default else ''}{' (--baseline)' if s.baseline else ''}"
+        for s in SCENARIOS
+    )
 
 
 def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool]:
-    """Options from the command line, and whether to run the Kafka side at all."""
+    """Options from the command line, and whether to use a broker at all."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     shape = WorkloadShape()
+    parser.add_argument(
+        "--only", type=_scenarios, default=DEFAULT, help=f"comma-separated scenarios: {_scenario_help()}"
+    )
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another checkout (git worktree add DIR REV)"
+    )
+    parser.add_argument(
+        "--trials", "--repeats", dest="trials", type=int, default=3, help="trials per variant"
+    )
     parser.add_argument("--rollouts", type=int, default=shape.rollouts, help="concurrent rollouts")
     parser.add_argument("--rounds", type=int, default=shape.rounds, help="rollouts each slot runs in turn")
     parser.add_argument("--turns", type=int, default=shape.turns, help="model calls per rollout")
@@ -49,42 +67,44 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
     parser.add_argument("--generated-tokens", type=int, default=shape.generated_tokens, help="per turn")
     parser.add_argument("--tool-tokens", type=int, default=shape.tool_tokens, help="tool output per turn")
     parser.add_argument("--seed", type=int, default=shape.seed)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     parser.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
-    parser.add_argument("--no-kafka", action="store_true", help="measure the file store only")
     parser.add_argument(
-        "--no-growth", action="store_true", help="skip the growth grid (same as leaving it out of --only)"
+        "--no-kafka", action="store_true", help="no broker: scenarios that need one are skipped"
     )
-    parser.add_argument(
-        "--only",
-        type=_sections,
-        default=SECTIONS,
-        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)",
-    )
-    parser.add_argument(
-        "--batch-rollouts", type=int, default=200, help="rollouts frozen at once in the batch section"
-    )
+    parser.add_argument("--batch-rollouts", type=int, default=200, help="rollouts frozen at once (batch)")
     parser.add_argument("--workers-rollouts", type=int, default=1000, help="rollouts in the workers' topic")
     parser.add_argument(
         "--workers-turns", type=int, default=8, help="turns per rollout in the workers' topic"
     )
-    parser.add_argument("--workers-trials", type=int, default=3, help="runs per worker count, alternating")
     parser.add_argument(
         "--growth-rollouts", type=int, default=8, help="concurrent rollouts in the growth grid"
     )
     parser.add_argument("--growth-turns", type=_int_list, default=(4, 16, 64))
     parser.add_argument("--growth-prompts", type=_int_list, default=(1000, 32000))
-    parser.add_argument("--work-dir", type=Path, default=None, help="parent of the scratch directories")
-    parser.add_argument("--output", type=Path, default=Path("bench/results/latest.json"))
-    parser.add_argument("--quick", action="store_true", help="small shapes and one repeat, for a smoke run")
     parser.add_argument(
-        "--update-readme", action="store_true", help="rewrite the results section of bench/README.md"
+        "--straw", type=Path, default=None, help="staging: measure straw-queue, installed here"
+    )
+    parser.add_argument("--staging-calls", type=int, default=320, help="staging: MoE calls staged")
+    parser.add_argument("--staging-images", type=int, default=64, help="staging: image calls staged")
+    parser.add_argument("--staging-threads", type=int, default=16, help="staging: stager threads")
+    parser.add_argument("--senders", type=int, default=64, help="sends_ab: concurrent senders")
+    parser.add_argument("--sends", type=int, default=60, help="sends_ab: sends per sender")
+    parser.add_argument(
+        "--dir", "--work-dir", dest="dir", type=Path, default=None, help="parent of trial dirs"
+    )
+    parser.add_argument("--output", type=Path, default=Path("bench/results/latest.json"))
+    parser.add_argument("--quick", action="store_true", help="small shapes and one trial, for a smoke run")
+    parser.add_argument(
+        "--update-readme",
+        action="store_true",
+        help="render this run into the results section of bench/README.md",
     )
     args = parser.parse_args(argv)
-    if args.update_readme and (set(args.only) != set(SECTIONS) or args.no_kafka or args.no_growth):
-        parser.error(
-            "--update-readme rewrites every table, so it needs every section: drop --only/--no-kafka/--no-growth"
-        )
+    if args.trials < 1:
+        parser.error(f"--trials must be 1 or more, got {args.trials}")
+    needs_baseline = [name for name in args.only if by_name(name).baseline]
+    if needs_baseline and args.baseline is None:
+        parser.error(f"{', '.join(needs_baseline)} compare this checkout with another: give --baseline DIR")
     options = BenchOptions(
         shape=WorkloadShape(
             rollouts=args.rollouts,
@@ -95,20 +115,26 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
             tool_tokens=args.tool_tokens,
             seed=args.seed,
         ),
-        repeats=args.repeats,
+        repeats=args.trials,
         bootstrap=args.bootstrap,
-        growth=not args.no_growth and "growth" in args.only,
         growth_rollouts=args.growth_rollouts,
         growth_turns=args.growth_turns,
         growth_prompts=args.growth_prompts,
-        work_dir=args.work_dir,
+        work_dir=args.dir,
         output=args.output,
         update_readme=args.update_readme,
-        only=tuple(s for s in args.only if s != "growth" or not args.no_growth),
+        only=args.only,
         batch_rollouts=args.batch_rollouts,
         workers_rollouts=args.workers_rollouts,
         workers_turns=args.workers_turns,
-        workers_trials=args.workers_trials,
+        workers_trials=args.trials,
+        baseline=args.baseline,
+        straw=args.straw,
+        staging_calls=args.staging_calls,
+        staging_images=args.staging_images,
+        staging_threads=args.staging_threads,
+        senders=args.senders,
+        sends=args.sends,
     )
     if args.quick:
         options = replace(
@@ -124,13 +150,19 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
             workers_rollouts=min(options.workers_rollouts, 400),
             workers_turns=min(options.workers_turns, 4),
             workers_trials=1,
+            staging_calls=min(options.staging_calls, 32),
+            staging_images=min(options.staging_images, 8),
+            senders=min(options.senders, 8),
+            sends=min(options.sends, 10),
         )
-    return options, not args.no_kafka
+    wanted = args.bootstrap is not None or any(by_name(name).starts_broker for name in options.only)
+    return options, wanted and not args.no_kafka
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark, print the tables and write the JSON results."""
+    """Run the chosen scenarios, print their tables, write the JSON results and, if asked, the README section."""
     options, with_kafka = parse_options(argv)
+    command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=logging.WARNING)
     console = Console(width=None if sys.stdout.isatty() else 200)
     with ExitStack() as stack:
@@ -142,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run_suite(
             options, bootstrap if with_kafka else None, lambda text: console.print(f"[dim]{text}[/dim]")
         )
+    results["command"] = command.strip()
     print_report(results, console)
     write_json(results, options.output)
     console.print(f"results written to {options.output}")

@@ -1,6 +1,6 @@
 """The file work of the main load with nothing around it: the floor tokcap's file store is read against.
 
-    python -m bench.file_floor [--dir /var/tmp] [--repeats 3] [--rollouts 64]
+    python -m bench --only file_floor [--dir /var/tmp] [--trials 3] [--rollouts 64]
 
 The floor takes the main workload's entries in the order the load writes them (a round's rollouts turn by
 turn) and, from one thread, does only the writing a durable intent and put need:
@@ -9,11 +9,11 @@ turn) and, from one thread, does only the writing a durable intent and put need:
 - per call, one small intent line is appended, then the entry's canonical line (``TokenEntry.canonical_json``,
   the bytes tokcap stores), hashed with sha256;
 - after a rollout's last put, a state file is written beside it and renamed into place;
-- one ``syncfs`` of the directory's filesystem per ``--puts-per-sync`` puts (6: what the main load shares).
+- one ``syncfs`` of the directory's filesystem per ``PUTS_PER_SYNC`` puts (6: what the main load shares).
 
 It checks nothing, decides nothing, keeps no state, takes no lock and reads nothing back, so it shows how much
 of a put is the file work itself. Gym 0.7.0's store and tokcap's file store run the main load on the same
-entries in the same repeat, each in a fresh directory under ``--dir``; the figures are medians over repeats.
+entries, the four taking turns (``bench.harness``), each in a fresh directory under ``--dir``.
 
 A fourth column runs the load's own driver (the same coroutines, awaiting each intent and put) against a
 target that hands every call to a ``WriteQueue`` thread, as tokcap's file store does, and does nothing there.
@@ -23,28 +23,22 @@ or the store bounds the put rate.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import collections
 import hashlib
 import os
-import shutil
-import statistics
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
+from bench.harness import Variant
 from bench.load import PreparedWorkload
 from tokcap.group_commit import filesystem_sync_for
 from tokcap.records import TokenEntry
 
-__all__ = ["FloorRun", "HopOnly", "main", "run_floor", "run_hop_only"]
+__all__ = ["PUTS_PER_SYNC", "FloorRun", "HopOnly", "floor_variants", "run_floor", "run_hop_only"]
 
 PUTS_PER_SYNC = 6
 """Puts that share one filesystem sync; the main load's tokcap file store shared one among 6.3 (11:15 run)."""
@@ -173,76 +167,25 @@ async def run_hop_only(workload: PreparedWorkload, target: HopOnly | None = None
         target.close()
 
 
-async def _loads(workload: PreparedWorkload, directory: Path) -> tuple[float, float, float]:
-    """Gym's store, then tokcap's file store, on the main load: their put/s and tokcap's CPU per intent + put."""
-    from bench.file_store_ab import gym_anchor
+def floor_variants(workload: PreparedWorkload, puts_per_sync: int = PUTS_PER_SYNC) -> dict[str, Variant]:
+    """The four columns: the file work alone, Gym's store, tokcap's file store, the load and hop alone."""
     from bench.file_store_trial import run_file_store_trial
+    from bench.trials import gym_anchor
 
-    gym = await gym_anchor(workload, directory / "gym")
-    started = time.process_time()
-    trial = await run_file_store_trial(workload, directory / "tokcap")
-    cpu = time.process_time() - started
-    return gym.puts_per_s, trial.load.puts_per_s, cpu / trial.load.puts * 1e6
+    async def floor(directory: Path) -> dict[str, float]:
+        run = run_floor(workload, directory, puts_per_sync)
+        return {"puts_per_s": run.puts_per_s, "cpu_us_per_put": run.cpu_us_per_put}
 
+    async def gym(directory: Path) -> dict[str, float]:
+        return {"puts_per_s": (await gym_anchor(workload, directory)).puts_per_s}
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.file_floor", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where the repeats write (default: a temp dir)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="repeats, each floor then Gym then tokcap")
-    parser.add_argument("--rollouts", type=int, default=64, help="concurrent rollouts of the main shape")
-    parser.add_argument("--puts-per-sync", type=int, default=PUTS_PER_SYNC, help="the floor's puts per sync")
-    return parser.parse_args(argv)
+    async def file(directory: Path) -> dict[str, float]:
+        started = time.process_time()
+        trial = await run_file_store_trial(workload, directory)
+        cpu = time.process_time() - started
+        return {"puts_per_s": trial.load.puts_per_s, "cpu_us_per_put": cpu / trial.load.puts * 1e6}
 
+    async def hop(directory: Path) -> dict[str, float]:
+        return {"puts_per_s": await run_hop_only(workload)}
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the repeats and print the medians side by side."""
-    from bench.load import prepare
-    from bench.options import WorkloadShape
-
-    args = _parse_args(argv)
-    workload = prepare(WorkloadShape(rollouts=args.rollouts), "floor")
-    parent = Path(tempfile.mkdtemp(prefix="tokcap-floor-", dir=args.dir))
-    figures: dict[str, list[float]] = {
-        name: [] for name in ("floor", "floor_cpu", "gym", "tokcap", "tokcap_cpu", "hop")
-    }
-    try:
-        for repeat in range(args.repeats):
-            floor_directory = parent / f"floor-{repeat}"
-            floor_directory.mkdir()
-            floor = run_floor(workload, floor_directory, args.puts_per_sync)
-            gym, tokcap, tokcap_cpu = asyncio.run(_loads(workload, parent / f"loads-{repeat}"))
-            hop = asyncio.run(run_hop_only(workload))
-            measured = (floor.puts_per_s, floor.cpu_us_per_put, gym, tokcap, tokcap_cpu, hop)
-            for name, value in zip(figures, measured, strict=True):
-                figures[name].append(value)
-            print(
-                f"repeat {repeat + 1}: floor {floor.puts_per_s:,.0f} put/s ({floor.cpu_us_per_put:.0f} us CPU), "
-                f"Gym {gym:,.0f} put/s, tokcap {tokcap:,.0f} put/s ({tokcap_cpu:.0f} us CPU), "
-                f"load and hop alone {hop:,.0f} put/s",
-                flush=True,
-            )
-    finally:
-        shutil.rmtree(parent, ignore_errors=True)
-    median = {name: statistics.median(values) for name, values in figures.items()}
-    print(f"medians of {args.repeats} repeats ({args.rollouts} rollouts, {workload.puts} puts each):")
-    gym = median["gym"]
-    print(
-        "| figure | Gym 0.7.0 file store | tokcap file store | file work alone (floor) "
-        "| load and writer-thread hop alone |"
-    )
-    print("| --- | --- | --- | --- | --- |")
-    print(f"| put/s | {gym:,.0f} | {median['tokcap']:,.0f} | {median['floor']:,.0f} | {median['hop']:,.0f} |")
-    print(
-        f"|   ÷ Gym | 1.00 | {median['tokcap'] / gym:.2f} | {median['floor'] / gym:.2f} "
-        f"| {median['hop'] / gym:.2f} |"
-    )
-    print(f"| CPU per intent + put (us) |  | {median['tokcap_cpu']:.0f} | {median['floor_cpu']:.0f} |  |")
-    share = median["tokcap"] / median["floor"]
-    print(f"7x Gym is {7 * median['gym']:,.0f} put/s; tokcap reaches {share:.2f}x the floor")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"floor": floor, "gym": gym, "file": file, "hop": hop}

@@ -14,18 +14,14 @@ For every shape of the grid (turns x prompt size, ``BenchOptions.growth_shapes``
 A call's new tokens: the prompt after its parent's prompt and generation (the whole prompt for the first
 call), plus what it generated.
 
-Run ``python -m bench.growth [--bootstrap HOST:PORT | --local-broker] [--rollouts N] [--turns 4,16,64]
-[--prompts 1000,32000]``; figures go to ``bench/results/growth.json`` and a table to the terminal.
+Run by ``python -m bench --only growth``; the timed loads of each shape take turns (``bench.harness``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -33,12 +29,12 @@ from typing import Any
 
 import orjson
 
-from bench.broker import local_broker
 from bench.file_store_trial import directory_bytes, run_file_store_trial
-from bench.kafka_trial import run_kafka_trial, warm_up_broker
+from bench.harness import Variant, alternate
+from bench.kafka_trial import run_kafka_trial
 from bench.load import PreparedWorkload, prepare
 from bench.options import BenchOptions
-from bench.stats import median, percentile
+from bench.stats import percentile
 from tokcap.delta_records import store_as_delta
 from tokcap.events import PutEvent
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
@@ -48,7 +44,7 @@ from transports.kafka.sent_calls import SentCalls, encode_put
 __all__ = [
     "as_delta_records",
     "as_delta_workload",
-    "main",
+    "corner_figures",
     "measure_growth",
     "new_tokens",
     "store_sizes",
@@ -154,34 +150,43 @@ def store_sizes(workload: PreparedWorkload, directory: Path, *, delta_records: b
     return {"store_bytes_per_call": disk / calls, "store_vs_new_tokens_json": disk / json_new}
 
 
-async def _trials(
-    workload: PreparedWorkload, delta_workload: PreparedWorkload, bootstrap: str | None, work_dir: Path
-) -> dict[str, float]:
-    figures: dict[str, float] = {}
-    file_trial = await run_file_store_trial(workload, _fresh(work_dir / "file"))
-    figures["file_puts_per_s"] = file_trial.load.puts_per_s
-    figures["file_freeze_p99_ms"] = percentile(file_trial.load.freeze_under_load_ms, 0.99)
-    delta_trial = await run_file_store_trial(delta_workload, _fresh(work_dir / "file-delta"))
-    figures["file_puts_per_s_records_on"] = delta_trial.load.puts_per_s
-    figures["file_freeze_p99_ms_records_on"] = percentile(delta_trial.load.freeze_under_load_ms, 0.99)
-    if bootstrap is None:
-        return figures
-    for name, deltas in (("off", False), ("on", True)):
-        kafka = await run_kafka_trial(
-            workload, bootstrap, _fresh(work_dir / f"kafka-{name}"), {"wire_deltas": deltas}
-        )
-        figures[f"kafka_puts_per_s_wire_{name}"] = kafka.load.puts_per_s
-        figures[f"kafka_freeze_p99_ms_wire_{name}"] = percentile(kafka.load.freeze_under_load_ms, 0.99)
-        figures[f"replay_entries_per_s_wire_{name}"] = kafka.replay.puts_per_s
-    # Delta on end to end: Gym-style delta records through the Kafka sink (wire deltas on as well), so the
-    # materializer stores suffixes and a freeze reads them.
-    kafka = await run_kafka_trial(
-        delta_workload, bootstrap, _fresh(work_dir / "kafka-records-on"), {"wire_deltas": True}
-    )
-    figures["kafka_puts_per_s_records_on"] = kafka.load.puts_per_s
-    figures["kafka_freeze_p99_ms_records_on"] = percentile(kafka.load.freeze_under_load_ms, 0.99)
-    figures["replay_entries_per_s_records_on"] = kafka.replay.puts_per_s
-    return figures
+def _variants(
+    workload: PreparedWorkload, delta_workload: PreparedWorkload, bootstrap: str | None
+) -> dict[str, Variant]:
+    """The timed loads of one shape: the file store with full and delta records, Kafka with wire deltas off, on,
+    and with delta records end to end (Gym-style delta records through the sink, so the materializer stores
+    suffixes and a freeze reads them)."""
+
+    def file_store(load: PreparedWorkload, suffix: str) -> Variant:
+        async def trial(directory: Path) -> dict[str, float]:
+            done = await run_file_store_trial(load, directory)
+            return {
+                f"file_puts_per_s{suffix}": done.load.puts_per_s,
+                f"file_freeze_p99_ms{suffix}": percentile(done.load.freeze_under_load_ms, 0.99),
+            }
+
+        return trial
+
+    def kafka(load: PreparedWorkload, deltas: bool, suffix: str) -> Variant:
+        async def trial(directory: Path) -> dict[str, float]:
+            assert bootstrap is not None
+            done = await run_kafka_trial(load, bootstrap, directory, {"wire_deltas": deltas})
+            return {
+                f"kafka_puts_per_s_{suffix}": done.load.puts_per_s,
+                f"kafka_freeze_p99_ms_{suffix}": percentile(done.load.freeze_under_load_ms, 0.99),
+                f"replay_entries_per_s_{suffix}": done.replay.puts_per_s,
+            }
+
+        return trial
+
+    variants = {"file": file_store(workload, ""), "file_delta": file_store(delta_workload, "_records_on")}
+    if bootstrap is not None:
+        variants |= {
+            "kafka_wire_off": kafka(workload, False, "wire_off"),
+            "kafka_wire_on": kafka(workload, True, "wire_on"),
+            "kafka_records_on": kafka(delta_workload, True, "records_on"),
+        }
+    return variants
 
 
 def _fresh(path: Path) -> Path:
@@ -217,105 +222,38 @@ def measure_growth(
             sizes = store_sizes(workload, _fresh(work_dir / f"store-{name}"), delta_records=records)
             figures.update({f"{k}_records_{name}": v for k, v in sizes.items()})
         delta_workload = as_delta_workload(workload)
-        runs: dict[str, list[float]] = {}
-        for repeat in range(repeats):
-            print(f"growth: {shape.label()} repeat {repeat + 1}/{repeats}", file=sys.stderr, flush=True)
-            for key, value in asyncio.run(_trials(workload, delta_workload, bootstrap, work_dir)).items():
-                runs.setdefault(key, []).append(value)
-        figures.update({key: median(values) for key, values in runs.items()})
-        results.append({"shape": shape.__dict__ | {"label": shape.label()}, "figures": figures, "runs": runs})
+        trials = asyncio.run(alternate(_variants(workload, delta_workload, bootstrap), repeats, work_dir))
+        figures.update(trials.merged())
+        results.append(
+            {
+                "shape": shape.__dict__ | {"label": shape.label()},
+                "figures": figures,
+                "runs": trials.flat_runs(),
+            }
+        )
     return results
 
 
-_COLUMNS = [
-    ("wire B/call off", "wire_bytes_per_call_wire_off", 0),
-    ("wire B/call on", "wire_bytes_per_call_wire_on", 0),
-    ("wire/new on", "wire_vs_new_tokens_wire_on", 2),
-    ("store/new full", "store_vs_new_tokens_json_records_off", 2),
-    ("store/new delta", "store_vs_new_tokens_json_records_on", 2),
-    ("file put/s", "file_puts_per_s", 0),
-    ("file put/s delta", "file_puts_per_s_records_on", 0),
-    ("kafka put/s off", "kafka_puts_per_s_wire_off", 0),
-    ("kafka put/s on", "kafka_puts_per_s_wire_on", 0),
-    ("freeze p99 off", "kafka_freeze_p99_ms_wire_off", 1),
-    ("freeze p99 on", "kafka_freeze_p99_ms_wire_on", 1),
-    ("replay e/s off", "replay_entries_per_s_wire_off", 0),
-    ("replay e/s on", "replay_entries_per_s_wire_on", 0),
-]
+def corner_figures(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The grid's corners the targets read: the largest shape's figures, and its ratios to two other shapes.
 
-
-def table(results: list[dict[str, Any]]) -> str:
-    """The figures as a Markdown table, one row per shape."""
-    lines = ["| shape | " + " | ".join(h for h, _, _ in _COLUMNS) + " |", "|---" * (len(_COLUMNS) + 1) + "|"]
-    for result in results:
-        figures = result["figures"]
-        cells = [f"{figures[key]:,.{digits}f}" if key in figures else "-" for _, key, digits in _COLUMNS]
-        lines.append(f"| {result['shape']['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the grid and write ``--output``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.growth", description=__doc__.splitlines()[0])
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--bootstrap", help="a running broker; without it and --local-broker, no Kafka columns"
-    )
-    where.add_argument(
-        "--local-broker", action="store_true", help="start a broker of its own (scripts/kafka-broker)"
-    )
-    parser.add_argument(
-        "--rollouts", type=int, default=BenchOptions().growth_rollouts, help="concurrent rollouts"
-    )
-    parser.add_argument("--rounds", type=int, default=BenchOptions().shape.rounds, help="rollouts per slot")
-    parser.add_argument("--turns", default="4,16,64", help="comma-separated turn counts")
-    parser.add_argument("--prompts", default="1000,32000", help="comma-separated first-prompt sizes")
-    parser.add_argument(
-        "--no-delta-records", action="store_true", help="leave out the store-disk column for delta records"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=1, help="timed trials per shape; the median is reported"
-    )
-    parser.add_argument("--output", type=Path, default=Path("bench/results/growth.json"))
-    parser.add_argument("--work-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
-    base = BenchOptions()
-    options = replace(
-        base,
-        shape=replace(base.shape, rounds=args.rounds),
-        growth_rollouts=args.rollouts,
-        growth_turns=tuple(int(t) for t in args.turns.split(",")),
-        growth_prompts=tuple(int(p) for p in args.prompts.split(",")),
-    )
-    work_dir = Path(tempfile.mkdtemp(prefix="tokcap-growth-", dir=args.work_dir))
-    try:
-        if args.local_broker:
-            with local_broker(work_dir / "broker") as bootstrap:
-                asyncio.run(warm_up_broker(bootstrap))
-                results = measure_growth(
-                    options,
-                    bootstrap,
-                    work_dir,
-                    delta_records=not args.no_delta_records,
-                    repeats=args.repeats,
-                )
-        else:
-            if args.bootstrap:
-                asyncio.run(warm_up_broker(args.bootstrap))
-            results = measure_growth(
-                options,
-                args.bootstrap,
-                work_dir,
-                delta_records=not args.no_delta_records,
-                repeats=args.repeats,
-            )
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"options": options.to_json(), "growth": results}, indent=2) + "\n")
-    print(table(results))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    ``largest_vs_smallest`` divides each figure at the largest shape (most turns, largest prompt) by the same
+    figure at the smallest; ``largest_vs_fewest_turns`` by the fewest turns at the largest prompt ("flat").
+    A corner that is the largest shape itself gives no ratio: one shape compared with itself would read as met.
+    """
+    grid = {(int(r["shape"]["turns"]), int(r["shape"]["prompt_tokens"])): r["figures"] for r in results}
+    if not grid:
+        return {}
+    turns = sorted({t for t, _ in grid})
+    prompts = sorted({p for _, p in grid})
+    largest = grid[(turns[-1], prompts[-1])]
+    corners: dict[str, dict[str, float]] = {"largest": dict(largest)}
+    for name, other in (
+        ("largest_vs_smallest", (turns[0], prompts[0])),
+        ("largest_vs_fewest_turns", (turns[0], prompts[-1])),
+    ):
+        if other == (turns[-1], prompts[-1]):
+            continue
+        base = grid[other]
+        corners[name] = {key: value / base[key] for key, value in largest.items() if base.get(key)}
+    return corners

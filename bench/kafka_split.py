@@ -171,12 +171,20 @@ async def _start_trainer(bootstrap: str, topic: str, directory: Path) -> _Traine
     return _Trainer(process, log)
 
 
-async def run_with_trainer_process(workload: PreparedWorkload, bootstrap: str, directory: Path) -> SplitTrial:
-    """Drive the load through a fresh topic whose freezes a trainer process serves."""
+async def run_with_trainer_process(
+    workload: PreparedWorkload, bootstrap: str, directory: Path, load_niceness: int = 0
+) -> SplitTrial:
+    """Drive the load through a fresh topic whose freezes a trainer process serves.
+
+    A ``load_niceness`` above 0 lowers this (the load's) process's CPU priority once the trainer runs, so the
+    scheduler serves the trainer and the broker first: how far a trainer with cores of its own would get.
+    """
     topic = f"tokcap.bench-{uuid.uuid4().hex[:12]}"
     ensure_topic(bootstrap, topic)
     try:
         trainer = await _start_trainer(bootstrap, topic, directory)
+        if load_niceness:
+            os.nice(load_niceness)
         latencies = _TrainerLatencies()
         sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
         try:

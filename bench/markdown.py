@@ -1,4 +1,4 @@
-"""The results as Markdown tables, and the README section they replace (``--update-readme``)."""
+"""A run's results as Markdown, and the marked section of ``bench/README.md`` they replace (``--update-readme``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bench.harness import machine_line
 from bench.report import sections
 
 __all__ = ["README_END", "README_START", "render_markdown", "update_readme"]
@@ -22,12 +23,11 @@ def _table(headings: list[str], rows: list[list[str]]) -> str:
 
 def render_markdown(results: dict[str, Any]) -> str:
     """Every table of one run, with where and when it ran."""
-    machine = results["machine"]
+    command = results.get("command", "python -m bench")
     parts = [
-        f"Run {results['started_at']} ({results['duration_s']} s), median of {results['options']['repeats']} "
-        f"repeats. Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gb']} GB, "
-        f"Python {machine['python']}, {machine['filesystem']}; the broker runs on the same cores. "
-        "Every table comes from this one run of `python -m bench --update-readme`.",
+        f"`{command}`, run {results['started_at']} ({results['duration_s']} s), median of "
+        f"{results['options']['repeats']} trials per variant. Machine: {machine_line(results['machine'])}; "
+        "the broker runs on the same cores. Every table below comes from this one run.",
     ]
     for title, headings, rows in sections(results):
         no = [[cell if cell != "NO" else "**no**" for cell in row] for row in rows]

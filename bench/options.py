@@ -6,10 +6,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SECTIONS", "BenchOptions", "WorkloadShape"]
+from bench.scenarios import DEFAULT
 
-SECTIONS = ("main", "batch", "workers", "growth", "resolve")
-"""The parts of a run, in the order they run (``--only`` picks some)."""
+__all__ = ["BenchOptions", "WorkloadShape"]
 
 
 @dataclass(frozen=True)
@@ -51,18 +50,26 @@ class BenchOptions:
     shape: WorkloadShape = field(default_factory=WorkloadShape)
     repeats: int = 3
     bootstrap: str | None = None
-    growth: bool = True
     growth_rollouts: int = 8
     growth_turns: tuple[int, ...] = (4, 16, 64)
     growth_prompts: tuple[int, ...] = (1000, 32000)
     work_dir: Path | None = None
     output: Path = Path("bench/results/latest.json")
     update_readme: bool = False
-    only: tuple[str, ...] = SECTIONS
+    only: tuple[str, ...] = DEFAULT
     batch_rollouts: int = 200
     workers_rollouts: int = 1000
     workers_turns: int = 8
     workers_trials: int = 3
+    baseline: Path | None = None
+    """Another checkout, for the scenarios that compare two trees."""
+    straw: Path | None = None
+    """Where straw-queue 0.1.6 is (or gets) installed; the staging scenario measures it only when given."""
+    staging_calls: int = 320
+    staging_images: int = 64
+    staging_threads: int = 16
+    senders: int = 64
+    sends: int = 60
 
     def growth_shapes(self) -> list[WorkloadShape]:
         """The growth grid: every turn count with every prompt size, fewer rollouts so long ones fit in memory."""
@@ -77,4 +84,6 @@ class BenchOptions:
         data = asdict(self)
         data["work_dir"] = None if self.work_dir is None else str(self.work_dir)
         data["output"] = str(self.output)
+        data["baseline"] = None if self.baseline is None else str(self.baseline)
+        data["straw"] = None if self.straw is None else str(self.straw)
         return data

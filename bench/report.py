@@ -1,10 +1,8 @@
-"""Tables for the terminal and the README, the target check, and the JSON file."""
+"""A run's results as tables (for the terminal and the README), with the targets checked, and as a JSON file."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,199 +10,12 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-__all__ = [
-    "TARGET_TABLES",
-    "Target",
-    "evaluate_targets",
-    "main_rows",
-    "print_report",
-    "sections",
-    "write_json",
-]
+from bench.harness import machine_line
+from bench.scenarios import SCENARIOS
+from bench.targets import evaluate
+from bench.targets import lookup as _lookup
 
-
-@dataclass(frozen=True)
-class Target:
-    """One goal of an issue, checked against a figure of the run (``value`` reads it from the results)."""
-
-    name: str
-    goal: str
-    value: Callable[[dict[str, Any]], float]
-    met: Callable[[float], bool]
-
-
-def _at(path: str) -> Callable[[dict[str, Any]], float]:
-    return lambda results: _lookup(results, path)
-
-
-def _grid(results: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
-    """The growth grid's figures by (turns, prompt tokens)."""
-    return {
-        (int(r["shape"]["turns"]), int(r["shape"]["prompt_tokens"])): r["figures"]
-        for r in results.get("growth") or []
-    }
-
-
-def growth_corners(
-    results: dict[str, Any],
-) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None:
-    """The grid's largest shape (most turns, largest prompt), its smallest, and fewest turns at largest prompt."""
-    grid = _grid(results)
-    if not grid:
-        return None
-    turns = sorted({t for t, _ in grid})
-    prompts = sorted({p for _, p in grid})
-    return (turns[-1], prompts[-1]), (turns[0], prompts[0]), (turns[0], prompts[-1])
-
-
-def _big(figure: str) -> Callable[[dict[str, Any]], float]:
-    def value(results: dict[str, Any]) -> float:
-        corners = growth_corners(results)
-        if corners is None:
-            return math.nan
-        return float(_grid(results)[corners[0]].get(figure, math.nan))
-
-    return value
-
-
-def _big_vs(figure: str, against: int) -> Callable[[dict[str, Any]], float]:
-    """The figure at the largest shape divided by the same figure at ``against`` (1: smallest, 2: fewest turns)."""
-
-    def value(results: dict[str, Any]) -> float:
-        corners = growth_corners(results)
-        if corners is None or corners[0] == corners[against]:
-            return math.nan  # one shape compared with itself would read as "met"
-        grid = _grid(results)
-        top = float(grid[corners[0]].get(figure, math.nan))
-        bottom = float(grid[corners[against]].get(figure, math.nan))
-        return top / bottom if bottom else math.nan
-
-    return value
-
-
-ISSUE_14_TARGETS = (
-    Target(
-        "Kafka freeze p99 under the main load (ms)",
-        "< 50",
-        _at("main.figures.kafka_freeze_p99_ms"),
-        lambda v: v < 50.0,
-    ),
-    Target(
-        "Kafka freezes/s, batch frozen at once, ÷ Gym's file store",
-        ">= 2.0",
-        _at("batch.targets.kafka.freezes_vs_gym"),
-        lambda v: v >= 2.0,
-    ),
-    Target(
-        "file-store freeze p99 under the main load (ms)",
-        "< 10",
-        _at("main.figures.file_freeze_p99_ms"),
-        lambda v: v < 10.0,
-    ),
-    Target(
-        "file-store put/s ÷ Gym, main load",
-        ">= 7.0",
-        _at("main.figures.ratios.file_puts_vs_gym"),
-        lambda v: v >= 7.0,
-    ),
-    Target(
-        "file-store put/s ÷ Gym, batch run",
-        ">= 7.0",
-        _at("batch.targets.file.puts_vs_gym"),
-        lambda v: v >= 7.0,
-    ),
-    Target(
-        "Kafka put/s ÷ Gym, main load",
-        ">= 7.0",
-        _at("main.figures.ratios.kafka_puts_vs_gym"),
-        lambda v: v >= 7.0,
-    ),
-    Target(
-        "Kafka put/s ÷ Gym, batch run", ">= 7.0", _at("batch.targets.kafka.puts_vs_gym"), lambda v: v >= 7.0
-    ),
-    Target(
-        "replay entries/s ÷ orjson encode + write",
-        ">= 0.5",
-        _at("main.figures.ratios.replay_vs_orjson"),
-        lambda v: v >= 0.5,
-    ),
-    Target(
-        "materializer apply, 2 workers ÷ 1 (events/s)",
-        ">= 1.7",
-        _at("workers.figures.2.vs_first"),
-        lambda v: v >= 1.7,
-    ),
-)
-
-ISSUE_12_TARGETS = (
-    Target(
-        "wire B/call ÷ new tokens packed, largest shape (wire deltas on)",
-        "<= 1.25",
-        _big("wire_vs_new_tokens_wire_on"),
-        lambda v: v <= 1.25,
-    ),
-    Target(
-        "  same ratio, most ÷ fewest turns at the largest prompt (flat)",
-        "<= 1.1",
-        _big_vs("wire_vs_new_tokens_wire_on", 2),
-        lambda v: v <= 1.1,
-    ),
-    Target(
-        "store B/call ÷ JSON of new tokens, largest shape (delta records on)",
-        "<= 1.25",
-        _big("store_vs_new_tokens_json_records_on"),
-        lambda v: v <= 1.25,
-    ),
-    Target(
-        "  same ratio, most ÷ fewest turns at the largest prompt (flat)",
-        "<= 1.1",
-        _big_vs("store_vs_new_tokens_json_records_on", 2),
-        lambda v: v <= 1.1,
-    ),
-    Target(
-        "file-store put/s, largest ÷ smallest shape (delta records on)",
-        ">= 0.5",
-        _big_vs("file_puts_per_s_records_on", 1),
-        lambda v: v >= 0.5,
-    ),
-    Target(
-        "Kafka put/s, largest ÷ smallest shape (delta records on)",
-        ">= 0.5",
-        _big_vs("kafka_puts_per_s_records_on", 1),
-        lambda v: v >= 0.5,
-    ),
-    Target(
-        "Kafka freeze p99 at the largest shape (ms, delta records on)",
-        "< 200",
-        _big("kafka_freeze_p99_ms_records_on"),
-        lambda v: v < 200.0,
-    ),
-    Target(
-        "replay entries/s, largest ÷ smallest shape (delta records on)",
-        ">= 0.5",
-        _big_vs("replay_entries_per_s_records_on", 1),
-        lambda v: v >= 0.5,
-    ),
-    Target(
-        # The probe process resolves while the main load itself runs (intents, puts, freezes, the in-process
-        # materializer). The closed loop of the resolve table is a load of its own and is reported beside it.
-        "Kafka resolve p99 under the main load, probed from a model-server process (ms)",
-        "< 20",
-        _at("resolve.figures.probe_p99_ms"),
-        lambda v: v < 20.0,
-    ),
-)
-
-TARGET_TABLES = (("issue 14", ISSUE_14_TARGETS), ("issue 12", ISSUE_12_TARGETS))
-
-
-def _lookup(figures: dict[str, Any], name: str) -> float:
-    value: Any = figures
-    for part in name.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return math.nan
-        value = value[part]
-    return float(value)
+__all__ = ["main_rows", "print_report", "sections", "write_json"]
 
 
 def _fmt(value: float, digits: int = 0) -> str:
@@ -215,31 +26,13 @@ def _fmt(value: float, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def evaluate_targets(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Per issue, each target with the measured value and whether it is met (``None`` when not measured)."""
-    checked: dict[str, list[dict[str, Any]]] = {}
-    for issue, targets in TARGET_TABLES:
-        rows = []
-        for target in targets:
-            value = target.value(results)
-            rows.append(
-                {
-                    "target": target.name,
-                    "goal": target.goal,
-                    "value": None if math.isnan(value) else value,
-                    "met": None if math.isnan(value) else target.met(value),
-                }
-            )
-        checked[issue] = rows
-    return checked
-
-
 def target_rows(checks: list[dict[str, Any]], no: str = "NO") -> list[list[str]]:
-    """Rows of one target table: target, goal, measured, met."""
+    """Rows of the target table: target, goal, anchor, measured, met."""
     return [
         [
             check["target"],
             check["goal"],
+            check["anchor"] or "",
             "—" if check["value"] is None else f"{check['value']:,.2f}",
             "—" if check["met"] is None else ("yes" if check["met"] else no),
         ]
@@ -346,12 +139,6 @@ def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             g("kafka_lag_at_end_of_puts"),
             "",
         ),
-        (
-            "freezes answered ahead of their apply (of all freezes)",
-            "",
-            g("kafka_freezes_answered_ahead"),
-            "",
-        ),
         *other_process("with the materializer in its own process:", "kafka_ext", "under load"),
         ("  backlog when the last put returned (events)", "", g("kafka_ext_lag_at_end_of_puts"), ""),
         *other_process(
@@ -368,6 +155,7 @@ def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("replay (events/s)", "", g("replay_events_per_s"), ""),
         ("apply step alone (events/s)", "", g("apply_events_per_s"), ""),
         ("apply step alone (tokens/s)", "", g("apply_tokens_per_s"), ""),
+        ("apply step CPU per event (us)", "", g("apply_cpu_us_per_event"), ""),
         ("replay tokens/s", "", g("replay_tokens_per_s"), f"orjson {g('orjson_tokens_per_s')}"),
         ("replay of whole topic (s)", "", g("replay_seconds", 2), ""),
         (
@@ -515,6 +303,62 @@ def resolve_rows(resolve: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+STAGING_COLUMNS = (
+    "shape",
+    "writer",
+    "calls/s",
+    "MB/s",
+    "p50 ms",
+    "p99 ms",
+    "CPU ms/call",
+    "MB/s ÷ its floor",
+    "ledger record p50 / p99 ms",
+    "ledger floor p50 / p99 ms",
+)
+
+
+def staging_rows(staging: dict[str, Any]) -> list[list[str]]:
+    """One row per shape and writer; Kafka writers are read against the Kafka floor, the others the file floor."""
+    rows = []
+    for shape in ("moe", "image"):
+        writers: dict[str, dict[str, float]] = staging["figures"].get(shape, {})
+        for writer, f in writers.items():
+            floor = writers.get("kafka_floor" if writer.startswith("kafka") else "floor", {})
+            rows.append(
+                [
+                    shape,
+                    writer,
+                    _fmt(f["calls_per_s"]),
+                    _fmt(f["mb_per_s"]),
+                    _fmt(f["p50_ms"], 1),
+                    _fmt(f["p99_ms"], 1),
+                    _fmt(f["cpu_ms_per_call"], 2),
+                    _fmt(f["mb_per_s"] / floor["mb_per_s"], 2) if floor.get("mb_per_s") else "—",
+                    *(
+                        f"{_fmt(f[f'{n}_p50_ms'], 1)} / {_fmt(f[f'{n}_p99_ms'], 1)}"
+                        if f"{n}_p99_ms" in f
+                        else ""
+                        for n in ("ledger", "ledger_floor")
+                    ),
+                ]
+            )
+    return rows
+
+
+def trial_rows(figures: tuple[str, ...], measured: dict[str, Any], anchor: str | None) -> list[list[str]]:
+    """One row per figure: each variant's median, then each other variant's ratio to the anchor."""
+    medians = measured["medians"]
+    ratios = {name: values for name, values in measured["ratios"].items() if name != anchor}
+    return [
+        [
+            figure,
+            *(_fmt(values.get(figure, math.nan), 2) for values in medians.values()),
+            *(_fmt(values.get(figure, math.nan), 2) for values in ratios.values()),
+        ]
+        for figure in figures
+    ]
+
+
 def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """Every table of a run as (title, headings, rows), in the order the README shows them."""
     options = results["options"]
@@ -557,6 +401,7 @@ def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
             )
         )
     if results.get("growth"):
+        shapes = results["growth"]["shapes"]
         rounds = main["shape"]["rounds"] if main is not None else options["shape"]["rounds"]
         tables.append(
             (
@@ -564,7 +409,7 @@ def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
                 f"rollouts x {rounds} rounds per shape; wire deltas (Kafka) and delta records (store) off and "
                 f"on; timed figures median of {repeats}",
                 [heading for heading, _, _ in GROWTH_COLUMNS],
-                growth_rows(results["growth"]),
+                growth_rows(shapes),
             )
         )
     resolve = results.get("resolve")
@@ -579,11 +424,41 @@ def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
                 resolve_rows(resolve),
             )
         )
-    for issue, checks in evaluate_targets(results).items():
+    staging = results.get("staging")
+    if staging is not None:
         tables.append(
             (
-                f"Targets of {issue} (measured in this run)",
-                ["target", "goal", "measured", "met"],
+                "Engine-side staging (`python -m bench --only staging`): "
+                f"{options['staging_calls']} MoE calls and {options['staging_images']} image calls from "
+                f"{options['staging_threads']} threads; writers taking turns, median of {repeats}; "
+                f"64-call chain fetch p99 {_fmt(_lookup(staging, 'figures.chain_fetch_p99_ms'), 1)} ms",
+                list(STAGING_COLUMNS),
+                staging_rows(staging),
+            )
+        )
+    for scenario in SCENARIOS:
+        measured = results.get(scenario.name)
+        if measured is None or "medians" not in measured:
+            continue
+        tables.append(
+            (
+                f"{scenario.name} (`python -m bench --only {scenario.name}`): {scenario.load}; "
+                f"{'each trial in a fresh process, ' if scenario.trial else ''}variants taking turns, "
+                f"median of {repeats}",
+                [
+                    "figure",
+                    *measured["medians"],
+                    *(f"{n} ÷ {scenario.anchor}" for n in measured["ratios"] if n != scenario.anchor),
+                ],
+                trial_rows(scenario.shown, measured, scenario.anchor),
+            )
+        )
+    checks = evaluate(results)
+    if checks:
+        tables.append(
+            (
+                "Targets (measured in this run)",
+                ["target", "goal", "anchor", "measured", "met"],
                 target_rows(checks),
             )
         )
@@ -591,7 +466,8 @@ def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
 
 
 def print_report(results: dict[str, Any], console: Console) -> None:
-    """Print every table of the run."""
+    """Print the machine line and every table of the run."""
+    console.print(f"{results.get('command', 'python -m bench')} on {machine_line(results['machine'])}")
     for title, headings, rows in sections(results):
         table = Table(title=title)
         for index, heading in enumerate(headings):
@@ -605,7 +481,7 @@ def write_json(results: dict[str, Any], path: Path) -> None:
     """Write the results with the target check beside them; NaN becomes null."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = dict(results)
-    data["targets"] = evaluate_targets(results)
+    data["targets"] = evaluate(results)
     path.write_bytes(
         orjson.dumps(_without_nan(data), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
     )

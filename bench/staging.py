@@ -1,7 +1,6 @@
 """Engine-side staging from 16 threads, beside the floors it is read against, in one run.
 
-    python -m bench.staging [--dir /var/tmp] [--calls 320] [--images 64] [--threads 16] [--straw DIR]
-                            [--bootstrap HOST:PORT]
+    python -m bench --only staging [--dir /var/tmp] [--straw DIR] [--bootstrap HOST:PORT]
 
 Two shapes of ``stage()``: a 1,024-token delta (24 prompt, 1,000 generated) whose extras carry the routed
 experts of a 48-layer top-8 MoE in Gym's ``nrlre1`` envelope (int16, 1,024 x 48 x 8, about 1 MB), and a
@@ -29,7 +28,6 @@ floor (the same bytes produced raw with confluent-kafka, ``acks=all``, in messag
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import importlib.util
@@ -50,6 +48,7 @@ from typing import Any
 
 import orjson
 
+from bench.harness import Trials, Variant, alternate
 from bench.stats import median, percentile
 from tokcap.durable_io import fsync_directory
 from tokcap.fingerprint import FINGERPRINT_VERSION
@@ -71,11 +70,11 @@ __all__ = [
     "StagedCall",
     "image_calls",
     "ledger_floor",
-    "main",
+    "run_staging",
+    "staging_figures",
     "moe_calls",
     "run_kafka",
     "run_kafka_floor",
-    "run_staging",
 ]
 
 LAYERS, TOP_K, MIB = 48, 8, 1 << 20
@@ -742,38 +741,115 @@ def run_kafka_floor(bootstrap: str, shape: str, calls: Sequence[StagedCall], thr
     )
 
 
+_SHAPES = {"moe": "moe 1k tokens + nrlre1", "image": "4 MiB image"}
+"""Short keys of the two shapes, as the results and the targets name them."""
+
+
+def _measured_figures(measured: Measured) -> dict[str, float]:
+    figures = {
+        "calls_per_s": measured.calls_per_s,
+        "mb_per_s": measured.mb_per_s,
+        "p50_ms": median(measured.latencies) * 1e3,
+        "p99_ms": percentile(measured.latencies, 0.99) * 1e3,
+        "cpu_ms_per_call": measured.cpu_seconds / measured.calls * 1e3,
+    }
+    for name, latencies in (("ledger", measured.ledger), ("ledger_floor", measured.ledger_floor)):
+        if latencies:
+            figures[f"{name}_p50_ms"] = median(latencies) * 1e3
+            figures[f"{name}_p99_ms"] = percentile(latencies, 0.99) * 1e3
+    return figures
+
+
+def _no_directory(writer: Callable[[], Measured]) -> Callable[[Path], Measured]:
+    return lambda _directory: writer()
+
+
+def _say(prefix: str, line: str) -> None:
+    print(prefix, line, flush=True)
+
+
 def run_staging(
-    work: Path, *, calls: int, images: int, threads: int, straw: Path | None, bootstrap: str | None = None
-) -> tuple[list[Measured], list[float]]:
-    """Every writer over both shapes, each in a fresh directory under ``work``, then the chain fetch."""
+    work: Path,
+    *,
+    calls: int,
+    images: int,
+    threads: int,
+    straw: Path | None,
+    bootstrap: str | None = None,
+    trials: int = 1,
+) -> tuple[dict[str, Trials], list[Measured], list[float]]:
+    """Every writer over both shapes, taking turns ``trials`` times (``bench.harness``), then the chain fetch.
+
+    Returns each shape's trials (figures per writer), every writer's measurement in the order they ran, and
+    the chain fetch's latencies.
+    """
     run = f"b{os.getpid()}"
-    shapes = {"moe 1k tokens + nrlre1": moe_calls(calls, run), "4 MiB image": image_calls(images, run)}
-    results = []
-    for shape, staged in shapes.items():
-        writers: list[Callable[[Path], Measured]] = [
-            partial(run_floor, shape=shape, calls=staged, threads=threads),
-            partial(run_tokcap, shape=shape, calls=staged, threads=threads),
-            partial(run_tokcap, shape=shape, calls=staged, threads=threads, with_ledger=True),
-            partial(run_tokcap_ledger_process, shape=shape, calls=staged, threads=threads),
-        ]
+    staged_by_shape = {"moe": moe_calls(calls, run), "image": image_calls(images, run)}
+    measured: list[Measured] = []
+    by_shape: dict[str, Trials] = {}
+    kafka = bootstrap is not None and _kafka_gap(bootstrap) is None
+    for key, staged in staged_by_shape.items():
+        shape = _SHAPES[key]
+        writers: dict[str, Callable[[Path], Measured]] = {
+            "floor": partial(run_floor, shape=shape, calls=staged, threads=threads),
+            "tokcap": partial(run_tokcap, shape=shape, calls=staged, threads=threads),
+            "tokcap_ledger_thread": partial(
+                run_tokcap, shape=shape, calls=staged, threads=threads, with_ledger=True
+            ),
+            "tokcap_ledger_process": partial(
+                run_tokcap_ledger_process, shape=shape, calls=staged, threads=threads
+            ),
+        }
         if straw is not None:
-            writers.append(partial(run_straw, shape=shape, calls=staged, threads=threads, target=straw))
-        for writer in writers:
-            directory = Path(tempfile.mkdtemp(prefix="staging-", dir=work))
-            try:
-                results.append(writer(directory))
-            finally:
-                shutil.rmtree(directory, ignore_errors=True)
-        if bootstrap is not None and _kafka_gap(bootstrap) is None:
-            results.append(run_kafka_floor(bootstrap, shape, staged, threads))
-            results.append(run_kafka(bootstrap, shape, staged, threads))
-            results.append(run_kafka(bootstrap, shape, staged, threads, with_ledger=True))
+            writers["straw"] = partial(run_straw, shape=shape, calls=staged, threads=threads, target=straw)
+        if kafka:
+            assert bootstrap is not None
+            # The Kafka writers write no directory: each gets a fresh run topic instead.
+            writers |= {
+                "kafka_floor": _no_directory(partial(run_kafka_floor, bootstrap, shape, staged, threads)),
+                "kafka": _no_directory(partial(run_kafka, bootstrap, shape, staged, threads)),
+                "kafka_ledger_thread": _no_directory(
+                    partial(run_kafka, bootstrap, shape, staged, threads, with_ledger=True)
+                ),
+            }
+
+        def variant(writer: Callable[[Path], Measured]) -> Variant:
+            async def trial(directory: Path) -> dict[str, float]:
+                done = writer(directory)
+                measured.append(done)
+                return _measured_figures(done)
+
+            return trial
+
+        variants = {name: variant(writer) for name, writer in writers.items()}
+        by_shape[key] = asyncio.run(alternate(variants, trials, work, partial(_say, f"staging {key}:")))
     directory = Path(tempfile.mkdtemp(prefix="chain-", dir=work))
     try:
         fetches = chain_fetch(directory, run)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return results, fetches
+    return by_shape, measured, fetches
+
+
+def staging_figures(
+    by_shape: dict[str, Trials], measured: Sequence[Measured], fetches: Sequence[float], bootstrap: str | None
+) -> dict[str, Any]:
+    """The staging results: medians per shape and writer, the ratios the targets read, and the table."""
+    figures: dict[str, Any] = {key: trials.summary() for key, trials in by_shape.items()}
+    ratios: dict[str, dict[str, float]] = {}
+    for key, trials in by_shape.items():
+        rates = {name: values["mb_per_s"] for name, values in trials.summary().items()}
+        pairs = {
+            "tokcap_vs_floor": ("tokcap", "floor"),
+            "tokcap_vs_straw": ("tokcap", "straw"),
+            "kafka_vs_kafka_floor": ("kafka", "kafka_floor"),
+        }
+        ratios[key] = {
+            name: rates[a] / rates[b] for name, (a, b) in pairs.items() if a in rates and b in rates
+        }
+    figures["chain_fetch_p50_ms"] = median(fetches) * 1e3
+    figures["chain_fetch_p99_ms"] = percentile(fetches, 0.99) * 1e3
+    return {"figures": figures, "ratios": ratios, "table": _table(measured, fetches, _kafka_gap(bootstrap))}
 
 
 def _family(measured: Measured) -> str:
@@ -816,33 +892,3 @@ def _table(results: Sequence[Measured], fetches: Sequence[float], kafka_gap: str
         f"p99 {percentile(fetches, 0.99) * 1e3:.1f} ms"
     )
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the scenario and print a markdown table."""
-    parser = argparse.ArgumentParser(prog="python -m bench.staging", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=None, help="parent of the scratch directories")
-    parser.add_argument("--calls", type=int, default=320, help="MoE calls staged")
-    parser.add_argument("--images", type=int, default=64, help="image calls staged")
-    parser.add_argument("--threads", type=int, default=16)
-    parser.add_argument("--straw", type=Path, default=None, help="measure straw-queue, installed in this dir")
-    parser.add_argument("--bootstrap", default=None, help="broker for the Kafka rows")
-    args = parser.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="tokcap-bench-staging-", dir=args.dir))
-    try:
-        results, fetches = run_staging(
-            work,
-            calls=args.calls,
-            images=args.images,
-            threads=args.threads,
-            straw=args.straw,
-            bootstrap=args.bootstrap,
-        )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(_table(results, fetches, _kafka_gap(args.bootstrap)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,226 +1,207 @@
-"""The whole run: every section the issues' target tables need, side by side in one process run.
+"""The whole run: every scenario of ``bench.scenarios`` that ``--only`` selects, measured in one process run.
 
-Sections (``--only``): ``main`` (the main load on Gym 0.7.0's file store, tokcap's file store and Kafka,
-with references, replay and the apply step), ``batch`` (200 rollouts frozen at once, ``bench.batch_freeze``),
-``workers`` (apply with 1 and 2 worker processes, ``bench.workers``), ``growth`` (the growth grid with
-deltas on and off, ``bench.growth``) and ``resolve`` (Kafka lineage resolve latency, ``bench.lineage_resolve``).
-Inside a section, repeats are interleaved (reference, Gym, file store, Kafka, then again), so drift in
-the machine's load touches every column alike; each figure is the median over repeats.
+Inside a scenario the variants take turns through ``bench.harness`` (reference, Gym, file store, Kafka, then
+the other way round), so drift in the machine's load touches every column alike; each figure is the median
+over trials. Scenarios with a trial function run each trial in a fresh interpreter; the others run here.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import platform
+import dataclasses
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.batch_freeze import BatchShape, load_gym_store, run_batch_freeze
 from bench.cpu_cost import measure_call_costs
+from bench.file_floor import floor_variants
 from bench.file_store_trial import run_file_store_trial
-from bench.growth import measure_growth
+from bench.growth import corner_figures, measure_growth
 from bench.growth import wire_sizes as wire_sizes_per_call
+from bench.harness import REPO, Progress, Trials, Variant, alternate, in_fresh_process, machine_description
 from bench.kafka_external import run_with_materializer_process
 from bench.kafka_split import run_with_trainer_process
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
 from bench.lineage_resolve import kafka_resolve, resolve_args
-from bench.load import BenchmarkCheckError, PreparedWorkload, drive, prepare
+from bench.load import BenchmarkCheckError, LoadResult, PreparedWorkload, drive, prepare
 from bench.options import BenchOptions, WorkloadShape
 from bench.physical import create_rate, encode_and_write_rate, fsync_rate, rename_rate, syncfs_rate
 from bench.resolve_probe import probe_under_main_load
+from bench.scenarios import Scenario, by_name
 from bench.sizes import wire_sizes
-from bench.stats import median, percentile
-from bench.workers import run_workers, summarize
+from bench.staging import run_staging, staging_figures
+from bench.stats import percentile
+from bench.workers import run_workers
 
-__all__ = ["machine_description", "measure_shape", "run_suite"]
+__all__ = ["measure_shape", "run_suite"]
 
 _REFERENCE_SECONDS = 1.0
+_TRIALS = REPO / "bench" / "trials.py"
 
-Progress = Callable[[str], None]
+
+class BaselineMissingError(ValueError):
+    """A scenario that compares two checkouts was asked for without ``--baseline``, or with a tree that is not one."""
 
 
-def machine_description(directory: Path) -> dict[str, Any]:
-    """Where the numbers come from: CPU, cores, memory, Python and the benchmark directory's filesystem."""
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    memory_gb = 0.0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory_gb = int(line.split()[1]) / 1024 / 1024
-    except OSError:
-        pass
-    filesystem = "unknown"
-    try:
-        best = ""
-        for line in Path("/proc/mounts").read_text().splitlines():
-            device, mount, kind = line.split()[:3]
-            resolved = str(directory.resolve())
-            if (resolved == mount or resolved.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(
-                best
-            ):
-                best, filesystem = mount, f"{kind} on {device} (mounted at {mount})"
-    except OSError:
-        pass
-    import os
-
+def _latencies(prefix: str, milliseconds: Sequence[float]) -> dict[str, float]:
+    """p50 and p99 of latencies, named ``{prefix}_p50_ms`` and ``{prefix}_p99_ms``."""
     return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gb": round(memory_gb, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "filesystem": filesystem,
+        f"{prefix}_p50_ms": percentile(milliseconds, 0.50),
+        f"{prefix}_p99_ms": percentile(milliseconds, 0.99),
     }
 
 
-def _fresh(parent: Path, name: str) -> Path:
-    path = parent / name
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    return path
+def _load(prefix: str, load: LoadResult) -> dict[str, float]:
+    """What every main-load column reports: put/s, calls/s, generated tokens/s, freeze p50/p99 under load."""
+    return {
+        f"{prefix}_puts_per_s": load.puts_per_s,
+        f"{prefix}_calls_per_s": load.calls_per_s,
+        f"{prefix}_generated_tokens_per_s": load.generated_tokens_per_s,
+        **_latencies(f"{prefix}_freeze", load.freeze_under_load_ms),
+    }
+
+
+def _counters(prefix: str, counters: Any) -> dict[str, float]:
+    """Every numeric counter a live materializer kept, whatever counters this tree's materializer has."""
+    if counters is None or not dataclasses.is_dataclass(counters):
+        return {}
+    return {
+        f"{prefix}_{name}": float(value)
+        for name, value in dataclasses.asdict(counters).items()  # type: ignore[arg-type]
+        if isinstance(value, int | float)
+    }
+
+
+def _main_variants(
+    workload: PreparedWorkload,
+    gym_workload: PreparedWorkload,
+    gym_store_class: type[Any],
+    bootstrap: str | None,
+) -> dict[str, Variant]:
+    """The columns of the main table, each one trial of the main load (or of its physical reference)."""
+    shape = workload.shape
+
+    async def reference(directory: Path) -> dict[str, float]:
+        encode = encode_and_write_rate(directory, shape)
+        return {
+            "fsync_per_s": fsync_rate(directory, _REFERENCE_SECONDS),
+            "syncfs_per_s": syncfs_rate(directory, _REFERENCE_SECONDS),
+            "rename_per_s": rename_rate(directory, _REFERENCE_SECONDS / 2),
+            "create_per_s": create_rate(directory, _REFERENCE_SECONDS / 2),
+            "orjson_entries_per_s": encode.entries_per_s,
+            "orjson_tokens_per_s": encode.tokens_per_s,
+        }
+
+    async def call_costs(directory: Path) -> dict[str, float]:
+        costs = measure_call_costs(workload, directory)
+        return {
+            "file_intent_cpu_us": costs.intent_cpu_us,
+            "file_put_cpu_us": costs.put_cpu_us,
+            "file_freeze_cpu_us": costs.freeze_cpu_us,
+            "file_intent_wall_us": costs.intent_wall_us,
+            "file_put_wall_us": costs.put_wall_us,
+            "file_freeze_unloaded_ms": costs.freeze_wall_us / 1000.0,
+            "file_cpu_bound_puts_per_s": costs.cpu_bound_puts_per_s,
+        }
+
+    async def gym(directory: Path) -> dict[str, float]:
+        gym_store = gym_store_class(directory)
+        try:
+            return _load("gym", await drive(gym_workload, gym_store))
+        finally:
+            await gym_store.close()
+
+    async def file(directory: Path) -> dict[str, float]:
+        trial = await run_file_store_trial(workload, directory)
+        return {
+            **_load("file", trial.load),
+            "file_freezes_under_load": float(len(trial.load.freeze_under_load_ms)),
+            "file_puts_per_sync": trial.puts_per_sync,
+            "file_disk_bytes_per_token": trial.disk_bytes / workload.tokens,
+            "file_entry_bytes_per_token": trial.entry_file_bytes / workload.tokens,
+        }
+
+    async def kafka(directory: Path) -> dict[str, float]:
+        assert bootstrap is not None
+        trial = await run_kafka_trial(workload, bootstrap, directory)
+        return {
+            **_load("kafka", trial.load),
+            "kafka_freezes_under_load": float(len(trial.load.freeze_under_load_ms)),
+            "replay_seconds": trial.replay.seconds,
+            "replay_events_per_s": trial.replay.events_per_s,
+            "replay_puts_per_s": trial.replay.puts_per_s,
+            "replay_tokens_per_s": trial.replay.tokens_per_s,
+            "replay_events": float(trial.replay.events),
+            "replay_disk_bytes_per_token": trial.replay.disk_bytes / workload.tokens,
+            "kafka_lag_at_end_of_puts": float(trial.lag_at_end_of_puts),
+            **_counters("kafka_materializer", trial.live_counters),
+            "apply_events_per_s": trial.apply.events_per_s,
+            "apply_tokens_per_s": trial.apply.tokens_per_s,
+            "apply_cpu_us_per_event": trial.apply.cpu_seconds / trial.apply.events * 1e6,
+        }
+
+    async def kafka_ext(directory: Path) -> dict[str, float]:
+        assert bootstrap is not None
+        external = await run_with_materializer_process(workload, bootstrap, directory)
+        return {
+            "kafka_ext_puts_per_s": external.load.puts_per_s,
+            **_latencies("kafka_ext_freeze", external.load.freeze_under_load_ms),
+            "kafka_ext_lag_at_end_of_puts": float(external.lag_at_end_of_puts),
+        }
+
+    async def kafka_split(directory: Path) -> dict[str, float]:
+        assert bootstrap is not None
+        split = await run_with_trainer_process(workload, bootstrap, directory)
+        return {
+            "kafka_split_puts_per_s": split.load.puts_per_s,
+            **_latencies("kafka_split_freeze", split.trainer_freeze_under_load_ms),
+            "kafka_split_round_trip_p99_ms": percentile(split.load.freeze_under_load_ms, 0.99),
+        }
+
+    variants: dict[str, Variant] = {
+        "reference": reference,
+        "call_costs": call_costs,
+        "gym": gym,
+        "file": file,
+    }
+    if bootstrap is not None:
+        variants |= {"kafka": kafka, "kafka_ext": kafka_ext, "kafka_split": kafka_split}
+    return variants
 
 
 async def measure_shape(
-    shape: WorkloadShape,
-    repeats: int,
-    bootstrap: str | None,
-    work_dir: Path,
-    progress: Progress,
-    with_materializer_process: bool = False,
-    with_gym: bool = False,
+    shape: WorkloadShape, repeats: int, bootstrap: str | None, work_dir: Path, progress: Progress
 ) -> dict[str, Any]:
-    """Every figure of one workload shape, as medians over ``repeats`` interleaved runs.
+    """Every figure of the main load, medians over ``repeats`` trials of each column, columns taking turns.
 
-    ``with_materializer_process`` adds two more Kafka loads: one whose materializer runs in its own process,
-    one whose freezes a trainer process serves (its source and in-process materializer there, the sinks here);
-    ``with_gym`` adds Gym 0.7.0's own file store on the same entries as the anchor column.
+    Gym 0.7.0's own file store on the same entries is the anchor column; the Kafka columns run the load
+    with the materializer in process, in its own process, and with the trainer in its own process.
     """
     workload: PreparedWorkload = prepare(shape, "bench")
-    gym_store_class: type[Any] | None = None
-    gym_workload = workload
-    if with_gym:
-        gym_store_class, gym_entry_class = load_gym_store()
-        gym_workload = replace(
-            workload,
-            slots=[
-                [
-                    (rid, [gym_entry_class.model_validate(e.model_dump()) for e in entries])
-                    for rid, entries in slot
-                ]
-                for slot in workload.slots
-            ],
-        )
+    gym_store_class, gym_entry_class = load_gym_store()
+    gym_workload = replace(
+        workload,
+        slots=[
+            [
+                (rid, [gym_entry_class.model_validate(e.model_dump()) for e in entries])
+                for rid, entries in slot
+            ]
+            for slot in workload.slots
+        ],
+    )
+    variants = _main_variants(workload, gym_workload, gym_store_class, bootstrap)
+    trials = await alternate(variants, repeats, work_dir, lambda line: progress(f"{shape.label()}: {line}"))
+    figures: dict[str, Any] = trials.merged()
     sizes = wire_sizes(workload)
-    runs: dict[str, list[float]] = {}
-
-    def record(name: str, value: float) -> None:
-        runs.setdefault(name, []).append(value)
-
-    for repeat in range(repeats):
-        progress(f"{shape.label()}: repeat {repeat + 1}/{repeats}")
-        # Each repeat writes into directories of its own, removed with the work directory after the last
-        # section: on ext4 a removal of thousands of files slows the file creates of the next half minute,
-        # which every trial here makes (a freeze creates the state's temporary file).
-        repeat_dir = work_dir / f"main-repeat-{repeat + 1}"
-        reference_dir = _fresh(repeat_dir, "reference")
-        record("fsync_per_s", fsync_rate(reference_dir, _REFERENCE_SECONDS))
-        record("syncfs_per_s", syncfs_rate(reference_dir, _REFERENCE_SECONDS))
-        record("rename_per_s", rename_rate(reference_dir, _REFERENCE_SECONDS / 2))
-        record("create_per_s", create_rate(reference_dir, _REFERENCE_SECONDS / 2))
-        encode = encode_and_write_rate(reference_dir, shape)
-        record("orjson_entries_per_s", encode.entries_per_s)
-        record("orjson_tokens_per_s", encode.tokens_per_s)
-        gc.collect()
-
-        costs = measure_call_costs(workload, _fresh(repeat_dir, "call-costs"))
-        record("file_intent_cpu_us", costs.intent_cpu_us)
-        record("file_put_cpu_us", costs.put_cpu_us)
-        record("file_freeze_cpu_us", costs.freeze_cpu_us)
-        record("file_intent_wall_us", costs.intent_wall_us)
-        record("file_put_wall_us", costs.put_wall_us)
-        record("file_freeze_unloaded_ms", costs.freeze_wall_us / 1000.0)
-        record("file_cpu_bound_puts_per_s", costs.cpu_bound_puts_per_s)
-        gc.collect()
-
-        if gym_store_class is not None:
-            gym_store = gym_store_class(_fresh(repeat_dir, "gym-store"))
-            try:
-                gym_load = await drive(gym_workload, gym_store)
-            finally:
-                await gym_store.close()
-            record("gym_puts_per_s", gym_load.puts_per_s)
-            record("gym_calls_per_s", gym_load.calls_per_s)
-            record("gym_generated_tokens_per_s", gym_load.generated_tokens_per_s)
-            record("gym_freeze_p50_ms", percentile(gym_load.freeze_under_load_ms, 0.50))
-            record("gym_freeze_p99_ms", percentile(gym_load.freeze_under_load_ms, 0.99))
-            gc.collect()
-
-        trial = await run_file_store_trial(workload, _fresh(repeat_dir, "file-store"))
-        record("file_puts_per_s", trial.load.puts_per_s)
-        record("file_calls_per_s", trial.load.calls_per_s)
-        record("file_generated_tokens_per_s", trial.load.generated_tokens_per_s)
-        record("file_freeze_p50_ms", percentile(trial.load.freeze_under_load_ms, 0.50))
-        record("file_freeze_p99_ms", percentile(trial.load.freeze_under_load_ms, 0.99))
-        record("file_freezes_under_load", len(trial.load.freeze_under_load_ms))
-        record("file_puts_per_sync", trial.puts_per_sync)
-        record("file_disk_bytes_per_token", trial.disk_bytes / workload.tokens)
-        record("file_entry_bytes_per_token", trial.entry_file_bytes / workload.tokens)
-        gc.collect()
-
-        if bootstrap is not None:
-            kafka = await run_kafka_trial(workload, bootstrap, _fresh(repeat_dir, "kafka"))
-            record("kafka_puts_per_s", kafka.load.puts_per_s)
-            record("kafka_calls_per_s", kafka.load.calls_per_s)
-            record("kafka_generated_tokens_per_s", kafka.load.generated_tokens_per_s)
-            record("kafka_freeze_p50_ms", percentile(kafka.load.freeze_under_load_ms, 0.50))
-            record("kafka_freeze_p99_ms", percentile(kafka.load.freeze_under_load_ms, 0.99))
-            record("kafka_freezes_under_load", len(kafka.load.freeze_under_load_ms))
-            record("replay_seconds", kafka.replay.seconds)
-            record("replay_events_per_s", kafka.replay.events_per_s)
-            record("replay_puts_per_s", kafka.replay.puts_per_s)
-            record("replay_tokens_per_s", kafka.replay.tokens_per_s)
-            record("replay_events", kafka.replay.events)
-            record("replay_disk_bytes_per_token", kafka.replay.disk_bytes / workload.tokens)
-            record("kafka_lag_at_end_of_puts", kafka.lag_at_end_of_puts)
-            if kafka.live_counters is not None:
-                record("kafka_freezes_answered_ahead", kafka.live_counters.freezes_answered_ahead)
-            record("apply_events_per_s", kafka.apply.events_per_s)
-            record("apply_tokens_per_s", kafka.apply.tokens_per_s)
-            gc.collect()
-            if with_materializer_process:
-                external = await run_with_materializer_process(
-                    workload, bootstrap, _fresh(repeat_dir, "kafka-external")
-                )
-                record("kafka_ext_puts_per_s", external.load.puts_per_s)
-                record("kafka_ext_freeze_p50_ms", percentile(external.load.freeze_under_load_ms, 0.50))
-                record("kafka_ext_freeze_p99_ms", percentile(external.load.freeze_under_load_ms, 0.99))
-                record("kafka_ext_lag_at_end_of_puts", external.lag_at_end_of_puts)
-                gc.collect()
-                split = await run_with_trainer_process(workload, bootstrap, _fresh(repeat_dir, "kafka-split"))
-                record("kafka_split_puts_per_s", split.load.puts_per_s)
-                record("kafka_split_freeze_p50_ms", percentile(split.trainer_freeze_under_load_ms, 0.50))
-                record("kafka_split_freeze_p99_ms", percentile(split.trainer_freeze_under_load_ms, 0.99))
-                record("kafka_split_round_trip_p99_ms", percentile(split.load.freeze_under_load_ms, 0.99))
-                gc.collect()
-
-    figures: dict[str, Any] = {name: median(values) for name, values in runs.items()}
     figures["wire_bytes_per_token"] = sizes.packed_per_token
     for switch, on in (("off", False), ("on", True)):
-        # Per call, against the call's new tokens packed: wire deltas off and on (``python -m bench.growth``).
+        # Per call, against the call's new tokens packed: wire deltas off and on.
         per_call = wire_sizes_per_call(workload, wire_deltas=on)
         figures.update({f"{name}_wire_{switch}": value for name, value in per_call.items()})
     figures["json_event_bytes_per_token"] = sizes.json_per_token
@@ -228,7 +209,11 @@ async def measure_shape(
     figures["tokens"] = workload.tokens
     figures["generated_tokens"] = workload.generated_tokens
     figures["ratios"] = _ratios(figures)
-    return {"shape": shape.__dict__ | {"label": shape.label()}, "figures": figures, "runs": runs}
+    return {
+        "shape": shape.__dict__ | {"label": shape.label()},
+        "figures": figures,
+        "runs": trials.flat_runs(),
+    }
 
 
 def _ratios(figures: dict[str, Any]) -> dict[str, float]:
@@ -248,7 +233,7 @@ def _ratios(figures: dict[str, Any]) -> dict[str, float]:
 
 
 def _resolve(options: BenchOptions, bootstrap: str, work_dir: Path, progress: Progress) -> dict[str, Any]:
-    """Kafka resolve latency p50/p99 under the main load, median over repeats, measured two ways.
+    """Kafka resolve latency under the main load, measured two ways, taking turns.
 
     A probe process resolves its own rollouts on the run topic while the main load runs (``bench.resolve_probe``),
     and the main shape's rollouts resolve in the load's own closed loop (``bench.lineage_resolve``).
@@ -262,37 +247,38 @@ def _resolve(options: BenchOptions, bootstrap: str, work_dir: Path, progress: Pr
         generated_tokens=shape.generated_tokens,
         tool_tokens=shape.tool_tokens,
     )
-    runs: dict[str, list[float]] = {
-        name: [] for name in ("kafka_p50_ms", "kafka_p99_ms", "kafka_max_ms", "wrong")
-    } | {
-        name: []
-        for name in ("probe_p50_ms", "probe_p99_ms", "probe_max_ms", "probe_resolves", "probe_puts_per_s")
-    }
-    for repeat in range(options.repeats):
-        progress(f"resolve: repeat {repeat + 1}/{options.repeats}")
-        probe_dir = _fresh(work_dir / f"resolve-repeat-{repeat + 1}", "probe")
-        probe = asyncio.run(probe_under_main_load(workload, bootstrap, probe_dir))
-        if probe.wrong:
-            raise BenchmarkCheckError(f"{probe.wrong} probe continuations resolved to another parent")
-        probe_ms = [value * 1000.0 for value in probe.latencies]
-        runs["probe_p50_ms"].append(percentile(probe_ms, 0.50))
-        runs["probe_p99_ms"].append(percentile(probe_ms, 0.99))
-        runs["probe_max_ms"].append(max(probe_ms) if probe_ms else float("nan"))
-        runs["probe_resolves"].append(float(len(probe_ms)))
-        runs["probe_puts_per_s"].append(probe.load.puts_per_s)
-        latencies, wrong = kafka_resolve(args, bootstrap)
-        ms = [value * 1000.0 for value in latencies]
-        runs["kafka_p50_ms"].append(percentile(ms, 0.50))
-        runs["kafka_p99_ms"].append(percentile(ms, 0.99))
-        runs["kafka_max_ms"].append(max(ms) if ms else float("nan"))
-        runs["wrong"].append(float(wrong))
+
+    def summary(prefix: str, seconds: Sequence[float]) -> dict[str, float]:
+        ms = [value * 1000.0 for value in seconds]
+        return {**_latencies(prefix, ms), f"{prefix}_max_ms": max(ms) if ms else float("nan")}
+
+    async def probe(directory: Path) -> dict[str, float]:
+        done = await probe_under_main_load(workload, bootstrap, directory)
+        if done.wrong:
+            raise BenchmarkCheckError(f"{done.wrong} probe continuations resolved to another parent")
+        return {
+            **summary("probe", done.latencies),
+            "probe_resolves": float(len(done.latencies)),
+            "probe_puts_per_s": done.load.puts_per_s,
+        }
+
+    async def closed_loop(directory: Path) -> dict[str, float]:
+        latencies, wrong = await asyncio.to_thread(kafka_resolve, args, bootstrap)
         if wrong:
             raise BenchmarkCheckError(
                 f"{wrong} continuations resolved to another parent than the previous call"
             )
-    figures: dict[str, Any] = {name: median(values) for name, values in runs.items()}
-    figures["resolves"] = len(latencies)
-    return {"figures": figures, "runs": runs}
+        return {**summary("kafka", latencies), "resolves": float(len(latencies)), "wrong": float(wrong)}
+
+    trials = asyncio.run(
+        alternate(
+            {"probe": probe, "closed_loop": closed_loop},
+            options.repeats,
+            work_dir,
+            lambda line: progress(f"resolve: {line}"),
+        )
+    )
+    return {"figures": trials.merged(), "runs": trials.flat_runs()}
 
 
 def _workers(options: BenchOptions, bootstrap: str, work_dir: Path, progress: Progress) -> dict[str, Any]:
@@ -307,35 +293,114 @@ def _workers(options: BenchOptions, bootstrap: str, work_dir: Path, progress: Pr
         prompt_tokens=options.shape.prompt_tokens,
         generated_tokens=options.shape.generated_tokens,
     )
-    counts = [1, 2]
-    results = run_workers(bootstrap, args, counts, options.workers_trials, _fresh(work_dir, "workers"))
-    runs = {
-        str(n): [
-            {
-                "events": f.events,
-                "events_per_s": f.events_per_s,
-                "cpu_s_per_event": f.cpu_s_per_event,
-                "per_worker_events_per_s": [w.events_per_s for w in f.per_worker],
-            }
-            for f in figures
-        ]
-        for n, figures in results.items()
-    }
+    measured = run_workers(bootstrap, args, [1, 2], options.workers_trials, work_dir)
     return {
         "rollouts": args.rollouts,
         "turns": args.turns,
         "partitions": args.partitions,
         "trials": options.workers_trials,
-        "figures": summarize(results),
-        "runs": runs,
+        **measured,
     }
 
 
-def run_suite(options: BenchOptions, bootstrap: str | None, progress: Progress) -> dict[str, Any]:
-    """Measure every selected section (``options.only``) and return everything as JSON-ready data.
+def _in_fresh_processes(
+    scenario: Scenario, options: BenchOptions, bootstrap: str | None, work_dir: Path
+) -> dict[str, Any]:
+    """A scenario whose trials each run in a new interpreter: this checkout against ``--baseline``, or settings."""
+    assert scenario.trial is not None
+    settings: dict[str, Any] = {
+        "rollouts": options.shape.rollouts,
+        "bootstrap": bootstrap,
+        "senders": options.senders,
+        "sends": options.sends,
+    }
+    trees = {name: REPO for name in scenario.variants}
+    if scenario.baseline:
+        baseline = options.baseline
+        needs = "transports/kafka" if scenario.kafka else "tokcap"
+        if baseline is None or not (baseline / needs).is_dir():
+            raise BaselineMissingError(
+                f"scenario {scenario.name} compares this checkout with another: give --baseline DIR, a checkout "
+                f"holding {needs}/ (git worktree add DIR REV); got {baseline}"
+            )
+        trees["baseline"] = baseline.resolve()
+    variants = {
+        name: in_fresh_process(
+            _TRIALS, scenario.trial, settings | dict(scenario.settings.get(name, {})), trees[name]
+        )
+        for name in scenario.variants
+    }
+    trials: Trials = asyncio.run(alternate(variants, options.repeats, work_dir, shown=scenario.shown))
+    print(trials.table(scenario.shown, scenario.anchor), flush=True)
+    return {"variants": {name: str(tree) for name, tree in trees.items()}, **trials.result(scenario.anchor)}
 
-    Sections needing a broker are skipped without one. Each section runs its trials interleaved inside
-    it, so drift touches its columns alike.
+
+def _file_floor(options: BenchOptions, work_dir: Path, progress: Progress) -> dict[str, Any]:
+    """The main load's file work alone beside Gym's store, tokcap's file store and the load's hop alone."""
+    scenario = by_name("file_floor")
+    variants = floor_variants(prepare(options.shape, "floor"))
+    trials = asyncio.run(
+        alternate(variants, options.repeats, work_dir, lambda line: progress(f"file floor: {line}"))
+    )
+    print(trials.table(scenario.shown, scenario.anchor), flush=True)
+    return trials.result(scenario.anchor)
+
+
+def _staging(
+    options: BenchOptions, bootstrap: str | None, work_dir: Path, progress: Progress
+) -> dict[str, Any]:
+    """Engine-side staging beside its floors (and straw-queue with ``--straw``)."""
+    progress("staging")
+    by_shape, measured, fetches = run_staging(
+        work_dir,
+        calls=options.staging_calls,
+        images=options.staging_images,
+        threads=options.staging_threads,
+        straw=options.straw,
+        bootstrap=bootstrap,
+        trials=options.repeats,
+    )
+    figures = staging_figures(by_shape, measured, fetches, bootstrap)
+    print(figures["table"], flush=True)
+    return figures
+
+
+def _scenario(
+    name: str, options: BenchOptions, bootstrap: str | None, work_dir: Path, progress: Progress
+) -> dict[str, Any] | None:
+    """Run one scenario; ``None`` when it needs a broker and there is none."""
+    scenario = by_name(name)
+    if scenario.kafka and bootstrap is None:
+        progress(f"{name}: skipped, it needs a broker")
+        return None
+    if scenario.trial is not None:
+        return _in_fresh_processes(scenario, options, bootstrap, work_dir)
+    if name == "main":
+        return asyncio.run(measure_shape(options.shape, options.repeats, bootstrap, work_dir, progress))
+    if name == "batch":
+        batch = BatchShape(rollouts=options.batch_rollouts)
+        progress(f"batch freeze: {batch.rollouts} rollouts x {batch.turns} turns, all frozen at once")
+        return asyncio.run(run_batch_freeze(batch, options.repeats, bootstrap, work_dir))
+    if name == "workers":
+        assert bootstrap is not None
+        return _workers(options, bootstrap, work_dir, progress)
+    if name == "growth":
+        progress("growth grid")
+        return {"shapes": measure_growth(options, bootstrap, work_dir, repeats=options.repeats)}
+    if name == "resolve":
+        assert bootstrap is not None
+        return _resolve(options, bootstrap, work_dir, progress)
+    if name == "staging":
+        return _staging(options, bootstrap, work_dir, progress)
+    if name == "file_floor":
+        return _file_floor(options, work_dir, progress)
+    raise KeyError(f"scenario {name} has no runner")
+
+
+def run_suite(options: BenchOptions, bootstrap: str | None, progress: Progress) -> dict[str, Any]:
+    """Measure every selected scenario (``options.only``) and return everything as JSON-ready data.
+
+    Scenarios needing a broker are skipped without one.
     """
     started = time.time()
     parent = options.work_dir or Path(tempfile.gettempdir())
@@ -345,31 +410,12 @@ def run_suite(options: BenchOptions, bootstrap: str | None, progress: Progress) 
     try:
         if bootstrap is not None:
             asyncio.run(warm_up_broker(bootstrap))
-        if "main" in options.only:
-            results["main"] = asyncio.run(
-                measure_shape(
-                    options.shape,
-                    options.repeats,
-                    bootstrap,
-                    work_dir,
-                    progress,
-                    with_materializer_process=True,
-                    with_gym=True,
-                )
-            )
-        if "batch" in options.only:
-            batch = BatchShape(rollouts=options.batch_rollouts)
-            progress(f"batch freeze: {batch.rollouts} rollouts x {batch.turns} turns, all frozen at once")
-            results["batch"] = asyncio.run(
-                run_batch_freeze(batch, options.repeats, bootstrap, work_dir, main_load=False)
-            )
-        if "workers" in options.only and bootstrap is not None:
-            results["workers"] = _workers(options, bootstrap, work_dir, progress)
-        if "growth" in options.only:
-            progress("growth grid")
-            results["growth"] = measure_growth(options, bootstrap, work_dir, repeats=options.repeats)
-        if "resolve" in options.only and bootstrap is not None:
-            results["resolve"] = _resolve(options, bootstrap, work_dir, progress)
+        for name in options.only:
+            measured = _scenario(name, options, bootstrap, work_dir, progress)
+            if measured is not None:
+                results[name] = measured
+        if "growth" in results:
+            results["growth_corners"] = corner_figures(results["growth"]["shapes"])
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     return {

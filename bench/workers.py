@@ -1,6 +1,6 @@
 """Materializer apply throughput with N worker processes on a pre-filled topic.
 
-    python -m bench.workers [--bootstrap HOST:PORT] [--rollouts 1000] [--turns 8] [--partitions 4] [--workers 1,2]
+    python -m bench --only workers
 
 The topic is filled first (per rollout and turn an intent and a put of a ``--prompt-tokens`` prompt and
 ``--generated-tokens`` generation, then a freeze per rollout). Then, for each N of ``--workers`` and each
@@ -25,17 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import shutil
-import tempfile
 import uuid
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.broker import local_broker
-from bench.stats import median
+from bench.harness import Variant, alternate
 from tokcap.events import FreezeEvent
 from tokcap.records import TokenEntry
 
@@ -44,10 +39,8 @@ __all__ = [
     "WorkersFigure",
     "WorkersMismatchError",
     "fill_topic",
-    "main",
     "measure_workers",
     "run_workers",
-    "summarize",
 ]
 
 
@@ -198,128 +191,50 @@ def _contents(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _print(figure: WorkersFigure, baseline: float | None) -> None:
-    speedup = f", {figure.events_per_s / baseline:.2f}x N=1" if baseline else ""
-    print(
-        f"N={figure.workers}: {figure.events} events in {figure.seconds:.2f} s = {figure.events_per_s:,.0f} events/s"
-        f" total, {figure.cpu_s_per_event * 1e6:.0f} CPU-us/event{speedup}"
-    )
-    for index, worker in enumerate(figure.per_worker):
-        print(
-            f"  worker {index} partitions {list(worker.partitions)}: {worker.events} events in {worker.seconds:.2f} s"
-            f" = {worker.events_per_s:,.0f} events/s, {worker.cpu_s:.2f} CPU-s"
-            f" ({worker.cpu_s / worker.events * 1e6 if worker.events else 0:.0f} CPU-us/event),"
-            f" {worker.wait_s:.2f} s waiting for a CPU"
-        )
-
-
 def run_workers(
     bootstrap: str, args: argparse.Namespace, counts: list[int], trials: int, scratch: Path
-) -> dict[int, list[WorkersFigure]]:
-    """Fill a topic, then run every worker count ``trials`` times, alternating, checking the directories agree.
+) -> dict[str, Any]:
+    """Fill a topic, then apply it with every worker count, trials alternating, checking the directories agree.
 
-    Each trial after the first runs the counts in the opposite order (1, 2, then 2, 1, ...), and every store
-    directory is removed only after the last trial. On ext4 a file created within half a minute of thousands
-    being removed costs several times more (the inode allocator passes over the recently freed ones), so
-    removing each directory before the next count's trial made that trial pay for the one before it.
+    Every run's directory must be byte-identical to the first, or the projection is not deterministic and
+    its rate means nothing. Returns the medians per count (``vs_first``: total events/s over the first
+    count's) and every trial's figures.
     """
-    results: dict[int, list[WorkersFigure]] = {n: [] for n in counts}
     topic, ends = fill_topic(bootstrap, args)
-    directories: list[Path] = []
+    reference: list[dict[str, bytes]] = []
+
+    def variant(n: int) -> Variant:
+        async def trial(directory: Path) -> dict[str, float]:
+            figure = await asyncio.to_thread(measure_workers, bootstrap, topic, ends, n, directory)
+            contents = _contents(directory)
+            if not reference:
+                reference.append(contents)
+            elif contents != reference[0]:
+                raise WorkersMismatchError(
+                    f"the store directory of N={n} differs from the first run's; "
+                    "the workers' projection is not deterministic, so its rate means nothing"
+                )
+            per_worker = [w.events_per_s for w in figure.per_worker]
+            return {
+                "events_per_s": figure.events_per_s,
+                # Each worker's events over its own apply time, averaged over the workers of a run.
+                "events_per_s_per_worker": sum(per_worker) / max(1, len(per_worker)),
+                "cpu_s_per_event": figure.cpu_s_per_event,
+                "events": float(figure.events),
+            }
+
+        return trial
+
     try:
         print(
             f"{topic}: {sum(ends.values())} events over {args.partitions} partitions ({args.rollouts} rollouts x "
             f"{args.turns} turns, intent + put of a {args.prompt_tokens}+{args.generated_tokens}-token call, freeze)"
         )
-        reference: dict[str, bytes] | None = None
-        for trial in range(trials):
-            for n in counts if trial % 2 == 0 else list(reversed(counts)):
-                directory = scratch / f"tokcap-bench-workers-n{n}-t{trial}-{uuid.uuid4().hex[:6]}"
-                directories.append(directory)
-                figure = measure_workers(bootstrap, topic, ends, n, directory)
-                results[n].append(figure)
-                contents = _contents(directory)
-                if reference is None:
-                    reference = contents
-                elif contents != reference:
-                    raise WorkersMismatchError(
-                        f"the store directory of N={n} trial {trial} differs from the first run's; "
-                        "the workers' projection is not deterministic, so its rate means nothing"
-                    )
-            for n in counts:
-                baseline = results[counts[0]][-1].events_per_s if n != counts[0] else None
-                print(f"trial {trial}: ", end="")
-                _print(results[n][-1], baseline)
+        trials_run = asyncio.run(alternate({str(n): variant(n) for n in counts}, trials, scratch))
     finally:
         _delete_topic(bootstrap, topic)
-        for directory in directories:
-            shutil.rmtree(directory, ignore_errors=True)
-    return results
-
-
-def summarize(results: dict[int, list[WorkersFigure]]) -> dict[str, Any]:
-    """Medians over trials per worker count, and the total's ratio to the smallest count."""
-    counts = sorted(results)
-    summary: dict[str, Any] = {}
-    for n in counts:
-        figures = results[n]
-        summary[str(n)] = {
-            "events_per_s": median([f.events_per_s for f in figures]),
-            # Each worker's events over its own apply time, averaged over the workers of a run.
-            "events_per_s_per_worker": median(
-                [sum(w.events_per_s for w in f.per_worker) / max(1, len(f.per_worker)) for f in figures]
-            ),
-            "cpu_s_per_event": median([f.cpu_s_per_event for f in figures]),
-            "events": median([float(f.events) for f in figures]),
-        }
-    if counts:
-        base = summary[str(counts[0])]["events_per_s"]
-        for n in counts:
-            summary[str(n)]["vs_first"] = summary[str(n)]["events_per_s"] / base if base else float("nan")
-    return summary
-
-
-def main() -> None:
-    """Fill a topic, then measure apply throughput for each worker count."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--bootstrap", default=None, help="a running broker (default: start a local one)")
-    parser.add_argument("--rollouts", type=int, default=1000)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
-    parser.add_argument("--generated-tokens", type=int, default=200)
-    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts to measure")
-    parser.add_argument("--trials", type=int, default=2, help="runs per worker count, alternating")
-    parser.add_argument("--dir", type=Path, default=None, help="where to create the store directories")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    args = parser.parse_args()
-    counts = [int(n) for n in args.workers.split(",") if n.strip()]
-    with ExitStack() as stack:
-        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        bootstrap = args.bootstrap or stack.enter_context(local_broker(scratch / "broker"))
-        results = run_workers(bootstrap, args, counts, args.trials, args.dir or scratch)
-    best = {n: max(figures, key=lambda f: f.events_per_s) for n, figures in results.items()}
-    print("best of trials:")
-    for n in counts:
-        _print(best[n], best[counts[0]].events_per_s if n != counts[0] else None)
-    print("every directory byte-identical: yes")
-    if args.json is not None:
-        payload: dict[str, Any] = {
-            str(n): [
-                {
-                    **asdict(f),
-                    "events": f.events,
-                    "events_per_s": f.events_per_s,
-                    "cpu_s_per_event": f.cpu_s_per_event,
-                }
-                for f in figures
-            ]
-            for n, figures in results.items()
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    summary = trials_run.summary()
+    ratios = trials_run.ratios(str(counts[0]))
+    for n, figures in summary.items():
+        figures["vs_first"] = ratios[n]["events_per_s"]
+    return {"figures": summary, "runs": trials_run.runs}

@@ -10,12 +10,14 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import orjson
 import pytest
 
-from bench import trainer_first
+from bench.__main__ import main
 from bench.kafka_split import TrainerProcessError, _start_trainer, run_with_trainer_process
 from bench.load import prepare
 from bench.options import WorkloadShape
+from bench.scenarios import by_name
 from transports.kafka.topics import ensure_topic
 
 
@@ -50,11 +52,12 @@ def test_a_freeze_the_trainer_cannot_serve_fails_the_load_with_the_trainers_reas
     asyncio.run(freeze_a_bad_id())
 
 
-def test_the_trainer_first_command_lowers_only_the_load_process_priority_in_its_own_arm(
+def test_the_trainer_first_scenario_lowers_only_the_load_process_priority_in_its_own_variant(
     kafka_bootstrap: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--bootstrap", kafka_bootstrap, "--trials", "2", "--rollouts", "2", "--nice", "7"]
-    assert trainer_first.main([*argv, "--dir", str(tmp_path)]) == 0
+    argv = ["--only", "trainer_first", "--bootstrap", kafka_bootstrap, "--trials", "2", "--rollouts", "2"]
+    work, output = tmp_path / "work", tmp_path / "latest.json"
+    assert main([*argv, "--dir", str(work), "--output", str(output)]) == 0
     lines = capsys.readouterr().out.splitlines()
     trials = [line for line in lines if line.startswith("trial")]
     assert [line.split(":")[0] for line in trials] == [
@@ -63,16 +66,10 @@ def test_the_trainer_first_command_lowers_only_the_load_process_priority_in_its_
         "trial 2 trainer_first",
         "trial 2 equal",
     ]
+    nice = by_name("trainer_first").settings["trainer_first"]["nice"]
     for line in trials:
         niceness = line.split("niceness ")[1]
-        assert niceness == ("7.00" if "trainer_first" in line else "0.00"), line
-    assert lines[-1].split() == ["niceness", "0.00", "7.00"]
-    assert list(tmp_path.iterdir()) == [], "trial directories are removed after the last trial"
-
-
-def test_the_trainer_first_command_refuses_a_priority_that_would_not_lower_the_load(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    with pytest.raises(SystemExit):
-        trainer_first.main(["--bootstrap", "127.0.0.1:1", "--nice", "0"])
-    assert "--nice must be 1 to 19" in capsys.readouterr().err
+        assert niceness == (f"{nice:.2f}" if "trainer_first" in line else "0.00"), line
+    medians = orjson.loads(output.read_bytes())["trainer_first"]["medians"]
+    assert medians["equal"]["niceness"] == 0 and medians["trainer_first"]["niceness"] == nice
+    assert list(work.iterdir()) == [], "trial directories are removed after the last trial"

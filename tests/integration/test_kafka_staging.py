@@ -331,25 +331,11 @@ def test_without_a_store_dir_a_stage_the_store_drops_is_refused_at_its_ledger_re
 def test_the_staging_benchmark_measures_kafka_staging_beside_the_raw_producer_floor(
     kafka_bootstrap: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bench.staging import main
+    from bench.__main__ import main
 
-    assert (
-        main(
-            [
-                "--calls",
-                "2",
-                "--images",
-                "1",
-                "--threads",
-                "2",
-                "--dir",
-                str(tmp_path),
-                "--bootstrap",
-                kafka_bootstrap,
-            ]
-        )
-        == 0
-    )
+    argv = ["--only", "staging", "--staging-calls", "2", "--staging-images", "1", "--staging-threads", "2"]
+    argv += ["--trials", "1", "--bootstrap", kafka_bootstrap]
+    assert main([*argv, "--dir", str(tmp_path / "work"), "--output", str(tmp_path / "latest.json")]) == 0
     out = capsys.readouterr().out
     assert (
         out.count("tokcap KafkaStagingSink |") == 2

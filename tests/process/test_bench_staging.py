@@ -8,9 +8,11 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+import orjson
 import pytest
 
-from bench.staging import image_calls, main, moe_calls, run_floor, run_tokcap, run_tokcap_ledger_process
+from bench.__main__ import main
+from bench.staging import image_calls, moe_calls, run_floor, run_tokcap, run_tokcap_ledger_process
 from tokcap.staging import FileStagingSource
 
 
@@ -45,15 +47,27 @@ def test_the_floor_writes_the_bytes_tokcap_stages_and_tokcap_reads_them_back(tmp
     ]
 
 
-def test_the_command_prints_every_row_and_names_the_missing_kafka_rows(
+_SMALL = ["--only", "staging", "--staging-calls", "2", "--staging-images", "1", "--staging-threads", "2"]
+
+
+def test_the_scenario_prints_every_row_and_names_the_missing_kafka_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["--calls", "2", "--images", "1", "--threads", "2", "--dir", str(tmp_path)]) == 0
+    output = tmp_path / "latest.json"
+    assert main([*_SMALL, "--trials", "1", "--dir", str(tmp_path / "work"), "--output", str(output)]) == 0
     out = capsys.readouterr().out
     assert out.count("tokcap FileStagingSink |") == 2 and out.count("+ ledger thread") == 2
-    assert out.count("file floor") == 2 and out.count("+ ledger process") == 2
+    assert out.count("| file floor (write + fsync) |") == 2 and out.count("+ ledger process") == 2
     assert out.count("Ledger floor's append + fsync alone") == 4
     assert "not measured" in out and "64-call chain fetch" in out
+    staging = orjson.loads(output.read_bytes())["staging"]
+    assert set(staging["figures"]["moe"]) == {
+        "floor",
+        "tokcap",
+        "tokcap_ledger_thread",
+        "tokcap_ledger_process",
+    }
+    assert set(staging["ratios"]["image"]) == {"tokcap_vs_floor"}, "straw-queue and Kafka were not asked for"
 
 
 def test_the_ledger_process_records_the_staged_calls_it_was_handed_and_does_their_floor(

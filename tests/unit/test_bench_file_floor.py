@@ -1,7 +1,7 @@
-"""The file-work floor writes exactly the lines tokcap stores; the command prints it beside the stores and the load.
+"""The file-work floor writes exactly the lines tokcap stores, and the hop-only target runs every call on its thread.
 
-The command drives Gym 0.7.0's store (the public wheel, cached by the tests' loader) and tokcap's file store on a
-small shape; no speed is checked.
+``python -m bench --only file_floor`` puts both beside Gym's store and tokcap's (``tests/process``); no speed is
+checked.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.file_floor import HopOnly, main, run_floor, run_hop_only
+from bench.file_floor import HopOnly, run_floor, run_hop_only
 from bench.load import prepare
 from bench.options import WorkloadShape
 
@@ -43,17 +43,3 @@ def test_the_hop_only_target_runs_every_call_of_the_load_on_its_writer_thread() 
     assert asyncio.run(run_hop_only(workload, target)) > 0
     calls = 2 * workload.puts + workload.shape.total_rollouts
     assert target.ran_on == {"tokcap-bench-hop": calls}
-
-
-def test_the_command_prints_gym_tokcap_and_the_floor_side_by_side(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main(["--rollouts", "2", "--repeats", "1", "--dir", str(tmp_path)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert (
-        "| figure | Gym 0.7.0 file store | tokcap file store | file work alone (floor) "
-        "| load and writer-thread hop alone |"
-    ) in lines
-    assert any(line.startswith("|   ÷ Gym | 1.00 |") for line in lines)
-    assert lines[-1].startswith("7x Gym is ")
-    assert list(tmp_path.iterdir()) == [], "the repeats' directories are removed"

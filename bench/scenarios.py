@@ -1,0 +1,171 @@
+"""Every scenario ``python -m bench`` runs, as data: what load, which stores or transports, compared against what.
+
+A scenario's variants take turns inside one run (``bench.harness``); ``anchor`` names the variant its ratios
+divide by. Scenarios with a ``trial`` run each trial in a fresh interpreter (``bench.trials``); those with
+``baseline`` compare this checkout with another one given by ``--baseline``. The rest are sections measured in
+this process by ``bench.suite``. ``default`` marks the scenarios a plain ``python -m bench`` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["DEFAULT", "SCENARIOS", "Scenario", "by_name"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One named comparison: its load, the variants that take turns, and the one its ratios are to."""
+
+    name: str
+    load: str
+    variants: tuple[str, ...]
+    anchor: str | None = None
+    kafka: bool = False
+    """Needs a broker; without one it is skipped."""
+    starts_broker: bool = True
+    """Without ``--bootstrap``, a local broker is started for it (its Kafka side, or all of it, needs one)."""
+    default: bool = False
+    trial: str | None = None
+    """A function of ``bench.trials``: each trial of each variant runs it in a fresh interpreter."""
+    baseline: bool = False
+    """Its variants are this checkout and ``--baseline``; it cannot run without one."""
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
+    """Per variant, the keyword settings its trial function gets on top of the run's."""
+    shown: tuple[str, ...] = ()
+    """The figures printed per trial and in the medians table."""
+
+
+_MAIN_LOAD = (
+    "64 concurrent rollouts x 2 rounds, 8 turns, 1k system prompt, 200 generated + 100 tool tokens a turn; "
+    "intent + put per turn, freeze when a rollout ends"
+)
+_LOAD_FIGURES = ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms")
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "main",
+        _MAIN_LOAD
+        + "; physical references (fsync, syncfs, rename, create, orjson encode + write) in each trial",
+        ("reference", "call_costs", "gym", "file", "kafka", "kafka_ext", "kafka_split"),
+        anchor="gym",
+        default=True,
+    ),
+    Scenario(
+        "batch",
+        "200 rollouts x 4 turns written 32 at a time, then all frozen at once",
+        ("gym", "file", "kafka"),
+        anchor="gym",
+        default=True,
+    ),
+    Scenario(
+        "workers",
+        "a 4-partition topic of 1,000 rollouts x 8 turns applied from offset 0 into an empty directory",
+        ("1", "2"),
+        anchor="1",
+        kafka=True,
+        default=True,
+    ),
+    Scenario(
+        "growth",
+        "8 concurrent rollouts x 2 rounds per shape, 4/16/64 turns x 1k/32k prompt",
+        ("deltas_off", "deltas_on"),
+        default=True,
+    ),
+    Scenario(
+        "resolve",
+        "lineage resolve under the main load: a probe process on the run topic, and the load's closed loop",
+        ("probe", "closed_loop"),
+        kafka=True,
+        default=True,
+    ),
+    Scenario(
+        "staging",
+        "engine-side staging from 16 threads: 320 MoE calls (1 MB extras) and 64 calls with a 4 MiB image",
+        ("floor", "tokcap", "tokcap_ledger_thread", "tokcap_ledger_process", "straw", "kafka_floor", "kafka"),
+        anchor="floor",
+        starts_broker=False,
+    ),
+    Scenario(
+        "file_floor",
+        _MAIN_LOAD
+        + "; the file work alone (append, hash, state rename, one syncfs per 6 puts) beside the stores "
+        "and the load's driver with only the hop to a writer thread",
+        ("floor", "gym", "file", "hop"),
+        anchor="gym",
+        starts_broker=False,
+        shown=("puts_per_s", "cpu_us_per_put"),
+    ),
+    Scenario(
+        "freeze_phases",
+        _MAIN_LOAD + "; Kafka only, every freeze's time split by the public metrics",
+        ("kafka",),
+        kafka=True,
+        trial="freeze_phases",
+        shown=("freeze_p50_ms", "freeze_p99_ms", "answer_mean_ms", "answer_share", "freezes"),
+    ),
+    Scenario(
+        "trainer_first",
+        _MAIN_LOAD + "; sinks here, source and materializer in a trainer process; the load niced or not",
+        ("equal", "trainer_first"),
+        anchor="equal",
+        kafka=True,
+        trial="trainer_split",
+        settings=MappingProxyType({"equal": {"nice": 0}, "trainer_first": {"nice": 19}}),
+        shown=("freeze_p50_ms", "freeze_p99_ms", "freeze_max_ms", "puts_per_s", "niceness"),
+    ),
+    Scenario(
+        "file_store_ab",
+        _MAIN_LOAD + "; Gym's store then the tree's file store in each trial",
+        ("this", "baseline"),
+        anchor="baseline",
+        trial="file_store",
+        baseline=True,
+        starts_broker=False,
+        shown=(*_LOAD_FIGURES, "puts_per_sync", "cpu_s"),
+    ),
+    Scenario(
+        "kafka_ab",
+        _MAIN_LOAD + "; Gym's store, then the tree's Kafka sink and source, then a replay of the topic",
+        ("this", "baseline"),
+        anchor="baseline",
+        kafka=True,
+        trial="kafka",
+        baseline=True,
+        shown=(*_LOAD_FIGURES, "replay_per_s", "backlog"),
+    ),
+    Scenario(
+        "apply_ab",
+        _MAIN_LOAD + " over Kafka, then the apply step (decode + apply) over the topic alone",
+        ("this", "baseline"),
+        anchor="baseline",
+        kafka=True,
+        trial="apply_rate",
+        baseline=True,
+        shown=("events_per_s", "tokens_per_s", "us_per_put", "events"),
+    ),
+    Scenario(
+        "sends_ab",
+        "64 senders each awaiting 60 sends of a 2 kB message through one producer bridge (acks=all)",
+        ("this", "baseline"),
+        anchor="baseline",
+        kafka=True,
+        trial="producer_sends",
+        baseline=True,
+        shown=("sends_per_s", "cpu_us_per_send", "p50_ms", "p99_ms"),
+    ),
+)
+
+DEFAULT = tuple(scenario.name for scenario in SCENARIOS if scenario.default)
+"""What a plain ``python -m bench`` runs, in order."""
+
+
+def by_name(name: str) -> Scenario:
+    """The scenario called ``name``; a ``KeyError`` naming the known ones otherwise."""
+    for scenario in SCENARIOS:
+        if scenario.name == name:
+            return scenario
+    raise KeyError(f"unknown scenario {name!r}; choose from {', '.join(s.name for s in SCENARIOS)}")

@@ -1,0 +1,261 @@
+"""Trials that run in a fresh interpreter each: one function per comparison the harness runs in new processes.
+
+Each function takes the trial's directory and keyword settings (``rollouts``, ``bootstrap``, ...) and returns
+its figures. ``bench.harness.in_fresh_process`` runs it with a chosen tree first on ``sys.path``; the file is
+read from this checkout, so everything a tree must provide is imported inside the functions, from modules
+every tree since the batch section has (``bench.load``, ``bench.file_store_trial``, ``bench.kafka_trial``,
+``bench.batch_freeze.load_gym_store``). A setting a trial does not use is ignored, so one set of settings
+serves every scenario.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "apply_rate",
+    "file_store",
+    "gym_anchor",
+    "kafka",
+    "load_figures",
+    "producer_sends",
+    "trainer_split",
+]
+
+
+async def gym_anchor(workload: Any, directory: Path) -> Any:
+    """Gym 0.7.0's own store driven by the main load on the same entries: the anchor of a trial."""
+    from bench.batch_freeze import load_gym_store
+    from bench.load import drive
+
+    gym_store_class, gym_entry_class = load_gym_store()
+    gym_workload = replace(
+        workload,
+        slots=[
+            [
+                (rid, [gym_entry_class.model_validate(e.model_dump()) for e in entries])
+                for rid, entries in slot
+            ]
+            for slot in workload.slots
+        ],
+    )
+    gym_store = gym_store_class(directory)
+    try:
+        return await drive(gym_workload, gym_store)
+    finally:
+        await gym_store.close()
+
+
+def load_figures(load: Any, gym_load: Any) -> dict[str, float]:
+    """The main load's figures every load trial returns: put/s, put/s over Gym's, freeze p50 and p99 under load."""
+    from bench.stats import percentile
+
+    freezes = load.freeze_under_load_ms
+    return {
+        "puts_per_s": load.puts_per_s,
+        "vs_gym": load.puts_per_s / gym_load.puts_per_s,
+        "freeze_p50_ms": percentile(freezes, 0.50),
+        "freeze_p99_ms": percentile(freezes, 0.99),
+    }
+
+
+def _workload(rollouts: int, name: str) -> Any:
+    from bench.load import prepare
+    from bench.options import WorkloadShape
+
+    return prepare(WorkloadShape(rollouts=rollouts), name)
+
+
+async def file_store(directory: Path, rollouts: int = 64, **_: Any) -> dict[str, float]:
+    """Gym's store, then the tree's file store, on the same prepared entries of the main load."""
+    from bench.file_store_trial import run_file_store_trial
+
+    workload = _workload(rollouts, "ab")
+    gym_load = await gym_anchor(workload, directory / "gym")
+    started = time.process_time()
+    trial = await run_file_store_trial(workload, directory / "tokcap")
+    cpu = time.process_time() - started
+    return {**load_figures(trial.load, gym_load), "puts_per_sync": trial.puts_per_sync, "cpu_s": cpu}
+
+
+async def kafka(directory: Path, bootstrap: str, rollouts: int = 64, **_: Any) -> dict[str, float]:
+    """Gym's store, then the tree's Kafka sink and source (in-process materializer), then a replay of the topic."""
+    from bench.kafka_trial import run_kafka_trial
+
+    workload = _workload(rollouts, "ab")
+    gym_load = await gym_anchor(workload, directory / "gym")
+    trial = await run_kafka_trial(workload, bootstrap, directory / "tokcap")
+    return {
+        **load_figures(trial.load, gym_load),
+        "replay_per_s": trial.replay.puts_per_s,
+        "backlog": float(trial.lag_at_end_of_puts),
+    }
+
+
+async def apply_rate(directory: Path, bootstrap: str, rollouts: int = 64, **_: Any) -> dict[str, float]:
+    """The tree's Kafka main load on a fresh topic, then its apply step (decode + apply) over the topic alone.
+
+    Events per second depend on how many messages a tree writes per call; tokens per second and microseconds
+    per put compare trees that write different events.
+    """
+    from bench.kafka_trial import run_kafka_trial
+
+    workload = _workload(rollouts, "ab")
+    trial = await run_kafka_trial(workload, bootstrap, directory / "tokcap")
+    apply = trial.apply
+    return {
+        "events_per_s": apply.events_per_s,
+        "tokens_per_s": apply.tokens_per_s,
+        "us_per_put": apply.seconds / workload.puts * 1e6,
+        "events": float(apply.events),
+    }
+
+
+async def producer_sends(
+    directory: Path, bootstrap: str, senders: int = 64, sends: int = 60, **_: Any
+) -> dict[str, float]:
+    """Concurrent senders each awaiting one small message at a time through one producer bridge (acks=all).
+
+    What the bridge adds to every intent and put of a sink: sends per second, process CPU per send (the poll
+    thread and librdkafka's threads included), send latency p50 and p99.
+    """
+    from transports.kafka.codec import OutgoingMessage
+    from transports.kafka.producer_bridge import ProducerBridge
+    from transports.kafka.topics import ensure_topic
+
+    topic = f"tokcap.bench-sends-{uuid.uuid4().hex[:12]}"
+    ensure_topic(bootstrap, topic)
+    bridge = ProducerBridge(bootstrap)
+    latencies: list[float] = []
+    value = b"x" * 2000
+
+    async def sender(name: str, count: int) -> None:
+        message = OutgoingMessage(key=name.encode(), value=value, headers=[])
+        for _ in range(count):
+            started = time.perf_counter()
+            await bridge.send(topic, [message], what="bench send")
+            latencies.append(time.perf_counter() - started)
+
+    try:
+        await sender("warm-up", 50)  # connection, producer id and metadata first
+        latencies.clear()
+        cpu, wall = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(sender(f"s{index}", sends) for index in range(senders)))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        await asyncio.to_thread(bridge.close)
+    ordered = sorted(latencies)
+    return {
+        "sends_per_s": len(ordered) / wall,
+        "cpu_us_per_send": cpu / len(ordered) * 1e6,
+        "p50_ms": statistics.median(ordered) * 1000,
+        "p99_ms": ordered[int(len(ordered) * 0.99)] * 1000,
+    }
+
+
+async def trainer_split(
+    directory: Path, bootstrap: str, rollouts: int = 64, nice: int = 0, **_: Any
+) -> dict[str, float]:
+    """The split shape (sinks here, source and materializer in a trainer process), the load at niceness ``nice``.
+
+    The niceness is read back, not assumed, so a trial the kernel refused to renice shows it.
+    """
+    from bench.kafka_split import run_with_trainer_process
+    from bench.stats import percentile
+
+    workload = _workload(rollouts, f"first{os.getpid()}")
+    trial = await run_with_trainer_process(workload, bootstrap, directory, load_niceness=nice)
+    latencies = trial.trainer_freeze_under_load_ms or trial.trainer_freeze_after_load_ms
+    return {
+        "freeze_p50_ms": percentile(latencies, 0.50),
+        "freeze_p99_ms": percentile(latencies, 0.99),
+        "freeze_max_ms": max(latencies),
+        "puts_per_s": trial.load.puts_per_s,
+        "niceness": float(os.nice(0)),
+    }
+
+
+def _histogram(metric: Any, **labels: str) -> tuple[float, float, list[tuple[float, float]]]:
+    """Count, sum and cumulative buckets (upper bound, count) of one tokcap histogram, read from its samples."""
+    count = total = 0.0
+    buckets: list[tuple[float, float]] = []
+    for family in metric.collect():
+        for sample in family.samples:
+            if any(sample.labels.get(key) != value for key, value in labels.items()):
+                continue
+            if sample.name.endswith("_count"):
+                count = sample.value
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_bucket"):
+                buckets.append((float(sample.labels["le"]), sample.value))
+    return count, total, buckets
+
+
+def _bucket_p99_ms(buckets: list[tuple[float, float]], count: float) -> float:
+    """The upper bound of the bucket that holds the 99th percentile, in milliseconds."""
+    for bound, cumulative in sorted(buckets):
+        if count and cumulative >= 0.99 * count:
+            return bound * 1000
+    return float("nan")
+
+
+async def freeze_phases(directory: Path, bootstrap: str, rollouts: int = 64, **_: Any) -> dict[str, float]:
+    """The Kafka main load in one process, each freeze's time split by tokcap's public metrics.
+
+    The caller times every freeze (p50 and p99 of those started under load). Over all freezes of the trial,
+    ``tokcap_source_operation_seconds{kafka,freeze}`` holds the source's whole call and
+    ``tokcap_materializer_freeze_seconds`` the materializer's part: from reading the freeze off the log to
+    answering it. ``answer_share`` is the materializer's mean over the source's mean; the rest of a freeze is
+    the produce round trip (acks=all), the wait for the materializer to read that far, and the caller's wake.
+    """
+    from bench.kafka_trial import KafkaTarget, delete_topic
+    from bench.load import drive
+    from bench.stats import percentile
+    from tokcap.metrics import FREEZE_SECONDS, SOURCE_SECONDS
+    from transports.kafka.sink import KafkaTokenSink
+    from transports.kafka.source import KafkaTokenSource
+    from transports.kafka.topics import ensure_topic
+
+    workload = _workload(rollouts, f"phases{os.getpid()}")
+    topic = f"tokcap.bench-phases-{uuid.uuid4().hex[:12]}"
+    ensure_topic(bootstrap, topic)
+    source_before = _histogram(SOURCE_SECONDS, transport="kafka", operation="freeze")
+    answer_before = _histogram(FREEZE_SECONDS)
+    try:
+        sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+        source = KafkaTokenSource(bootstrap_servers=bootstrap, store_dir=directory / "live", topic=topic)
+        try:
+            load = await drive(workload, KafkaTarget(sink, source))
+        finally:
+            await sink.close()
+            await source.close()
+    finally:
+        await asyncio.to_thread(delete_topic, bootstrap, topic)
+    calls, call_s, _call_buckets = _histogram(SOURCE_SECONDS, transport="kafka", operation="freeze")
+    answers, answer_s, buckets = _histogram(FREEZE_SECONDS)
+    calls, call_s = calls - source_before[0], call_s - source_before[1]
+    answers, answer_s = answers - answer_before[0], answer_s - answer_before[1]
+    counted_before = dict(answer_before[2])
+    answer_buckets = [(bound, cumulative - counted_before.get(bound, 0.0)) for bound, cumulative in buckets]
+    if not calls or not answers:
+        raise ValueError(
+            f"no freeze was timed ({calls:.0f} source calls, {answers:.0f} answers); is the load empty?"
+        )
+    call_mean, answer_mean = call_s / calls * 1000, answer_s / answers * 1000
+    return {
+        "freeze_p50_ms": percentile(load.freeze_under_load_ms, 0.50),
+        "freeze_p99_ms": percentile(load.freeze_under_load_ms, 0.99),
+        "call_mean_ms": call_mean,
+        "answer_mean_ms": answer_mean,
+        "answer_p99_bucket_ms": _bucket_p99_ms(answer_buckets, answers),
+        "answer_share": answer_mean / call_mean,
+        "freezes": calls,
+    }
