@@ -154,6 +154,11 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
             staging_images=min(options.staging_images, 8),
             senders=min(options.senders, 8),
             sends=min(options.sends, 10),
+            long_rollouts=(200,),
+            long_samples=10,
+            long_build_trials=2,
+            intent_pairs=(200, 400),
+            metrics_puts=100,
         )
     wanted = args.bootstrap is not None or any(by_name(name).starts_broker for name in options.only)
     return options, wanted and not args.no_kafka

@@ -1,7 +1,7 @@
 """CPU per event of the store's apply step and per intent + put of the file sink, against Gym 0.7.0's store.
 
-``python -m bench.apply_cost`` builds the main workload's entries once (64 rollouts x 2 rounds x 8 turns,
-1k-token system prompt) and measures, one call at a time from one thread, with real syncs:
+``python -m bench --only apply_cost --baseline DIR`` builds the main workload's entries once (64 rollouts x 2
+rounds x 8 turns, 1k-token system prompt) and measures, one call at a time from one thread, with real syncs:
 
 - the apply step: ``store.apply(event, position)`` over the event stream a materializer applies (intent and
   put per turn, a freeze per rollout, log positions on four partitions), in deferred-durability blocks of the
@@ -13,26 +13,23 @@
 
 CPU is ``time.process_time`` (user + system of this process), not wall time, so the figures hold on a
 machine other jobs share; the ratios of trials run side by side in one run are the evidence.
-``--baseline DIR`` measures another checkout's tokcap (``git worktree add /tmp/apply-base main``) in the
-same run, trials alternating; each trial runs in its own process.
+The scenario measures this checkout and ``--baseline DIR`` (``git worktree add /tmp/apply-base main``) in the
+same run, trials alternating, each in its own process (``bench.trials.apply_cost``); ``apply_many`` is timed in
+a process of its own, since after the other figures it would pay for their dirty pages and heap.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "measure"]
+__all__ = ["measure"]
 
 _REPO = Path(__file__).resolve().parent.parent
 _BLOCK_BEFORE_IT_WAS_NAMED = 200
@@ -330,165 +327,3 @@ def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         figures["gym"] = _gym_store(workload, directory / "gym")
         figures["gym_load"] = _under_load(workload, directory / "gym-load", gym=True)
     return figures
-
-
-def _trial(tree: Path, args: argparse.Namespace, *, gym: bool, grouped_only: bool = False) -> dict[str, Any]:
-    """Run one trial in a fresh process importing tokcap from ``tree``."""
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        f"--rollouts={args.rollouts}",
-        f"--rounds={args.rounds}",
-        f"--turns={args.turns}",
-        f"--prompt={args.prompt}",
-    ]
-    if args.block is not None:
-        command.append(f"--block={args.block}")
-    if args.dir is not None:
-        command.append(f"--dir={args.dir}")
-    if not gym:
-        command.append("--no-gym")
-    if grouped_only:
-        command.append("--grouped-only")
-    if args.apply_only:
-        command.append("--apply-only")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"trial with tokcap from {tree} failed:\n{done.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
-def _has_apply_many(tree: Path) -> bool:
-    return "def apply_many(" in (tree / "tokcap" / "store.py").read_text()
-
-
-def _median(trials: list[dict[str, Any]], part: str, key: str) -> float:
-    return float(statistics.median(float(trial[part][key]) for trial in trials))
-
-
-def _report(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> None:
-    rows: list[tuple[str, str, str]] = [
-        ("apply step, intent event", "apply", "intent_us"),
-        ("apply step, put event", "apply", "put_us"),
-        ("apply step, freeze event", "apply", "freeze_us"),
-        ("apply step, block end per event", "apply", "block_end_us_per_event"),
-        ("apply step, each event timed, per event", "apply", "timed_us_per_event"),
-        ("apply step, all per event", "apply", "all_us_per_event"),
-        ("  of which user", "apply", "user_us_per_event"),
-        ("  of which system", "apply", "system_us_per_event"),
-        ("apply step, apply_many, per event", "apply", "grouped_us_per_event"),
-        ("file sink, intent", "sink", "intent_us"),
-        ("file sink, put", "sink", "put_us"),
-        ("file sink, intent + put", "sink", "intent_put_us"),
-        ("file sink, freeze", "sink", "freeze_us"),
-        ("main load, process CPU per put", "load", "cpu_us_per_put"),
-        ("main load, put/s (wall, sanity)", "load", "puts_per_s"),
-        ("main load, freeze p99 ms (wall, sanity)", "load", "freeze_p99_ms"),
-    ]
-    print(f"tokcap: {current[0]['tokcap']}" + (f"  baseline: {baseline[0]['tokcap']}" if baseline else ""))
-    blocks = f"apply-step blocks of {current[0].get('block', '?')} events"
-    if baseline:
-        blocks += f" (baseline: {baseline[0].get('block', '?')})"
-    print(blocks)
-    print(f"median of {len(current)} trials; CPU us (process_time)")
-    header = f"{'figure':36} {'tokcap':>10}"
-    if baseline:
-        header += f" {'baseline':>10} {'base/new':>9}"
-    print(header)
-    for label, part, key in rows:
-        if part not in current[0] or key not in current[0][part]:
-            continue
-        now = _median(current, part, key)
-        line = f"{label:36} {now:10.1f}"
-        if baseline and key == "grouped_us_per_event":
-            before = _median(baseline, part, "all_us_per_event")
-            line += f" {before:10.1f} {before / now:8.2f}x  (baseline: apply one by one)"
-        elif baseline:
-            before = _median(baseline, part, key)
-            line += f" {before:10.1f} {before / now:8.2f}x"
-        print(line)
-    if "gym" in current[0] and "sink" in current[0]:
-        gym_pair = _median(current, "gym", "intent_put_us")
-        gym_put = _median(current, "gym", "put_us")
-        print(
-            f"{'Gym 0.7.0 store, intent / put':36} {_median(current, 'gym', 'intent_us'):10.1f} / {gym_put:.1f}"
-            f"   freeze {_median(current, 'gym', 'freeze_us'):.1f}"
-        )
-        ratios = [trial["gym"]["intent_put_us"] / trial["sink"]["intent_put_us"] for trial in current]
-        print(
-            f"{'Gym intent + put / tokcap intent + put':36} {statistics.median(ratios):10.2f}x"
-            f"   (Gym {gym_pair:.1f} us; per trial: {', '.join(f'{ratio:.2f}' for ratio in ratios)})"
-        )
-        if baseline:
-            base_ratios = [
-                trial["gym"]["intent_put_us"] / base["sink"]["intent_put_us"]
-                for trial, base in zip(current, baseline, strict=False)
-            ]
-            print(f"{'Gym intent + put / baseline':36} {statistics.median(base_ratios):10.2f}x")
-        load_ratio = [
-            trial["gym_load"]["cpu_us_per_put"] / trial["load"]["cpu_us_per_put"] for trial in current
-        ]
-        rate_ratio = [trial["load"]["puts_per_s"] / trial["gym_load"]["puts_per_s"] for trial in current]
-        print(
-            f"{'Gym main load, CPU per put / put/s':36} {_median(current, 'gym_load', 'cpu_us_per_put'):10.1f}"
-            f" / {_median(current, 'gym_load', 'puts_per_s'):.0f}"
-            f"   freeze p99 {_median(current, 'gym_load', 'freeze_p99_ms'):.1f} ms"
-        )
-        print(f"{'Gym CPU per put / tokcap, main load':36} {statistics.median(load_ratio):10.2f}x")
-        print(f"{'tokcap put/s / Gym put/s (sanity)':36} {statistics.median(rate_ratio):10.2f}x")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Measure, or with ``--worker`` run one trial and print its figures as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m bench.apply_cost", description=__doc__.split("\n")[0])
-    parser.add_argument("--rollouts", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=1000, help="system prompt tokens")
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument(
-        "--block",
-        type=int,
-        default=None,
-        help="events per deferred-durability block of the apply step (default: what each tree's materializer sweeps)",
-    )
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where trial directories go (default: a temp dir)"
-    )
-    parser.add_argument(
-        "--baseline", type=Path, default=None, help="another checkout's root to measure beside"
-    )
-    parser.add_argument("--no-gym", dest="gym", action="store_false", help="skip Gym 0.7.0's store")
-    parser.add_argument(
-        "--apply-only",
-        action="store_true",
-        help="measure the apply step only (no file sink, no load, no Gym)",
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--grouped-only", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-            print(json.dumps(measure(args, Path(scratch))))
-        return 0
-    current: list[dict[str, Any]] = []
-    baseline: list[dict[str, Any]] = []
-    for _ in range(args.trials):
-        if args.baseline is not None:
-            baseline.append(_trial(args.baseline.resolve(), args, gym=False))
-        current.append(_trial(_REPO, args, gym=args.gym and not args.apply_only))
-        if _has_apply_many(_REPO):
-            grouped = _trial(_REPO, args, gym=False, grouped_only=True)
-            current[-1]["apply"]["grouped_us_per_event"] = grouped["grouped_us_per_event"]
-    _report(current, baseline)
-    return 0
-
-
-if __name__ == "__main__":
-    if __package__ in (None, ""):
-        # Run as a file by a trial: the tree under test is on PYTHONPATH, this file's directory is not a package.
-        sys.path[0] = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] or str(_REPO)
-    raise SystemExit(main())

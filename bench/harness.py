@@ -37,6 +37,7 @@ __all__ = [
     "in_fresh_process",
     "machine_description",
     "machine_line",
+    "turn_order",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,6 +129,11 @@ def _ratio(value: float, base: float) -> float:
     return value / base if base and not math.isnan(base) else math.nan
 
 
+def turn_order(names: Sequence[str], trial: int) -> list[str]:
+    """The order variants run in at trial ``trial`` (from 0): as given, then reversed, and so on."""
+    return list(names) if trial % 2 == 0 else list(reversed(names))
+
+
 async def alternate(
     variants: Mapping[str, Variant],
     trials: int,
@@ -148,8 +154,7 @@ async def alternate(
     result = Trials({name: [] for name in variants})
     try:
         for trial in range(trials):
-            order = list(variants) if trial % 2 == 0 else list(reversed(list(variants)))
-            for name in order:
+            for name in turn_order(list(variants), trial):
                 directory = work / f"{name}-{trial}"
                 directory.mkdir(parents=True)
                 measured = dict(await variants[name](directory))

@@ -1,22 +1,24 @@
 """Intent and cancel pairs on one rollout: the work per event stays constant as the rollout grows.
 
-    python -m bench.intents [--pairs 1000,2000,4000]
+    python -m bench --only intents
 
-Prints, per size, the seconds to apply the pairs as a projection does (log positions, one deferred block
-per 200 events) and through the file store's own durable calls, with the ratio per 1,000 pairs, so a
-quadratic cost shows as a ratio that grows with the size.
+Per size (1,000, 2,000 and 4,000 pairs), the seconds to apply the pairs as a projection does (log positions,
+one deferred block per 200 events) and through the file store's own durable calls, the two taking turns, with
+the time per 1,000 pairs, so a quadratic cost shows as a figure that grows with the size.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from bench.harness import Variant, alternate
 from tokcap.events import CancelEvent, IntentEvent, LogPosition
 from tokcap.store import TokenCaptureStore
+
+__all__ = ["measure_intents"]
 
 _BLOCK = 200
 
@@ -44,27 +46,20 @@ def _direct(root: Path, pairs: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--pairs", default="1000,2000,4000")
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = parser.parse_args()
-    print(f"{'pairs':>6} {'projected s':>12} {'per 1k':>8} {'durable s':>10} {'per 1k':>8}")
-    for pairs in (int(p) for p in args.pairs.split(",")):
-        projected, direct = [], []
-        for _ in range(args.trials):
-            with (
-                tempfile.TemporaryDirectory(dir=args.dir) as a,
-                tempfile.TemporaryDirectory(dir=args.dir) as b,
-            ):
-                projected.append(_projected(Path(a), pairs))
-                direct.append(_direct(Path(b), pairs))
-        p, d = statistics.median(projected), statistics.median(direct)
-        print(f"{pairs:>6} {p:>12.3f} {p / pairs * 1000:>8.3f} {d:>10.3f} {d / pairs * 1000:>8.3f}")
+async def measure_intents(sizes: Sequence[int], trials: int, parent: Path) -> dict[str, Any]:
+    """Per size, seconds for the pairs and per 1,000 pairs, projected and durable taking turns; medians."""
+    figures: dict[str, Any] = {}
+    for pairs in sizes:
 
+        def variant(apply: Callable[[Path, int], float], count: int = pairs) -> Variant:
+            async def trial(directory: Path) -> dict[str, float]:
+                seconds = apply(directory, count)
+                return {"seconds": seconds, "ms_per_1k": seconds / count * 1e6}
 
-if __name__ == "__main__":
-    main()
+            return trial
+
+        measured = await alternate(
+            {"projected": variant(_projected), "durable": variant(_direct)}, trials, parent
+        )
+        figures[str(pairs)] = measured.summary()
+    return figures

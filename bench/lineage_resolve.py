@@ -1,23 +1,19 @@
 """Request-time parent resolution latency under the main workload's shape, Kafka and file store.
 
-    python -m bench.lineage_resolve [--bootstrap HOST:PORT] [--rollouts 64] [--turns 8] [--partitions 4]
+Closed loop (the ``resolve`` scenario of ``python -m bench``): each of the main shape's concurrent rollouts
+makes its calls as a model server would: resolve the parent of the request (timed), then put the call's entry,
+stamped with that decision and its continuation metadata. The prompt grows by the previous generation and the
+tool tokens every turn, as in the main workload (1000-token system prompt, 200 generated and 100 tool tokens
+per turn). One resolver per transport serves every rollout, as one model-server process would. It reports
+p50/p99/max of ``resolve`` (continuations only; roots answer without reading) and checks that every
+continuation resolved to the previous call.
 
-Each of ``--rollouts`` concurrent rollouts makes ``--turns`` calls as a model server would: resolve the
-parent of the request (timed), then put the call's entry, stamped with that decision and its continuation
-metadata. The prompt grows by the previous generation and the tool tokens every turn, as in the main
-workload (1000-token system prompt, 200 generated and 100 tool tokens per turn). One resolver per
-transport serves every rollout, as one model-server process would. Prints p50/p99/max of ``resolve``
-(continuations only; roots answer without reading) and checks that every continuation resolved to the
-previous call. Without ``--bootstrap`` a local broker is started and stopped.
-
-    python -m bench.lineage_resolve --long 1000,2000,5000 [--bootstrap HOST:PORT] [--samples 40]
-
-One rollout per size, stored as delta records (a 1000-token root prompt, then 20 generated and 10 tool tokens
-per call): all but the last ``--samples`` calls are written, both resolvers warmed, then each remaining call is
-put and the next request resolved (timed) by tokcap's ``FileLineageResolver`` and Gym 0.7.0's
-``FileLineageStore`` on the same directory, in alternating order; with ``--bootstrap`` also by the
-``KafkaLineageResolver`` over a fresh topic. Then the frozen rollout is built by tokcap's and Gym's
-``prefix_merging`` builders on the same snapshot, alternating, ``--build-trials`` times.
+One long rollout (the ``resolve_long`` scenario): one rollout per size, stored as delta records (a 1000-token
+root prompt, then 20 generated and 10 tool tokens per call): all but the last ``samples`` calls are written,
+both resolvers warmed, then each remaining call is put and the next request resolved (timed) by tokcap's
+``FileLineageResolver`` and Gym 0.7.0's ``FileLineageStore`` on the same directory, in alternating order; with
+a broker also by the ``KafkaLineageResolver`` over a fresh topic. Then the frozen rollout is built by tokcap's
+and Gym's ``prefix_merging`` builders on the same snapshot, alternating, ``build_trials`` times.
 """
 
 from __future__ import annotations
@@ -31,13 +27,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.broker import local_broker
+from bench.harness import turn_order
 from bench.stats import median, percentile
 from tokcap.builder import run_builder
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
@@ -51,7 +46,8 @@ __all__ = [
     "LongRolloutFigures",
     "kafka_resolve",
     "long_rollout",
-    "main",
+    "file_resolve",
+    "long_rollout_figures",
     "measure_long_rollout",
     "resolve_args",
     "resolve_then_put",
@@ -101,6 +97,11 @@ async def resolve_then_put(
     return wrong
 
 
+def file_resolve(args: argparse.Namespace, directory: Path) -> tuple[list[float], int]:
+    """Resolve latencies in seconds (continuations only) through a file store, and how many resolved wrong."""
+    return asyncio.run(_measure(args, TokenCaptureStore(directory), FileLineageResolver(directory)))
+
+
 async def _measure(
     args: argparse.Namespace, sink: TokenSink, resolver: LineageResolver
 ) -> tuple[list[float], int]:
@@ -111,14 +112,6 @@ async def _measure(
     )
     await asyncio.gather(sink.close(), resolver.close())
     return latencies, sum(wrong)
-
-
-def _report(name: str, latencies: list[float], wrong: int) -> None:
-    ms = [value * 1000 for value in latencies]
-    print(
-        f"{name:<12} resolves {len(ms):>5}  p50 {percentile(ms, 0.5):8.2f} ms  p99 {percentile(ms, 0.99):8.2f} ms"
-        f"  max {max(ms):8.2f} ms  wrong parent {wrong}"
-    )
 
 
 def kafka_resolve(args: argparse.Namespace, bootstrap: str) -> tuple[list[float], int]:
@@ -149,7 +142,7 @@ def resolve_args(
     generated_tokens: int = 200,
     tool_tokens: int = 100,
 ) -> argparse.Namespace:
-    """The options ``main`` parses, for callers that run the measurement without a command line."""
+    """The closed loop's options."""
     return argparse.Namespace(
         rollouts=rollouts,
         turns=turns,
@@ -158,10 +151,6 @@ def resolve_args(
         generated_tokens=generated_tokens,
         tool_tokens=tool_tokens,
     )
-
-
-def _kafka(args: argparse.Namespace, bootstrap: str) -> None:
-    _report("kafka", *kafka_resolve(args, bootstrap))
 
 
 # ---------------------------------------------------------------- one long rollout, tokcap beside Gym
@@ -355,9 +344,8 @@ def measure_long_rollout(
     for turn in range(written, calls):
         store.append(rollout.entries[turn])
         request = rollout.requests[turn + 1]
-        order = list(resolvers.items())
-        for name, resolve in order if turn % 2 else reversed(order):
-            seconds, resolution = _timed(partial(resolve, request))
+        for name in turn_order(list(resolvers), turn - written):
+            seconds, resolution = _timed(partial(resolvers[name], request))
             _check(name, resolution, rollout.entries[turn])
             resolve_seconds[name].append(seconds)
     snapshot = store.freeze_now(rollout_id)
@@ -371,9 +359,8 @@ def measure_long_rollout(
     }
     build_seconds: dict[str, list[float]] = {name: [] for name in builders}
     for trial in range(build_trials):
-        order = list(builders.items())
-        for name, build in order if trial % 2 else reversed(order):
-            seconds, output = _timed(build)
+        for name in turn_order(list(builders), trial):
+            seconds, output = _timed(builders[name])
             chain = output.chains[0] if output.chains else None
             if len(output.chains) != 1 or chain is None or len(chain.links) != calls:
                 raise AssertionError(f"{name} did not build one chain of {calls} calls")
@@ -386,88 +373,28 @@ def measure_long_rollout(
     return LongRolloutFigures(calls, resolve_seconds, build_seconds)
 
 
-def _report_long(figures: Sequence[LongRolloutFigures]) -> None:
-    print("| calls | resolver | warm resolve p50 (ms) | p99 (ms) | ÷ Gym p50 |")
-    print("| ---: | --- | ---: | ---: | ---: |")
-    for figure in figures:
-        gym_p50 = median(figure.resolve["Gym 0.7.0 FileLineageStore"])
-        for name, seconds in figure.resolve.items():
-            p50 = median(seconds)
-            print(
-                f"| {figure.calls:,} | {name} | {p50 * 1000:.2f} | {percentile(seconds, 0.99) * 1000:.2f} |"
-                f" {p50 / gym_p50:.2f} |"
-            )
-    if not any(figure.build["Gym 0.7.0 prefix_merging"] for figure in figures):
-        return
-    print()
-    print("| calls | builder | build median (ms) | ÷ Gym |")
-    print("| ---: | --- | ---: | ---: |")
-    for figure in figures:
-        gym_build = median(figure.build["Gym 0.7.0 prefix_merging"])
-        for name, seconds in figure.build.items():
-            print(
-                f"| {figure.calls:,} | {name} | {median(seconds) * 1000:.1f} | {median(seconds) / gym_build:.2f} |"
-            )
-
-
-def _long(args: argparse.Namespace, stack: ExitStack) -> None:
+def long_rollout_figures(
+    sizes: Sequence[int], samples: int, build_trials: int, directory: Path, bootstrap: str | None
+) -> dict[str, Any]:
+    """Per rollout size, warm-resolve p50/p99 per resolver and build median per builder, with ratios to Gym's."""
     gym = _load_gym()
-    directory = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir)))
-    sizes = [int(size) for size in args.long.split(",")]
-    print(
-        f"one rollout of {', '.join(f'{size:,}' for size in sizes)} calls as delta records (1000-token root "
-        f"prompt, 20 generated + 10 tool tokens per call); {args.samples} warm resolves each, "
-        f"{args.build_trials} builds each; in {directory}"
-    )
-    figures = [
-        measure_long_rollout(size, args.samples, args.build_trials, directory, gym, args.bootstrap)
-        for size in sizes
-    ]
-    _report_long(figures)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--bootstrap", default=None, help="a running broker (default: start a local one)")
-    parser.add_argument("--rollouts", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
-    parser.add_argument("--generated-tokens", type=int, default=200)
-    parser.add_argument("--tool-tokens", type=int, default=100)
-    parser.add_argument("--skip-file", action="store_true", help="measure the Kafka resolver only")
-    parser.add_argument(
-        "--long",
-        default=None,
-        help="comma-separated call counts: one long rollout each, tokcap beside Gym (Kafka with --bootstrap)",
-    )
-    parser.add_argument("--samples", type=int, default=40, help="--long: warm resolves timed per size")
-    parser.add_argument(
-        "--build-trials", type=int, default=5, help="--long: builds timed per builder and size"
-    )
-    parser.add_argument("--dir", default=None, help="--long: where the rollout directories go")
-    args = parser.parse_args()
-    if args.long:
-        with ExitStack() as stack:
-            _long(args, stack)
-        return
-    print(
-        f"{args.rollouts} concurrent rollouts x {args.turns} turns, {args.prompt_tokens}-token prompt, "
-        f"{args.generated_tokens} generated + {args.tool_tokens} tool tokens per turn, {args.partitions} partitions"
-    )
-    with ExitStack() as stack:
-        if not args.skip_file:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            _report(
-                "file store", *asyncio.run(_measure(args, TokenCaptureStore(root), FileLineageResolver(root)))
-            )
-        bootstrap = args.bootstrap or stack.enter_context(
-            local_broker(Path(stack.enter_context(tempfile.TemporaryDirectory())))
-        )
-        _kafka(args, bootstrap)
-
-
-if __name__ == "__main__":
-    main()
+    figures: dict[str, Any] = {}
+    for size in sizes:
+        measured = measure_long_rollout(size, samples, build_trials, directory, gym, bootstrap)
+        gym_resolve = median(measured.resolve["Gym 0.7.0 FileLineageStore"])
+        gym_build = median(measured.build["Gym 0.7.0 prefix_merging"])
+        figures[str(size)] = {
+            "resolve": {
+                name: {
+                    "p50_ms": median(seconds) * 1000,
+                    "p99_ms": percentile(seconds, 0.99) * 1000,
+                    "vs_gym": median(seconds) / gym_resolve,
+                }
+                for name, seconds in measured.resolve.items()
+            },
+            "build": {
+                name: {"median_ms": median(seconds) * 1000, "vs_gym": median(seconds) / gym_build}
+                for name, seconds in measured.build.items()
+            },
+        }
+    return figures

@@ -1,29 +1,27 @@
 """What the metrics cost a sink call: the timing decorator alone, and file-store puts with and without it.
 
-    python -m bench.metrics_cost [--dir /dev/shm] [--puts 1000] [--trials 10]
+    python -m bench --only metrics_cost [--dir /dev/shm] [--trials 10]
 
 The decorator (``tokcap.metrics.sink_timed``) reads the clock twice and observes one histogram bucket per call.
-Its cost is measured around a coroutine that does nothing (the smallest of five runs of 100,000 calls), so
-nothing else hides it. Then the same store takes puts through the decorated ``put`` and through the bare
-method underneath (``put.__wrapped__``), trials alternating; the smallest trial of each is reported, as the
-least disturbed by the rest of the machine. Run it on tmpfs for the cheapest put, where the share is largest.
+Its cost is measured around a coroutine that does nothing (the smallest of five trials of 100,000 calls), so
+nothing else hides it. Then one store takes 1,000 puts a trial through the decorated ``put`` and through the
+bare method underneath (``put.__wrapped__``, what ``functools.wraps`` exposes), trials alternating; the smallest
+trial of each is reported. Run it on tmpfs for the cheapest put, where the share is largest.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+from bench.harness import Variant, alternate
 from tokcap.metrics import sink_timed
 from tokcap.records import TokenEntry
 from tokcap.store import TokenCaptureStore
 
-__all__ = ["decorator_cost_us", "main", "put_costs_us"]
+__all__ = ["measure_metrics_cost"]
 
 _CALLS = 100_000
 
@@ -32,19 +30,14 @@ async def _nothing() -> None:
     return None
 
 
-async def decorator_cost_us() -> float:
-    """Microseconds the decorator adds to one awaited call (smallest of five runs)."""
-    timed = sink_timed("bench", "nothing")(_nothing)
-    costs = []
-    for _ in range(5):
-        runs = {}
-        for label, call in (("bare", _nothing), ("timed", timed)):
-            started = time.perf_counter()
-            for _ in range(_CALLS):
-                await call()
-            runs[label] = (time.perf_counter() - started) / _CALLS
-        costs.append(runs["timed"] - runs["bare"])
-    return min(costs) * 1e6
+def _calls(call: Callable[[], Awaitable[None]]) -> Variant:
+    async def trial(_directory: Path) -> dict[str, float]:
+        started = time.perf_counter()
+        for _ in range(_CALLS):
+            await call()
+        return {"us_per_call": (time.perf_counter() - started) / _CALLS * 1e6}
+
+    return trial
 
 
 def _entries(trial: int, label: str, puts: int) -> list[TokenEntry]:
@@ -62,48 +55,50 @@ def _entries(trial: int, label: str, puts: int) -> list[TokenEntry]:
     ]
 
 
-async def put_costs_us(directory: Path, puts: int, trials: int) -> dict[str, float]:
-    """Microseconds per put through the decorated and the bare method: the smallest trial of each."""
-    store = TokenCaptureStore(directory)
+def _puts(put: Callable[[TokenEntry], Awaitable[None]], label: str, puts: int) -> Variant:
+    trials = iter(range(1 << 30))
+
+    async def trial(_directory: Path) -> dict[str, float]:
+        entries = _entries(next(trials), label, puts)
+        started = time.perf_counter()
+        for entry in entries:
+            await put(entry)
+        return {"us_per_put": (time.perf_counter() - started) / puts * 1e6}
+
+    return trial
+
+
+async def measure_metrics_cost(directory: Path, puts: int, trials: int) -> dict[str, Any]:
+    """The decorator around a call that does nothing, then puts into one store with and without it.
+
+    Variants take turns; each figure is the smallest trial, the least disturbed by the rest of the machine.
+    """
+    timed = sink_timed("bench", "nothing")(_nothing)
+    calls = await alternate({"bare": _calls(_nothing), "timed": _calls(timed)}, 5, directory)
+    store = TokenCaptureStore(directory / "store")
     bare = TokenCaptureStore.put.__wrapped__  # type: ignore[attr-defined]
-    calls: dict[str, Callable[[TokenEntry], Awaitable[None]]] = {
-        "timed": store.put,
-        "bare": lambda entry: bare(store, entry),
-    }
-    best = {"timed": float("inf"), "bare": float("inf")}
     try:
-        for trial in range(trials):
-            for label in ("timed", "bare") if trial % 2 == 0 else ("bare", "timed"):
-                entries = _entries(trial, label, puts)
-                started = time.perf_counter()
-                for entry in entries:
-                    await calls[label](entry)
-                best[label] = min(best[label], (time.perf_counter() - started) / puts)
+        variants = {
+            "bare": _puts(lambda entry: bare(store, entry), "bare", puts),
+            "timed": _puts(store.put, "timed", puts),
+        }
+        put_trials = await alternate(variants, trials, directory)
     finally:
         await store.close()
-    return {label: seconds * 1e6 for label, seconds in best.items()}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Print the decorator's cost per call and its share of a file-store put."""
-    parser = argparse.ArgumentParser(prog="python -m bench.metrics_cost", description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
-    parser.add_argument("--puts", type=int, default=1_000, help="puts per trial")
-    parser.add_argument("--trials", type=int, default=10, help="trials per variant, alternating")
-    args = parser.parse_args(argv)
-
-    async def run() -> None:
-        decorator = await decorator_cost_us()
-        with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-            puts = await put_costs_us(Path(directory), args.puts, args.trials)
-        print(f"decorator: {decorator:.2f} us per call")
-        where = args.dir or tempfile.gettempdir()
-        print(f"file-store put in {where}: {puts['bare']:.1f} us bare, {puts['timed']:.1f} us timed")
-        print(f"decorator / bare put: {100 * decorator / puts['bare']:.2f} %")
-
-    asyncio.run(run())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    call_us, put_us = calls.summary(min), put_trials.summary(min)
+    decorator = call_us["timed"]["us_per_call"] - call_us["bare"]["us_per_call"]
+    medians = {
+        name: {"us_per_put": put_us[name]["us_per_put"], "us_per_call": call_us[name]["us_per_call"]}
+        for name in ("bare", "timed")
+    }
+    medians["timed"]["decorator_us"] = decorator
+    medians["timed"]["decorator_share_of_put"] = decorator / put_us["bare"]["us_per_put"]
+    ratios = {
+        name: {
+            key: value / medians["bare"][key]
+            for key, value in medians[name].items()
+            if key in medians["bare"]
+        }
+        for name in medians
+    }
+    return {"medians": medians, "ratios": ratios, "runs": {"calls": calls.runs, "puts": put_trials.runs}}

@@ -70,6 +70,12 @@ class BenchOptions:
     staging_threads: int = 16
     senders: int = 64
     sends: int = 60
+    long_rollouts: tuple[int, ...] = (1000, 2000)
+    """resolve_long: calls of each long rollout."""
+    long_samples: int = 40
+    long_build_trials: int = 5
+    intent_pairs: tuple[int, ...] = (1000, 2000, 4000)
+    metrics_puts: int = 1000
 
     def growth_shapes(self) -> list[WorkloadShape]:
         """The growth grid: every turn count with every prompt size, fewer rollouts so long ones fit in memory."""

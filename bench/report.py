@@ -291,6 +291,16 @@ def resolve_rows(resolve: dict[str, Any]) -> list[list[str]]:
                 _fmt(f["probe_max_ms"], 2),
             ]
         )
+    if "file_p99_ms" in f:
+        rows.append(
+            [
+                "file store: the main shape's rollouts, resolve then put, in one process",
+                _fmt(f["resolves"]),
+                _fmt(f["file_p50_ms"], 2),
+                _fmt(f["file_p99_ms"], 2),
+                _fmt(f["file_max_ms"], 2),
+            ]
+        )
     rows.append(
         [
             "the main shape's 64 rollouts, resolve then put, in one process",
@@ -301,6 +311,33 @@ def resolve_rows(resolve: dict[str, Any]) -> list[list[str]]:
         ]
     )
     return rows
+
+
+def long_rollout_rows(resolve_long: dict[str, Any]) -> list[list[str]]:
+    """Per size, each resolver's warm-resolve p50 and p99 and each builder's median, with their ratio to Gym's."""
+    rows = []
+    for size, figures in resolve_long["sizes"].items():
+        for name, f in figures["resolve"].items():
+            rows.append(
+                [size, f"resolve: {name}", _fmt(f["p50_ms"], 2), _fmt(f["p99_ms"], 2), _fmt(f["vs_gym"], 2)]
+            )
+        for name, f in figures["build"].items():
+            rows.append([size, f"build: {name}", _fmt(f["median_ms"], 1), "", _fmt(f["vs_gym"], 2)])
+    return rows
+
+
+def intents_rows(intents: dict[str, Any]) -> list[list[str]]:
+    """Per size, seconds and ms per 1,000 pairs, projected and durable."""
+    return [
+        [
+            pairs,
+            _fmt(f["projected"]["seconds"], 3),
+            _fmt(f["projected"]["ms_per_1k"], 1),
+            _fmt(f["durable"]["seconds"], 3),
+            _fmt(f["durable"]["ms_per_1k"], 1),
+        ]
+        for pairs, f in intents["sizes"].items()
+    ]
 
 
 STAGING_COLUMNS = (
@@ -422,6 +459,26 @@ def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
                 f"resolver for all (`bench/lineage_resolve.py`); median of {repeats}",
                 list(RESOLVE_COLUMNS),
                 resolve_rows(resolve),
+            )
+        )
+    resolve_long = results.get("resolve_long")
+    if resolve_long is not None:
+        tables.append(
+            (
+                "One long rollout (`python -m bench --only resolve_long`): warm resolves and prefix-merging builds, "
+                "tokcap beside Gym 0.7.0 on the same directory, taking turns",
+                ["calls", "what", "p50 / median ms", "p99 ms", "÷ Gym"],
+                long_rollout_rows(resolve_long),
+            )
+        )
+    intents = results.get("intents")
+    if intents is not None:
+        tables.append(
+            (
+                f"Intent + cancel pairs on one rollout (`python -m bench --only intents`): median of {repeats}; "
+                "ms per 1,000 pairs stays flat when the cost is linear",
+                ["pairs", "projected s", "projected ms / 1k", "durable s", "durable ms / 1k"],
+                intents_rows(intents),
             )
         )
     staging = results.get("staging")

@@ -78,9 +78,31 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "resolve",
         "lineage resolve under the main load: a probe process on the run topic, and the load's closed loop",
-        ("probe", "closed_loop"),
+        ("probe", "closed_loop", "file_closed_loop"),
         kafka=True,
         default=True,
+    ),
+    Scenario(
+        "resolve_long",
+        "one rollout of 1,000 and of 2,000 calls as delta records; 40 warm resolves each, then 5 prefix-merging "
+        "builds of the frozen rollout",
+        ("tokcap FileLineageResolver", "Gym 0.7.0 FileLineageStore", "tokcap KafkaLineageResolver"),
+        anchor="Gym 0.7.0 FileLineageStore",
+    ),
+    Scenario(
+        "intents",
+        "1,000, 2,000 and 4,000 intent + cancel pairs on one rollout: applied as a projection does, and durably",
+        ("projected", "durable"),
+        starts_broker=False,
+    ),
+    Scenario(
+        "metrics_cost",
+        "the metrics' timing decorator around a call that does nothing, and 1,000 file-store puts a trial "
+        "through the decorated and the bare put; the smallest trial of each",
+        ("bare", "timed"),
+        anchor="bare",
+        starts_broker=False,
+        shown=("us_per_call", "us_per_put", "decorator_us", "decorator_share_of_put"),
     ),
     Scenario(
         "staging",
@@ -146,6 +168,30 @@ SCENARIOS: tuple[Scenario, ...] = (
         trial="apply_rate",
         baseline=True,
         shown=("events_per_s", "tokens_per_s", "us_per_put", "events"),
+    ),
+    Scenario(
+        "apply_cost",
+        _MAIN_LOAD + "; CPU per event of the apply step and per intent + put of the file sink, one call at a "
+        "time from one thread, Gym's store beside them; apply_many in a process of its own",
+        ("this", "baseline", "this_grouped"),
+        anchor="baseline",
+        trial="apply_cost",
+        baseline=True,
+        starts_broker=False,
+        settings=MappingProxyType({"baseline": {"gym": False}, "this_grouped": {"grouped_only": True}}),
+        shown=(
+            "apply.intent_us",
+            "apply.put_us",
+            "apply.freeze_us",
+            "apply.block_end_us_per_event",
+            "apply.all_us_per_event",
+            "grouped_us_per_event",
+            "sink.intent_put_us",
+            "sink.freeze_us",
+            "load.cpu_us_per_put",
+            "gym.intent_put_us",
+            "gym_load.cpu_us_per_put",
+        ),
     ),
     Scenario(
         "sends_ab",

@@ -25,11 +25,13 @@ from bench.file_store_trial import run_file_store_trial
 from bench.growth import corner_figures, measure_growth
 from bench.growth import wire_sizes as wire_sizes_per_call
 from bench.harness import REPO, Progress, Trials, Variant, alternate, in_fresh_process, machine_description
+from bench.intents import measure_intents
 from bench.kafka_external import run_with_materializer_process
 from bench.kafka_split import run_with_trainer_process
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
-from bench.lineage_resolve import kafka_resolve, resolve_args
+from bench.lineage_resolve import file_resolve, kafka_resolve, long_rollout_figures, resolve_args
 from bench.load import BenchmarkCheckError, LoadResult, PreparedWorkload, drive, prepare
+from bench.metrics_cost import measure_metrics_cost
 from bench.options import BenchOptions, WorkloadShape
 from bench.physical import create_rate, encode_and_write_rate, fsync_rate, rename_rate, syncfs_rate
 from bench.resolve_probe import probe_under_main_load
@@ -270,9 +272,15 @@ def _resolve(options: BenchOptions, bootstrap: str, work_dir: Path, progress: Pr
             )
         return {**summary("kafka", latencies), "resolves": float(len(latencies)), "wrong": float(wrong)}
 
+    async def file_closed_loop(directory: Path) -> dict[str, float]:
+        latencies, wrong = await asyncio.to_thread(file_resolve, args, directory)
+        if wrong:
+            raise BenchmarkCheckError(f"{wrong} file-store continuations resolved to another parent")
+        return summary("file", latencies)
+
     trials = asyncio.run(
         alternate(
-            {"probe": probe, "closed_loop": closed_loop},
+            {"probe": probe, "closed_loop": closed_loop, "file_closed_loop": file_closed_loop},
             options.repeats,
             work_dir,
             lambda line: progress(f"resolve: {line}"),
@@ -394,6 +402,17 @@ def _scenario(
         return _staging(options, bootstrap, work_dir, progress)
     if name == "file_floor":
         return _file_floor(options, work_dir, progress)
+    if name == "resolve_long":
+        progress(f"long rollouts of {', '.join(map(str, options.long_rollouts))} calls")
+        return {
+            "sizes": long_rollout_figures(
+                options.long_rollouts, options.long_samples, options.long_build_trials, work_dir, bootstrap
+            )
+        }
+    if name == "intents":
+        return {"sizes": asyncio.run(measure_intents(options.intent_pairs, options.repeats, work_dir))}
+    if name == "metrics_cost":
+        return asyncio.run(measure_metrics_cost(work_dir, options.metrics_puts, max(options.repeats, 5)))
     raise KeyError(f"scenario {name} has no runner")
 
 

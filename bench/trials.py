@@ -15,11 +15,13 @@ import os
 import statistics
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "apply_cost",
     "apply_rate",
     "file_store",
     "gym_anchor",
@@ -259,3 +261,49 @@ async def freeze_phases(directory: Path, bootstrap: str, rollouts: int = 64, **_
         "answer_share": answer_mean / call_mean,
         "freezes": calls,
     }
+
+
+def _flat(figures: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Nested figures as one level, ``part.key``; what is not a number is left out."""
+    flat: dict[str, float] = {}
+    for key, value in figures.items():
+        if isinstance(value, Mapping):
+            flat |= _flat(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float):
+            flat[f"{prefix}{key}"] = float(value)
+    return flat
+
+
+async def apply_cost(
+    directory: Path,
+    rollouts: int = 64,
+    gym: bool = True,
+    apply_only: bool = False,
+    grouped_only: bool = False,
+    **_: Any,
+) -> dict[str, float]:
+    """CPU per event of the tree's apply step and per intent + put of its file sink, Gym's store beside them.
+
+    The measuring code is this checkout's ``bench/apply_cost.py``, run against the tree on ``sys.path``.
+    ``grouped_only`` times ``apply_many`` alone (nothing when the tree's store has none).
+    """
+    import argparse
+    import runpy
+
+    from tokcap.store import TokenCaptureStore
+
+    if grouped_only and not hasattr(TokenCaptureStore, "apply_many"):
+        return {}
+    measure = runpy.run_path(str(Path(__file__).with_name("apply_cost.py")))["measure"]
+    args = argparse.Namespace(
+        rollouts=rollouts,
+        rounds=2,
+        turns=8,
+        prompt=1000,
+        block=None,
+        gym=gym,
+        apply_only=apply_only,
+        grouped_only=grouped_only,
+    )
+    # ``measure`` runs its own event loops, so it runs in a thread with none.
+    return _flat(await asyncio.to_thread(measure, args, directory))
