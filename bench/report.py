@@ -274,42 +274,26 @@ def growth_rows(growth: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-RESOLVE_COLUMNS = ("KafkaLineageResolver", "resolves per run", "p50 ms", "p99 ms", "max ms")
+RESOLVE_COLUMNS = ("lineage resolver", "resolves per run", "p50 ms", "p99 ms", "max ms")
 
 
 def resolve_rows(resolve: dict[str, Any]) -> list[list[str]]:
-    """The Kafka resolver's latency rows: probed from a process of its own, and inside the load's closed loop."""
+    """The resolvers' latency rows: Kafka probed from a process of its own, then each closed loop in the load's."""
     f = resolve["figures"]
     rows = []
-    if "probe_p99_ms" in f:
-        rows.append(
-            [
-                "model-server process of its own, main load running",
-                _fmt(f["probe_resolves"]),
-                _fmt(f["probe_p50_ms"], 2),
-                _fmt(f["probe_p99_ms"], 2),
-                _fmt(f["probe_max_ms"], 2),
-            ]
-        )
-    if "file_p99_ms" in f:
-        rows.append(
-            [
-                "file store: the main shape's rollouts, resolve then put, in one process",
-                _fmt(f["resolves"]),
-                _fmt(f["file_p50_ms"], 2),
-                _fmt(f["file_p99_ms"], 2),
-                _fmt(f["file_max_ms"], 2),
-            ]
-        )
-    rows.append(
-        [
-            "the main shape's 64 rollouts, resolve then put, in one process",
-            _fmt(f["resolves"]),
-            _fmt(f["kafka_p50_ms"], 2),
-            _fmt(f["kafka_p99_ms"], 2),
-            _fmt(f["kafka_max_ms"], 2),
-        ]
-    )
+    for label, prefix, count in (
+        ("model-server process of its own, main load running", "probe", "probe_resolves"),
+        ("file store: the main shape's rollouts, resolve then put, in one process", "file", "resolves"),
+        ("Kafka: the main shape's rollouts, resolve then put, in one process", "kafka", "resolves"),
+    ):
+        if f"{prefix}_p99_ms" in f:
+            rows.append(
+                [
+                    label,
+                    _fmt(f[count]),
+                    *(_fmt(f[f"{prefix}_{name}_ms"], 2) for name in ("p50", "p99", "max")),
+                ]
+            )
     return rows
 
 

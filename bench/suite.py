@@ -14,7 +14,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from bench.scenarios import Scenario, by_name
 from bench.sizes import wire_sizes
 from bench.staging import run_staging, staging_figures
 from bench.stats import percentile
+from bench.trials import gym_workload
 from bench.workers import run_workers
 
 __all__ = ["measure_shape", "run_suite"]
@@ -82,7 +82,7 @@ def _counters(prefix: str, counters: Any) -> dict[str, float]:
 
 def _main_variants(
     workload: PreparedWorkload,
-    gym_workload: PreparedWorkload,
+    gyms: PreparedWorkload,
     gym_store_class: type[Any],
     bootstrap: str | None,
 ) -> dict[str, Variant]:
@@ -115,7 +115,7 @@ def _main_variants(
     async def gym(directory: Path) -> dict[str, float]:
         gym_store = gym_store_class(directory)
         try:
-            return _load("gym", await drive(gym_workload, gym_store))
+            return _load("gym", await drive(gyms, gym_store))
         finally:
             await gym_store.close()
 
@@ -187,17 +187,7 @@ async def measure_shape(
     """
     workload: PreparedWorkload = prepare(shape, "bench")
     gym_store_class, gym_entry_class = load_gym_store()
-    gym_workload = replace(
-        workload,
-        slots=[
-            [
-                (rid, [gym_entry_class.model_validate(e.model_dump()) for e in entries])
-                for rid, entries in slot
-            ]
-            for slot in workload.slots
-        ],
-    )
-    variants = _main_variants(workload, gym_workload, gym_store_class, bootstrap)
+    variants = _main_variants(workload, gym_workload(workload, gym_entry_class), gym_store_class, bootstrap)
     trials = await alternate(variants, repeats, work_dir, lambda line: progress(f"{shape.label()}: {line}"))
     figures: dict[str, Any] = trials.merged()
     sizes = wire_sizes(workload)

@@ -25,6 +25,7 @@ __all__ = [
     "apply_rate",
     "file_store",
     "gym_anchor",
+    "gym_workload",
     "kafka",
     "load_figures",
     "producer_sends",
@@ -32,13 +33,9 @@ __all__ = [
 ]
 
 
-async def gym_anchor(workload: Any, directory: Path) -> Any:
-    """Gym 0.7.0's own store driven by the main load on the same entries: the anchor of a trial."""
-    from bench.batch_freeze import load_gym_store
-    from bench.load import drive
-
-    gym_store_class, gym_entry_class = load_gym_store()
-    gym_workload = replace(
+def gym_workload(workload: Any, gym_entry_class: type[Any]) -> Any:
+    """The same prepared workload with every entry as Gym 0.7.0's own ``TokenEntry``, for Gym's store."""
+    return replace(
         workload,
         slots=[
             [
@@ -48,9 +45,17 @@ async def gym_anchor(workload: Any, directory: Path) -> Any:
             for slot in workload.slots
         ],
     )
+
+
+async def gym_anchor(workload: Any, directory: Path) -> Any:
+    """Gym 0.7.0's own store driven by the main load on the same entries: the anchor of a trial."""
+    from bench.batch_freeze import load_gym_store
+    from bench.load import drive
+
+    gym_store_class, gym_entry_class = load_gym_store()
     gym_store = gym_store_class(directory)
     try:
-        return await drive(gym_workload, gym_store)
+        return await drive(gym_workload(workload, gym_entry_class), gym_store)
     finally:
         await gym_store.close()
 
