@@ -1,4 +1,9 @@
-"""A run's results as Markdown, and the marked section of ``bench/README.md`` they replace (``--update-readme``)."""
+"""``bench/README.md``'s generated sections: the scenarios and the targets from their tables, a run's results.
+
+Each section sits between marker comments. The scenario and target sections are rendered from
+``bench.scenarios`` and ``bench.targets`` (a test keeps the README equal to them); the results section from a
+run's results, with the command that produced them (``--update-readme``).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,18 @@ from typing import Any
 
 from bench.harness import machine_line
 from bench.report import sections
+from bench.scenarios import SCENARIOS
+from bench.targets import ANCHORS, TARGETS
 
-__all__ = ["README_END", "README_START", "render_markdown", "update_readme"]
+__all__ = [
+    "README_END",
+    "README_START",
+    "render_markdown",
+    "render_scenarios",
+    "render_targets",
+    "replace_section",
+    "update_readme",
+]
 
 README_START = "<!-- bench-results:start -->"
 README_END = "<!-- bench-results:end -->"
@@ -21,8 +36,36 @@ def _table(headings: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def render_scenarios() -> str:
+    """The scenario table: name, load, variants (the anchor first named), broker, how it runs."""
+    rows = []
+    for s in SCENARIOS:
+        runs = []
+        if s.default:
+            runs.append("default")
+        if s.trial:
+            runs.append("fresh process per trial")
+        if s.baseline:
+            runs.append("needs `--baseline DIR`")
+        broker = (
+            "needs one"
+            if s.kafka
+            else ("Kafka columns with one" if s.starts_broker else "only `--bootstrap`")
+        )
+        variants = ", ".join(f"**{v}**" if v == s.anchor else v for v in s.variants)
+        rows.append([f"`{s.name}`", s.load, variants, broker, ", ".join(runs)])
+    return _table(["scenario", "load", "variants (**anchor**)", "broker", "runs"], rows)
+
+
+def render_targets() -> str:
+    """The target table: figure, goal, anchor, where in the results it is read."""
+    rows = [[t.figure.strip(), t.goal, t.anchor or "", f"`{t.path}`"] for t in TARGETS]
+    anchors = "\n".join(f"- `{name}`: {meaning}" for name, meaning in ANCHORS.items())
+    return _table(["target", "goal", "anchor", "figure"], rows) + "\n\nAnchors:\n\n" + anchors
+
+
 def render_markdown(results: dict[str, Any]) -> str:
-    """Every table of one run, with where and when it ran."""
+    """Every table of one run, with the command, where and when it ran."""
     command = results.get("command", "python -m bench")
     parts = [
         f"`{command}`, run {results['started_at']} ({results['duration_s']} s), median of "
@@ -35,11 +78,18 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def update_readme(readme: Path, results: dict[str, Any]) -> None:
-    """Replace the text between the README's result markers with this run's tables."""
-    text = readme.read_text()
-    pattern = re.compile(re.escape(README_START) + r".*?" + re.escape(README_END), re.DOTALL)
+def replace_section(text: str, name: str, body: str) -> str:
+    """``text`` with the body between ``<!-- name:start -->`` and ``<!-- name:end -->`` replaced."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
     if pattern.search(text) is None:
-        raise ValueError(f"{readme} has no {README_START} ... {README_END} section to replace")
-    replacement = f"{README_START}\n{render_markdown(results)}\n{README_END}"
-    readme.write_text(pattern.sub(lambda _: replacement, text))
+        raise ValueError(f"no {start} ... {end} section to replace")
+    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text)
+
+
+def update_readme(readme: Path, results: dict[str, Any]) -> None:
+    """Render the scenarios, the targets and this run's results into the README's marked sections."""
+    text = readme.read_text()
+    text = replace_section(text, "bench-scenarios", render_scenarios())
+    text = replace_section(text, "bench-targets", render_targets())
+    readme.write_text(replace_section(text, "bench-results", render_markdown(results)))

@@ -40,8 +40,8 @@ class Scenario:
 
 
 _MAIN_LOAD = (
-    "64 concurrent rollouts x 2 rounds, 8 turns, 1k system prompt, 200 generated + 100 tool tokens a turn; "
-    "intent + put per turn, freeze when a rollout ends"
+    "the main load: 64 concurrent rollouts x 2 rounds, 8 turns, 1k system prompt, 200 generated + 100 tool "
+    "tokens a turn; intent + put per turn, freeze when a rollout ends"
 )
 _LOAD_FIGURES = ("puts_per_s", "vs_gym", "freeze_p50_ms", "freeze_p99_ms")
 
@@ -113,8 +113,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "file_floor",
-        _MAIN_LOAD
-        + "; the file work alone (append, hash, state rename, one syncfs per 6 puts) beside the stores "
+        "the main load; the file work alone (append, hash, state rename, one syncfs per 6 puts) beside the stores "
         "and the load's driver with only the hop to a writer thread",
         ("floor", "gym", "file", "hop"),
         anchor="gym",
@@ -123,7 +122,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "freeze_phases",
-        _MAIN_LOAD + "; Kafka only, every freeze's time split by the public metrics",
+        "the main load; Kafka only, every freeze's time split by the public metrics",
         ("kafka",),
         kafka=True,
         trial="freeze_phases",
@@ -131,7 +130,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "trainer_first",
-        _MAIN_LOAD + "; sinks here, source and materializer in a trainer process; the load niced or not",
+        "the main load; sinks here, source and materializer in a trainer process; the load niced or not",
         ("equal", "trainer_first"),
         anchor="equal",
         kafka=True,
@@ -141,7 +140,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "file_store_ab",
-        _MAIN_LOAD + "; Gym's store then the tree's file store in each trial",
+        "the main load; Gym's store then the tree's file store in each trial",
         ("this", "baseline"),
         anchor="baseline",
         trial="file_store",
@@ -151,7 +150,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "kafka_ab",
-        _MAIN_LOAD + "; Gym's store, then the tree's Kafka sink and source, then a replay of the topic",
+        "the main load; Gym's store, then the tree's Kafka sink and source, then a replay of the topic",
         ("this", "baseline"),
         anchor="baseline",
         kafka=True,
@@ -161,7 +160,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "apply_ab",
-        _MAIN_LOAD + " over Kafka, then the apply step (decode + apply) over the topic alone",
+        "the main load over Kafka, then the apply step (decode + apply) over the topic alone",
         ("this", "baseline"),
         anchor="baseline",
         kafka=True,
@@ -171,7 +170,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "apply_cost",
-        _MAIN_LOAD + "; CPU per event of the apply step and per intent + put of the file sink, one call at a "
+        "the main load; CPU per event of the apply step and per intent + put of the file sink, one call at a "
         "time from one thread, Gym's store beside them; apply_many in a process of its own",
         ("this", "baseline", "this_grouped"),
         anchor="baseline",

@@ -7,12 +7,20 @@ speed.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.growth import corner_figures
-from bench.markdown import README_END, README_START, render_markdown, update_readme
+from bench.markdown import (
+    README_END,
+    README_START,
+    render_markdown,
+    render_scenarios,
+    render_targets,
+    update_readme,
+)
 from bench.targets import TARGETS, Target, evaluate
 
 
@@ -197,10 +205,15 @@ def test_the_readme_section_is_replaced_with_every_table_the_command_and_misses_
     tmp_path: Any,
 ) -> None:
     readme = tmp_path / "README.md"
-    readme.write_text(f"before\n{README_START}\nold figures\n{README_END}\nafter\n")
+    sections = "".join(
+        f"<!-- {name}:start -->\nold {name}\n<!-- {name}:end -->\n"
+        for name in ("bench-scenarios", "bench-targets")
+    )
+    readme.write_text(f"before\n{sections}{README_START}\nold figures\n{README_END}\nafter\n")
     update_readme(readme, copy.deepcopy(_results()))
     text = readme.read_text()
-    assert "old figures" not in text and text.startswith("before\n") and text.endswith("after\n")
+    assert "old " not in text and text.startswith("before\n") and text.endswith("after\n")
+    assert render_scenarios() in text and render_targets() in text
     for title in ("Main load", "Batch freeze", "Materializer workers", "Growth grid", "Lineage resolve"):
         assert title in text
     assert "`python -m bench --only main,batch,workers,growth,resolve`" in text
@@ -215,3 +228,9 @@ def test_a_grid_of_one_shape_leaves_the_growth_comparisons_unmeasured() -> None:
     results["growth_corners"] = corner_figures(_grid()[-1:])
     assert _row(results, "Kafka put/s, largest")["value"] is None
     assert _row(results, "wire B/call")["value"] == 1.2
+
+
+def test_the_readme_shows_the_scenario_and_target_tables_exactly_as_their_data_says() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "bench" / "README.md").read_text()
+    assert f"<!-- bench-scenarios:start -->\n{render_scenarios()}\n<!-- bench-scenarios:end -->" in readme
+    assert f"<!-- bench-targets:start -->\n{render_targets()}\n<!-- bench-targets:end -->" in readme
