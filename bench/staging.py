@@ -815,7 +815,8 @@ def run_staging(
 
         def variant(writer: Callable[[Path], Measured]) -> Variant:
             async def trial(directory: Path) -> dict[str, float]:
-                done = writer(directory)
+                # Writers run their own event loops, so each runs in a thread with none.
+                done = await asyncio.to_thread(writer, directory)
                 measured.append(done)
                 return _measured_figures(done)
 

@@ -1,24 +1,20 @@
 """Materializer apply throughput with N worker processes on a pre-filled topic.
 
-    python -m bench --only workers
+    python -m bench --only workers [--workers-rollouts 1000] [--workers-turns 8] [--dir /dev/shm]
 
-The topic is filled first (per rollout and turn an intent and a put of a ``--prompt-tokens`` prompt and
-``--generated-tokens`` generation, then a freeze per rollout). Then, for each N of ``--workers`` and each
-trial, ``MaterializerWorkers`` (what ``tokcap materialize --workers N`` runs) applies the whole topic from
-offset 0 into an empty directory. Each worker reports when its partitions were assigned (``ready``) and when
-they were all applied (``caught_up``), with the CPU seconds of its process (user + system, from
-``getrusage``) at each. A worker is timed from ``ready`` to caught up, so process start-up is left out
-and every event of the topic is counted (the consumer's first fetch is included). Printed per worker: events,
-seconds, events/s, CPU s; per N: events/s in total (all timed events over the first worker's start to the
-last one caught up), CPU seconds per event, and the speed-up over N = 1. The directories of every N are
-compared byte for byte. Each worker also reports how long its threads waited for a CPU (Linux
-schedstat): a wall time far above CPU time plus that wait is time spent idle (the consumer, a sync).
-``--dir`` puts the store directories on another filesystem (``/dev/shm`` takes
-the disk's sync time out, leaving the CPU work).
+The topic is filled first (per rollout and turn an intent and a put of a 1,000-token prompt and a 200-token
+generation, then a freeze per rollout). Then, for N = 1 and 2 taking turns (``bench.harness``),
+``MaterializerWorkers`` (what ``tokcap materialize --workers N`` runs) applies the whole topic from offset 0
+into an empty directory. Each worker reports when its partitions were assigned (``ready``) and when they were
+all applied (``caught_up``), with the CPU seconds of its process (user + system, from ``getrusage``) at each. A
+worker is timed from ``ready`` to caught up, so process start-up is left out and every event of the topic is
+counted (the consumer's first fetch is included). Per N: events/s in total (all timed events over the first
+worker's start to the last one caught up), each worker's events/s averaged, CPU seconds per event, and the
+speed-up over N = 1. The directories of every run are compared byte for byte. ``--dir`` puts the store
+directories on another filesystem (``/dev/shm`` takes the disk's sync time out, leaving the CPU work).
 
 On a 2-core machine that also runs the broker, 2 workers cannot reach 2x: the broker and the consumers'
 fetch threads share the cores. CPU seconds per event show whether a worker's apply got dearer.
-Without ``--bootstrap`` a local broker is started and stopped.
 """
 
 from __future__ import annotations
