@@ -72,7 +72,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "growth",
         "8 concurrent rollouts x 2 rounds per shape, 4/16/64 turns x 1k/32k prompt",
-        ("deltas_off", "deltas_on"),
+        ("file", "file_delta", "kafka_wire_off", "kafka_wire_on", "kafka_records_on"),
         default=True,
     ),
     Scenario(
@@ -107,7 +107,16 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "staging",
         "engine-side staging from 16 threads: 320 MoE calls (1 MB extras) and 64 calls with a 4 MiB image",
-        ("floor", "tokcap", "tokcap_ledger_thread", "tokcap_ledger_process", "straw", "kafka_floor", "kafka"),
+        (
+            "floor",
+            "tokcap",
+            "tokcap_ledger_thread",
+            "tokcap_ledger_process",
+            "straw",
+            "kafka_floor",
+            "kafka",
+            "kafka_ledger_thread",
+        ),
         anchor="floor",
         starts_broker=False,
     ),
