@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.harness import machine_line
-from bench.scenarios import SCENARIOS
+from bench.scenarios import SCENARIOS, by_name
 from bench.targets import evaluate
 from bench.targets import lookup as _lookup
 
@@ -380,6 +381,14 @@ def trial_rows(figures: tuple[str, ...], measured: dict[str, Any], anchor: str |
     ]
 
 
+_TABLES_OF_DATA: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], list[list[str]]]]] = {
+    "resolve": (RESOLVE_COLUMNS, resolve_rows),
+    "resolve_long": (("calls", "what", "p50 / median ms", "p99 ms", "÷ Gym"), long_rollout_rows),
+    "intents": (("pairs", "projected s", "projected ms / 1k", "durable s", "durable ms / 1k"), intents_rows),
+}
+"""Tables whose title is their scenario's load as ``bench.scenarios`` states it."""
+
+
 def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """Every table of a run as (title, headings, rows), in the order the README shows them."""
     options = results["options"]
@@ -433,38 +442,11 @@ def sections(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
                 growth_rows(shapes),
             )
         )
-    resolve = results.get("resolve")
-    if resolve is not None:
-        tables.append(
-            (
-                "Lineage resolve under the main load (`python -m bench --only resolve`): a probe process resolves "
-                "then puts its own rollouts of the main shape on the run topic while the main load runs "
-                "(`bench/resolve_probe.py`); and the main shape's rollouts resolve their parent, then put, one "
-                f"resolver for all (`bench/lineage_resolve.py`); median of {repeats}",
-                list(RESOLVE_COLUMNS),
-                resolve_rows(resolve),
-            )
-        )
-    resolve_long = results.get("resolve_long")
-    if resolve_long is not None:
-        tables.append(
-            (
-                "One long rollout (`python -m bench --only resolve_long`): warm resolves and prefix-merging builds, "
-                "tokcap beside Gym 0.7.0 on the same directory, taking turns",
-                ["calls", "what", "p50 / median ms", "p99 ms", "÷ Gym"],
-                long_rollout_rows(resolve_long),
-            )
-        )
-    intents = results.get("intents")
-    if intents is not None:
-        tables.append(
-            (
-                f"Intent + cancel pairs on one rollout (`python -m bench --only intents`): median of {repeats}; "
-                "ms per 1,000 pairs stays flat when the cost is linear",
-                ["pairs", "projected s", "projected ms / 1k", "durable s", "durable ms / 1k"],
-                intents_rows(intents),
-            )
-        )
+    for name, (headings, rows) in _TABLES_OF_DATA.items():
+        if results.get(name) is not None:
+            scenario = by_name(name)
+            title = f"{scenario.load} (`python -m bench --only {name}`); median of {repeats}"
+            tables.append((title[0].upper() + title[1:], list(headings), rows(results[name])))
     staging = results.get("staging")
     if staging is not None:
         tables.append(

@@ -77,7 +77,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "resolve",
-        "lineage resolve under the main load: a probe process on the run topic, and the load's closed loop",
+        "lineage resolve under the main load: a probe process resolving and putting on the run topic, and the "
+        "main shape's rollouts resolving then putting in one process, over Kafka and over the file store",
         ("probe", "closed_loop", "file_closed_loop"),
         kafka=True,
         default=True,
