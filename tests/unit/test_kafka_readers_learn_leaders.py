@@ -36,6 +36,9 @@ class _RecordingConsumer:
     def incremental_assign(self, partitions: list[TopicPartition]) -> None:
         self.calls.append("assign " + ",".join(str(p.partition) for p in partitions))
 
+    def incremental_unassign(self, partitions: list[TopicPartition]) -> None:
+        self.calls.append("unassign " + ",".join(str(p.partition) for p in partitions))
+
     def assign(self, partitions: list[TopicPartition]) -> None:
         self.calls.append("assign " + ",".join(str(p.partition) for p in partitions))
 
@@ -65,12 +68,12 @@ def resolver() -> Iterator[KafkaLineageResolver]:
 
 
 def _read_once(resolver: KafkaLineageResolver, *partitions: int) -> None:
-    resolver._unassigned.extend(TopicPartition("leaders", partition, 0) for partition in partitions)
+    resolver._unassigned.update(dict.fromkeys(partitions, 0))
     with resolver._lock:
         resolver._read_once(0.0)
 
 
-def test_the_lineage_reader_asks_its_own_handle_for_the_topic_once_after_its_first_assignment(
+def test_the_lineage_reader_asks_its_own_handle_for_the_topic_after_assigning_it_new_partitions(
     resolver: KafkaLineageResolver,
 ) -> None:
     reading = _RecordingConsumer()
@@ -78,10 +81,18 @@ def test_the_lineage_reader_asks_its_own_handle_for_the_topic_once_after_its_fir
     _read_once(resolver, 0)
     _read_once(resolver, 1)
     _read_once(resolver)
-    assert reading.calls == ["assign 0", "metadata leaders", "consume", "assign 1", "consume", "consume"]
+    assert reading.calls == [
+        "assign 0",
+        "metadata leaders",
+        "consume",
+        "assign 1",
+        "metadata leaders",
+        "consume",
+        "consume",
+    ]
 
 
-def test_a_refused_metadata_request_fails_the_resolve_and_is_asked_again_by_the_next_read(
+def test_a_refused_metadata_request_fails_the_resolve_and_the_next_read_assigns_and_asks_again(
     resolver: KafkaLineageResolver,
 ) -> None:
     reading = _RecordingConsumer()
@@ -91,7 +102,14 @@ def test_a_refused_metadata_request_fails_the_resolve_and_is_asked_again_by_the_
         _read_once(resolver, 0)
     reading.refuse_metadata = False
     _read_once(resolver)
-    assert reading.calls == ["assign 0", "metadata leaders", "metadata leaders", "consume"]
+    assert reading.calls == [
+        "assign 0",
+        "metadata leaders",
+        "unassign 0",
+        "assign 0",
+        "metadata leaders",
+        "consume",
+    ]
 
 
 class _EndOfPartition:
@@ -99,20 +117,20 @@ class _EndOfPartition:
         return KafkaError(KafkaError._PARTITION_EOF)
 
 
-def test_the_parent_reader_asks_a_new_handle_for_the_topic_before_its_first_read_only() -> None:
+def test_the_parent_reader_asks_a_new_handle_for_the_topic_after_its_first_assignment_only() -> None:
     opened: list[_RecordingConsumer] = []
 
-    def open_consumer() -> _RecordingConsumer:
+    def open_consumer(settings: dict[str, Any]) -> Any:
         opened.append(_RecordingConsumer([_EndOfPartition()]))
         return opened[-1]
 
-    reader = OffsetReader(open_consumer, "leaders", context=ClientContext("127.0.0.1:1"), timeout_s=5.0)
+    reader = OffsetReader(ClientContext("127.0.0.1:1"), "leaders", factory=open_consumer, timeout_s=5.0)
     assert reader.read(0, 3) is None
     assert reader.read(1, 4) is None
     assert len(opened) == 1
     assert opened[0].calls == [
-        "metadata leaders",
         "assign 0",
+        "metadata leaders",
         "consume",
         "assign ",
         "assign 1",
@@ -124,17 +142,17 @@ def test_the_parent_reader_asks_a_new_handle_for_the_topic_before_its_first_read
 def test_a_parent_reader_that_cannot_learn_the_leaders_fails_and_opens_a_new_handle_next_time() -> None:
     opened: list[_RecordingConsumer] = []
 
-    def open_consumer() -> _RecordingConsumer:
+    def open_consumer(settings: dict[str, Any]) -> Any:
         opened.append(_RecordingConsumer([_EndOfPartition()]))
         opened[-1].refuse_metadata = len(opened) == 1
         return opened[-1]
 
-    reader = OffsetReader(open_consumer, "leaders", context=ClientContext("127.0.0.1:1"), timeout_s=5.0)
+    reader = OffsetReader(ClientContext("127.0.0.1:1"), "leaders", factory=open_consumer, timeout_s=5.0)
     with pytest.raises(TransportError, match=r"metadata of 'leaders'.*TOPIC_AUTHORIZATION_FAILED"):
         reader.read(0, 3)
     assert opened[0].closed
     assert reader.read(0, 3) is None
-    assert len(opened) == 2 and opened[1].calls[0] == "metadata leaders"
+    assert len(opened) == 2 and opened[1].calls[:2] == ["assign 0", "metadata leaders"]
 
 
 @pytest.mark.parametrize("partitions", [None, [1]])
