@@ -84,6 +84,7 @@ __all__ = [
     "encode_delta_message",
     "encode_event_messages",
     "encode_event_value",
+    "header_pairs",
     "headers_to_dict",
     "is_wire_delta",
     "read_chunk_header",
@@ -168,15 +169,15 @@ class LogMessage:
             offset=int(message.offset() or 0),
             timestamp_ms=int(stamp) if kind != 0 else None,
             key=message.key(),
-            headers=_header_pairs(message.headers()),
+            headers=header_pairs(message.headers()),
             value=message.value(),
         )
 
 
-def _header_pairs(
+def header_pairs(
     headers: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]] | None,
 ) -> tuple[tuple[str, bytes | None], ...]:
-    """Headers as ``(name, bytes)`` pairs in their order on the message."""
+    """Headers as ``(name, bytes)`` pairs in their order on the message: ``headers_to_dict`` the other way."""
     pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
     return tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
 

@@ -73,6 +73,7 @@ from transports.kafka.codec import (
     decode_event_value,
     decode_wire_delta,
     encode_event_value,
+    header_pairs,
     headers_to_dict,
     read_chunk_header,
     read_packed_head,
@@ -164,8 +165,7 @@ class _StoredPut:
 
     def as_message(self) -> LogMessage:
         """The put as the log message it was read as."""
-        headers = tuple((name, value.encode()) for name, value in self.headers.items())
-        return LogMessage(self.partition, self.offset, None, self.key, headers, self.value)
+        return LogMessage(self.partition, self.offset, None, self.key, header_pairs(self.headers), self.value)
 
 
 @dataclass
