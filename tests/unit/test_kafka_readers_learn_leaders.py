@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from tests.unit.kafka_topic_double import MemoryTopic, materialize
 from tokcap.errors import TransportError
 from tokcap.events import IntentEvent
-from transports.kafka.clients import ClientContext
+from transports.kafka.clients import AuthenticationWatch, ClientContext, list_topics
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.offset_reader import OffsetReader
 
@@ -165,3 +165,45 @@ def test_the_materializer_asks_its_handle_for_the_topic_after_assigning_its_part
     requests = topic.consumers[0].requests
     assigned = requests.index(next(request for request in requests if request.startswith("assign")))
     assert requests[assigned + 1] == "metadata leaders", requests
+
+
+class _SlowMetadataConsumer:
+    """A consumer with a fetched message waiting, whose first metadata slice times out (a fetch in flight)."""
+
+    def __init__(self, *, assigned: bool) -> None:
+        self.assigned = assigned
+        self.slices = 0
+        self.waiting = ["fetched message"]
+
+    def assignment(self) -> list[TopicPartition]:
+        return [TopicPartition("leaders", 0)] if self.assigned else []
+
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> object:
+        self.slices += 1
+        if self.slices == 1:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+        return object()
+
+    def poll(self, timeout: float = -1) -> object:
+        return self.waiting.pop() if self.waiting else None
+
+
+def test_a_retried_metadata_wait_takes_no_message_from_a_reader_with_partitions_assigned() -> None:
+    # A consumer's poll hands out the next fetched message: taken here, it is lost to the reader, whose read of
+    # the log then stalls (the last message of a partition) or misses it (an earlier one).
+    consumer = _SlowMetadataConsumer(assigned=True)
+    context = ClientContext("127.0.0.1:1")
+    list_topics(consumer, AuthenticationWatch(context), context, 5.0, "leaders")  # type: ignore[arg-type]
+    assert consumer.slices == 2
+    assert consumer.waiting == ["fetched message"]
+
+
+def test_a_retried_metadata_wait_serves_the_callbacks_of_a_consumer_with_nothing_assigned() -> None:
+    # Nothing is fetched before an assignment, so polling takes no message and lets a refused login end the wait.
+    consumer = _SlowMetadataConsumer(assigned=False)
+    consumer.waiting = []
+    polled: list[float] = []
+    consumer.poll = lambda timeout=-1: polled.append(timeout)  # type: ignore[method-assign]
+    context = ClientContext("127.0.0.1:1")
+    list_topics(consumer, AuthenticationWatch(context), context, 5.0, "leaders")  # type: ignore[arg-type]
+    assert polled == [0]

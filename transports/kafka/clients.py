@@ -205,6 +205,20 @@ _RETRIED = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT})
 """A metadata slice that failed so is asked again until the wait's deadline: the broker may still answer."""
 
 
+def _serve_callbacks(client: AdminClient | Consumer) -> None:
+    """Run the client's callbacks, the login watch among them, without taking a message from a reader.
+
+    An admin client's ``poll`` only serves callbacks. A consumer's hands out the next fetched message as well,
+    which its reader then never sees: a read of the log stalled on it, or went on without it. So a consumer is
+    polled only while nothing is assigned to it, when it has fetched nothing to take; with partitions assigned,
+    its reader's next read serves the callbacks.
+    """
+    assignment = getattr(client, "assignment", None)
+    if assignment is not None and assignment():
+        return
+    client.poll(0)
+
+
 def list_topics(
     client: AdminClient | Consumer,
     watch: AuthenticationWatch,
@@ -215,7 +229,9 @@ def list_topics(
     """The cluster metadata, waiting in short slices so a refused login ends the wait within a second.
 
     librdkafka reports a refused login only to the error callback, which runs from ``poll``; a single
-    ``list_topics(timeout)`` would wait the whole timeout and then only say that no broker answered.
+    ``list_topics(timeout)`` would wait the whole timeout and then only say that no broker answered. A slice can
+    time out on a reader whose fetch is in flight (the broker answers a connection's requests in order, and a
+    fetch at the end of a partition waits up to ``fetch.wait.max.ms``), so slices are asked again.
     """
     deadline = time.monotonic() + timeout_s
     doing = "read the cluster metadata" if topic is None else f"read the metadata of {topic!r}"
@@ -230,7 +246,7 @@ def list_topics(
             except KafkaException as exc:
                 error = kafka_error_of(exc)
                 retryable = error is not None and error.code() in _RETRIED
-                client.poll(0)
+                _serve_callbacks(client)
                 watch.raise_if_failed()
                 if not retryable or time.monotonic() >= deadline:
                     raise
