@@ -41,6 +41,7 @@ __all__ = [
     "REFUSAL_FRESH_S",
     "AuthenticationWatch",
     "ClientContext",
+    "Reset",
     "assign_reader",
     "build_client",
     "list_topics",
