@@ -173,6 +173,7 @@ class _SlowMetadataConsumer:
     def __init__(self, *, assigned: bool) -> None:
         self.assigned = assigned
         self.slices = 0
+        self.timeouts: list[float] = []
         self.waiting = ["fetched message"]
 
     def assignment(self) -> list[TopicPartition]:
@@ -180,6 +181,7 @@ class _SlowMetadataConsumer:
 
     def list_topics(self, topic: str | None = None, timeout: float = -1) -> object:
         self.slices += 1
+        self.timeouts.append(timeout)
         if self.slices == 1:
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
         return object()
@@ -207,3 +209,13 @@ def test_a_retried_metadata_wait_serves_the_callbacks_of_a_consumer_with_nothing
     context = ClientContext("127.0.0.1:1")
     list_topics(consumer, AuthenticationWatch(context), context, 5.0, "leaders")  # type: ignore[arg-type]
     assert polled == [0]
+
+
+def test_a_reader_with_partitions_assigned_asks_for_the_metadata_once_for_the_whole_wait() -> None:
+    # Its request waits behind a fetch in flight (up to fetch.wait.max.ms, 500 ms by default): half-second
+    # slices would time out one after the other.
+    consumer = _SlowMetadataConsumer(assigned=True)
+    consumer.slices = 1  # answers the first request
+    context = ClientContext("127.0.0.1:1")
+    list_topics(consumer, AuthenticationWatch(context), context, 5.0, "leaders")  # type: ignore[arg-type]
+    assert len(consumer.timeouts) == 1 and consumer.timeouts[0] > 4.5

@@ -206,18 +206,16 @@ _RETRIED = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT})
 """A metadata slice that failed so is asked again until the wait's deadline: the broker may still answer."""
 
 
-def _serve_callbacks(client: AdminClient | Consumer) -> None:
-    """Run the client's callbacks, the login watch among them, without taking a message from a reader.
+def _hands_out_messages(client: AdminClient | Consumer) -> bool:
+    """Whether the client's ``poll`` could take a fetched message: a consumer with partitions assigned.
 
-    An admin client's ``poll`` only serves callbacks. A consumer's hands out the next fetched message as well,
-    which its reader then never sees: a read of the log stalled on it, or went on without it. So a consumer is
-    polled only while nothing is assigned to it, when it has fetched nothing to take; with partitions assigned,
-    its reader's next read serves the callbacks.
+    An admin client's ``poll`` only serves callbacks, and so does a consumer's while nothing is assigned to it.
+    Once it reads, a consumer's ``poll`` hands out the next fetched message as well, which its reader then never
+    sees: a read of the log stalled on it, or went on without it. Such a consumer is not polled; its reader's
+    next read serves its callbacks.
     """
     assignment = getattr(client, "assignment", None)
-    if assignment is not None and assignment():
-        return
-    client.poll(0)
+    return assignment is not None and bool(assignment())
 
 
 def list_topics(
@@ -230,24 +228,28 @@ def list_topics(
     """The cluster metadata, waiting in short slices so a refused login ends the wait within a second.
 
     librdkafka reports a refused login only to the error callback, which runs from ``poll``; a single
-    ``list_topics(timeout)`` would wait the whole timeout and then only say that no broker answered. A slice can
-    time out on a reader whose fetch is in flight (the broker answers a connection's requests in order, and a
-    fetch at the end of a partition waits up to ``fetch.wait.max.ms``), so slices are asked again.
+    ``list_topics(timeout)`` would wait the whole timeout and then only say that no broker answered. A reader
+    (``_hands_out_messages``) is not polled, so it is asked once for the whole wait: its request waits behind a
+    fetch in flight (the broker answers a connection's requests in order, and a fetch at the end of a partition
+    waits up to ``fetch.wait.max.ms``), which would time out short slices one after the other.
     """
+    reader = _hands_out_messages(client)
     deadline = time.monotonic() + timeout_s
     doing = "read the cluster metadata" if topic is None else f"read the metadata of {topic!r}"
     with translated(context, Request(doing, timeout_s)):
         while True:
             watch.raise_if_failed()
             remaining = deadline - time.monotonic()
+            wait_s = max(0.05, remaining if reader else min(_METADATA_SLICE_S, remaining))
             try:
                 if topic is None:
-                    return client.list_topics(timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
-                return client.list_topics(topic=topic, timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
+                    return client.list_topics(timeout=wait_s)
+                return client.list_topics(topic=topic, timeout=wait_s)
             except KafkaException as exc:
                 error = kafka_error_of(exc)
                 retryable = error is not None and error.code() in _RETRIED
-                _serve_callbacks(client)
+                if not reader:
+                    client.poll(0)
                 watch.raise_if_failed()
                 if not retryable or time.monotonic() >= deadline:
                     raise
