@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from tests.unit.kafka_topic_double import MemoryTopic, materialize
 from tokcap.errors import TransportError
 from tokcap.events import IntentEvent
-from transports.kafka.clients import ClientContext
+from transports.kafka.clients import AuthenticationWatch, ClientContext, list_topics
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.offset_reader import OffsetReader
 
@@ -35,6 +35,9 @@ class _RecordingConsumer:
 
     def incremental_assign(self, partitions: list[TopicPartition]) -> None:
         self.calls.append("assign " + ",".join(str(p.partition) for p in partitions))
+
+    def incremental_unassign(self, partitions: list[TopicPartition]) -> None:
+        self.calls.append("unassign " + ",".join(str(p.partition) for p in partitions))
 
     def assign(self, partitions: list[TopicPartition]) -> None:
         self.calls.append("assign " + ",".join(str(p.partition) for p in partitions))
@@ -65,12 +68,12 @@ def resolver() -> Iterator[KafkaLineageResolver]:
 
 
 def _read_once(resolver: KafkaLineageResolver, *partitions: int) -> None:
-    resolver._unassigned.extend(TopicPartition("leaders", partition, 0) for partition in partitions)
+    resolver._unassigned.update(dict.fromkeys(partitions, 0))
     with resolver._lock:
         resolver._read_once(0.0)
 
 
-def test_the_lineage_reader_asks_its_own_handle_for_the_topic_once_after_its_first_assignment(
+def test_the_lineage_reader_asks_its_own_handle_for_the_topic_after_assigning_it_new_partitions(
     resolver: KafkaLineageResolver,
 ) -> None:
     reading = _RecordingConsumer()
@@ -78,10 +81,18 @@ def test_the_lineage_reader_asks_its_own_handle_for_the_topic_once_after_its_fir
     _read_once(resolver, 0)
     _read_once(resolver, 1)
     _read_once(resolver)
-    assert reading.calls == ["assign 0", "metadata leaders", "consume", "assign 1", "consume", "consume"]
+    assert reading.calls == [
+        "assign 0",
+        "metadata leaders",
+        "consume",
+        "assign 1",
+        "metadata leaders",
+        "consume",
+        "consume",
+    ]
 
 
-def test_a_refused_metadata_request_fails_the_resolve_and_is_asked_again_by_the_next_read(
+def test_a_refused_metadata_request_fails_the_resolve_and_the_next_read_assigns_and_asks_again(
     resolver: KafkaLineageResolver,
 ) -> None:
     reading = _RecordingConsumer()
@@ -91,7 +102,14 @@ def test_a_refused_metadata_request_fails_the_resolve_and_is_asked_again_by_the_
         _read_once(resolver, 0)
     reading.refuse_metadata = False
     _read_once(resolver)
-    assert reading.calls == ["assign 0", "metadata leaders", "metadata leaders", "consume"]
+    assert reading.calls == [
+        "assign 0",
+        "metadata leaders",
+        "unassign 0",
+        "assign 0",
+        "metadata leaders",
+        "consume",
+    ]
 
 
 class _EndOfPartition:
@@ -99,20 +117,20 @@ class _EndOfPartition:
         return KafkaError(KafkaError._PARTITION_EOF)
 
 
-def test_the_parent_reader_asks_a_new_handle_for_the_topic_before_its_first_read_only() -> None:
+def test_the_parent_reader_asks_a_new_handle_for_the_topic_after_its_first_assignment_only() -> None:
     opened: list[_RecordingConsumer] = []
 
-    def open_consumer() -> _RecordingConsumer:
+    def open_consumer(settings: dict[str, Any]) -> Any:
         opened.append(_RecordingConsumer([_EndOfPartition()]))
         return opened[-1]
 
-    reader = OffsetReader(open_consumer, "leaders", context=ClientContext("127.0.0.1:1"), timeout_s=5.0)
+    reader = OffsetReader(ClientContext("127.0.0.1:1"), "leaders", factory=open_consumer, timeout_s=5.0)
     assert reader.read(0, 3) is None
     assert reader.read(1, 4) is None
     assert len(opened) == 1
     assert opened[0].calls == [
-        "metadata leaders",
         "assign 0",
+        "metadata leaders",
         "consume",
         "assign ",
         "assign 1",
@@ -124,17 +142,17 @@ def test_the_parent_reader_asks_a_new_handle_for_the_topic_before_its_first_read
 def test_a_parent_reader_that_cannot_learn_the_leaders_fails_and_opens_a_new_handle_next_time() -> None:
     opened: list[_RecordingConsumer] = []
 
-    def open_consumer() -> _RecordingConsumer:
+    def open_consumer(settings: dict[str, Any]) -> Any:
         opened.append(_RecordingConsumer([_EndOfPartition()]))
         opened[-1].refuse_metadata = len(opened) == 1
         return opened[-1]
 
-    reader = OffsetReader(open_consumer, "leaders", context=ClientContext("127.0.0.1:1"), timeout_s=5.0)
+    reader = OffsetReader(ClientContext("127.0.0.1:1"), "leaders", factory=open_consumer, timeout_s=5.0)
     with pytest.raises(TransportError, match=r"metadata of 'leaders'.*TOPIC_AUTHORIZATION_FAILED"):
         reader.read(0, 3)
     assert opened[0].closed
     assert reader.read(0, 3) is None
-    assert len(opened) == 2 and opened[1].calls[0] == "metadata leaders"
+    assert len(opened) == 2 and opened[1].calls[:2] == ["assign 0", "metadata leaders"]
 
 
 @pytest.mark.parametrize("partitions", [None, [1]])
@@ -147,3 +165,57 @@ def test_the_materializer_asks_its_handle_for_the_topic_after_assigning_its_part
     requests = topic.consumers[0].requests
     assigned = requests.index(next(request for request in requests if request.startswith("assign")))
     assert requests[assigned + 1] == "metadata leaders", requests
+
+
+class _SlowMetadataConsumer:
+    """A consumer with a fetched message waiting, whose first metadata slice times out (a fetch in flight)."""
+
+    def __init__(self, *, assigned: bool) -> None:
+        self.assigned = assigned
+        self.slices = 0
+        self.timeouts: list[float] = []
+        self.waiting = ["fetched message"]
+
+    def assignment(self) -> list[TopicPartition]:
+        return [TopicPartition("leaders", 0)] if self.assigned else []
+
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> object:
+        self.slices += 1
+        self.timeouts.append(timeout)
+        if self.slices == 1:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+        return object()
+
+    def poll(self, timeout: float = -1) -> object:
+        return self.waiting.pop() if self.waiting else None
+
+
+def test_a_retried_metadata_wait_takes_no_message_from_a_reader_with_partitions_assigned() -> None:
+    # A consumer's poll hands out the next fetched message: taken here, it is lost to the reader, whose read of
+    # the log then stalls (the last message of a partition) or misses it (an earlier one).
+    consumer = _SlowMetadataConsumer(assigned=True)
+    context = ClientContext("127.0.0.1:1")
+    list_topics(consumer, AuthenticationWatch(context), context, 5.0, "leaders")  # type: ignore[arg-type]
+    assert consumer.slices == 2
+    assert consumer.waiting == ["fetched message"]
+
+
+def test_a_retried_metadata_wait_serves_the_callbacks_of_a_consumer_with_nothing_assigned() -> None:
+    # Nothing is fetched before an assignment, so polling takes no message and lets a refused login end the wait.
+    consumer = _SlowMetadataConsumer(assigned=False)
+    consumer.waiting = []
+    polled: list[float] = []
+    consumer.poll = lambda timeout=-1: polled.append(timeout)  # type: ignore[method-assign]
+    context = ClientContext("127.0.0.1:1")
+    list_topics(consumer, AuthenticationWatch(context), context, 5.0, "leaders")  # type: ignore[arg-type]
+    assert polled == [0]
+
+
+def test_a_reader_with_partitions_assigned_asks_for_the_metadata_once_for_the_whole_wait() -> None:
+    # Its request waits behind a fetch in flight (up to fetch.wait.max.ms, 500 ms by default): half-second
+    # slices would time out one after the other.
+    consumer = _SlowMetadataConsumer(assigned=True)
+    consumer.slices = 1  # answers the first request
+    context = ClientContext("127.0.0.1:1")
+    list_topics(consumer, AuthenticationWatch(context), context, 5.0, "leaders")  # type: ignore[arg-type]
+    assert len(consumer.timeouts) == 1 and consumer.timeouts[0] > 4.5

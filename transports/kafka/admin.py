@@ -7,8 +7,6 @@ print one clear line instead of a ``KafkaException``; a refused login or TLS han
 from __future__ import annotations
 
 import threading
-import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +16,13 @@ from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[at
 
 from tokcap.errors import TopicNotFoundError, TransportError
 from transports.kafka.client_log import LIBRDKAFKA_LOGGER
-from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.clients import (
+    AuthenticationWatch,
+    ClientContext,
+    build_client,
+    list_topics,
+    open_reader,
+)
 from transports.kafka.error_map import Request, kafka_error_of, translated
 from transports.kafka.topics import KEEP_WHOLE_RUN, validate_topic_name
 
@@ -30,7 +34,6 @@ __all__ = [
     "TopicIdReader",
     "delete_topic",
     "describe_topic",
-    "list_topics",
     "partition_count",
     "probe_broker",
     "watermarks",
@@ -49,46 +52,9 @@ DURABILITY_CONFIGS: tuple[str, ...] = (
 """Topic configs that decide whether a run can be replayed; ``describe_topic`` reports them."""
 
 
-_METADATA_SLICE_S = 0.5
-"""How often a metadata wait checks whether the broker refused the login meanwhile."""
-
-_RETRIED = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT})
-"""A metadata slice that failed so is asked again until the wait's deadline: the broker may still answer."""
-
-
 def _admin(context: ClientContext, watch: AuthenticationWatch | None = None) -> AdminClient:
     fixed = {} if watch is None else {"error_cb": watch}
     return build_client(AdminClient, context.settings(fixed), context, "admin client")
-
-
-def list_topics(
-    client: AdminClient | Consumer,
-    watch: AuthenticationWatch,
-    context: ClientContext,
-    timeout_s: float,
-    topic: str | None = None,
-) -> Any:
-    """The cluster metadata, waiting in short slices so a refused login ends the wait within a second.
-
-    librdkafka reports a refused login only to the error callback, which runs from ``poll``; a single
-    ``list_topics(timeout)`` would wait the whole timeout and then only say that no broker answered.
-    """
-    deadline = time.monotonic() + timeout_s
-    with translated(context, Request("read the cluster metadata", timeout_s)):
-        while True:
-            watch.raise_if_failed()
-            remaining = deadline - time.monotonic()
-            try:
-                if topic is None:
-                    return client.list_topics(timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
-                return client.list_topics(topic=topic, timeout=max(0.05, min(_METADATA_SLICE_S, remaining)))
-            except KafkaException as exc:
-                error = kafka_error_of(exc)
-                retryable = error is not None and error.code() in _RETRIED
-                client.poll(0)
-                watch.raise_if_failed()
-                if not retryable or time.monotonic() >= deadline:
-                    raise
 
 
 def partition_count(
@@ -222,10 +188,7 @@ def watermarks(
     context = ClientContext(bootstrap_servers, dict(client_config or {}))
     watch = AuthenticationWatch(context)
     metadata = _topic_metadata(_admin(context, watch), watch, context, topic, timeout_s)
-    settings = context.settings(
-        {"group.id": f"tokcap-admin-{uuid.uuid4().hex}", "enable.auto.commit": False, "error_cb": watch}
-    )
-    consumer = build_client(Consumer, settings, context, "consumer")
+    consumer = open_reader(context, topic, purpose="admin", watch=watch)
     try:
         with translated(context, Request(f"read the offsets of topic {topic!r}", timeout_s, topic)):
             result: dict[int, tuple[int, int]] = {}

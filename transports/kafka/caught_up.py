@@ -13,7 +13,6 @@ process materializes is refused: give each reading process a directory of its ow
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from confluent_kafka import Consumer, TopicPartition
 from tokcap.errors import ConfigError, DeliveryTimeoutError, TransportError
 from tokcap.store import TokenCaptureStore
 from transports.kafka.admin import partition_count
-from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.error_map import Request, translated
 from transports.kafka.materializer import Materializer
 from transports.kafka.partitioner import DEFAULT_PARTITIONER, partition_of_rollout
@@ -58,14 +57,7 @@ class CaughtUpStore:
         self._materializer: Materializer | None = materializer
         self._context = ClientContext(bootstrap_servers, dict(consumer_config or {}))
         self._watch = AuthenticationWatch(self._context)
-        settings = self._context.settings(
-            {
-                "group.id": f"tokcap-staging-{uuid.uuid4().hex}",
-                "enable.auto.commit": False,
-                "error_cb": self._watch,
-            }
-        )
-        self._asker: Consumer = build_client(Consumer, settings, self._context, "consumer")
+        self._asker: Consumer = open_reader(self._context, topic, purpose="staging", watch=self._watch)
         self._partitions: int | None = None
         self._lock = threading.Lock()
 

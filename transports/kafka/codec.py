@@ -84,6 +84,7 @@ __all__ = [
     "encode_delta_message",
     "encode_event_messages",
     "encode_event_value",
+    "header_pairs",
     "headers_to_dict",
     "is_wire_delta",
     "read_chunk_header",
@@ -168,15 +169,15 @@ class LogMessage:
             offset=int(message.offset() or 0),
             timestamp_ms=int(stamp) if kind != 0 else None,
             key=message.key(),
-            headers=_header_pairs(message.headers()),
+            headers=header_pairs(message.headers()),
             value=message.value(),
         )
 
 
-def _header_pairs(
+def header_pairs(
     headers: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]] | None,
 ) -> tuple[tuple[str, bytes | None], ...]:
-    """Headers as ``(name, bytes)`` pairs in their order on the message."""
+    """Headers as ``(name, bytes)`` pairs in their order on the message: ``headers_to_dict`` the other way."""
     pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
     return tuple((name, value.encode() if isinstance(value, str) else value) for name, value in pairs)
 
@@ -249,6 +250,25 @@ def _unpack_array(data: bytes | memoryview, dtype: str) -> list[Any]:
     return unpacked.tolist()
 
 
+def _frame(magic: bytes, head: bytes, tail: list[bytes]) -> bytes:
+    """A binary value: four magic bytes, the head's length (little-endian u32), the JSON head, then raw bytes."""
+    return b"".join([magic, struct.pack("<I", len(head)), head, *tail])
+
+
+def _read_frame(value: bytes, magic: bytes, what: str) -> tuple[Any, int]:
+    """The parsed JSON head of a binary value (``_frame``) and where the bytes after it start."""
+    if len(value) < 8 or value[:4] != magic:
+        raise EventDecodeError(f"{what} does not start with the {magic.decode()} magic")
+    (head_length,) = struct.unpack_from("<I", value, 4)
+    head_end = 8 + head_length
+    if head_end > len(value):
+        raise EventDecodeError(f"{what} is shorter than its header claims")
+    try:
+        return orjson.loads(value[8:head_end]), head_end
+    except orjson.JSONDecodeError as exc:
+        raise EventDecodeError(f"{what} header is not valid JSON: {exc}") from exc
+
+
 def _pack_put(event: PutEvent) -> bytes:
     """The packed value of a put event."""
     return _pack(_PACKED_MAGIC, event, prompt_field="prompt_token_ids", prompt=None, extra_head=None)
@@ -298,7 +318,7 @@ def _pack(
         if compact:
             _without_defaults(dumped["entry"])
         head = orjson.dumps(dumped, option=orjson.OPT_SORT_KEYS)
-    return b"".join([magic, struct.pack("<I", len(head)), head, *blobs])
+    return _frame(magic, head, blobs)
 
 
 def _unpack_put(value: bytes) -> dict[str, Any]:
@@ -333,17 +353,7 @@ def _unpack(
     Also return where the arrays start and each array's length. Id arrays are checked on their bytes
     (``_check_packed_ids``); without ``decode`` no array is decoded and ``entry`` holds none.
     """
-    kind = magic.decode()
-    if len(value) < 8 or value[:4] != magic:
-        raise EventDecodeError(f"packed put value does not start with the {kind} magic")
-    (head_length,) = struct.unpack_from("<I", value, 4)
-    head_end = 8 + head_length
-    if head_end > len(value):
-        raise EventDecodeError("packed put value is shorter than its header claims")
-    try:
-        mapping = orjson.loads(value[8:head_end])
-    except orjson.JSONDecodeError as exc:
-        raise EventDecodeError(f"packed put header is not valid JSON: {exc}") from exc
+    mapping, head_end = _read_frame(value, magic, "packed put value")
     if not isinstance(mapping, dict) or not isinstance(mapping.get("entry"), dict):
         raise EventDecodeError("packed put header must be an object with an entry object")
     if isinstance(mapping.get("schema_version"), int) and mapping["schema_version"] > EVENT_SCHEMA_VERSION:
@@ -436,21 +446,12 @@ def _pack_stage(event: StageEvent) -> bytes:
                 model_call_id=event.model_call_id,
             )
         blobs.append(data)
-    return b"".join([_STAGED_MAGIC, struct.pack("<I", len(head)), head, *blobs])
+    return _frame(_STAGED_MAGIC, head, blobs)
 
 
 def _unpack_stage(value: bytes) -> StageEvent:
     """A stage event with the blob bytes it carries, each checked against the size and SHA-256 its row names."""
-    if len(value) < 8 or value[:4] != _STAGED_MAGIC:
-        raise EventDecodeError("staged value does not start with the TKS1 magic")
-    (head_length,) = struct.unpack_from("<I", value, 4)
-    head_end = 8 + head_length
-    if head_end > len(value):
-        raise EventDecodeError("staged value is shorter than its header claims")
-    try:
-        raw = orjson.loads(value[8:head_end])
-    except orjson.JSONDecodeError as exc:
-        raise EventDecodeError(f"staged value header is not valid JSON: {exc}") from exc
+    raw, head_end = _read_frame(value, _STAGED_MAGIC, "staged value")
     event = _accepted(raw, token_ids_checked=False)
     if not isinstance(event, StageEvent):
         raise EventDecodeError(f"a staged value must be a stage event, got {event.type.value}")

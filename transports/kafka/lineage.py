@@ -37,7 +37,6 @@ import asyncio
 import hashlib
 import threading
 import time
-import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -62,8 +61,8 @@ from tokcap.lineage import (
 )
 from tokcap.metrics import source_timed
 from tokcap.records import ParentResolutionStatus, TokenEntry
-from transports.kafka.admin import list_topics, partition_count
-from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.admin import partition_count
+from transports.kafka.clients import AuthenticationWatch, ClientContext, assign_reader, open_reader
 from transports.kafka.codec import (
     ENCODING_DELTA,
     ENCODING_JSON,
@@ -74,6 +73,7 @@ from transports.kafka.codec import (
     decode_event_value,
     decode_wire_delta,
     encode_event_value,
+    header_pairs,
     headers_to_dict,
     read_chunk_header,
     read_packed_head,
@@ -165,8 +165,7 @@ class _StoredPut:
 
     def as_message(self) -> LogMessage:
         """The put as the log message it was read as."""
-        headers = tuple((name, value.encode()) for name, value in self.headers.items())
-        return LogMessage(self.partition, self.offset, None, self.key, headers, self.value)
+        return LogMessage(self.partition, self.offset, None, self.key, header_pairs(self.headers), self.value)
 
 
 @dataclass
@@ -220,24 +219,13 @@ class KafkaLineageResolver:
         self._end_request = Request(f"read the end of {self._topic!r}", timeout_s)
         self._read_request = Request(f"read {self._topic!r}", timeout_s)
         self._watch = AuthenticationWatch(self._context)
-        settings = self._context.settings(
-            {
-                "group.id": f"tokcap-lineage-{uuid.uuid4().hex}",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "auto.offset.reset": "earliest",
-                "error_cb": self._watch,
-            },
-            defaults={"fetch.wait.max.ms": 10},
-        )
-        self._consumer: Consumer = build_client(Consumer, settings, self._context, "consumer")
+        self._consumer: Consumer = self._open_reader()
         # A second handle asks the broker questions (metadata, offsets): a request on the reading handle waits
         # behind another thread's consume call (measured: seconds, past its own timeout), one here does not.
-        self._asker: Consumer = build_client(Consumer, settings, self._context, "consumer")
-        self._unassigned: list[TopicPartition] = []
-        """Partitions to start reading; the reader assigns them, as the consumer is used by one thread at a time."""
-        self._reader_knows_leaders = False
-        """Whether the reading handle has asked for the topic's metadata since it was first assigned a partition."""
+        self._asker: Consumer = self._open_reader()
+        self._unassigned: dict[int, int] = {}
+        """Partitions to start reading, at their first offset; the reader assigns them, as the consumer is used
+        by one thread at a time."""
         self._lock = threading.Lock()
         """Guards the folded state; never held while waiting on the broker."""
         self._read = threading.Condition(self._lock)
@@ -275,6 +263,19 @@ class KafkaLineageResolver:
     def __repr__(self) -> str:
         """Names the topic only: consumer settings may hold credentials."""
         return f"KafkaLineageResolver(topic={self._topic!r})"
+
+    def _open_reader(self) -> Consumer:
+        """A private reader; it starts at the offsets it asked the broker for (``earliest`` only covers a start
+        that retention removed between the question and the fetch)."""
+        return open_reader(
+            self._context,
+            self._topic,
+            purpose="lineage",
+            watch=self._watch,
+            timeout_s=self._timeout_s,
+            reset="earliest",
+            defaults={"fetch.wait.max.ms": 10},
+        )
 
     @property
     def topic(self) -> str:
@@ -429,7 +430,7 @@ class KafkaLineageResolver:
             with self._lock:
                 self._raise_if_closed()
                 self._next[partition] = int(low)
-                self._unassigned.append(TopicPartition(self._topic, partition, int(low)))
+                self._unassigned[partition] = int(low)
 
     def _ends_of(self, partitions: frozenset[int]) -> dict[int, int]:
         """Each partition's offset after its last message, asked of the broker now in one request.
@@ -475,26 +476,30 @@ class KafkaLineageResolver:
 
     def _read_once(self, timeout_s: float) -> None:
         """Read what the consumer has (waiting up to ``timeout_s`` for one message) and fold it; lock held."""
-        unassigned, self._unassigned = self._unassigned, []
+        unassigned, self._unassigned = self._unassigned, {}
         messages: list[Message] = []
         self._lock.release()
         try:
+            if unassigned:
+                # The handle learns the new partitions' leaders before the first fetch (the first resolves of
+                # a run stalled 0.5-1 s without).
+                assign_reader(
+                    self._consumer,
+                    self._context,
+                    self._watch,
+                    self._topic,
+                    unassigned,
+                    self._timeout_s,
+                    incremental=True,
+                )
+                unassigned = {}
             with translated(self._context, self._read_request):
-                if unassigned:
-                    self._consumer.incremental_assign(unassigned)
-                    unassigned = []
-                if not self._reader_knows_leaders:
-                    # librdkafka learns the leaders of a topic first assigned on a handle at its next topic
-                    # scan, up to a second later, and fetches nothing until then (the first resolves of a run
-                    # stalled 0.5-1 s so). Asking for the topic's metadata on this handle teaches it now.
-                    list_topics(self._consumer, self._watch, self._context, self._timeout_s, self._topic)
-                    self._reader_knows_leaders = True
                 messages = self._consumer.consume(1, timeout_s)
                 if messages:
                     messages.extend(self._consumer.consume(500, 0))
         finally:
             self._lock.acquire()
-            self._unassigned.extend(unassigned)  # not assigned: the next reader tries again
+            self._unassigned.update(unassigned)  # not assigned: the next reader tries again
         # Every message is folded before a failure is raised: the consumer will not hand them out again.
         # A few at a time, letting the callers already read answer in between rather than after the batch.
         failure: TransportError | None = None

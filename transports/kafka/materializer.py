@@ -61,7 +61,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -88,7 +87,7 @@ from tokcap.events import Event, FreezeEvent, LogPosition
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
-from transports.kafka.admin import TopicIdReader, list_topics
+from transports.kafka.admin import TopicIdReader
 from transports.kafka.applied_entries import AppliedEntries
 from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
@@ -96,14 +95,20 @@ from transports.kafka.checkpoint import (
     checkpoint_path,
     write_checkpoints,
 )
-from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.clients import (
+    AuthenticationWatch,
+    ClientContext,
+    assign_reader,
+    list_topics,
+    open_reader,
+)
 from transports.kafka.codec import DEFAULT_MAX_EVENT_BYTES, LogMessage
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import read_failure
 from transports.kafka.incarnation import IncarnationWatch
 from transports.kafka.loop_metrics import count_applied, count_dead_letter, observe_freeze
-from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
+from transports.kafka.offset_reader import OffsetReader
 from transports.kafka.ownership import check_owner_records, write_owner_records
 from transports.kafka.router import (
     DEFAULT_MAX_OPEN_CHUNK_BYTES,
@@ -300,11 +305,7 @@ class Materializer:
         self._progress: dict[int, _PartitionProgress] = {}
         # Wire deltas whose parent the router no longer keeps (a resume past it) read it again from the log.
         self._parent_reader = OffsetReader(
-            lambda: build_client(
-                self._new_consumer, {**self._consumer_settings(), **READER_SETTINGS}, self._client, "consumer"
-            ),
-            self._topic,
-            context=self._client,
+            self._client, self._topic, purpose="materializer", watch=self._watch, factory=self._new_consumer
         )
         self._router = InboundRouter(
             max_event_bytes=max_event_bytes,
@@ -493,7 +494,7 @@ class Materializer:
 
     def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]:
         """Per assigned partition, the offset after the last message currently in the log."""
-        consumer = build_client(self._new_consumer, self._consumer_settings(), self._client, "consumer")
+        consumer = self._open_reader()
         try:
             partitions = self._partitions(consumer, timeout_s)
             return {
@@ -517,16 +518,15 @@ class Materializer:
 
     # --------------------------------------------------------------- the loop
 
-    def _consumer_settings(self) -> dict[str, Any]:
-        return self._client.settings(
-            {
-                "group.id": f"tokcap-materializer-{uuid.uuid4().hex}",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "auto.offset.reset": "error",
-                "error_cb": self._watch,
-            },
+    def _open_reader(self) -> Consumer:
+        """A private reader of the topic, assigned its partitions once their checkpoints are read."""
+        return open_reader(
+            self._client,
+            self._topic,
+            purpose="materializer",
+            watch=self._watch,
             defaults={"fetch.wait.max.ms": 100},
+            factory=self._new_consumer,
         )
 
     def _partitions(self, consumer: Consumer, timeout_s: float = 30.0) -> list[int]:
@@ -577,7 +577,7 @@ class Materializer:
             self._ready.set()
 
     def _run(self) -> None:
-        consumer = build_client(self._new_consumer, self._consumer_settings(), self._client, "consumer")
+        consumer = self._open_reader()
         try:
             with ExitStack() as held:
                 partitions = self._partitions(consumer)
@@ -671,11 +671,14 @@ class Materializer:
             assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
         assert self._incarnation is not None
         self._incarnation.start()
-        consumer.assign(assignment)
-        # A handle that connected before it knew the topic (partitions given, so no metadata asked) learns an
-        # assigned topic's leaders only at librdkafka's next topic scan, up to a second later, and fetches
-        # nothing until then; asking now starts the fetches at once.
-        list_topics(consumer, self._watch, self._client, _METADATA_TIMEOUT_S, self._topic)
+        assign_reader(
+            consumer,
+            self._client,
+            self._watch,
+            self._topic,
+            {tp.partition: tp.offset for tp in assignment},
+            _METADATA_TIMEOUT_S,
+        )
         logger.info(
             "materializer ready: topic %s, resuming at %s, blocks of up to %d messages",
             self._topic,

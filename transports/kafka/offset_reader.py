@@ -14,7 +14,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from tokcap.errors import TransportError
-from transports.kafka.clients import ClientContext
+from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.codec import LogMessage
 from transports.kafka.error_map import Request, translated
 
@@ -23,26 +23,35 @@ __all__ = ["READER_SETTINGS", "OffsetReader"]
 _POLL_S = 0.2
 
 READER_SETTINGS = {"fetch.wait.max.ms": 1}
-"""Merge over the reader consumer's settings: it asks for offsets that exist, so a long-poll fetch left in
+"""Fixed over the reader consumer's settings: it asks for offsets that exist, so a long-poll fetch left in
 flight after each read only delays the next one (about 90 ms a read with 100 ms, 4 ms with 1 ms, measured
 on a local broker over a 63-deep chain)."""
 
 
 class OffsetReader:
-    """Fetches single messages with one consumer, opened on first use.
+    """Fetches single messages with one private reader (``clients.open_reader``), opened on first use.
 
-    ``open_consumer`` builds the consumer with the reader's own settings (security included) and
-    ``READER_SETTINGS``; it must not reset offsets by itself (``auto.offset.reset: error``), so an offset that
-    retention removed is reported as missing instead of silently answered with another message. ``context``
-    describes that consumer, so its failures name the broker and carry none of its settings.
+    The reader does not reset offsets by itself (``auto.offset.reset: error``), so an offset that retention
+    removed is reported as missing instead of silently answered with another message. ``context`` describes
+    it, so its failures name the broker and carry none of its settings; ``purpose`` names its group and
+    ``factory`` builds it (a test passes a topic double).
     """
 
     def __init__(
-        self, open_consumer: Callable[[], Any], topic: str, *, context: ClientContext, timeout_s: float = 30.0
+        self,
+        context: ClientContext,
+        topic: str,
+        *,
+        purpose: str = "reader",
+        watch: AuthenticationWatch | None = None,
+        factory: Callable[[dict[str, Any]], Consumer] = Consumer,
+        timeout_s: float = 30.0,
     ) -> None:
-        self._open_consumer = open_consumer
-        self._topic = topic
         self._context = context
+        self._topic = topic
+        self._purpose = purpose
+        self._watch = watch or AuthenticationWatch(context)
+        self._factory = factory
         self._timeout_s = timeout_s
         self._consumer: Consumer | None = None
 
@@ -53,9 +62,19 @@ class OffsetReader:
         not make it decide that the parent is gone.
         """
         if self._consumer is None:
-            self._consumer = self._opened()
+            self._consumer = open_reader(
+                self._context,
+                self._topic,
+                {partition: offset},
+                purpose=self._purpose,
+                watch=self._watch,
+                timeout_s=self._timeout_s,
+                fixed=READER_SETTINGS,
+                factory=self._factory,
+            )
+        else:
+            self._consumer.assign([TopicPartition(self._topic, partition, offset)])
         consumer = self._consumer
-        consumer.assign([TopicPartition(self._topic, partition, offset)])
         deadline = time.monotonic() + self._timeout_s
         asked = Request(f"read offset {offset} of partition {partition} of {self._topic!r}", self._timeout_s)
         try:
@@ -82,22 +101,6 @@ class OffsetReader:
                             return None
         finally:
             consumer.assign([])
-
-    def _opened(self) -> Any:
-        """A new consumer that knows the topic's leaders.
-
-        librdkafka learns the leaders of a topic first assigned on a handle at its next topic scan, up to a
-        second later, and fetches nothing until then; asking for the topic's metadata first saves that wait.
-        """
-        consumer = self._open_consumer()
-        asked = Request(f"read the metadata of {self._topic!r} to read a parent message", self._timeout_s)
-        try:
-            with translated(self._context, asked):
-                consumer.list_topics(topic=self._topic, timeout=self._timeout_s)
-        except TransportError:
-            consumer.close()
-            raise
-        return consumer
 
     def close(self) -> None:
         """Close the consumer, if one was opened."""

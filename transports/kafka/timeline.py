@@ -18,7 +18,6 @@ and the materializer sees that.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,13 +27,13 @@ from confluent_kafka import Consumer, Message, TopicPartition
 from tokcap.errors import TransportError
 from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, LedgerFailureEvent, StageEvent
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
-from transports.kafka.admin import list_topics, watermarks
-from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.admin import watermarks
+from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
-from transports.kafka.offset_reader import READER_SETTINGS, OffsetReader
+from transports.kafka.offset_reader import OffsetReader
 from transports.kafka.router import (
     ApplyEvent,
     Buffered,
@@ -85,8 +84,16 @@ class TimelineEntry:
 
 
 def _messages_of(consumer: Consumer, timeout_s: float, context: ClientContext) -> list[Message]:
+    """What the reader has fetched, waiting only for the first message.
+
+    ``consume(n, timeout)`` returns early only once it has ``n`` messages, so a batch asked for at once waits
+    out the whole timeout whenever fewer are left (every read of a small topic took half a second more so).
+    """
     with translated(context, Request("read the log", timeout_s)):
-        return list(consumer.consume(_BATCH, min(timeout_s, _POLL_S)))
+        messages = list(consumer.consume(1, min(timeout_s, _POLL_S)))
+        if messages:
+            messages.extend(consumer.consume(_BATCH - 1, 0))
+        return messages
 
 
 def read_log(
@@ -128,20 +135,10 @@ def read_log(
         return
     context = ClientContext(bootstrap_servers, dict(client_config or {}))
     watch = AuthenticationWatch(context)
-    settings = context.settings(
-        {
-            "group.id": f"tokcap-reader-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "error",
-            "error_cb": watch,
-        }
+    consumer = open_reader(
+        context, topic, dict.fromkeys(ends, 0), purpose="reader", watch=watch, timeout_s=timeout_s
     )
-    consumer = build_client(Consumer, settings, context, "consumer")
     try:
-        consumer.assign([TopicPartition(topic, partition, 0) for partition in sorted(ends)])
-        # A new handle learns an assigned topic's leaders at its next topic scan, up to a second later.
-        list_topics(consumer, watch, context, timeout_s, topic)
         pending = dict(ends)
         last_progress = time.monotonic()
         while pending:
@@ -216,21 +213,7 @@ class LogApplier:
     ) -> LogApplier:
         """An applier that reads a forgotten wire-delta parent again from the topic; ``close`` it after use."""
         context = ClientContext(bootstrap_servers, dict(client_config or {}))
-        settings = context.settings(
-            {
-                "group.id": f"tokcap-reader-{uuid.uuid4().hex}",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "auto.offset.reset": "error",
-                **READER_SETTINGS,
-            }
-        )
-        reader = OffsetReader(
-            lambda: build_client(Consumer, settings, context, "consumer"),
-            topic,
-            context=context,
-            timeout_s=max(timeout_s, 30.0),
-        )
+        reader = OffsetReader(context, topic, timeout_s=max(timeout_s, 30.0))
         return cls(store, topic, InboundRouter(parents=ParentRestorer(reader.read)), reader=reader)
 
     def close(self) -> None:
