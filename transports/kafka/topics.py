@@ -15,6 +15,7 @@ topic keeps every message (``retention.ms=-1``) unless the caller gives a retent
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 TOPIC_PREFIX = "tokcap."
+_METADATA_RETRY_S = 0.1
 """Every run topic starts with this, so operators can list and clean tokcap topics together."""
 
 MAX_TOPIC_NAME_LENGTH = 249
@@ -126,8 +128,21 @@ def _admin(context: ClientContext) -> AdminClient:
 def _existing_mismatches(
     admin: AdminClient, topic: str, settings: TopicSettings, timeout_s: float
 ) -> list[str]:
-    """Compare an existing topic with the requested settings; return one line per difference."""
-    metadata = admin.list_topics(topic=topic, timeout=timeout_s).topics.get(topic)
+    """Compare an existing topic with the requested settings; return one line per difference.
+
+    The broker that refused the creation may know the topic before the broker answering metadata does, so an
+    unknown topic is asked for again until ``timeout_s`` ends.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = max(0.05, deadline - time.monotonic())
+        metadata = admin.list_topics(topic=topic, timeout=remaining).topics.get(topic)
+        unknown = metadata is None or (
+            metadata.error is not None and metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+        )
+        if not unknown or time.monotonic() >= deadline:
+            break
+        time.sleep(_METADATA_RETRY_S)
     if metadata is None or metadata.error is not None:
         raise TransportError(
             f"topic {topic!r} exists but its metadata could not be read: {metadata and metadata.error}"
