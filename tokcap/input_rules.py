@@ -223,7 +223,7 @@ def _refuse(rollout_id: str, call_id: str, field: str, why: str) -> None:
 
 
 def _check_token_ids(rollout_id: str, call_id: str, field: str, ids: list[int]) -> None:
-    """Refuse an id outside [0, 2**64).
+    """Refuse an id that is not an int, or is outside [0, 2**64).
 
     Packing the ids as unsigned 64-bit numbers checks the range in one pass in C, five times faster than a
     ``min`` and a ``max``; only when that refuses (a value out of range, or not an int) are the ids scanned
@@ -235,6 +235,11 @@ def _check_token_ids(rollout_id: str, call_id: str, field: str, ids: list[int]) 
         pass
     else:
         return
+    for token in ids:
+        if type(token) is not int:
+            _refuse(
+                rollout_id, call_id, field, f"holds {token!r}, a {type(token).__name__}, where an int belongs"
+            )
     if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
         bad = next(token for token in ids if not 0 <= token <= MAX_TOKEN_ID)
         _refuse(rollout_id, call_id, field, f"holds token id {bad}, outside [0, 2**64)")

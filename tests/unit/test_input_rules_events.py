@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -21,6 +22,7 @@ from tokcap.events import (
 from tokcap.input_rules import accept_event, check_entry_fields, check_event
 from tokcap.records import TokenEntry
 from tokcap.rules import cancel_line, intent_line, mark_line
+from tokcap.store import TokenCaptureStore
 
 BAD_CALL_IDS = ["a\nb", "c9\r\x00c1", "z" * 5000]
 
@@ -105,3 +107,15 @@ def test_no_side_file_line_writer_accepts_a_call_id_that_would_not_stay_one_line
         with pytest.raises(InvalidInputError, match="model_call_id"):
             writer(call_id)
     assert (intent_line("c1"), cancel_line("c1"), mark_line("")) == (b"c1\n", b"\x00c1\n", b"\n")
+
+
+@pytest.mark.parametrize("bad", [5.0, None, "5"])
+def test_a_token_id_that_is_no_int_appended_after_the_entry_was_built_is_refused_and_nothing_is_stored(
+    tmp_path: Any, bad: object
+) -> None:
+    built = entry()
+    built.prompt_token_ids.append(bad)  # type: ignore[arg-type]
+    store = TokenCaptureStore(str(tmp_path))
+    with pytest.raises(InvalidInputError, match=r"prompt_token_ids holds .*where an int belongs"):
+        asyncio.run(store.put(built))
+    assert not list(tmp_path.glob("*.tokens.jsonl"))
