@@ -24,6 +24,8 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - A drop retires the rollout only while it is frozen in exactly that snapshot and version.
 - A retire retires whatever the state; the retired state is the fence, durable before any record is removed.
 - A delete forgets the rollout; applied from a log it leaves an empty state holding the verdict.
+- A drop, retire or delete applied at a log position records its verdict there, as a freeze records its answer.
+- A snapshot is incomplete when its freeze or any later marker says so; as of a freeze, it has that freeze's version.
 - A cancel is a line of the intents file Gym reads as an intent that never got an entry (Gym masks; tokcap knows).
 - The position of every applied event is recorded once, in the state the decision returns.
 - A stage of a known staging key with the same stored line is a no-op; another line is rejected, changing nothing.
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 
 from immutables import Map
 
-from tokcap.errors import InvalidInputError
+from tokcap.errors import InvalidInputError, RolloutRetiredError
 from tokcap.events import (
     CancelEvent,
     DeleteEvent,
@@ -68,6 +70,7 @@ from tokcap.events import (
 from tokcap.input_rules import check_line_call_id
 from tokcap.records import entry_digest
 from tokcap.state import (
+    CommandVerdict,
     FreezeAnswer,
     IncompleteMark,
     IntentOp,
@@ -91,13 +94,17 @@ __all__ = [
     "Effect",
     "RemoveRecords",
     "RemoveState",
+    "SnapshotAnswer",
     "WriteState",
     "cancel_line",
     "decide",
     "intent_line",
+    "is_marked_incomplete",
     "mark_line",
     "record_freeze",
+    "recorded_verdict",
     "snapshot_id_at",
+    "snapshot_of",
 ]
 
 
@@ -336,7 +343,7 @@ def _rejected_late(
         Rejection(
             event_type=event_type.value,
             model_call_id=call_id,
-            position=position.to_dict() if position is not None else None,
+            position=position,
         ),
     ]
     state.version += 1
@@ -500,8 +507,21 @@ def record_freeze(state: RolloutState) -> None:
 
 
 def _record_answer(state: RolloutState, position: LogPosition) -> None:
-    answer = FreezeAnswer(position=position.to_dict(), version=state.version, incomplete=state.incomplete)
+    answer = FreezeAnswer(position=position, version=state.version, incomplete=state.incomplete)
     state.freeze_answers = [*state.freeze_answers, answer]
+
+
+def _with_verdict(state: RolloutState, verdict: ApplyResult, position: LogPosition | None) -> ApplyResult:
+    """Record a command's verdict at its log position (none without a log) and return it."""
+    if position is not None:
+        recorded = CommandVerdict(
+            position=position,
+            event_type=verdict.event_type.value,
+            dropped=verdict.dropped,
+            removed=verdict.removed,
+        )
+        state.command_verdicts = [*state.command_verdicts, recorded]
+    return verdict
 
 
 def _retired(state: RolloutState) -> tuple[Effect, ...]:
@@ -538,7 +558,7 @@ def _drop(state: RolloutState, event: DropEvent, position: LogPosition | None) -
             dropped=dropped,
             detail="already dropped" if dropped else "the rollout is not in that exact frozen state",
         )
-        return _unchanged(state, verdict, position)
+        return _unchanged(state, _with_verdict(state, verdict, position), position)
     effects = _retired(state)
     verdict = ApplyResult(
         ApplyOutcome.ACCEPTED,
@@ -549,18 +569,18 @@ def _drop(state: RolloutState, event: DropEvent, position: LogPosition | None) -
         dropped=True,
         removed=state.removed_records,
     )
-    return Decision(state, verdict, effects)
+    return Decision(state, _with_verdict(state, verdict, position), effects)
 
 
 def _retire(state: RolloutState, position: LogPosition | None) -> Decision:
     if state.retired:
         verdict = ApplyResult(ApplyOutcome.NOOP, EventType.RETIRE, state.rollout_id, removed=False)
-        return _unchanged(state, verdict, position)
+        return _unchanged(state, _with_verdict(state, verdict, position), position)
     effects = _retired(state)
     verdict = ApplyResult(
         ApplyOutcome.ACCEPTED, EventType.RETIRE, state.rollout_id, removed=state.removed_records
     )
-    return Decision(state, verdict, effects)
+    return Decision(state, _with_verdict(state, verdict, position), effects)
 
 
 def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
@@ -579,8 +599,11 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
         removed=removed,
     )
     if position is not None:
-        fresh = RolloutState(rollout_id=state.rollout_id, removed_records=removed)
+        fresh = RolloutState(
+            rollout_id=state.rollout_id, removed_records=removed, command_verdicts=state.command_verdicts
+        )
         fresh.record_position(position)
+        _with_verdict(fresh, verdict, position)
         effects: tuple[Effect, ...] = (WriteState(durable=True), Barrier(), RemoveRecords())
         return Decision(fresh, verdict, effects, sync_even_if_unchanged=True)
     if not state.holds_records:
@@ -592,6 +615,73 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
     _retired(tombstone)
     effects = (WriteState(durable=True, state=tombstone), Barrier(), RemoveRecords(), RemoveState())
     return Decision(RolloutState(rollout_id=state.rollout_id), verdict, effects, sync_even_if_unchanged=True)
+
+
+# ------------------------------------------------------------------------------------- what is recorded
+
+
+@dataclass(frozen=True)
+class SnapshotAnswer:
+    """What a frozen state answers as a snapshot, its entries aside: they are the store's to read."""
+
+    snapshot_id: str
+    version: int
+    incomplete: bool
+
+
+def is_marked_incomplete(state: RolloutState) -> bool:
+    """Whether any call of the rollout failed to capture (or, once frozen, was left dangling)."""
+    return state.incomplete or bool(state.incomplete_marks)
+
+
+def snapshot_of(state: RolloutState, as_of: LogPosition | None) -> SnapshotAnswer:
+    """The snapshot a frozen state answers; ``as_of``, the freeze of that log position answered.
+
+    As of a freeze its version stands, so a write that raced the freeze keeps the drop of that snapshot from
+    succeeding; a marker applied later still masks it (failing closed).
+    """
+    rollout_id = state.rollout_id
+    if state.retired:
+        raise RolloutRetiredError(
+            f"rollout {rollout_id!r} is retired (snapshot {state.snapshot_id}); its records are gone. "
+            "Delete it before reusing the id",
+            rollout_id=rollout_id,
+        )
+    if state.is_open or state.snapshot_id is None:
+        raise InvalidInputError(
+            f"rollout {rollout_id!r} is not frozen; freeze it first", rollout_id=rollout_id
+        )
+    if as_of is None:
+        return SnapshotAnswer(state.snapshot_id, state.version, is_marked_incomplete(state))
+    answer = state.answer_at(as_of)
+    if answer is None:
+        raise InvalidInputError(
+            f"rollout {rollout_id!r} has no freeze applied at {as_of}; the directory was not projected "
+            "from this log, or the rollout was deleted since",
+            rollout_id=rollout_id,
+        )
+    return SnapshotAnswer(state.snapshot_id, answer.version, is_marked_incomplete(state) or answer.incomplete)
+
+
+def recorded_verdict(state: RolloutState, event: Event, position: LogPosition) -> ApplyResult:
+    """The verdict of a command applied at ``position``, read back from the state it left.
+
+    A drop, retire or delete finds its own record, however many events came after it; one without a record
+    (applied by a tokcap that recorded none) dropped and removed nothing. A freeze's answer is its snapshot,
+    which ``snapshot_of`` reads.
+    """
+    recorded = state.verdict_at(position)
+    if isinstance(event, DropEvent):
+        dropped = recorded is not None and bool(recorded.dropped)
+        return ApplyResult(
+            ApplyOutcome.NOOP, event.type, event.rollout_id, dropped=dropped, detail="recorded verdict"
+        )
+    if isinstance(event, RetireEvent | DeleteEvent):
+        removed = recorded is not None and bool(recorded.removed)
+        return ApplyResult(
+            ApplyOutcome.NOOP, event.type, event.rollout_id, removed=removed, detail="recorded verdict"
+        )
+    return ApplyResult(ApplyOutcome.NOOP, event.type, event.rollout_id, detail="recorded in the state")
 
 
 def _names_other_staged_row(state: RolloutState, event: LedgerEvent) -> str | None:

@@ -36,6 +36,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PlainValidator,
     SerializerFunctionWrapHandler,
     StrictInt,
     ValidationError,
@@ -48,23 +49,35 @@ from tokcap.events import LogPosition
 __all__ = [
     "STATE_SCHEMA_VERSION",
     "UPGRADE_STEP",
+    "CommandVerdict",
     "FreezeAnswer",
     "IncompleteMark",
     "IntentOp",
     "IntentOps",
     "Lifecycle",
+    "Position",
     "Rejection",
     "RolloutState",
     "StagedSlot",
 ]
 
-STATE_SCHEMA_VERSION = 3
+STATE_SCHEMA_VERSION = 4
 """The newest schema of the ``tokcap`` part of a state file this reader understands.
 
 Version 3 records whether tokcap made the freeze (``covers_freeze``) and adds the staging keys (``staged``,
 ``ledger``, ...), which are written only once a rollout has staged or ledger rows. A reader of version 2 refuses
 every version-3 state with the upgrade message instead of misreading it.
+Version 4 adds ``command_verdicts``. A state is written with the oldest version that holds it: 4 only once a
+command's verdict is recorded, so every other state keeps its bytes and a reader of version 3 refuses only the
+states it could not read.
 """
+
+_SCHEMA_BEFORE_VERDICTS = 3
+
+Position = Annotated[
+    LogPosition, PlainValidator(LogPosition.from_mapping), PlainSerializer(LogPosition.to_dict)
+]
+"""A log position as the state file holds it: ``LogPosition.to_dict`` (``index`` only when not 0)."""
 
 
 class Lifecycle(enum.StrEnum):
@@ -82,7 +95,7 @@ class Rejection(BaseModel):
 
     event_type: str
     model_call_id: str = ""
-    position: dict[str, Any] | None = None
+    position: Position | None = None
 
 
 class IntentOp(enum.StrEnum):
@@ -122,9 +135,34 @@ class FreezeAnswer(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    position: dict[str, Any]
+    position: Position
     version: StrictInt
     incomplete: bool
+
+
+class CommandVerdict(BaseModel):
+    """What a drop, retire or delete applied at a log position decided.
+
+    A source in another process than its materializer reads the verdict of its own command here, however many
+    events of the rollout were applied after it. ``dropped`` is a drop's answer, ``removed`` a retire's or a
+    delete's; the other is not written.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    position: Position
+    event_type: str
+    dropped: bool | None = None
+    removed: bool | None = None
+
+    def dumped(self) -> dict[str, Any]:
+        """The verdict as the state file holds it."""
+        out: dict[str, Any] = {"event_type": self.event_type, "position": self.position.to_dict()}
+        if self.dropped is not None:
+            out["dropped"] = self.dropped
+        if self.removed is not None:
+            out["removed"] = self.removed
+        return out
 
 
 class StagedSlot(BaseModel):
@@ -172,8 +210,9 @@ class _TokcapPart(BaseModel):
     incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
     incomplete_size: StrictInt = 0
     freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
+    command_verdicts: list[CommandVerdict] = Field(default_factory=list)
     covers_freeze: bool = False
-    last_position: dict[str, Any] | None = None
+    last_position: Position | None = None
     removed_records: bool | None = None
     staged: dict[str, StagedSlot] = Field(default_factory=dict)
     staged_size: StrictInt = 0
@@ -218,9 +257,12 @@ class RolloutState(BaseModel):
     incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
     incomplete_size: StrictInt = 0
     freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
+    command_verdicts: list[CommandVerdict] = Field(default_factory=list)
+    """The verdict of every drop, retire and delete applied from a log, by position; a delete's empty state
+    keeps them."""
     covers_freeze: bool = False
     """tokcap recorded the freeze: the sizes cover every line written before it (``tokcap.recovery``)."""
-    last_position: dict[str, Any] | None = None
+    last_position: Position | None = None
     removed_records: bool | None = None
     staged: dict[str, StagedSlot] = Field(default_factory=dict)
     """Each staged call's line in ``<id>.tokens.staged``, by staging key; a fetch reads only its lines."""
@@ -275,11 +317,17 @@ class RolloutState(BaseModel):
         return copied
 
     def answer_at(self, position: LogPosition) -> FreezeAnswer | None:
-        """The answer a freeze applied at ``position`` gave, if one did."""
-        wanted = position.to_dict()
+        """The answer the freeze of the message at ``position`` gave, if one was applied."""
         for answer in self.freeze_answers:
-            if answer.position == wanted:
+            if answer.position.same_message(position):
                 return answer
+        return None
+
+    def verdict_at(self, position: LogPosition) -> CommandVerdict | None:
+        """The verdict the drop, retire or delete of the message at ``position`` got, if one was applied."""
+        for verdict in self.command_verdicts:
+            if verdict.position.same_message(position):
+                return verdict
         return None
 
     def advance(self, lifecycle: Lifecycle) -> None:
@@ -296,18 +344,19 @@ class RolloutState(BaseModel):
 
     def already_applied(self, position: LogPosition | None) -> bool:
         """True when an event at this log position was applied before (a resumed materializer)."""
-        if position is None or self.last_position is None:
+        last = self.last_position
+        if position is None or last is None:
             return False
         return (
-            self.last_position.get("topic") == position.topic
-            and self.last_position.get("partition") == position.partition
-            and int(self.last_position.get("offset", -1)) >= position.offset
+            last.topic == position.topic
+            and last.partition == position.partition
+            and (last.offset, last.index) >= (position.offset, position.index)
         )
 
     def record_position(self, position: LogPosition | None) -> None:
         """Remember the last applied log position together with what it changed."""
         if position is not None:
-            self.last_position = position.to_dict()
+            self.last_position = position
 
     def encode(self) -> bytes:
         """Gym's layout: sorted keys, compact, one trailing newline, so replays produce identical bytes.
@@ -323,11 +372,14 @@ class RolloutState(BaseModel):
             "incomplete_size": self.incomplete_size,
             "intents": dict(self.intents),
             "intents_size": self.intents_size,
-            "last_position": self.last_position,
+            "last_position": None if self.last_position is None else self.last_position.to_dict(),
             "rejections": [rejection.model_dump() for rejection in self.rejections],
             "removed_records": self.removed_records,
-            "schema_version": STATE_SCHEMA_VERSION,
+            "schema_version": _SCHEMA_BEFORE_VERDICTS,
         }
+        if self.command_verdicts:
+            tokcap_part["command_verdicts"] = [verdict.dumped() for verdict in self.command_verdicts]
+            tokcap_part["schema_version"] = STATE_SCHEMA_VERSION
         # Staging keys are written only once a rollout has staged or ledger rows.
         if self.staged or self.staged_size:
             tokcap_part["staged"] = {key: slot.dumped() for key, slot in self.staged.items()}

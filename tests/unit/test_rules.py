@@ -11,6 +11,7 @@ from factories import make_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokcap.errors import InvalidInputError, RolloutRetiredError
 from tokcap.events import (
     CancelEvent,
     DeleteEvent,
@@ -34,8 +35,11 @@ from tokcap.rules import (
     Decision,
     RemoveRecords,
     RemoveState,
+    SnapshotAnswer,
     WriteState,
     decide,
+    recorded_verdict,
+    snapshot_of,
 )
 from tokcap.state import IntentOp, Lifecycle, RolloutState
 
@@ -142,7 +146,7 @@ def test_an_event_at_or_before_the_recorded_position_changes_nothing() -> None:
 
 def test_every_applied_event_records_its_position_once_in_the_state() -> None:
     state, decisions = _run([IntentEvent(rollout_id=RID, model_call_id="a"), _put("a"), _put("a")])
-    assert state.last_position == _at(2).to_dict()
+    assert state.last_position == _at(2)
     assert decisions[2].verdict.outcome is ApplyOutcome.NOOP
     assert decisions[2].effects == (WriteState(durable=False),)
 
@@ -258,7 +262,7 @@ def test_a_delete_leaves_a_verdict_or_a_fence_before_removing_files() -> None:
     logged = decide(state, DeleteEvent(rollout_id=RID), _at(5))
     assert logged.effects == (WriteState(durable=True), Barrier(), RemoveRecords())
     assert logged.state.is_pristine and logged.state.removed_records is True
-    assert logged.state.last_position == _at(5).to_dict()
+    assert logged.state.last_position == _at(5)
     unlogged = decide(state, DeleteEvent(rollout_id=RID), None)
     tombstone, *rest = unlogged.effects
     assert isinstance(tombstone, WriteState) and tombstone.state is not None and tombstone.state.retired
@@ -268,3 +272,46 @@ def test_a_delete_leaves_a_verdict_or_a_fence_before_removing_files() -> None:
     assert (
         never_written.effects == (RemoveRecords(), RemoveState()) and never_written.verdict.removed is False
     )
+
+
+def test_a_snapshot_as_of_a_freeze_answers_its_version_and_a_later_marker_still_masks_it() -> None:
+    marker = IncompleteEvent(rollout_id=RID, model_call_id="late", reason="lost")
+    state, _ = _run([_put("a"), FreezeEvent(rollout_id=RID), _put("late")])
+    assert snapshot_of(state, _at(1)) == SnapshotAnswer("t:0:1", 2, False)
+    assert snapshot_of(state, None) == SnapshotAnswer("t:0:1", 3, False)
+    masked = decide(state, marker, _at(3)).state
+    assert snapshot_of(masked, LogPosition("t", 0, 1, 1)) == SnapshotAnswer("t:0:1", 2, True)
+    with pytest.raises(InvalidInputError, match="no freeze applied"):
+        snapshot_of(masked, _at(2))
+    with pytest.raises(InvalidInputError, match="not frozen"):
+        snapshot_of(_run([_put("a")])[0], None)
+    retired = decide(state, RetireEvent(rollout_id=RID), _at(3)).state
+    with pytest.raises(RolloutRetiredError):
+        snapshot_of(retired, _at(1))
+
+
+def test_each_command_reads_its_own_verdict_back_however_many_events_followed_it() -> None:
+    commands: list[Event] = [
+        DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=1),
+        DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=2),
+        RetireEvent(rollout_id=RID),
+        DeleteEvent(rollout_id=RID),
+        _put("again"),
+        DeleteEvent(rollout_id=RID),
+        DeleteEvent(rollout_id=RID),
+        _put("once more"),
+    ]
+    state, _ = _run([_put("a"), FreezeEvent(rollout_id=RID), *commands])
+    verdicts = [
+        (verdict.dropped, verdict.removed)
+        for offset, event in enumerate(commands, start=2)
+        if not isinstance(event, PutEvent)
+        for verdict in [recorded_verdict(state, event, _at(offset))]
+    ]
+    assert verdicts == [(False, None), (True, None), (None, False), (None, True), (None, True), (None, False)]
+    assert recorded_verdict(state, RetireEvent(rollout_id=RID), _at(99)).removed is False
+
+
+def test_without_a_log_no_verdict_is_recorded() -> None:
+    state, _ = _run([_put("a"), RetireEvent(rollout_id=RID), DeleteEvent(rollout_id=RID)], logged=False)
+    assert state.command_verdicts == []
