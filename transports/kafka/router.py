@@ -199,6 +199,7 @@ Routed = ApplyEvent | Buffered | DeadLetter
 """What one message, or one abandoned group, becomes."""
 
 _Decided = TypeVar("_Decided", Routed, Routed | Deferred)
+"""The decisions of one message, as routing or passing over it returns them."""
 
 
 @dataclass
@@ -635,7 +636,7 @@ class InboundRouter:
     ) -> list[Routed | Deferred]:
         """A freeze first abandons its rollout's open groups: a group completing after the cut is never applied.
 
-        Their masks go before the freeze, so the snapshot it answers is incomplete.
+        Their masks go before the freeze (at lower indexes of its offset), so the snapshot it answers is incomplete.
         """
         decided: list[Routed | Deferred] = []
         for item in routed:
