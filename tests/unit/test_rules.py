@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import os
 from typing import Any
 
@@ -100,23 +101,20 @@ def test_deciding_never_changes_the_state_it_was_given_and_always_decides_the_sa
 
 @settings(max_examples=60, deadline=None)
 @given(_events)
-def test_the_state_copy_a_rule_changes_is_what_pydantic_copies(events: list[Event]) -> None:
+def test_a_state_evolves_as_dataclasses_replace_makes_it_and_cannot_be_changed_in_place(
+    events: list[Event],
+) -> None:
     state, _ = _run(events)
-    mine, theirs = state.next_copy(), state.model_copy()
-    assert mine.__dict__ == theirs.__dict__
-    assert mine.model_fields_set == theirs.model_fields_set
-    assert (
-        (mine.__pydantic_extra__, mine.__pydantic_private__)
-        == (None, None)
-        == (
-            theirs.__pydantic_extra__,
-            theirs.__pydantic_private__,
-        )
+    before = state.encode()
+    evolved = state.evolve(version=state.version + 1, entry_digests={**state.entry_digests, "new": "digest"})
+    assert evolved == dataclasses.replace(
+        state, version=state.version + 1, entry_digests={**state.entry_digests, "new": "digest"}
     )
-    mine.version += 1
-    mine.entry_digests = {**mine.entry_digests, "new": "digest"}
-    assert state.encode() == theirs.encode() != mine.encode()
-    assert "version" in mine.model_fields_set
+    assert state.encode() == before != evolved.encode()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.version = 0  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no field"):
+        state.evolve(versoin=1)
 
 
 def test_deciding_touches_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +178,7 @@ def test_a_conflicting_put_marks_the_rollout_incomplete_and_appends_no_entry() -
 
 def test_a_dangling_intent_makes_the_freeze_incomplete() -> None:
     state, _ = _run([IntentEvent(rollout_id=RID, model_call_id="a"), _put("b"), FreezeEvent(rollout_id=RID)])
-    assert state.dangling_intents == ["a"] and state.incomplete
+    assert state.dangling_intents == ("a",) and state.incomplete
 
 
 def test_a_freeze_answers_the_version_of_its_own_position_and_late_writes_move_past_it() -> None:
@@ -314,4 +312,4 @@ def test_each_command_reads_its_own_verdict_back_however_many_events_followed_it
 
 def test_without_a_log_no_verdict_is_recorded() -> None:
     state, _ = _run([_put("a"), RetireEvent(rollout_id=RID), DeleteEvent(rollout_id=RID)], logged=False)
-    assert state.command_verdicts == []
+    assert state.command_verdicts == ()

@@ -60,7 +60,7 @@ def test_staging_events_after_a_retire_are_refused_by_the_fence() -> None:
 
     staged = decide(RolloutState(rollout_id="r"), _stage_event(), None).state
     retired = decide(staged, RetireEvent(rollout_id="r"), None)
-    assert retired.verdict.removed is True and retired.state.staged == {}
+    assert retired.verdict.removed is True and dict(retired.state.staged) == {}
     late = decide(retired.state, _stage_event(key="r/d"), None)
     assert late.verdict.outcome is ApplyOutcome.REJECTED_RETIRED
 

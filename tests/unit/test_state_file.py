@@ -34,7 +34,7 @@ def test_a_state_file_written_before_positions_had_an_index_reads_them_at_index_
 
 def test_a_position_past_index_0_is_written_with_its_index_and_read_back() -> None:
     state = RolloutState.decode(WRITTEN_BEFORE_INDEX, "r.tokens.state.json", "r")
-    state.record_position(LogPosition("run", 3, 13, 1))
+    state = state.positioned(LogPosition("run", 3, 13, 1))
     document = orjson.loads(state.encode())
     assert document["tokcap"]["last_position"] == {"index": 1, "offset": 13, "partition": 3, "topic": "run"}
     again = RolloutState.decode(state.encode(), "r.tokens.state.json", "r")
