@@ -470,25 +470,12 @@ class RolloutState:
             version=gym.version,
             entry_digests=gym.entry_digests,
             indexed_size=gym.indexed_size,
-            dangling_intents=tuple(part.dangling_intents),
-            rejections=tuple(part.rejections),
-            intents=Map(part.intents),
-            intents_size=part.intents_size,
-            incomplete_marks=tuple(part.incomplete_marks),
-            incomplete_size=part.incomplete_size,
-            freeze_answers=tuple(part.freeze_answers),
-            command_verdicts=tuple(part.command_verdicts),
-            covers_freeze=part.covers_freeze,
-            last_position=part.last_position,
-            removed_records=part.removed_records,
-            staged=Map(part.staged),
-            staged_size=part.staged_size,
-            ledger=Map(part.ledger),
-            ledger_failures=Map(part.ledger_failures),
-            ledger_size=part.ledger_size,
+            **{name: getattr(part, name) for name in _TOKCAP_FIELDS},
             foreign_keys=Map({k: v for k, v in raw.items() if k not in _GYM_KEYS and k != _TOKCAP_KEY}),
         )
 
 
 _FIELD_NAMES = frozenset(field.name for field in fields(RolloutState))
+_TOKCAP_FIELDS = tuple(name for name in _TokcapPart.model_fields if name != "schema_version")
+"""The state's fields read from the ``tokcap`` part; ``__post_init__`` makes its lists and dicts persistent."""
 _new_state = partial(object.__new__, RolloutState)
