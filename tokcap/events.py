@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -296,15 +297,47 @@ _EVENT_TYPE_NAMES = frozenset(member.value for member in EventType)
 
 @dataclass(frozen=True, order=True)
 class LogPosition:
-    """Where an event sits in the log: the arbiter of order in the Kafka path."""
+    """Where a decision sits in the log: the arbiter of order in the Kafka path.
+
+    ``index`` orders the decisions routing one message takes about one rollout: a chunk group that the
+    message abandons masks its rollout at index 0, before the message's own event at index 1. Most messages
+    decide once per rollout, at index 0.
+    """
 
     topic: str
     partition: int
     offset: int
+    index: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form stored beside what the event changed."""
-        return {"topic": self.topic, "partition": self.partition, "offset": self.offset}
+        """JSON form stored beside what the event changed; ``index`` only when it is not 0, as older files hold."""
+        out: dict[str, Any] = {"topic": self.topic, "partition": self.partition, "offset": self.offset}
+        if self.index:
+            out["index"] = self.index
+        return out
+
+    @classmethod
+    def from_mapping(cls, raw: Any) -> LogPosition:
+        """Read the JSON form back; a position written before ``index`` existed sits at index 0."""
+        if isinstance(raw, LogPosition):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"a log position must be a JSON object, got {type(raw).__name__}")
+        topic, partition, offset = raw.get("topic"), raw.get("partition"), raw.get("offset")
+        index = raw.get("index", 0)
+        if (
+            isinstance(topic, str)
+            and isinstance(partition, int)
+            and isinstance(offset, int)
+            and isinstance(index, int)
+            and not any(isinstance(number, bool) for number in (partition, offset, index))
+        ):
+            return cls(topic, partition, offset, index)
+        raise ValueError(f"a log position needs a topic and integer partition, offset and index, got {raw!r}")
+
+    def same_message(self, other: LogPosition) -> bool:
+        """Whether both decisions were taken routing one message (one event: one freeze or command)."""
+        return (self.topic, self.partition, self.offset) == (other.topic, other.partition, other.offset)
 
 
 def encode_event(event: Event) -> bytes:

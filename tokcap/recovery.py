@@ -138,16 +138,18 @@ def _tails(
         grown = [path for path in grown if path == paths.incomplete]
     if not grown and not frozen_by_gym:
         return Recovered(state, tuple(cuts), 0, exists)
-    state = state.model_copy()
     lagging = 0
     if paths.entries in grown:
-        lagging += _fold_entries(paths.entries, state, cuts, remembered_lines)
+        state, lines = _fold_entries(paths.entries, state, cuts, remembered_lines)
+        lagging += lines
     if paths.intents in grown:
-        lagging += _fold_intents(paths.intents, state, cuts)
+        state, lines = _fold_intents(paths.intents, state, cuts)
+        lagging += lines
     if paths.incomplete in grown:
-        lagging += _fold_marks(paths.incomplete, state, cuts)
+        state, lines = _fold_marks(paths.incomplete, state, cuts)
+        lagging += lines
     if frozen_by_gym:
-        record_freeze(state)
+        state = record_freeze(state)
     return Recovered(state, tuple(cuts), lagging, exists)
 
 
@@ -217,8 +219,14 @@ def call_id_of_entry_line(line: bytes) -> str:
     return call_id
 
 
-def _fold_entries(path: Path, state: RolloutState, cuts: list[Repair], remembered: dict[str, str]) -> int:
-    """Index entry lines past the state; each counts a version, and a second payload for a call id masks."""
+def _fold_entries(
+    path: Path, state: RolloutState, cuts: list[Repair], remembered: dict[str, str]
+) -> tuple[RolloutState, int]:
+    """Index entry lines past the state; each counts a version, and a second payload for a call id masks.
+
+    The put rule (``rules._put``) written again for lines another writer (Gym's store) appended: reading a
+    tail is all this module does, so it folds what the lines say rather than deciding events.
+    """
     digests = dict(state.entry_digests)
     marks = list(state.incomplete_marks)
 
@@ -232,19 +240,21 @@ def _fold_entries(path: Path, state: RolloutState, cuts: list[Repair], remembere
             marks.append(
                 IncompleteMark(model_call_id=call_id, reason="conflicting durable payloads for a call id")
             )
-            state.incomplete = True
         elif known is None:
             digests[call_id] = digest
-        state.version += 1
 
     consumed, lines = _parse_tail(path, state.indexed_size, state, cuts, fold)
-    state.entry_digests = digests
-    state.incomplete_marks = marks
-    state.indexed_size += consumed
-    return lines
+    folded = state.evolve(
+        entry_digests=digests,
+        incomplete_marks=tuple(marks),
+        incomplete=state.incomplete or len(marks) > len(state.incomplete_marks),
+        version=state.version + lines,
+        indexed_size=state.indexed_size + consumed,
+    )
+    return folded, lines
 
 
-def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
+def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> tuple[RolloutState, int]:
     """Each intent line is a call id (Gym's format); a cancel is the call id after ``CANCEL_PREFIX``."""
     intents = state.intents.mutate()
 
@@ -258,12 +268,10 @@ def _fold_intents(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
         intents[call_id] = op
 
     consumed, lines = _parse_tail(path, state.intents_size, state, cuts, fold)
-    state.intents = intents.finish()
-    state.intents_size += consumed
-    return lines
+    return state.evolve(intents=intents.finish(), intents_size=state.intents_size + consumed), lines
 
 
-def _fold_marks(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
+def _fold_marks(path: Path, state: RolloutState, cuts: list[Repair]) -> tuple[RolloutState, int]:
     """Each marker line is a call id, maybe empty (Gym's format); its writer already counted the version."""
     marks = list(state.incomplete_marks)
 
@@ -273,11 +281,12 @@ def _fold_marks(path: Path, state: RolloutState, cuts: list[Repair]) -> int:
             marks.append(mark)
 
     consumed, lines = _parse_tail(path, state.incomplete_size, state, cuts, fold)
-    state.incomplete_marks = marks
-    state.incomplete_size += consumed
-    if marks:
-        state.incomplete = True
-    return lines
+    folded = state.evolve(
+        incomplete_marks=tuple(marks),
+        incomplete_size=state.incomplete_size + consumed,
+        incomplete=state.incomplete or bool(marks),
+    )
+    return folded, lines
 
 
 def _call_id_of_side_line(line: bytes, what: str) -> str:

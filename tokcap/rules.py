@@ -24,6 +24,8 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 - A drop retires the rollout only while it is frozen in exactly that snapshot and version.
 - A retire retires whatever the state; the retired state is the fence, durable before any record is removed.
 - A delete forgets the rollout; applied from a log it leaves an empty state holding the verdict.
+- A drop, retire or delete applied at a log position records its verdict there, as a freeze records its answer.
+- A snapshot is incomplete when its freeze or any later marker says so; as of a freeze, it has that freeze's version.
 - A cancel is a line of the intents file Gym reads as an intent that never got an entry (Gym masks; tokcap knows).
 - The position of every applied event is recorded once, in the state the decision returns.
 - A stage of a known staging key with the same stored line is a no-op; another line is rejected, changing nothing.
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 
 from immutables import Map
 
-from tokcap.errors import InvalidInputError
+from tokcap.errors import InvalidInputError, RolloutRetiredError
 from tokcap.events import (
     CancelEvent,
     DeleteEvent,
@@ -68,6 +70,7 @@ from tokcap.events import (
 from tokcap.input_rules import check_line_call_id
 from tokcap.records import entry_digest
 from tokcap.state import (
+    CommandVerdict,
     FreezeAnswer,
     IncompleteMark,
     IntentOp,
@@ -91,13 +94,17 @@ __all__ = [
     "Effect",
     "RemoveRecords",
     "RemoveState",
+    "SnapshotAnswer",
     "WriteState",
     "cancel_line",
     "decide",
     "intent_line",
+    "is_marked_incomplete",
     "mark_line",
     "record_freeze",
+    "recorded_verdict",
     "snapshot_id_at",
+    "snapshot_of",
 ]
 
 
@@ -285,8 +292,7 @@ def decide(
         return Decision(
             state, ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, state.rollout_id), changed=False
         )
-    new = state.next_copy()
-    new.record_position(position)
+    new = state.positioned(position)
     if isinstance(event, PutEvent):
         return _put(new, event, position)
     if isinstance(event, IntentEvent):
@@ -331,15 +337,8 @@ def _rejected_late(
     state: RolloutState, event_type: EventType, call_id: str, position: LogPosition | None
 ) -> Decision:
     """A write that raced the freeze: kept as evidence, and the version moves so the stale snapshot stays."""
-    state.rejections = [
-        *state.rejections,
-        Rejection(
-            event_type=event_type.value,
-            model_call_id=call_id,
-            position=position.to_dict() if position is not None else None,
-        ),
-    ]
-    state.version += 1
+    rejection = Rejection(event_type=event_type.value, model_call_id=call_id, position=position)
+    state = state.evolve(rejections=(*state.rejections, rejection), version=state.version + 1)
     verdict = ApplyResult(
         ApplyOutcome.REJECTED_AFTER_FREEZE,
         event_type,
@@ -352,16 +351,18 @@ def _rejected_late(
     return Decision(state, verdict, (WriteState(durable=True),))
 
 
-def _with_mark(state: RolloutState, mark: IncompleteMark) -> tuple[Effect, ...]:
+def _with_mark(state: RolloutState, mark: IncompleteMark) -> tuple[RolloutState, tuple[Effect, ...]]:
     """Mark the rollout incomplete: one line per marker, as Gym writes, and the version moves; a reason is kept once."""
-    state.incomplete = True
-    state.version += 1
     line = mark_line(mark.model_call_id)
     effect = AppendIncompleteMark(line, state.incomplete_size)
-    if mark not in state.incomplete_marks:
-        state.incomplete_marks = [*state.incomplete_marks, mark]
-    state.incomplete_size += len(line)
-    return (effect,)
+    marks = state.incomplete_marks if mark in state.incomplete_marks else (*state.incomplete_marks, mark)
+    marked = state.evolve(
+        incomplete=True,
+        version=state.version + 1,
+        incomplete_marks=marks,
+        incomplete_size=state.incomplete_size + len(line),
+    )
+    return marked, (effect,)
 
 
 def _put(state: RolloutState, event: PutEvent, position: LogPosition | None) -> Decision:
@@ -379,7 +380,7 @@ def _put(state: RolloutState, event: PutEvent, position: LogPosition | None) -> 
     if not state.is_open:
         return _rejected_late(state, EventType.PUT, call_id, position)
     if known is not None:
-        marks = _with_mark(
+        state, marks = _with_mark(
             state,
             IncompleteMark(model_call_id=call_id, reason="conflicting payload for a call id already stored"),
         )
@@ -393,9 +394,11 @@ def _put(state: RolloutState, event: PutEvent, position: LogPosition | None) -> 
         return Decision(state, verdict, (*marks, WriteState(durable=True)))
     line = canonical + b"\n"
     append = AppendEntry(line, state.indexed_size, call_id, digest)
-    state.entry_digests = {**state.entry_digests, call_id: digest}
-    state.indexed_size += len(line)
-    state.version += 1
+    state = state.evolve(
+        entry_digests={**state.entry_digests, call_id: digest},
+        indexed_size=state.indexed_size + len(line),
+        version=state.version + 1,
+    )
     verdict = ApplyResult(ApplyOutcome.ACCEPTED, EventType.PUT, state.rollout_id, call_id)
     return Decision(state, verdict, (append, WriteState(durable=False)))
 
@@ -412,10 +415,9 @@ def _intent_op(
         return _unchanged(state, verdict, position)
     if not state.is_open:
         return _rejected_late(state, event_type, call_id, position)
-    state.intents = state.intents.set(call_id, op)
     line = intent_line(call_id) if op is IntentOp.INTENT else cancel_line(call_id)
     append = AppendIntent(line, state.intents_size)
-    state.intents_size += len(line)
+    state = state.evolve(intents=state.intents.set(call_id, op), intents_size=state.intents_size + len(line))
     verdict = ApplyResult(ApplyOutcome.ACCEPTED, event_type, state.rollout_id, call_id)
     return Decision(state, verdict, (append, WriteState(durable=False)))
 
@@ -435,7 +437,7 @@ def _incomplete(state: RolloutState, event: IncompleteEvent, position: LogPositi
             detail=f"marker {event.marker_id} already applied",
         )
         return _unchanged(state, verdict, position)
-    marks = _with_mark(
+    state, marks = _with_mark(
         state, IncompleteMark(model_call_id=call_id, reason=event.reason, marker_id=event.marker_id)
     )
     late = not state.is_open
@@ -456,7 +458,7 @@ def _freeze(state: RolloutState, position: LogPosition | None, new_snapshot_id: 
         return _unchanged(state, _refused_by_fence(state, EventType.FREEZE, ""), position)
     if not state.is_open:
         if position is not None:
-            _record_answer(state, position)
+            state = _with_answer(state, position)
         verdict = ApplyResult(
             ApplyOutcome.NOOP,
             EventType.FREEZE,
@@ -468,12 +470,13 @@ def _freeze(state: RolloutState, position: LogPosition | None, new_snapshot_id: 
         return _unchanged(state, verdict, position)
     if position is None and not new_snapshot_id:
         raise ValueError("a freeze without a log position needs a snapshot id drawn by the caller")
-    record_freeze(state)
-    state.snapshot_id = snapshot_id_at(position) if position is not None else new_snapshot_id
-    state.advance(Lifecycle.FROZEN)
-    state.version += 1
+    state = record_freeze(state).advanced(
+        Lifecycle.FROZEN,
+        snapshot_id=snapshot_id_at(position) if position is not None else new_snapshot_id,
+        version=state.version + 1,
+    )
     if position is not None:
-        _record_answer(state, position)
+        state = _with_answer(state, position)
     verdict = ApplyResult(
         ApplyOutcome.ACCEPTED,
         EventType.FREEZE,
@@ -484,45 +487,65 @@ def _freeze(state: RolloutState, position: LogPosition | None, new_snapshot_id: 
     return Decision(state, verdict, (WriteState(durable=True),))
 
 
-def record_freeze(state: RolloutState) -> None:
+def record_freeze(state: RolloutState) -> RolloutState:
     """Record what a freeze fixes: the calls whose intent has no entry and no cancel, which make the snapshot
     incomplete, and that the state's sizes cover every line written before it.
 
     tokcap's freeze calls it, and so does recovery for a freeze Gym's store made (which records neither).
     """
-    state.dangling_intents = sorted(
-        call_id
-        for call_id, op in state.intents.items()
-        if op is IntentOp.INTENT and call_id not in state.entry_digests
+    dangling = tuple(
+        sorted(
+            call_id
+            for call_id, op in state.intents.items()
+            if op is IntentOp.INTENT and call_id not in state.entry_digests
+        )
     )
-    state.incomplete = state.incomplete or bool(state.dangling_intents) or bool(state.incomplete_marks)
-    state.covers_freeze = True
+    return state.evolve(
+        dangling_intents=dangling,
+        incomplete=state.incomplete or bool(dangling) or bool(state.incomplete_marks),
+        covers_freeze=True,
+    )
 
 
-def _record_answer(state: RolloutState, position: LogPosition) -> None:
-    answer = FreezeAnswer(position=position.to_dict(), version=state.version, incomplete=state.incomplete)
-    state.freeze_answers = [*state.freeze_answers, answer]
+def _with_answer(state: RolloutState, position: LogPosition) -> RolloutState:
+    answer = FreezeAnswer(position=position, version=state.version, incomplete=state.incomplete)
+    return state.evolve(freeze_answers=(*state.freeze_answers, answer))
 
 
-def _retired(state: RolloutState) -> tuple[Effect, ...]:
+def _with_verdict(state: RolloutState, verdict: ApplyResult, position: LogPosition | None) -> RolloutState:
+    """Record a command's verdict at its log position (none without a log)."""
+    if position is None:
+        return state
+    recorded = CommandVerdict(
+        position=position,
+        event_type=verdict.event_type.value,
+        dropped=verdict.dropped,
+        removed=verdict.removed,
+    )
+    return state.evolve(command_verdicts=(*state.command_verdicts, recorded))
+
+
+def _retired(state: RolloutState) -> tuple[RolloutState, tuple[Effect, ...]]:
     """The retired state is the fence: durable first, then the records go; a crash in between still refuses writes.
 
     Like Gym's drop, it keeps the snapshot id, version and incomplete flag, and forgets the entry index.
     """
-    state.removed_records = state.holds_records
-    state.advance(Lifecycle.RETIRED)
-    state.entry_digests = {}
-    state.indexed_size = 0
-    state.intents = Map()
-    state.intents_size = 0
-    state.incomplete_marks = []
-    state.incomplete_size = 0
-    state.staged = {}
-    state.staged_size = 0
-    state.ledger = {}
-    state.ledger_failures = {}
-    state.ledger_size = 0
-    return (WriteState(durable=True), Barrier(), RemoveRecords())
+    retired = state.advanced(
+        Lifecycle.RETIRED,
+        removed_records=state.holds_records,
+        entry_digests={},
+        indexed_size=0,
+        intents=Map(),
+        intents_size=0,
+        incomplete_marks=(),
+        incomplete_size=0,
+        staged=Map(),
+        staged_size=0,
+        ledger=Map(),
+        ledger_failures=Map(),
+        ledger_size=0,
+    )
+    return retired, (WriteState(durable=True), Barrier(), RemoveRecords())
 
 
 def _drop(state: RolloutState, event: DropEvent, position: LogPosition | None) -> Decision:
@@ -538,8 +561,8 @@ def _drop(state: RolloutState, event: DropEvent, position: LogPosition | None) -
             dropped=dropped,
             detail="already dropped" if dropped else "the rollout is not in that exact frozen state",
         )
-        return _unchanged(state, verdict, position)
-    effects = _retired(state)
+        return _unchanged(_with_verdict(state, verdict, position), verdict, position)
+    state, effects = _retired(state)
     verdict = ApplyResult(
         ApplyOutcome.ACCEPTED,
         EventType.DROP,
@@ -549,18 +572,18 @@ def _drop(state: RolloutState, event: DropEvent, position: LogPosition | None) -
         dropped=True,
         removed=state.removed_records,
     )
-    return Decision(state, verdict, effects)
+    return Decision(_with_verdict(state, verdict, position), verdict, effects)
 
 
 def _retire(state: RolloutState, position: LogPosition | None) -> Decision:
     if state.retired:
         verdict = ApplyResult(ApplyOutcome.NOOP, EventType.RETIRE, state.rollout_id, removed=False)
-        return _unchanged(state, verdict, position)
-    effects = _retired(state)
+        return _unchanged(_with_verdict(state, verdict, position), verdict, position)
+    state, effects = _retired(state)
     verdict = ApplyResult(
         ApplyOutcome.ACCEPTED, EventType.RETIRE, state.rollout_id, removed=state.removed_records
     )
-    return Decision(state, verdict, effects)
+    return Decision(_with_verdict(state, verdict, position), verdict, effects)
 
 
 def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
@@ -579,8 +602,10 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
         removed=removed,
     )
     if position is not None:
-        fresh = RolloutState(rollout_id=state.rollout_id, removed_records=removed)
-        fresh.record_position(position)
+        fresh = RolloutState(
+            rollout_id=state.rollout_id, removed_records=removed, command_verdicts=state.command_verdicts
+        )
+        fresh = _with_verdict(fresh.positioned(position), verdict, position)
         effects: tuple[Effect, ...] = (WriteState(durable=True), Barrier(), RemoveRecords())
         return Decision(fresh, verdict, effects, sync_even_if_unchanged=True)
     if not state.holds_records:
@@ -588,10 +613,76 @@ def _delete(state: RolloutState, position: LogPosition | None) -> Decision:
         return Decision(
             RolloutState(rollout_id=state.rollout_id), verdict, effects, sync_even_if_unchanged=True
         )
-    tombstone = state.model_copy()
-    _retired(tombstone)
+    tombstone, _ = _retired(state)
     effects = (WriteState(durable=True, state=tombstone), Barrier(), RemoveRecords(), RemoveState())
     return Decision(RolloutState(rollout_id=state.rollout_id), verdict, effects, sync_even_if_unchanged=True)
+
+
+# ------------------------------------------------------------------------------------- what is recorded
+
+
+@dataclass(frozen=True)
+class SnapshotAnswer:
+    """What a frozen state answers as a snapshot, its entries aside: they are the store's to read."""
+
+    snapshot_id: str
+    version: int
+    incomplete: bool
+
+
+def is_marked_incomplete(state: RolloutState) -> bool:
+    """Whether any call of the rollout failed to capture (or, once frozen, was left dangling)."""
+    return state.incomplete or bool(state.incomplete_marks)
+
+
+def snapshot_of(state: RolloutState, as_of: LogPosition | None) -> SnapshotAnswer:
+    """The snapshot a frozen state answers; ``as_of``, the freeze of that log position answered.
+
+    As of a freeze its version stands, so a write that raced the freeze keeps the drop of that snapshot from
+    succeeding; a marker applied later still masks it (failing closed).
+    """
+    rollout_id = state.rollout_id
+    if state.retired:
+        raise RolloutRetiredError(
+            f"rollout {rollout_id!r} is retired (snapshot {state.snapshot_id}); its records are gone. "
+            "Delete it before reusing the id",
+            rollout_id=rollout_id,
+        )
+    if state.is_open or state.snapshot_id is None:
+        raise InvalidInputError(
+            f"rollout {rollout_id!r} is not frozen; freeze it first", rollout_id=rollout_id
+        )
+    if as_of is None:
+        return SnapshotAnswer(state.snapshot_id, state.version, is_marked_incomplete(state))
+    answer = state.answer_at(as_of)
+    if answer is None:
+        raise InvalidInputError(
+            f"rollout {rollout_id!r} has no freeze applied at {as_of}; the directory was not projected "
+            "from this log, or the rollout was deleted since",
+            rollout_id=rollout_id,
+        )
+    return SnapshotAnswer(state.snapshot_id, answer.version, is_marked_incomplete(state) or answer.incomplete)
+
+
+def recorded_verdict(state: RolloutState, event: Event, position: LogPosition) -> ApplyResult:
+    """The verdict of a command applied at ``position``, read back from the state it left.
+
+    A drop, retire or delete finds its own record, however many events came after it; one without a record
+    (applied by a tokcap that recorded none) dropped and removed nothing. A freeze's answer is its snapshot,
+    which ``snapshot_of`` reads.
+    """
+    recorded = state.verdict_at(position)
+    if isinstance(event, DropEvent):
+        dropped = recorded is not None and bool(recorded.dropped)
+        return ApplyResult(
+            ApplyOutcome.NOOP, event.type, event.rollout_id, dropped=dropped, detail="recorded verdict"
+        )
+    if isinstance(event, RetireEvent | DeleteEvent):
+        removed = recorded is not None and bool(recorded.removed)
+        return ApplyResult(
+            ApplyOutcome.NOOP, event.type, event.rollout_id, removed=removed, detail="recorded verdict"
+        )
+    return ApplyResult(ApplyOutcome.NOOP, event.type, event.rollout_id, detail="recorded in the state")
 
 
 def _names_other_staged_row(state: RolloutState, event: LedgerEvent) -> str | None:
@@ -644,7 +735,7 @@ def _staging(
             return _unchanged(state, verdict, position)
         # Read from a log, the writer was already told ok: its copy differs from the one kept, so the rollout
         # is masked rather than trained on a row its writer never staged.
-        marks = _with_mark(
+        state, marks = _with_mark(
             state,
             IncompleteMark(
                 model_call_id=call_id, reason=f"conflicting {event.type.value} for {key!r}: {verdict.detail}"
@@ -661,15 +752,18 @@ def _staging(
             digest=digest,
             record_digest=record_digest if isinstance(record_digest, str) else None,
         )
-        state.staged = {**state.staged, key: slot}
-        state.staged_size += len(line)
+        state = state.evolve(staged=state.staged.set(key, slot), staged_size=state.staged_size + len(line))
     else:
         effect = AppendLedgerLine(line, state.ledger_size)
         if isinstance(event, LedgerEvent):
             slot = StagedSlot(start=state.ledger_size, length=len(line), digest=digest)
-            state.ledger = {**state.ledger, key: slot}
+            state = state.evolve(
+                ledger=state.ledger.set(key, slot), ledger_size=state.ledger_size + len(line)
+            )
         else:
-            state.ledger_failures = {**state.ledger_failures, key: digest}
-        state.ledger_size += len(line)
+            state = state.evolve(
+                ledger_failures=state.ledger_failures.set(key, digest),
+                ledger_size=state.ledger_size + len(line),
+            )
     verdict = ApplyResult(ApplyOutcome.ACCEPTED, event.type, state.rollout_id, call_id)
     return Decision(state, verdict, (effect, WriteState(durable=True)))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Annotated, Any
 
@@ -32,10 +33,10 @@ import orjson
 from immutables import Map
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
+    PlainValidator,
     SerializerFunctionWrapHandler,
     StrictInt,
     ValidationError,
@@ -48,23 +49,34 @@ from tokcap.events import LogPosition
 __all__ = [
     "STATE_SCHEMA_VERSION",
     "UPGRADE_STEP",
+    "CommandVerdict",
     "FreezeAnswer",
     "IncompleteMark",
     "IntentOp",
-    "IntentOps",
     "Lifecycle",
+    "Position",
     "Rejection",
     "RolloutState",
     "StagedSlot",
 ]
 
-STATE_SCHEMA_VERSION = 3
+STATE_SCHEMA_VERSION = 4
 """The newest schema of the ``tokcap`` part of a state file this reader understands.
 
 Version 3 records whether tokcap made the freeze (``covers_freeze``) and adds the staging keys (``staged``,
 ``ledger``, ...), which are written only once a rollout has staged or ledger rows. A reader of version 2 refuses
 every version-3 state with the upgrade message instead of misreading it.
+Version 4 adds ``command_verdicts``. A state is written with the oldest version that holds it: 4 only once a
+command's verdict is recorded, so every other state keeps its bytes and a reader of version 3 refuses only the
+states it could not read.
 """
+
+_SCHEMA_BEFORE_VERDICTS = 3
+
+Position = Annotated[
+    LogPosition, PlainValidator(LogPosition.from_mapping), PlainSerializer(LogPosition.to_dict)
+]
+"""A log position as the state file holds it: ``LogPosition.to_dict`` (``index`` only when not 0)."""
 
 
 class Lifecycle(enum.StrEnum):
@@ -82,7 +94,7 @@ class Rejection(BaseModel):
 
     event_type: str
     model_call_id: str = ""
-    position: dict[str, Any] | None = None
+    position: Position | None = None
 
 
 class IntentOp(enum.StrEnum):
@@ -122,9 +134,34 @@ class FreezeAnswer(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    position: dict[str, Any]
+    position: Position
     version: StrictInt
     incomplete: bool
+
+
+class CommandVerdict(BaseModel):
+    """What a drop, retire or delete applied at a log position decided.
+
+    A source in another process than its materializer reads the verdict of its own command here, however many
+    events of the rollout were applied after it. ``dropped`` is a drop's answer, ``removed`` a retire's or a
+    delete's; the other is not written.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    position: Position
+    event_type: str
+    dropped: bool | None = None
+    removed: bool | None = None
+
+    def dumped(self) -> dict[str, Any]:
+        """The verdict as the state file holds it."""
+        out: dict[str, Any] = {"event_type": self.event_type, "position": self.position.to_dict()}
+        if self.dropped is not None:
+            out["dropped"] = self.dropped
+        if self.removed is not None:
+            out["removed"] = self.removed
+        return out
 
 
 class StagedSlot(BaseModel):
@@ -159,6 +196,15 @@ UPGRADE_STEP = (
 )
 
 
+class _GymPart(BaseModel):
+    """Gym's keys of a state file that must hold a given type (its flags are read as truth values)."""
+
+    snapshot_id: str | None
+    version: StrictInt
+    entry_digests: dict[str, str]
+    indexed_size: StrictInt
+
+
 class _TokcapPart(BaseModel):
     """What tokcap keeps beyond Gym's keys, under the state file's ``tokcap`` key."""
 
@@ -172,8 +218,9 @@ class _TokcapPart(BaseModel):
     incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
     incomplete_size: StrictInt = 0
     freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
+    command_verdicts: list[CommandVerdict] = Field(default_factory=list)
     covers_freeze: bool = False
-    last_position: dict[str, Any] | None = None
+    last_position: Position | None = None
     removed_records: bool | None = None
     staged: dict[str, StagedSlot] = Field(default_factory=dict)
     staged_size: StrictInt = 0
@@ -182,56 +229,84 @@ class _TokcapPart(BaseModel):
     ledger_size: StrictInt = 0
 
 
-def _intent_map(value: Any) -> Map[str, IntentOp]:
-    if isinstance(value, Map):
-        return value
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"intents must be a mapping of call id to intent or cancel, got {type(value).__name__}"
-        )
-    return Map({str(call_id): IntentOp(op) for call_id, op in value.items()})
+_NO_MAP: Map[Any, Any] = Map()
+
+_MAP_FIELDS = ("intents", "staged", "ledger", "ledger_failures", "foreign_keys")
+_TUPLE_FIELDS = ("dangling_intents", "rejections", "incomplete_marks", "freeze_answers", "command_verdicts")
 
 
-IntentOps = Annotated[Map[str, IntentOp], BeforeValidator(_intent_map), PlainSerializer(dict)]
+@dataclass(frozen=True)
+class RolloutState:
+    """Everything the store knows about a rollout besides its entry lines.
 
+    Frozen, with persistent maps and tuples for containers: a rule cannot change the state it was given, only
+    return another (``evolve``), and recording one more call costs the same however many there are.
+    ``entry_digests`` is the exception: a plain dict behind a read-only type, copied whole when a put adds
+    one. Every state write encodes it, and copying a dict costs a tenth of turning a persistent map into one.
+    """
 
-class RolloutState(BaseModel):
-    """Everything the store knows about a rollout besides its entry lines."""
-
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
-
-    schema_version: StrictInt = STATE_SCHEMA_VERSION
     rollout_id: str
     lifecycle: Lifecycle = Lifecycle.OPEN
     frozen: bool = False
     retired: bool = False
     incomplete: bool = False
     snapshot_id: str | None = None
-    version: StrictInt = 0
-    entry_digests: dict[str, str] = Field(default_factory=dict)
-    indexed_size: StrictInt = 0
-    dangling_intents: list[str] = Field(default_factory=list)
-    rejections: list[Rejection] = Field(default_factory=list)
-    intents: IntentOps = Field(default_factory=Map)
-    """The last operation of each call: a persistent map, so recording one costs the same however many there are."""
-    intents_size: StrictInt = 0
-    incomplete_marks: list[IncompleteMark] = Field(default_factory=list)
-    incomplete_size: StrictInt = 0
-    freeze_answers: list[FreezeAnswer] = Field(default_factory=list)
+    version: int = 0
+    entry_digests: Mapping[str, str] = field(default_factory=dict)
+    indexed_size: int = 0
+    dangling_intents: tuple[str, ...] = ()
+    rejections: tuple[Rejection, ...] = ()
+    intents: Map[str, IntentOp] = _NO_MAP
+    """The last operation of each call."""
+    intents_size: int = 0
+    incomplete_marks: tuple[IncompleteMark, ...] = ()
+    incomplete_size: int = 0
+    freeze_answers: tuple[FreezeAnswer, ...] = ()
+    command_verdicts: tuple[CommandVerdict, ...] = ()
+    """The verdict of every drop, retire and delete applied from a log, by position; a delete's empty state
+    keeps them."""
     covers_freeze: bool = False
     """tokcap recorded the freeze: the sizes cover every line written before it (``tokcap.recovery``)."""
-    last_position: dict[str, Any] | None = None
+    last_position: LogPosition | None = None
     removed_records: bool | None = None
-    staged: dict[str, StagedSlot] = Field(default_factory=dict)
+    staged: Map[str, StagedSlot] = _NO_MAP
     """Each staged call's line in ``<id>.tokens.staged``, by staging key; a fetch reads only its lines."""
-    staged_size: StrictInt = 0
-    ledger: dict[str, StagedSlot] = Field(default_factory=dict)
+    staged_size: int = 0
+    ledger: Map[str, StagedSlot] = _NO_MAP
     """Each committed call's line in ``<id>.tokens.ledger``, by call id; the digest is the commit's."""
-    ledger_failures: dict[str, str] = Field(default_factory=dict)
+    ledger_failures: Map[str, str] = _NO_MAP
     """Each failed call's reason, by call id; its line is in the ledger file too."""
-    ledger_size: StrictInt = 0
-    foreign_keys: dict[str, Any] = Field(default_factory=dict)
+    ledger_size: int = 0
+    foreign_keys: Map[str, Any] = _NO_MAP
     """Top-level keys another writer put in the file; kept so a rewrite never drops them."""
+
+    def __post_init__(self) -> None:
+        """A state built from plain dicts and lists keeps them as persistent maps and tuples."""
+        if type(self.entry_digests) is not dict:
+            object.__setattr__(self, "entry_digests", dict(self.entry_digests))
+        for name in _MAP_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, Map):
+                object.__setattr__(self, name, Map(value))
+        for name in _TUPLE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+
+    def evolve(self, **changes: Any) -> RolloutState:
+        """This state with ``changes``: how a rule makes the state it returns.
+
+        It copies the instance's fields and sets the changed ones, a third of what ``dataclasses.replace``
+        costs, because every event's decision makes at least one (the apply step's hot path). Values must
+        already be persistent maps and tuples, as the rules build them.
+        """
+        if not _FIELD_NAMES.issuperset(changes):
+            raise TypeError(f"RolloutState has no field {sorted(changes.keys() - _FIELD_NAMES)}")
+        evolved = _new_state()
+        values = evolved.__dict__
+        values.update(self.__dict__)
+        values.update(changes)
+        return evolved
 
     @property
     def is_open(self) -> bool:
@@ -260,54 +335,49 @@ class RolloutState(BaseModel):
         """Whether a retire or delete of this rollout would remove anything (an empty open state holds nothing)."""
         return not self.retired and not self.is_pristine
 
-    def next_copy(self) -> RolloutState:
-        """A shallow copy for a rule to change: what ``model_copy()`` gives, at a third of its cost.
-
-        Every event's decision copies the state before its rule changes it, so the copy is on the apply step's
-        hot path (1.0 against 3.5 us). The containers are shared: rules replace a container instead of
-        changing it in place, so the original stays as it was.
-        """
-        copied = _new_state()
-        _set_slot(copied, "__dict__", self.__dict__.copy())
-        _set_slot(copied, "__pydantic_fields_set__", set(self.__pydantic_fields_set__))
-        _set_slot(copied, "__pydantic_extra__", None)
-        _set_slot(copied, "__pydantic_private__", None)
-        return copied
-
     def answer_at(self, position: LogPosition) -> FreezeAnswer | None:
-        """The answer a freeze applied at ``position`` gave, if one did."""
-        wanted = position.to_dict()
+        """The answer the freeze of the message at ``position`` gave, if one was applied."""
         for answer in self.freeze_answers:
-            if answer.position == wanted:
+            if answer.position.same_message(position):
                 return answer
         return None
 
-    def advance(self, lifecycle: Lifecycle) -> None:
-        """Move forward in the lifecycle, keeping Gym's flags (``frozen``, ``retired``) in step."""
+    def verdict_at(self, position: LogPosition) -> CommandVerdict | None:
+        """The verdict the drop, retire or delete of the message at ``position`` got, if one was applied."""
+        for verdict in self.command_verdicts:
+            if verdict.position.same_message(position):
+                return verdict
+        return None
+
+    def advanced(self, lifecycle: Lifecycle, **changes: Any) -> RolloutState:
+        """This state moved forward in the lifecycle, Gym's flags (``frozen``, ``retired``) in step."""
         order = [Lifecycle.OPEN, Lifecycle.FROZEN, Lifecycle.RETIRED]
         if order.index(lifecycle) < order.index(self.lifecycle):
             raise StoreCorruptionError(
                 f"rollout {self.rollout_id!r} cannot go from {self.lifecycle} back to {lifecycle}",
                 rollout_id=self.rollout_id,
             )
-        self.lifecycle = lifecycle
-        self.frozen = self.frozen or lifecycle is Lifecycle.FROZEN
-        self.retired = lifecycle is Lifecycle.RETIRED
+        return self.evolve(
+            lifecycle=lifecycle,
+            frozen=self.frozen or lifecycle is Lifecycle.FROZEN,
+            retired=lifecycle is Lifecycle.RETIRED,
+            **changes,
+        )
 
     def already_applied(self, position: LogPosition | None) -> bool:
         """True when an event at this log position was applied before (a resumed materializer)."""
-        if position is None or self.last_position is None:
+        last = self.last_position
+        if position is None or last is None:
             return False
         return (
-            self.last_position.get("topic") == position.topic
-            and self.last_position.get("partition") == position.partition
-            and int(self.last_position.get("offset", -1)) >= position.offset
+            last.topic == position.topic
+            and last.partition == position.partition
+            and (last.offset, last.index) >= (position.offset, position.index)
         )
 
-    def record_position(self, position: LogPosition | None) -> None:
-        """Remember the last applied log position together with what it changed."""
-        if position is not None:
-            self.last_position = position.to_dict()
+    def positioned(self, position: LogPosition | None) -> RolloutState:
+        """This state remembering ``position`` as the last applied one (itself without a log)."""
+        return self if position is None else self.evolve(last_position=position)
 
     def encode(self) -> bytes:
         """Gym's layout: sorted keys, compact, one trailing newline, so replays produce identical bytes.
@@ -323,18 +393,21 @@ class RolloutState(BaseModel):
             "incomplete_size": self.incomplete_size,
             "intents": dict(self.intents),
             "intents_size": self.intents_size,
-            "last_position": self.last_position,
+            "last_position": None if self.last_position is None else self.last_position.to_dict(),
             "rejections": [rejection.model_dump() for rejection in self.rejections],
             "removed_records": self.removed_records,
-            "schema_version": STATE_SCHEMA_VERSION,
+            "schema_version": _SCHEMA_BEFORE_VERDICTS,
         }
+        if self.command_verdicts:
+            tokcap_part["command_verdicts"] = [verdict.dumped() for verdict in self.command_verdicts]
+            tokcap_part["schema_version"] = STATE_SCHEMA_VERSION
         # Staging keys are written only once a rollout has staged or ledger rows.
         if self.staged or self.staged_size:
             tokcap_part["staged"] = {key: slot.dumped() for key, slot in self.staged.items()}
             tokcap_part["staged_size"] = self.staged_size
         if self.ledger or self.ledger_failures or self.ledger_size:
             tokcap_part["ledger"] = {key: slot.dumped() for key, slot in self.ledger.items()}
-            tokcap_part["ledger_failures"] = self.ledger_failures
+            tokcap_part["ledger_failures"] = dict(self.ledger_failures)
             tokcap_part["ledger_size"] = self.ledger_size
         document: dict[str, Any] = {
             **self.foreign_keys,
@@ -374,26 +447,35 @@ class RolloutState(BaseModel):
                 )
         try:
             part = _TokcapPart.model_validate(extra)
-            frozen, retired = bool(raw.get("frozen", False)), bool(raw.get("retired", False))
-            state = cls(
-                rollout_id=rollout_id,
-                lifecycle=Lifecycle.RETIRED if retired else Lifecycle.FROZEN if frozen else Lifecycle.OPEN,
-                frozen=frozen,
-                retired=retired,
-                incomplete=bool(raw.get("incomplete", False)),
-                snapshot_id=raw.get("snapshot_id") or None,
-                version=raw.get("version", 0),
-                entry_digests=raw.get("entry_digests", {}),
-                indexed_size=raw.get("indexed_size", 0),
-                foreign_keys={k: v for k, v in raw.items() if k not in _GYM_KEYS and k != _TOKCAP_KEY},
-                **part.model_dump(exclude={"schema_version"}),
+            gym = _GymPart.model_validate(
+                {
+                    "snapshot_id": raw.get("snapshot_id") or None,
+                    "version": raw.get("version", 0),
+                    "entry_digests": raw.get("entry_digests", {}),
+                    "indexed_size": raw.get("indexed_size", 0),
+                }
             )
         except ValidationError as exc:
             raise StoreCorruptionError(
                 f"{origin} is not a valid rollout state: {exc}", rollout_id=rollout_id
             ) from exc
-        return state
+        frozen, retired = bool(raw.get("frozen", False)), bool(raw.get("retired", False))
+        return cls(
+            rollout_id=rollout_id,
+            lifecycle=Lifecycle.RETIRED if retired else Lifecycle.FROZEN if frozen else Lifecycle.OPEN,
+            frozen=frozen,
+            retired=retired,
+            incomplete=bool(raw.get("incomplete", False)),
+            snapshot_id=gym.snapshot_id,
+            version=gym.version,
+            entry_digests=gym.entry_digests,
+            indexed_size=gym.indexed_size,
+            **{name: getattr(part, name) for name in _TOKCAP_FIELDS},
+            foreign_keys=Map({k: v for k, v in raw.items() if k not in _GYM_KEYS and k != _TOKCAP_KEY}),
+        )
 
 
+_FIELD_NAMES = frozenset(field.name for field in fields(RolloutState))
+_TOKCAP_FIELDS = tuple(name for name in _TokcapPart.model_fields if name != "schema_version")
+"""The state's fields read from the ``tokcap`` part; ``__post_init__`` makes its lists and dicts persistent."""
 _new_state = partial(object.__new__, RolloutState)
-_set_slot = object.__setattr__

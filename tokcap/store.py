@@ -99,6 +99,8 @@ from tokcap.rules import (
     RemoveState,
     WriteState,
     decide,
+    is_marked_incomplete,
+    snapshot_of,
 )
 from tokcap.state import IncompleteMark, IntentOp, RolloutState
 from tokcap.write_queue import WriteQueue
@@ -832,16 +834,6 @@ class TokenCaptureStore:
         """Why the rollout is masked: one marker per lost call and reason."""
         return list(self._read(rollout_id).incomplete_marks)
 
-    def holds_anything(self, rollout_id: str) -> bool:
-        """Whether a delete of the rollout would find anything: records, evidence or a retired tombstone."""
-        state = self._read(rollout_id)
-        return state.holds_records or state.retired
-
-    def has_incomplete_mark(self, rollout_id: str, model_call_id: str, reason: str) -> bool:
-        """Whether this exact marker was recorded; guards markers applied without a log position."""
-        wanted = IncompleteMark(model_call_id=model_call_id, reason=reason)
-        return wanted in self._read(rollout_id).incomplete_marks
-
     def reconcile_indexes(self) -> int:
         """Bring every rollout's state up to date with its files; return how many states were rewritten.
 
@@ -977,41 +969,19 @@ class TokenCaptureStore:
         entries: Sequence[TokenEntry] | Callable[[], Sequence[TokenEntry]],
         as_of: LogPosition | None,
     ) -> TokenCaptureSnapshot:
-        """The snapshot a frozen state answers, with its entries (read only once the state is known to be frozen)."""
-        if state.retired:
-            raise RolloutRetiredError(
-                f"rollout {rollout_id!r} is retired (snapshot {state.snapshot_id}); its records are gone. "
-                "Delete it before reusing the id",
-                rollout_id=rollout_id,
-            )
-        if state.is_open or state.snapshot_id is None:
-            raise InvalidInputError(
-                f"rollout {rollout_id!r} is not frozen; freeze it first", rollout_id=rollout_id
-            )
-        version = state.version
-        incomplete = state.incomplete or bool(state.incomplete_marks)
-        if as_of is not None:
-            answer = state.answer_at(as_of)
-            if answer is None:
-                raise InvalidInputError(
-                    f"rollout {rollout_id!r} has no freeze applied at {as_of}; the directory was not projected "
-                    "from this log, or the rollout was deleted since",
-                    rollout_id=rollout_id,
-                )
-            version = answer.version
-            incomplete = incomplete or answer.incomplete
+        """The snapshot a frozen state answers (``rules.snapshot_of``), with its entries, read only once it answers."""
+        answer = snapshot_of(state, as_of)
         return TokenCaptureSnapshot(
             rollout_id=rollout_id,
             entries=tuple(entries() if callable(entries) else entries),
-            incomplete=incomplete,
-            snapshot_id=state.snapshot_id,
-            version=version,
+            incomplete=answer.incomplete,
+            snapshot_id=answer.snapshot_id,
+            version=answer.version,
         )
 
     def is_incomplete(self, rollout_id: str) -> bool:
         """Whether any call of the rollout failed to capture (or, once frozen, was left dangling)."""
-        state = self._read(rollout_id)
-        return state.incomplete or bool(state.incomplete_marks)
+        return is_marked_incomplete(self._read(rollout_id))
 
     def rollout_ids(self) -> list[str]:
         """Every rollout id that has a state, entries, intents or marker here, sorted."""

@@ -48,7 +48,7 @@ def test_tokcap_opens_a_rollout_gym_wrote_and_sees_its_entries_intents_and_marke
     assert ours.read_state("r").version == 1
     snapshot = ours.freeze_now("r")
     assert (_ids(snapshot), snapshot.incomplete, snapshot.version) == (["c1"], True, 2)
-    assert ours.read_state("r").dangling_intents == ["c2"]
+    assert ours.read_state("r").dangling_intents == ("c2",)
     assert ours.is_incomplete("m")
     assert ours.freeze_now("m").version == 2
 
@@ -169,7 +169,7 @@ def test_a_call_gym_began_and_never_delivered_keeps_masking_the_rollout_gym_froz
     with caplog.at_level(logging.WARNING, logger="tokcap"):
         assert theirs.freeze_now("r1").incomplete
         assert ours.freeze_now("r1").incomplete
-        assert ours.read_state("r1").dangling_intents == ["c2"]
+        assert ours.read_state("r1").dangling_intents == ("c2",)
         assert theirs.freeze_now("r1").incomplete
     assert ours.intents_path_for("r1").read_bytes() == intents
     assert not [record for record in caplog.records if "cutting" in record.getMessage()]

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from store_contract import make_entry
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, MaterializerFailedError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
+from transports.kafka.admin import watermarks
 
 pytestmark = pytest.mark.kafka
 
@@ -154,3 +156,75 @@ def test_a_second_materializer_of_the_same_partitions_and_directory_is_refused_u
         assert set(whole.applied_offsets()) == {0, 1}, "a stopped materializer kept its partitions"
     finally:
         whole.stop()
+
+
+def _wait_for_end_offset(bootstrap: str, topic: str, end: int) -> None:
+    """Block until partition 0 of ``topic`` holds ``end`` messages: the last command has been published."""
+    deadline = time.monotonic() + 60
+    while watermarks(bootstrap, topic)[0][1] < end:
+        assert time.monotonic() < deadline, f"offset {end - 1} was never published"
+        time.sleep(0.05)
+
+
+async def commands_followed_by_later_events(bootstrap: str, topic: str, store_dir: Path) -> dict[str, Any]:
+    """Commands applied while their sources wait on another materializer, each followed by another of its rollout."""
+    sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
+    sources = [
+        KafkaTokenSource(
+            bootstrap_servers=bootstrap,
+            topic=topic,
+            store_dir=store_dir,
+            external_materializer=True,
+            timeout_s=60,
+        )
+        for _ in range(2)
+    ]
+    mine, other = sources
+    outcome: dict[str, Any] = {}
+    try:
+        first = Materializer(bootstrap, topic, store_dir)
+        first.start()
+        try:
+            await sink.put(make_entry("r", "c1"))
+            await sink.put(make_entry("r2", "c1"))
+            snapshot = await mine.freeze("r2")
+        finally:
+            first.stop()
+        # No materializer runs now: every command below is published before anything after it is applied.
+        commands: list[Callable[[], Coroutine[Any, Any, Any]]] = [
+            lambda: mine.drop("r2", snapshot.snapshot_id, snapshot.version),
+            lambda: other.delete(["r"]),
+            lambda: mine.delete(["r"]),
+            lambda: other.delete(["r2"]),
+            lambda: other.retire(["r"]),
+        ]
+        waiting: list[asyncio.Task[Any]] = []
+        for offset, command in enumerate(commands, start=3):
+            waiting.append(asyncio.create_task(command()))
+            await asyncio.to_thread(_wait_for_end_offset, bootstrap, topic, offset + 1)
+        second = Materializer(bootstrap, topic, store_dir)
+        second.start()
+        try:
+            dropped, *removals = await asyncio.gather(*waiting)
+        finally:
+            second.stop()
+        outcome["dropped"] = dropped
+        outcome["removals"] = [removal.to_dict() for removal in removals]
+    finally:
+        await sink.close()
+        for source in sources:
+            await source.close()
+    return outcome
+
+
+def test_a_following_source_reads_its_own_commands_verdict_though_later_events_of_the_rollout_were_applied(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    outcome = asyncio.run(commands_followed_by_later_events(kafka_bootstrap, kafka_topic, tmp_path / "store"))
+    assert outcome["dropped"] is True
+    assert outcome["removals"] == [
+        {"removed": ["r"], "not_found": []},
+        {"removed": [], "not_found": ["r"]},
+        {"removed": ["r2"], "not_found": []},
+        {"removed": [], "not_found": ["r"]},
+    ]

@@ -13,7 +13,6 @@ import pytest
 from store_contract import make_entry
 
 import transports.kafka.materializer as materializer_module
-from tokcap.events import LogPosition
 from tokcap.protocols import TokenCaptureSnapshot
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 
@@ -41,8 +40,7 @@ async def write_then_freeze_all(
         stored = []
         for answer in answers:
             state = store.read_state(answer.rollout_id)
-            frozen_at = next(a.position for a in state.freeze_answers)
-            position = LogPosition(topic, frozen_at["partition"], frozen_at["offset"])
+            position = next(a.position for a in state.freeze_answers)
             stored.append(store.snapshot(answer.rollout_id, as_of=position))
         return answers, stored, source.materializer.counters().freezes_answered_ahead
     finally:

@@ -121,7 +121,7 @@ def test_a_directory_of_a_deleted_topic_is_refused_by_the_topic_created_again_be
     assert old_id in message and new_id in message and "new, empty directory" in message
     # Nothing of the new topic was applied: the checkpoint is untouched and rollout x was never written.
     assert checkpoint.read_bytes() == before
-    assert not materializer.store.holds_anything("x")
+    assert materializer.store.read_state("x").is_pristine
 
     # What the refusal says to do: the new topic into a new directory holds both calls.
     assert asyncio.run(freeze_x(kafka_bootstrap, kafka_topic, tmp_path / "new")) == ["c1", "c2"]

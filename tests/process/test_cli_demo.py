@@ -65,7 +65,7 @@ def test_each_fault_has_the_effect_the_summary_names(demo_run: tuple[Path, dict[
     store = TokenCaptureStore(store_dir)
     by_fault = {r["fault"]: r for r in report["rollouts"] if r["fault"]}
     assert by_fault[FAULT_LOST_CALL]["mask_reasons"] == ["incomplete"]
-    assert store.read_state(by_fault[FAULT_LOST_CALL]["rollout_id"]).dangling_intents == ["turn-1-lost"]
+    assert store.read_state(by_fault[FAULT_LOST_CALL]["rollout_id"]).dangling_intents == ("turn-1-lost",)
     # The call after the failed write cannot prove its parent, so the scored chain is broken as well.
     assert by_fault[FAULT_FAILED_WRITE]["mask_reasons"] == ["incomplete", "terminal-not-delivered"]
     assert by_fault[FAULT_FAILED_WRITE]["writes_failed"] == 1

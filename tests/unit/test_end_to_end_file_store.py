@@ -155,7 +155,7 @@ def test_when_marking_fails_too_the_dangling_intent_masks_the_rollout(tmp_path: 
         result = await finalize_rollout_token_capture(record, store)
         assert result.masked
         assert MaskReason.INCOMPLETE in result.mask_reasons
-        assert store.read_state("rollout-mark").dangling_intents == ["call-1"]
+        assert store.read_state("rollout-mark").dangling_intents == ("call-1",)
         assert record[MASK_SAMPLE_KEY] is True
 
     asyncio.run(scenario())

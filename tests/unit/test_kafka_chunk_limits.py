@@ -110,7 +110,7 @@ def test_a_group_whose_first_chunk_declares_more_than_the_event_limit_is_dead_le
     assert (len(oversized) - 1) * CHUNK + 1 > EVENT_LIMIT
     first, *rest = log_messages(oversized)
     (letter,) = router.route(first)
-    assert isinstance(letter, DeadLetter) and letter.positioned
+    assert isinstance(letter, DeadLetter) and not letter.abandoned
     assert letter.rollout_id == "r-big" and letter.mask is not None
     assert "over the maximum event size of 8,192 bytes (max_event_bytes)" in letter.reason
     assert router.open_groups() == [] and router.open_chunk_bytes(0) == 0
@@ -127,10 +127,10 @@ def test_a_group_whose_chunks_grow_past_the_event_limit_is_abandoned_at_the_chun
     assert isinstance(router.route(first)[0], Buffered)
     assert isinstance(router.route(second)[0], Buffered)
     abandoned, letter = router.route(third)
-    assert isinstance(abandoned, DeadLetter) and not abandoned.positioned
+    assert isinstance(abandoned, DeadLetter) and abandoned.abandoned
     assert (abandoned.offset, abandoned.rollout_id) == (0, "r-liar") and abandoned.mask is not None
     assert "reach 10,100 bytes at chunk 2" in abandoned.reason and "max_event_bytes" in abandoned.reason
-    assert isinstance(letter, DeadLetter) and letter.positioned and letter.offset == 2
+    assert isinstance(letter, DeadLetter) and not letter.abandoned and letter.offset == 2
     assert router.open_groups() == [] and router.open_chunk_bytes(0) == 0
 
 
@@ -194,7 +194,7 @@ def test_a_chunk_over_the_open_bytes_budget_abandons_the_oldest_open_group_and_t
     applied = {routed.event.rollout_id: routed.event for routed in decided if isinstance(routed, ApplyEvent)}
     assert applied == {"r-b": events["r-b"], "r-c": events["r-c"]}
     letters = [routed for routed in decided if isinstance(routed, DeadLetter)]
-    assert [(letter.offset, letter.rollout_id, letter.positioned) for letter in letters] == [
+    assert [(letter.offset, letter.rollout_id, not letter.abandoned) for letter in letters] == [
         (0, "r-a", False),
         (8, "r-a", True),
     ]

@@ -14,13 +14,21 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import make_entry
 
-from tokcap.events import EVENT_SCHEMA_VERSION, DeleteEvent, FreezeEvent, IntentEvent, PutEvent, encode_event
+from tokcap.events import (
+    EVENT_SCHEMA_VERSION,
+    DeleteEvent,
+    FreezeEvent,
+    IntentEvent,
+    LogPosition,
+    PutEvent,
+    encode_event,
+)
 from tokcap.store import TokenCaptureStore
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.codec import LogMessage, OutgoingMessage, encode_event_messages
 from transports.kafka.dead_letters import DeadLetterLine, dead_letter_path
 from transports.kafka.materializer import Materializer
-from transports.kafka.router import DeadLetter, InboundRouter
+from transports.kafka.router import ApplyEvent, DeadLetter, InboundRouter
 from transports.kafka.timeline import BUFFERED, DEAD_LETTERED, LogApplier
 
 TOPIC = "tokcap.routing-test"
@@ -238,7 +246,7 @@ def test_a_group_still_open_that_many_offsets_after_its_first_chunk_is_abandoned
     ]
     assert [len(r) for r in routed[:3]] == [1, 1, 1]
     abandoned = routed[3][-1]
-    assert isinstance(abandoned, DeadLetter) and not abandoned.positioned
+    assert isinstance(abandoned, DeadLetter) and abandoned.abandoned
     assert (abandoned.offset, abandoned.rollout_id) == (0, "r1")
     assert "still open 3 offsets later" in abandoned.reason
     assert router.open_groups() == []
@@ -396,3 +404,35 @@ def test_the_materializer_reports_each_dead_letter_once_as_it_writes_it(tmp_path
         (line["partition"], line["offset"], line["rollout_id"]) for line in written
     ]
     assert reported[0].describe().startswith("partition 0 offset 0 rollout r1: orphaned chunk group w:0")
+
+
+def test_an_abandoned_groups_mask_is_decided_at_the_freezes_offset_before_the_freeze() -> None:
+    router = InboundRouter()
+    decided = {
+        message.offset(): router.route(message.as_log_message())
+        for message in frozen_while_open_log().messages()
+    }
+    mask, freeze = decided[2]
+    assert isinstance(mask, DeadLetter) and mask.abandoned and mask.offset == 0
+    assert isinstance(freeze, ApplyEvent) and isinstance(freeze.event, FreezeEvent)
+    assert (mask.position(TOPIC), freeze.position(TOPIC)) == (
+        LogPosition(TOPIC, 0, 2, 0),
+        LogPosition(TOPIC, 0, 2, 1),
+    )
+
+
+def test_decisions_about_another_rollout_in_the_same_message_keep_their_own_index() -> None:
+    router = InboundRouter(orphan_after_offsets=2)
+    messages = chunks_of("r1", "c1", "w")[:1] + [
+        OutgoingMessage(b"r2", encode_event(FreezeEvent(rollout_id="r2")), []) for _ in range(2)
+    ]
+    *_, last = [
+        router.route(LogMessage(0, offset, None, m.key, tuple(m.headers), m.value))
+        for offset, m in enumerate(messages)
+    ]
+    freeze, abandoned = last
+    assert isinstance(freeze, ApplyEvent) and isinstance(abandoned, DeadLetter)
+    assert (freeze.position(TOPIC), abandoned.position(TOPIC)) == (
+        LogPosition(TOPIC, 0, 2, 0),
+        LogPosition(TOPIC, 0, 2, 0),
+    )

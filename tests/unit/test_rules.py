@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import os
 from typing import Any
 
@@ -11,6 +12,7 @@ from factories import make_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokcap.errors import InvalidInputError, RolloutRetiredError
 from tokcap.events import (
     CancelEvent,
     DeleteEvent,
@@ -34,8 +36,11 @@ from tokcap.rules import (
     Decision,
     RemoveRecords,
     RemoveState,
+    SnapshotAnswer,
     WriteState,
     decide,
+    recorded_verdict,
+    snapshot_of,
 )
 from tokcap.state import IntentOp, Lifecycle, RolloutState
 
@@ -96,23 +101,20 @@ def test_deciding_never_changes_the_state_it_was_given_and_always_decides_the_sa
 
 @settings(max_examples=60, deadline=None)
 @given(_events)
-def test_the_state_copy_a_rule_changes_is_what_pydantic_copies(events: list[Event]) -> None:
+def test_a_state_evolves_as_dataclasses_replace_makes_it_and_cannot_be_changed_in_place(
+    events: list[Event],
+) -> None:
     state, _ = _run(events)
-    mine, theirs = state.next_copy(), state.model_copy()
-    assert mine.__dict__ == theirs.__dict__
-    assert mine.model_fields_set == theirs.model_fields_set
-    assert (
-        (mine.__pydantic_extra__, mine.__pydantic_private__)
-        == (None, None)
-        == (
-            theirs.__pydantic_extra__,
-            theirs.__pydantic_private__,
-        )
+    before = state.encode()
+    evolved = state.evolve(version=state.version + 1, entry_digests={**state.entry_digests, "new": "digest"})
+    assert evolved == dataclasses.replace(
+        state, version=state.version + 1, entry_digests={**state.entry_digests, "new": "digest"}
     )
-    mine.version += 1
-    mine.entry_digests = {**mine.entry_digests, "new": "digest"}
-    assert state.encode() == theirs.encode() != mine.encode()
-    assert "version" in mine.model_fields_set
+    assert state.encode() == before != evolved.encode()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.version = 0  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no field"):
+        state.evolve(versoin=1)
 
 
 def test_deciding_touches_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +144,7 @@ def test_an_event_at_or_before_the_recorded_position_changes_nothing() -> None:
 
 def test_every_applied_event_records_its_position_once_in_the_state() -> None:
     state, decisions = _run([IntentEvent(rollout_id=RID, model_call_id="a"), _put("a"), _put("a")])
-    assert state.last_position == _at(2).to_dict()
+    assert state.last_position == _at(2)
     assert decisions[2].verdict.outcome is ApplyOutcome.NOOP
     assert decisions[2].effects == (WriteState(durable=False),)
 
@@ -176,7 +178,7 @@ def test_a_conflicting_put_marks_the_rollout_incomplete_and_appends_no_entry() -
 
 def test_a_dangling_intent_makes_the_freeze_incomplete() -> None:
     state, _ = _run([IntentEvent(rollout_id=RID, model_call_id="a"), _put("b"), FreezeEvent(rollout_id=RID)])
-    assert state.dangling_intents == ["a"] and state.incomplete
+    assert state.dangling_intents == ("a",) and state.incomplete
 
 
 def test_a_freeze_answers_the_version_of_its_own_position_and_late_writes_move_past_it() -> None:
@@ -258,7 +260,7 @@ def test_a_delete_leaves_a_verdict_or_a_fence_before_removing_files() -> None:
     logged = decide(state, DeleteEvent(rollout_id=RID), _at(5))
     assert logged.effects == (WriteState(durable=True), Barrier(), RemoveRecords())
     assert logged.state.is_pristine and logged.state.removed_records is True
-    assert logged.state.last_position == _at(5).to_dict()
+    assert logged.state.last_position == _at(5)
     unlogged = decide(state, DeleteEvent(rollout_id=RID), None)
     tombstone, *rest = unlogged.effects
     assert isinstance(tombstone, WriteState) and tombstone.state is not None and tombstone.state.retired
@@ -268,3 +270,46 @@ def test_a_delete_leaves_a_verdict_or_a_fence_before_removing_files() -> None:
     assert (
         never_written.effects == (RemoveRecords(), RemoveState()) and never_written.verdict.removed is False
     )
+
+
+def test_a_snapshot_as_of_a_freeze_answers_its_version_and_a_later_marker_still_masks_it() -> None:
+    marker = IncompleteEvent(rollout_id=RID, model_call_id="late", reason="lost")
+    state, _ = _run([_put("a"), FreezeEvent(rollout_id=RID), _put("late")])
+    assert snapshot_of(state, _at(1)) == SnapshotAnswer("t:0:1", 2, False)
+    assert snapshot_of(state, None) == SnapshotAnswer("t:0:1", 3, False)
+    masked = decide(state, marker, _at(3)).state
+    assert snapshot_of(masked, LogPosition("t", 0, 1, 1)) == SnapshotAnswer("t:0:1", 2, True)
+    with pytest.raises(InvalidInputError, match="no freeze applied"):
+        snapshot_of(masked, _at(2))
+    with pytest.raises(InvalidInputError, match="not frozen"):
+        snapshot_of(_run([_put("a")])[0], None)
+    retired = decide(state, RetireEvent(rollout_id=RID), _at(3)).state
+    with pytest.raises(RolloutRetiredError):
+        snapshot_of(retired, _at(1))
+
+
+def test_each_command_reads_its_own_verdict_back_however_many_events_followed_it() -> None:
+    commands: list[Event] = [
+        DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=1),
+        DropEvent(rollout_id=RID, snapshot_id="t:0:1", version=2),
+        RetireEvent(rollout_id=RID),
+        DeleteEvent(rollout_id=RID),
+        _put("again"),
+        DeleteEvent(rollout_id=RID),
+        DeleteEvent(rollout_id=RID),
+        _put("once more"),
+    ]
+    state, _ = _run([_put("a"), FreezeEvent(rollout_id=RID), *commands])
+    verdicts = [
+        (verdict.dropped, verdict.removed)
+        for offset, event in enumerate(commands, start=2)
+        if not isinstance(event, PutEvent)
+        for verdict in [recorded_verdict(state, event, _at(offset))]
+    ]
+    assert verdicts == [(False, None), (True, None), (None, False), (None, True), (None, True), (None, False)]
+    assert recorded_verdict(state, RetireEvent(rollout_id=RID), _at(99)).removed is False
+
+
+def test_without_a_log_no_verdict_is_recorded() -> None:
+    state, _ = _run([_put("a"), RetireEvent(rollout_id=RID), DeleteEvent(rollout_id=RID)], logged=False)
+    assert state.command_verdicts == ()

@@ -60,7 +60,7 @@ def test_staging_events_after_a_retire_are_refused_by_the_fence() -> None:
 
     staged = decide(RolloutState(rollout_id="r"), _stage_event(), None).state
     retired = decide(staged, RetireEvent(rollout_id="r"), None)
-    assert retired.verdict.removed is True and retired.state.staged == {}
+    assert retired.verdict.removed is True and dict(retired.state.staged) == {}
     late = decide(retired.state, _stage_event(key="r/d"), None)
     assert late.verdict.outcome is ApplyOutcome.REJECTED_RETIRED
 
@@ -403,6 +403,7 @@ def test_a_state_writes_staging_keys_only_with_staging_rows_and_a_newer_schema_i
     tmp_path: Path,
 ) -> None:
     from tokcap.errors import NewerSchemaError
+    from tokcap.state import STATE_SCHEMA_VERSION
 
     TokenCaptureStore(tmp_path).mark_incomplete_now("plain", "c", "lost")
     assert FileStagingSink(tmp_path).stage(staged_call("staged", "c0", [1], [2])).ok
@@ -410,6 +411,6 @@ def test_a_state_writes_staging_keys_only_with_staging_rows_and_a_newer_schema_i
     staged = orjson.loads((tmp_path / "staged.tokens.state.json").read_bytes())
     assert plain["tokcap"]["schema_version"] == 3 and "staged" not in plain["tokcap"]
     assert staged["tokcap"]["schema_version"] == 3 and list(staged["tokcap"]["staged"]) == ["staged/c0"]
-    staged["tokcap"]["schema_version"] = 4
+    staged["tokcap"]["schema_version"] = STATE_SCHEMA_VERSION + 1
     with pytest.raises(NewerSchemaError):
         RolloutState.decode(orjson.dumps(staged), "staged.tokens.state.json", "staged")

@@ -46,7 +46,7 @@ def test_a_dangling_intent_masks_the_snapshot(tmp_path: Path) -> None:
     store.begin_call_now("r", "c2")
     snapshot = store.freeze_now("r")
     assert snapshot.incomplete
-    assert store.read_state("r").dangling_intents == ["c2"]
+    assert store.read_state("r").dangling_intents == ("c2",)
 
 
 def test_a_cancelled_intent_does_not_mask_the_snapshot(tmp_path: Path) -> None:

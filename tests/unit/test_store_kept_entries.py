@@ -207,10 +207,10 @@ def test_kept_copies_are_refused_when_the_state_names_other_digests_or_another_s
     digest = entry.payload_digest()
     matching = RolloutState(rollout_id="r", entry_digests={"c0": digest}, indexed_size=len(line))
     kept.appended("r", entry, 0, len(line), digest)
-    assert kept.take("r", matching.model_copy(update={"entry_digests": {"c0": "0" * 64}})) is None
+    assert kept.take("r", matching.evolve(entry_digests={"c0": "0" * 64})) is None
     assert kept.take("r", matching) is None, "a refused take forgets the rollout"
     kept.appended("r", entry, 0, len(line), digest)
-    assert kept.take("r", matching.model_copy(update={"indexed_size": len(line) + 1})) is None
+    assert kept.take("r", matching.evolve(indexed_size=len(line) + 1)) is None
     kept.appended("r", entry, 0, len(line), digest)
     taken = kept.take("r", matching)
     assert taken is not None and [exact_shape(copy) for copy in taken] == [

@@ -21,7 +21,7 @@ from tokcap.events import (
     RetireEvent,
 )
 from tokcap.locks import KEPT_LOCK_FILES
-from tokcap.state import RolloutState
+from tokcap.rules import decide
 from tokcap.store import KEPT_APPENDERS, ApplyOutcome, TokenCaptureStore
 
 
@@ -36,7 +36,7 @@ def test_a_log_applied_delete_leaves_an_empty_state_that_remembers_it(tmp_path: 
     result = store.apply(DeleteEvent(rollout_id="r"), _at(2))
     assert result.removed is True
     state = store.read_state("r")
-    assert state.is_pristine and state.removed_records is True and state.last_position == _at(2).to_dict()
+    assert state.is_pristine and state.removed_records is True and state.last_position == _at(2)
     assert not store.path_for("r").exists()
     assert store.apply(DeleteEvent(rollout_id="r"), _at(2)).outcome is ApplyOutcome.ALREADY_APPLIED
     assert store.apply(DeleteEvent(rollout_id="r"), _at(3)).removed is False
@@ -56,8 +56,7 @@ def test_re_applying_a_delete_interrupted_after_its_fresh_state_finishes_the_rem
     clean.apply(PutEvent(rollout_id="r", entry=make_entry("r", "c1")), _at(1))
     clean.apply(DeleteEvent(rollout_id="r"), _at(2))
     # The crash: the delete at offset 2 replaced the state, then the process died before removing the files.
-    interrupted = RolloutState(rollout_id="r", removed_records=True)
-    interrupted.record_position(_at(2))
+    interrupted = decide(store.read_state("r"), DeleteEvent(rollout_id="r"), _at(2)).state
     store.state_path_for("r").write_bytes(interrupted.encode())
     store.path_for("r").write_bytes(leftover_entries)
     if leftover == "entries-and-intents":

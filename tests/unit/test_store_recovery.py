@@ -80,7 +80,7 @@ def test_lines_that_raced_a_freeze_tokcap_recorded_are_cut_by_the_next_write_and
     assert {path: path.read_bytes() for path in files} == files
     assert store.incomplete_path_for("r").read_bytes() == b"c4\n"
     state = store.read_state("r")
-    assert sorted(state.intents) == ["c1", "c2"] and state.dangling_intents == ["c2"]
+    assert sorted(state.intents) == ["c1", "c2"] and state.dangling_intents == ("c2",)
     assert [mark.model_call_id for mark in state.incomplete_marks] == ["c4"]
     again = store.freeze_now("r")
     assert (again.snapshot_id, again.entries, again.incomplete) == (frozen.snapshot_id, frozen.entries, True)

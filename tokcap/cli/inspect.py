@@ -220,7 +220,7 @@ def describe_rollout(directory: Path, rollout_id: str) -> dict[str, Any]:
         "snapshot_id": state.snapshot_id,
         "version": state.version,
         "incomplete": store.is_incomplete(rollout_id),
-        "last_position": state.last_position,
+        "last_position": None if state.last_position is None else state.last_position.to_dict(),
         "entries": [
             {
                 "model_call_id": entry.model_call_id,

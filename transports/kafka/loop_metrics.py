@@ -27,7 +27,7 @@ def dead_letter_kind(routed: Routed) -> str:
     """The kind (one of ``tokcap.metrics.DEAD_LETTER_KINDS``) of a decision that was dead-lettered."""
     if isinstance(routed, ApplyEvent):
         return "refused_staging"
-    if isinstance(routed, DeadLetter) and not routed.positioned:
+    if isinstance(routed, DeadLetter) and routed.abandoned:
         return "abandoned_chunk_group"
     reason = routed.reason if isinstance(routed, DeadLetter) else ""
     if reason.startswith("orphaned chunk "):

@@ -898,7 +898,7 @@ class Materializer:
     ) -> list[tuple[Event, LogPosition]] | None:
         """The rollout's events not applied yet, up to and including the decision at ``read``/``index``.
 
-        ``None`` when one of them is a mask applied without a log position, which a decision alone cannot answer.
+        ``None`` when the schedule cannot name them, or one of them is no event (a chunk kept).
         """
         waiting = self._schedule.waiting_until(partition, read, index)
         if waiting is None:
@@ -906,11 +906,10 @@ class Materializer:
         events: list[tuple[Event, LogPosition]] = []
         for earlier, earlier_index in waiting:
             routed = self._settled(earlier, earlier_index)
-            position = LogPosition(self._topic, routed.partition, routed.offset)
             if isinstance(routed, ApplyEvent):
-                events.append((routed.event, position))
-            elif isinstance(routed, DeadLetter) and routed.positioned and routed.mask is not None:
-                events.append((routed.mask, position))
+                events.append((routed.event, routed.position(self._topic)))
+            elif isinstance(routed, DeadLetter) and routed.mask is not None:
+                events.append((routed.mask, routed.position(self._topic)))
             else:
                 return None
         return events
@@ -977,7 +976,7 @@ class Materializer:
             if refused is not None:
                 progress.refused[routed.offset] = refused
         if result is not None and (
-            isinstance(routed, ApplyEvent) or (isinstance(routed, DeadLetter) and routed.positioned)
+            isinstance(routed, ApplyEvent) or (isinstance(routed, DeadLetter) and not routed.abandoned)
         ):
             with self._condition:
                 self._results[(routed.partition, routed.offset)] = result

@@ -20,6 +20,12 @@ abandons its rollout's open groups before it applies: whatever completes after t
 the snapshot, so a snapshot taken while a group is open must be masked, not returned complete. The router
 only decides; ``carry_out`` applies a decision to a store, and only the materializer writes dead-letter lines.
 
+Every decision has a log position: the offset of the message whose routing took it, and its ``index`` among the
+decisions about the same rollout routing that message took, in their order. An abandoned group's mask thus sits
+before the freeze that abandoned it, and a resumed reader that decides again finds it applied, as any event.
+The index counts per rollout, so a reader of some rollouts, which passes over the others' messages, gives each
+of its decisions the position the materializer gives it.
+
 Memory is bounded. A group larger than ``max_event_bytes`` (the sinks' limit, ``DEFAULT_MAX_EVENT_BYTES``)
 is dead-lettered and its rollout masked as soon as its first chunk declares it (``count - 1`` chunks of the
 first chunk's length and at least one byte more) or its chunks so far exceed it; nothing more of it is
@@ -47,7 +53,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError
 from tokcap.events import (
@@ -93,6 +100,7 @@ __all__ = [
     "carry_out",
     "logger",
     "refused_staging_reason",
+    "rollout_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -123,6 +131,11 @@ class ApplyEvent:
     offset: int
     headers: Mapping[str, str]
     size: int
+    index: int = 0
+
+    def position(self, topic: str) -> LogPosition:
+        """Where the event is decided: its message (the last chunk of a group), at its index."""
+        return LogPosition(topic, self.partition, self.offset, self.index)
 
 
 @dataclass(frozen=True)
@@ -140,10 +153,8 @@ class Buffered:
 class DeadLetter:
     """A message, or an abandoned chunk group (at its first chunk's offset), that cannot be applied.
 
-    ``mask`` marks the rollout the key names incomplete. A message's mask is applied at the message's log
-    position; an abandoned group's has no single position (``positioned`` is false), so it is applied
-    without one and guarded instead: by its reason, and by ``decided_at``, the offset of the message whose
-    routing abandoned the group (a rollout already applied past it had the mask applied before).
+    ``mask`` marks the rollout the key names incomplete, at the position of the decision: ``decided_at`` is
+    the offset of the message whose routing took it (the message itself, or the one that abandoned the group).
     """
 
     partition: int
@@ -153,8 +164,17 @@ class DeadLetter:
     reason: str
     rollout_id: str | None
     mask: IncompleteEvent | None
-    positioned: bool
-    decided_at: int = -1
+    decided_at: int
+    index: int = 0
+
+    @property
+    def abandoned(self) -> bool:
+        """An abandoned chunk group, not the message being routed: its first chunk came before that message."""
+        return self.offset != self.decided_at
+
+    def position(self, topic: str) -> LogPosition:
+        """Where the mask is decided: the routed message, at the decision's index."""
+        return LogPosition(topic, self.partition, self.decided_at, self.index)
 
 
 @dataclass(eq=False)
@@ -177,6 +197,9 @@ class Deferred:
 
 Routed = ApplyEvent | Buffered | DeadLetter
 """What one message, or one abandoned group, becomes."""
+
+_Decided = TypeVar("_Decided", Routed, Routed | Deferred)
+"""The decisions of one message, as routing or passing over it returns them."""
 
 
 @dataclass
@@ -340,7 +363,7 @@ class InboundRouter:
                 routed = [self._whole(message, headers, defer=defer)]
             else:
                 routed = [*self._take_chunk(message, headers, chunk)]
-        return self._abandon_before_freeze(message, routed) + self._abandon_stale(message)
+        return _indexed([*self._abandon_before_freeze(message, routed), *self._abandon_stale(message)])
 
     def pass_over(self, message: LogMessage) -> list[Routed]:
         """A message read but not routed (another rollout's): it can still make open groups abandoned.
@@ -360,11 +383,11 @@ class InboundRouter:
             routed = [
                 decided
                 for decided in self._take_chunk(message, headers, chunk, ghost=True)
-                if isinstance(decided, DeadLetter) and not decided.positioned
+                if isinstance(decided, DeadLetter) and decided.abandoned
             ]
         elif headers.get(HEADER_TYPE) == "freeze":
             self._close_frozen_ghosts(message, headers)
-        return routed + self._abandon_stale(message)
+        return _indexed(routed + self._abandon_stale(message))
 
     def _close_frozen_ghosts(self, message: LogMessage, headers: Mapping[str, str]) -> None:
         """A freeze passed over closes its rollout's ghost groups, as routing it closes the groups it abandons."""
@@ -613,7 +636,7 @@ class InboundRouter:
     ) -> list[Routed | Deferred]:
         """A freeze first abandons its rollout's open groups: a group completing after the cut is never applied.
 
-        Their masks go before the freeze, so the snapshot it answers is incomplete.
+        Their masks go before the freeze (at lower indexes of its offset), so the snapshot it answers is incomplete.
         """
         decided: list[Routed | Deferred] = []
         for item in routed:
@@ -669,7 +692,6 @@ class InboundRouter:
                 reason,
                 rollout_id,
                 mask,
-                positioned=False,
                 decided_at=message.offset,
             )
         ]
@@ -687,7 +709,14 @@ class InboundRouter:
                 reason=f"dead-lettered event at {where}: {reason}"[:REASON_LIMIT],
             )
         return DeadLetter(
-            message.partition, message.offset, headers, size, reason, rollout_id, mask, positioned=True
+            message.partition,
+            message.offset,
+            headers,
+            size,
+            reason,
+            rollout_id,
+            mask,
+            decided_at=message.offset,
         )
 
 
@@ -704,22 +733,12 @@ def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResu
     Return the store's verdict, ``None`` when nothing was applied.
     """
     if isinstance(routed, ApplyEvent):
-        return store.apply(routed.event, LogPosition(topic, routed.partition, routed.offset))
+        return store.apply(routed.event, routed.position(topic))
     if isinstance(routed, Deferred):
         raise TypeError("a deferred decision is settled by its router before it is carried out")
     if isinstance(routed, Buffered) or routed.mask is None:
         return None
-    if routed.positioned:
-        return store.apply(routed.mask, LogPosition(topic, routed.partition, routed.offset))
-    mask = routed.mask
-    # A resumed materializer decides again; the rollout already went past that point, or holds the mark.
-    if store.read_state(mask.rollout_id).already_applied(
-        LogPosition(topic, routed.partition, routed.decided_at)
-    ):
-        return None
-    if store.has_incomplete_mark(mask.rollout_id, mask.model_call_id, mask.reason):
-        return None
-    return store.apply(mask)
+    return store.apply(routed.mask, routed.position(topic))
 
 
 def refused_staging_reason(routed: Routed, result: ApplyResult | None) -> str | None:
@@ -736,6 +755,34 @@ def refused_staging_reason(routed: Routed, result: ApplyResult | None) -> str | 
     if result.outcome not in (ApplyOutcome.CONFLICT, ApplyOutcome.REJECTED_RETIRED):
         return None
     return f"refused {routed.event.type.value} event: {result.detail}"[:REASON_LIMIT]
+
+
+def _indexed(routed: list[_Decided]) -> list[_Decided]:
+    """Number the decisions routing one message took about each rollout, in their order (module docstring)."""
+    taken: dict[str, int] = {}
+    numbered: list[_Decided] = []
+    for decided in routed:
+        rollout_id = rollout_of(decided)
+        if rollout_id is None:
+            numbered.append(decided)
+            continue
+        index = taken.get(rollout_id, 0)
+        taken[rollout_id] = index + 1
+        if index and isinstance(decided, ApplyEvent | DeadLetter):
+            decided = replace(decided, index=index)
+        # A deferred message is a whole one, routed before anything it abandons: always its rollout's first.
+        assert index == 0 or not isinstance(decided, Deferred), "a deferred message decided after another"
+        numbered.append(decided)
+    return numbered
+
+
+def rollout_of(decided: Routed | Deferred) -> str | None:
+    """The rollout whose files a decision changes; ``None`` for a chunk kept or a message that names none."""
+    if isinstance(decided, ApplyEvent):
+        return decided.event.rollout_id
+    if isinstance(decided, DeadLetter | Deferred):
+        return decided.rollout_id
+    return None
 
 
 def _tokens_of(decided: ApplyEvent | DeadLetter) -> int:

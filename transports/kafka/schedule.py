@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tokcap.events import DeleteEvent, DropEvent, FreezeEvent, RetireEvent
-from transports.kafka.router import ApplyEvent, DeadLetter, Deferred, Routed
+from transports.kafka.router import ApplyEvent, Deferred, Routed, rollout_of
 
 __all__ = [
     "COMMANDS",
@@ -57,17 +57,6 @@ class MaterializerCounters:
     """Summed over commands carried out ahead: messages still waiting before each of them when it was."""
     freezes_answered_ahead: int = 0
     """Freezes answered from their rollouts' events decided in memory, before those events were applied."""
-
-
-def rollout_of(routed: Routed | Deferred) -> str | None:
-    """The rollout whose files a decision changes; ``None`` when it changes none."""
-    if isinstance(routed, ApplyEvent):
-        return routed.event.rollout_id
-    if isinstance(routed, Deferred):
-        return routed.rollout_id
-    if isinstance(routed, DeadLetter) and routed.mask is not None:
-        return routed.mask.rollout_id
-    return None
 
 
 @dataclass

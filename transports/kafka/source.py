@@ -12,11 +12,9 @@ owner itself if that process goes away. With ``external_materializer=True`` the 
 A following source reads the topic's id after each command is delivered and refuses a checkpoint bound to
 another id: the command then sits in a topic created again under the same name, whose offsets mean nothing to
 that checkpoint.
-Verdicts are then read from the rollout's state, which records the position and the outcome of the last
-retire or delete applied to it. Only when a later event of the same rollout has already overwritten a
-delete's record does the ``removed``/``not_found`` split fall back to what the store held just before the
-delete was published; the removal itself is exact. Because the decision is taken
-at a log position, every replay of the topic reaches the same answer and the same snapshot id.
+Verdicts are then read from the rollout's state, which records the verdict of every drop, retire and delete
+at its log position, as it records each freeze's answer (``rules.recorded_verdict``). Because the decision is
+taken at a log position, every replay of the topic reaches the same answer and the same snapshot id.
 """
 
 from __future__ import annotations
@@ -34,13 +32,14 @@ from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPositio
 from tokcap.metrics import source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
+from tokcap.rules import recorded_verdict
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.incarnation import other_incarnation
 from transports.kafka.materializer import Materializer
-from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
+from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, ProducerBridge
 from transports.kafka.shared_materializers import shared_materializers
 from transports.kafka.sink import default_writer_id
 from transports.kafka.topics import resolve_topic
@@ -216,9 +215,11 @@ class KafkaTokenSource:
         result = None
         if self._materializer is not None:
             result = self._materializer.result_at(delivered.partition, delivered.offset)
+        position = LogPosition(self._topic, delivered.partition, delivered.offset)
         if result is None:
-            result = await asyncio.to_thread(self._rederive, event, delivered)
-        return result, LogPosition(self._topic, delivered.partition, delivered.offset)
+            state = await asyncio.to_thread(self._store.read_state, event.rollout_id)
+            result = recorded_verdict(state, event, position)
+        return result, position
 
     async def _wait_applied(
         self,
@@ -263,28 +264,6 @@ class KafkaTokenSource:
         if materializer is not None:
             self._materializer, self._external = materializer, None
 
-    def _rederive(self, event: Event, delivered: Delivered) -> ApplyResult:
-        """Rebuild a verdict from the state when no in-process materializer remembers the result."""
-        state = self._store.read_state(event.rollout_id)
-        position = {"topic": self._topic, "partition": delivered.partition, "offset": delivered.offset}
-        if isinstance(event, RetireEvent | DeleteEvent):
-            removed: bool | None = None
-            if state.last_position == position:
-                removed = bool(state.removed_records)
-            elif isinstance(event, RetireEvent):
-                removed = False
-            return ApplyResult(
-                ApplyOutcome.NOOP, event.type, event.rollout_id, removed=removed, detail="re-derived"
-            )
-        if isinstance(event, DropEvent):
-            dropped = (
-                state.retired and state.snapshot_id == event.snapshot_id and state.version == event.version
-            )
-            return ApplyResult(
-                ApplyOutcome.NOOP, event.type, event.rollout_id, dropped=dropped, detail="re-derived"
-            )
-        return ApplyResult(ApplyOutcome.NOOP, event.type, event.rollout_id, detail="re-derived")
-
     @source_timed("kafka", "freeze")
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze a rollout at a log position and return its snapshot; freezing again returns the same one."""
@@ -315,20 +294,10 @@ class KafkaTokenSource:
         return bool(result.dropped)
 
     async def _remove(self, events: Sequence[RetireEvent | DeleteEvent], what: str) -> RolloutRemovalPayload:
-        held_before: dict[str, bool] = {}
-        if self._external is not None and what == "delete":
-            held_before = await asyncio.to_thread(self._records_before_delete, events)
         results = await asyncio.gather(*(self._command(event, what) for event in events))
-        verdicts = [
-            r.removed if r.removed is not None else held_before.get(r.rollout_id, False) for r in results
-        ]
-        removed = tuple(r.rollout_id for r, verdict in zip(results, verdicts, strict=True) if verdict)
-        not_found = tuple(r.rollout_id for r, verdict in zip(results, verdicts, strict=True) if not verdict)
+        removed = tuple(result.rollout_id for result in results if result.removed)
+        not_found = tuple(result.rollout_id for result in results if not result.removed)
         return RolloutRemovalPayload(removed=removed, not_found=not_found)
-
-    def _records_before_delete(self, events: Sequence[RetireEvent | DeleteEvent]) -> dict[str, bool]:
-        """What a delete will find, read before publishing it: the fallback when its own record is overwritten."""
-        return {event.rollout_id: self._store.holds_anything(event.rollout_id) for event in events}
 
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove the rollouts' records and keep their fences, whatever their state."""

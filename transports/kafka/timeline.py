@@ -316,4 +316,4 @@ def _staging_detail(event: StageEvent | LedgerEvent | LedgerFailureEvent) -> str
 
 def _abandons(routed: Routed) -> bool:
     """Whether a decision is an abandoned chunk group rather than the message itself."""
-    return isinstance(routed, DeadLetter) and not routed.positioned
+    return isinstance(routed, DeadLetter) and routed.abandoned

@@ -1,0 +1,56 @@
+"""The state file as tokcap writes and reads it: positions typed in memory, bytes as older versions wrote them."""
+
+from __future__ import annotations
+
+import orjson
+
+from tokcap.events import DeleteEvent, LogPosition
+from tokcap.rules import SnapshotAnswer, decide, snapshot_of
+from tokcap.state import STATE_SCHEMA_VERSION, RolloutState
+
+WRITTEN_BEFORE_INDEX = (
+    b'{"entry_digests":{},"frozen":true,"incomplete":true,"indexed_size":0,"retired":false,"snapshot_id":"run:3:11",'
+    b'"tokcap":{"covers_freeze":true,"dangling_intents":["c1"],"freeze_answers":[{"incomplete":true,"position":'
+    b'{"offset":11,"partition":3,"topic":"run"},"version":1}],"incomplete_marks":[],"incomplete_size":0,"intents":'
+    b'{"c1":"intent"},"intents_size":3,"last_position":{"offset":12,"partition":3,"topic":"run"},"rejections":'
+    b'[{"event_type":"intent","model_call_id":"c2","position":{"offset":12,"partition":3,"topic":"run"}}],'
+    b'"removed_records":null,"schema_version":3},"version":2}\n'
+)
+"""A rollout frozen at offset 11 with a rejected intent at 12, as a tokcap without position indexes wrote it."""
+
+
+def test_a_state_file_written_before_positions_had_an_index_reads_them_at_index_0_and_keeps_its_bytes() -> (
+    None
+):
+    state = RolloutState.decode(WRITTEN_BEFORE_INDEX, "r.tokens.state.json", "r")
+    assert state.last_position == LogPosition("run", 3, 12, 0)
+    assert state.rejections[0].position == LogPosition("run", 3, 12, 0)
+    assert state.already_applied(LogPosition("run", 3, 12)) and not state.already_applied(
+        LogPosition("run", 3, 13)
+    )
+    assert snapshot_of(state, LogPosition("run", 3, 11)) == SnapshotAnswer("run:3:11", 1, True)
+    assert state.encode() == WRITTEN_BEFORE_INDEX
+
+
+def test_a_position_past_index_0_is_written_with_its_index_and_read_back() -> None:
+    state = RolloutState.decode(WRITTEN_BEFORE_INDEX, "r.tokens.state.json", "r")
+    state = state.positioned(LogPosition("run", 3, 13, 1))
+    document = orjson.loads(state.encode())
+    assert document["tokcap"]["last_position"] == {"index": 1, "offset": 13, "partition": 3, "topic": "run"}
+    again = RolloutState.decode(state.encode(), "r.tokens.state.json", "r")
+    assert again.last_position == LogPosition("run", 3, 13, 1)
+    assert again.already_applied(LogPosition("run", 3, 13, 0)) and not again.already_applied(
+        LogPosition("run", 3, 13, 2)
+    )
+
+
+def test_only_a_state_holding_a_commands_verdict_is_written_with_the_newest_schema() -> None:
+    state = RolloutState.decode(WRITTEN_BEFORE_INDEX, "r.tokens.state.json", "r")
+    assert orjson.loads(state.encode())["tokcap"]["schema_version"] == STATE_SCHEMA_VERSION - 1
+    deleted = decide(state, DeleteEvent(rollout_id="r"), LogPosition("run", 3, 14)).state
+    document = orjson.loads(deleted.encode())["tokcap"]
+    assert document["schema_version"] == STATE_SCHEMA_VERSION
+    assert document["command_verdicts"] == [
+        {"event_type": "delete", "position": {"offset": 14, "partition": 3, "topic": "run"}, "removed": True}
+    ]
+    assert RolloutState.decode(deleted.encode(), "r.tokens.state.json", "r") == deleted
