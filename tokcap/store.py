@@ -25,11 +25,11 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import orjson
 
@@ -45,7 +45,6 @@ from tokcap.durable_io import (
     replace_atomically,
     truncate_no_follow,
 )
-from tokcap.entry_copies import fresh_read_copy
 from tokcap.errors import (
     ConflictingEntryError,
     InvalidInputError,
@@ -114,6 +113,7 @@ __all__ = [
     "AcceptedEntries",
     "ApplyOutcome",
     "ApplyResult",
+    "BlockOwner",
     "TokenCaptureStore",
     "logger",
     "make_token_store",
@@ -158,16 +158,35 @@ class _KeptAppender:
     size: int
 
 
+class BlockOwner(Protocol):
+    """The single writer a deferred block serves (``tokcap.log_projection.Projection``).
+
+    Its ``states`` are the block's states: the block reads each rollout's state there before its files and
+    keeps every decided state there, so the owner's memory is the one copy of them. ``decided`` is told of
+    every decision that changed a rollout, after its effects were carried out.
+    """
+
+    @property
+    def states(self) -> MutableMapping[str, RolloutState]:
+        """The owner's rollout states, authoritative while the block runs."""
+        ...
+
+    def decided(self, event: Event, decision: Decision) -> None:
+        """Take note of a decision the block carried out."""
+        ...
+
+
 class _Deferral(threading.local):
-    """The deferred-durability block of one thread: states kept in memory, which of them await a write, and
-    the side files it appends to, kept open until the block ends (an ``open`` and a ``close`` per event cost
-    more than the write)."""
+    """The deferred-durability block of one thread: which states await a write, where the states are kept
+    (its owner's memory, or the block's own), and the side files it appends to, kept open until the block ends
+    (an ``open`` and a ``close`` per event cost more than the write)."""
 
     active: bool = False
     barrier_deferred: bool = False
 
     def __init__(self) -> None:
-        self.states: dict[str, RolloutState] = {}
+        self.owner: BlockOwner | None = None
+        self.states: MutableMapping[str, RolloutState] = {}
         self.dirty: set[str] = set()
         self.appenders: dict[Path, _KeptAppender] = {}
 
@@ -328,7 +347,7 @@ class TokenCaptureStore:
             self._barrier()
 
     @contextmanager
-    def deferred_durability(self) -> Iterator[None]:
+    def deferred_durability(self, owner: BlockOwner | None = None) -> Iterator[None]:
         """Apply many events and make them durable together at the end of the block.
 
         Inside the block, operations return before their writes are durable, and each rollout's state stays
@@ -339,6 +358,9 @@ class TokenCaptureStore:
         next apply cuts them back and applies the same events again. The block owns the rollouts it touches
         until it ends: nothing else may write or remove their files, so it also keeps their lock files open
         between events (readers still take each lock between two events).
+
+        With an ``owner``, the block keeps its states in the owner's memory and tells it of each decision; they
+        stay there after the block (``BlockOwner``).
         """
         deferral = self._deferral
         outermost = not deferral.active
@@ -346,7 +368,8 @@ class TokenCaptureStore:
             yield
             return
         deferral.active = True
-        deferral.states, deferral.dirty = {}, set()
+        deferral.owner = owner
+        deferral.states, deferral.dirty = ({} if owner is None else owner.states), set()
         self._rollout_locks.keep_files_open()
         try:
             failed = True
@@ -356,7 +379,7 @@ class TokenCaptureStore:
             finally:
                 deferral.active = False
                 states, dirty = deferral.states, deferral.dirty
-                deferral.states, deferral.dirty = {}, set()
+                deferral.owner, deferral.states, deferral.dirty = None, {}, set()
                 deferral.close_appenders(check=not failed)
             for rollout_id in sorted(dirty):
                 paths = self._paths_of(rollout_id)
@@ -523,6 +546,8 @@ class TokenCaptureStore:
             )
             if position is None and isinstance(event, PutEvent) and not self._deferral.active:
                 self._keep_appended_entry(paths.rollout_id, event, decision)
+            if self._deferral.owner is not None:
+                self._deferral.owner.decided(event, decision)
             if not self._deferral.active and not fence_only:
                 lagging = 0 if state_written else recovered.lagging_lines + 1
                 if known is None:
@@ -874,97 +899,6 @@ class TokenCaptureStore:
             state = self._recovered(paths, replaying=False, writing=False).state
             return self._snapshot_of(paths, state, as_of)
 
-    def snapshot_ahead(
-        self,
-        rollout_id: str,
-        pending: Sequence[tuple[Event, LogPosition]],
-        applied: Sequence[TokenEntry] | None = None,
-        *,
-        entries_exact: bool = False,
-    ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
-        """Decide a rollout's events not applied yet in memory; return the verdict and snapshot of the last, a freeze.
-
-        Nothing is written. The projection applies the same events later and, the rules being pure functions of
-        state and event, reaches the same verdicts, the same state and the same entry lines: the snapshot is
-        the one ``snapshot(rollout_id, as_of=...)`` gives once they are applied. The log already holds the
-        freeze durably, so a source can answer it without waiting for the rollout's backlog to reach the disk.
-        ``pending`` must be every event of the rollout after what is applied here, in log order, ending with
-        the freeze. Return ``None`` when the answer needs something carried out first (a removal, a repair of
-        the files, a state written whole) or the freeze leaves no snapshot; the caller waits for the apply.
-        The caller is the rollout's one applier: a rollout with no file yet is decided without taking its lock.
-        ``applied`` may hold the entries the caller applied to the rollout so far, in order, exactly as it
-        applied them: when they are one per stored call, they are copied instead of parsed from the file.
-        ``entries_exact`` says the caller built every entry of ``pending`` and ``applied`` itself (decoded and
-        validated) and nothing else holds them: their token arrays hold exact ints and floats, so the copies
-        skip checking each value's type (``fresh_read_copy``).
-        """
-        if not pending or not isinstance(pending[-1][0], FreezeEvent):
-            raise InvalidInputError("snapshot_ahead needs the rollout's pending events ending with a freeze")
-        paths = self._paths_of(rollout_id)
-        if self._holds_nothing_yet(paths):
-            # Nothing of it is on disk to read consistently, so its lock is not taken: creating the lock file
-            # (the costliest step of an answer for a new rollout on ext4) is left to the apply.
-            return self._decided_ahead(
-                paths,
-                Recovered(RolloutState(rollout_id=rollout_id), (), 0, False),
-                pending,
-                applied,
-                entries_exact,
-            )
-        with self._locked(rollout_id) as paths:
-            recovered = self._recovered(paths, replaying=True, writing=False)
-            return self._decided_ahead(paths, recovered, pending, applied, entries_exact)
-
-    def _holds_nothing_yet(self, paths: RolloutPaths) -> bool:
-        """Whether no file of the rollout exists and no open deferred block keeps a state of it.
-
-        Every writer of the format (this store, Gym's) creates a rollout's lock file before any of its record
-        files and removes it last, so a missing lock file means no record file; only a tokcap 0.1 fence is
-        looked for besides. Each check is a system call, and in a busy process each one waits to take the
-        GIL back: a trainer's burst of freezes of new rollouts made six of them per answer.
-        """
-        if self._deferral.active and paths.rollout_id in self._deferral.states:
-            return False
-        return not (os.path.lexists(paths.lock) or os.path.lexists(paths.fence))
-
-    def _decided_ahead(
-        self,
-        paths: RolloutPaths,
-        recovered: Recovered,
-        pending: Sequence[tuple[Event, LogPosition]],
-        applied_by_caller: Sequence[TokenEntry] | None,
-        entries_exact: bool,
-    ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
-        """The verdict and snapshot of ``snapshot_ahead``, from the rollout's state as applied so far."""
-        if recovered.repairs:
-            return None
-        state = recovered.state
-        appended: list[tuple[TokenEntry, bytes]] = []
-        verdict: ApplyResult | None = None
-        for event, position in pending:
-            decision = decide(state, event, position)
-            if not all(_carried_in_memory(effect) for effect in decision.effects):
-                return None
-            if isinstance(event, PutEvent):
-                lines = (effect.line for effect in decision.effects if isinstance(effect, AppendEntry))
-                appended.extend((event.entry, line) for line in lines)
-            state, verdict = decision.state, decision.verdict
-        if not state.frozen or state.retired or state.answer_at(pending[-1][1]) is None:
-            return None
-        applied = _copies_of_applied(recovered.state, applied_by_caller, entries_exact)
-        if applied is None:
-            applied = self._entries_of(paths, recovered.state)
-        # The pending puts' entries are copied rather than parsed from their lines, where a copy is exact.
-        entries = [
-            *applied,
-            *(
-                fresh_read_copy(entry, arrays_exact=entries_exact) or TokenEntry.from_json(line)
-                for entry, line in appended
-            ),
-        ]
-        assert verdict is not None
-        return verdict, self._snapshot_from(paths.rollout_id, state, entries, pending[-1][1])
-
     def _snapshot_of(
         self, paths: RolloutPaths, state: RolloutState, as_of: LogPosition | None
     ) -> TokenCaptureSnapshot:
@@ -1221,34 +1155,6 @@ def _files_identity(paths: RolloutPaths, state_bytes: bytes | None = None) -> _F
         _size_of(paths.intents),
         _size_of(paths.incomplete),
     )
-
-
-def _copies_of_applied(
-    state: RolloutState, kept: Sequence[TokenEntry] | None, arrays_exact: bool
-) -> list[TokenEntry] | None:
-    """Exact copies of a caller's applied entries when they are one per call the state stored; else ``None``.
-
-    The caller applied them itself, so they are the lines' own entries; one per stored call id rules out a list
-    that misses some (applied before it started, or forgotten).
-    """
-    if kept is None or state.retired or len(kept) != len(state.entry_digests):
-        return None
-    if {entry.model_call_id for entry in kept} != set(state.entry_digests):
-        return None
-    copies = []
-    for entry in kept:
-        copy = fresh_read_copy(entry, arrays_exact=arrays_exact)
-        if copy is None:
-            return None
-        copies.append(copy)
-    return copies
-
-
-def _carried_in_memory(effect: object) -> bool:
-    """Whether an effect only adds to the rollout's files and state, so deciding ahead may leave it for later."""
-    if isinstance(effect, WriteState):
-        return effect.state is None
-    return isinstance(effect, (AppendEntry, AppendIntent, AppendIncompleteMark))
 
 
 def _check_ledger_lines(path: Path, state: RolloutState, lines: list[bytes]) -> None:
