@@ -2,11 +2,14 @@
 
 One process owns a projected directory (the Kafka materializer holds its partitions' owner locks), so between
 two flushes nothing but this object changes the rollouts it applies. It keeps each hot rollout's state and
-accepted entries in memory (one cache), applies events through the store in blocks whose states live here
-(``TokenCaptureStore.deferred_durability`` with this object as the block's owner, deciding with
-``tokcap.rules.decide``), and answers a freeze from that memory as soon as the freeze is applied, before the
-block's files are synced. ``flush`` ends the block: the states are written once per rollout and synced
-together; the caller writes its checkpoint only after that.
+accepted entries in memory (one cache) and decides each event with ``tokcap.rules.decide`` against that state.
+What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out in memory: its lines are queued
+and written at the flush, one write per file and rollout. An event that removes files or must be durable before
+the next (drop, retire, delete, a staged row) first writes its rollout's queued lines, then is carried out by
+the store inside the block (``TokenCaptureStore.deferred_durability`` with this object as the block's owner, so
+the store reads and keeps the states here). A freeze is answered from memory as soon as it is applied.
+``flush`` ends the block: queued lines and changed states are written once per rollout and synced together;
+the caller writes its checkpoint only after that.
 
 Why an answer given before the flush is safe. A rollout's decisions are a pure function of its own events and
 their log positions: the state after an event depends only on the events before it, and a freeze's snapshot id
@@ -35,9 +38,21 @@ from tokcap.entry_copies import fresh_read_copy
 from tokcap.events import Event, LogPosition, PutEvent
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry, token_count
-from tokcap.rules import AppendEntry, Decision, RemoveRecords, RemoveState
+from tokcap.rules import (
+    AppendEntry,
+    AppendIncompleteMark,
+    AppendIntent,
+    ApplyResult,
+    Decision,
+    RemoveRecords,
+    RemoveState,
+    WriteState,
+    decide,
+)
 from tokcap.state import RolloutState
 from tokcap.store import TokenCaptureStore
+
+_Append = AppendEntry | AppendIntent | AppendIncompleteMark
 
 __all__ = ["HOT_ROLLOUTS", "HOT_TOKENS", "Projection", "logger"]
 
@@ -62,9 +77,10 @@ class _HotEntries:
 class Projection:
     """Hot rollout states and entries of a directory one process owns; applies in blocks, answers from memory.
 
-    Use it from one thread (the projection's loop): ``begin`` before carrying events out on ``store`` (the
-    store tells this object of each decision), ``snapshot`` to answer a freeze it applied, ``flush`` before
-    writing a checkpoint, ``abandon`` when the loop fails.
+    Use it from one thread (the projection's loop): ``apply`` each event with its log position, ``snapshot`` to
+    answer a freeze it applied, ``flush`` before writing a checkpoint, ``abandon`` when the loop fails. Before
+    the store carries out anything itself for a rollout in the block (a mask applied through
+    ``router.carry_out``), ``write_queued`` puts that rollout's queued lines in its files.
     """
 
     def __init__(
@@ -81,6 +97,10 @@ class Projection:
         self._entries: OrderedDict[str, _HotEntries] = OrderedDict()
         self._tokens = 0
         self._block: AbstractContextManager[None] | None = None
+        self._queued: dict[str, list[_Append]] = {}
+        """Per rollout, the lines decided in this block and not written yet, in order."""
+        self._dirty: set[str] = set()
+        """Rollouts whose state changed in memory in this block: written at the flush."""
 
     @property
     def store(self) -> TokenCaptureStore:
@@ -111,9 +131,12 @@ class Projection:
             self._block = block
 
     def flush(self) -> None:
-        """Write the block's states and sync its files; then let go of the coldest states past the bound."""
-        block, self._block = self._block, None
-        if block is not None:
+        """Write the block's lines and states and sync them; then let go of the coldest states past the bound."""
+        if self._block is not None:
+            for rollout_id in sorted(self._dirty):
+                self._write(rollout_id, with_state=True)
+            self._dirty.clear()
+            block, self._block = self._block, None
             block.__exit__(None, None, None)
         while len(self._states) > self._hot_rollouts:
             self._forget(next(iter(self._states)))
@@ -132,9 +155,47 @@ class Projection:
                 logger.debug("closing the failed block's files failed too", exc_info=True)
         self._states.clear()
         self._entries.clear()
+        self._queued.clear()
+        self._dirty.clear()
         self._tokens = 0
 
     # --------------------------------------------------------- decisions
+
+    def apply(self, event: Event, position: LogPosition) -> ApplyResult:
+        """Decide one event of the log against its rollout's state and carry it out; return its verdict.
+
+        An event at or before its rollout's last applied position is skipped (the rules say so), so events
+        applied again after a restart change nothing.
+        """
+        self.begin()
+        rollout_id = event.rollout_id
+        state = self._states.get(rollout_id)
+        if state is None:
+            state = self._states[rollout_id] = self._store.recovered_for_block(rollout_id)
+        decision = decide(state, event, position)
+        if not decision.changed:
+            self._states.move_to_end(rollout_id)
+            return decision.verdict
+        if not all(_carried_in_memory(effect) for effect in decision.effects):
+            # The store carries it out itself, deciding again from the same state (kept here): same decision.
+            self.write_queued(rollout_id)
+            return self._store.apply(event, position)
+        queued = self._queued.setdefault(rollout_id, [])
+        queued.extend(effect for effect in decision.effects if isinstance(effect, _Append))
+        self._states[rollout_id] = decision.state
+        self._dirty.add(rollout_id)
+        self.decided(event, decision)
+        return decision.verdict
+
+    def write_queued(self, rollout_id: str) -> None:
+        """Write a rollout's queued lines now, so its files hold everything its state in memory says."""
+        if self._queued.get(rollout_id):
+            self._write(rollout_id, with_state=False)
+
+    def _write(self, rollout_id: str, *, with_state: bool) -> None:
+        appends = self._queued.pop(rollout_id, [])
+        state = self._states[rollout_id] if with_state else None
+        self._store.write_block_appends(rollout_id, appends, state)
 
     def decided(self, event: Event, decision: Decision) -> None:
         """Keep what a carried-out decision changed: its state is already in ``states``; keep its entry."""
@@ -179,6 +240,7 @@ class Projection:
             state = self._store.read_state(rollout_id)
         entries = self._copies(rollout_id, state)
         if entries is None:
+            self.write_queued(rollout_id)
             entries = self._store.read_entries(rollout_id)
         return self._store._snapshot_from(rollout_id, state, entries, as_of)
 
@@ -211,3 +273,10 @@ class Projection:
         hot = self._entries.pop(rollout_id, None)
         if hot is not None:
             self._tokens -= hot.tokens
+
+
+def _carried_in_memory(effect: object) -> bool:
+    """Whether an effect only adds lines to a rollout's files or changes its state, so it waits for the flush."""
+    if isinstance(effect, WriteState):
+        return effect.state is None
+    return isinstance(effect, _Append)

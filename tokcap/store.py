@@ -764,6 +764,61 @@ class TokenCaptureStore:
                     results[index] = decision.verdict
         return [result for result in results if result is not None]
 
+    # --------------------------------------------------------- a single writer's block
+
+    def recovered_for_block(self, rollout_id: str) -> RolloutState:
+        """A rollout's state as the owner of an open block resumes it, its files repaired first.
+
+        For ``BlockOwner.apply`` of a rollout it holds no state of: bytes no state covers (a tail appended
+        before a crash) are cut, so the owner's appends start where the state says.
+        """
+        with self._locked(rollout_id) as paths:
+            try:
+                return self._recovered(paths, replaying=True, writing=True).state
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+
+    def write_block_appends(
+        self,
+        rollout_id: str,
+        appends: Sequence[AppendEntry | AppendIntent | AppendIncompleteMark],
+        state: RolloutState | None,
+    ) -> None:
+        """Carry out a block owner's appends of one rollout, in order and one write per file, then its state.
+
+        Each file's lines must follow one another from the first one's start, which must be the file's size:
+        the owner decided them one after another from the state its files hold.
+        """
+        with self._locked(rollout_id) as paths:
+            by_file: dict[Path, tuple[int, list[bytes]]] = {}
+            for effect in appends:
+                if isinstance(effect, AppendEntry):
+                    path = paths.entries
+                elif isinstance(effect, AppendIntent):
+                    path = paths.intents
+                else:
+                    path = paths.incomplete
+                start, lines = by_file.setdefault(path, (effect.start, []))
+                if effect.start != start + sum(len(line) for line in lines):
+                    raise StoreCorruptionError(
+                        f"a block's appends to {path} do not follow one another (a line at byte {effect.start}); "
+                        "this is a bug in the projection: restart it, it applies the block again",
+                        rollout_id=rollout_id,
+                    )
+                lines.append(effect.line)
+            try:
+                for path, (start, lines) in by_file.items():
+                    self._append(path, b"".join(lines), start, rollout_id)
+                if state is not None:
+                    self._replace_state_file(paths, state)
+                    self._commit.note_write()
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+
     # ------------------------------------------------------------------ reads
 
     def _read(self, rollout_id: str) -> RolloutState:
@@ -1223,6 +1278,18 @@ def _named_write_error(event: Event, exc: OSError) -> StoreWriteError:
         "Free space or fix the device, then retry",
         rollout_id=event.rollout_id,
         model_call_id=call_id or None,
+    )
+    error.errno, error.filename = exc.errno, exc.filename
+    return error
+
+
+def _block_write_error(rollout_id: str, exc: OSError) -> StoreWriteError:
+    """The tokcap error for an operating-system error while a single writer's block writes a rollout."""
+    error = StoreWriteError(
+        f"writing the projected block of rollout {rollout_id!r} failed at {exc.filename or 'a sync'}: "
+        f"{exc.strerror or exc}; nothing past the last checkpoint was acknowledged to other processes, and the "
+        "projection applies those events again when restarted. Free space or fix the device, then restart it",
+        rollout_id=rollout_id,
     )
     error.errno, error.filename = exc.errno, exc.filename
     return error

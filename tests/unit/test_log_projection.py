@@ -111,8 +111,7 @@ def test_a_freeze_answered_from_memory_is_exactly_the_snapshot_its_flushed_files
     store = TokenCaptureStore(memory_dir)
     projection = Projection(store, hot_tokens=hot_tokens, hot_rollouts=hot_rollouts)
     for index, (event, position) in enumerate(events):
-        projection.begin()
-        store.apply(event, position)
+        projection.apply(event, position)
         if index in flushes and index != len(events) - 1:
             projection.flush()
     answered = answer_of(projection, events[-1][1])
@@ -137,21 +136,20 @@ def test_an_answer_given_before_a_crash_is_the_answer_a_restart_gives(
     directory = tmp_path_factory.mktemp("crash")
     store = TokenCaptureStore(directory)
     projection = Projection(store)
-    projection.begin()
     for event, position in events[:checkpoint]:
-        store.apply(event, position)
+        projection.apply(event, position)
     projection.flush()
-    projection.begin()
     for event, position in events[checkpoint:]:
-        store.apply(event, position)
+        projection.apply(event, position)
     answered = answer_of(projection, events[-1][1])
+    if data.draw(st.booleans(), label="killed while flushing: lines written, state not"):
+        projection.write_queued(ROLLOUT)
     # The process dies: its block is never flushed, and no checkpoint passes the events after ``checkpoint``.
     projection.abandon(RuntimeError("killed"))
     restarted_store = TokenCaptureStore(directory)
     restarted = Projection(restarted_store)
-    restarted.begin()
     for event, position in events[checkpoint:]:
-        restarted_store.apply(event, position)
+        restarted.apply(event, position)
     assert shape(answer_of(restarted, events[-1][1])) == shape(answered)
     restarted.flush()
     assert shape(files_answer(restarted_store, events[-1][1])) == shape(answered)
@@ -164,9 +162,8 @@ def test_an_answer_copies_the_kept_entries_without_parsing_and_shares_nothing_wi
     events = [*history(ops), (FreezeEvent(rollout_id=ROLLOUT), LogPosition(TOPIC, 0, len(ops)))]
     store = TokenCaptureStore(tmp_path)
     projection = Projection(store)
-    projection.begin()
     for event, position in events:
-        store.apply(event, position)
+        projection.apply(event, position)
     parsed = []
     real = TokenEntry.from_json
 
@@ -194,10 +191,9 @@ def test_hot_memory_stays_within_its_token_and_rollout_bounds_and_the_coldest_go
     store = TokenCaptureStore(tmp_path)
     tokens_per_rollout = (4 + 2) + (5 + 2)  # make_entry(tokens=4 + call): its prompt and two generated tokens
     projection = Projection(store, hot_tokens=3 * tokens_per_rollout, hot_rollouts=2)
-    projection.begin()
     for index in range(5):
         for event, position in history([("put", 0), ("put", 1)], rollout_id=f"r{index}"):
-            store.apply(event, position)
+            projection.apply(event, position)
             assert projection.kept_tokens <= 3 * tokens_per_rollout
     # States stay until their block is flushed: they are the only copy of what was decided.
     assert list(projection.hot_rollouts()) == [f"r{index}" for index in range(5)]

@@ -114,9 +114,9 @@ from transports.kafka.router import (
     Deferred,
     InboundRouter,
     Routed,
-    carry_out,
     refused_staging_reason,
 )
+from transports.kafka.router import carry_out as carry_out_on_store
 from transports.kafka.schedule import MaterializerCounters, Read, Scheduler
 from transports.kafka.topics import validate_topic_name
 from transports.kafka.waiters import WaiterRegistry
@@ -136,6 +136,7 @@ __all__ = [
     "Materializer",
     "MaterializerCounters",
     "PartitionCheckpoint",
+    "carry_out",
     "check_block_messages",
     "logger",
     "main",
@@ -935,8 +936,7 @@ class Materializer:
 
     def _apply(self, progress: _PartitionProgress, routed: Routed, read: Read) -> None:
         """Carry one routing decision out through the projection and remember its verdict."""
-        self._projection.begin()
-        result = carry_out(self._store, self._topic, routed)
+        result = carry_out(self._projection, self._topic, routed)
         count_applied(self._store, routed, result)
         if isinstance(routed, ApplyEvent) and isinstance(routed.event, FreezeEvent):
             observe_freeze(read.read_at, time.monotonic())
@@ -991,6 +991,20 @@ class Materializer:
                     routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
                 )
             )
+
+
+def carry_out(projection: Projection, topic: str, routed: Routed) -> ApplyResult | None:
+    """Carry one routing decision out: an event through the projection, a dead letter's mask through its store.
+
+    The router's mask guard reads the rollout's state and the store appends the mark itself, so the rollout's
+    queued lines are written first. Return the verdict, ``None`` when nothing was applied.
+    """
+    if isinstance(routed, ApplyEvent):
+        return projection.apply(routed.event, LogPosition(topic, routed.partition, routed.offset))
+    projection.begin()
+    if isinstance(routed, DeadLetter) and routed.mask is not None:
+        projection.write_queued(routed.mask.rollout_id)
+    return carry_out_on_store(projection.store, topic, routed)
 
 
 def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
