@@ -766,6 +766,10 @@ class Materializer:
 
     def _checkpoint(self) -> None:
         """Flush the projection's block, then write every changed checkpoint atomically and tell waiters."""
+        # A block is flushed (and synced) even when nothing was applied: besides durability, the sync between two
+        # reads leaves the consumer free for a scrape's cached read of its ends, which back-to-back blocking
+        # reads of an idle topic starved for over 5 s.
+        self._projection.begin()
         self._projection.flush()
         changed: dict[int, bytes] = {}
         for partition, progress in self._progress.items():
