@@ -6,8 +6,8 @@ accepted entries in memory (one cache) and decides each event with ``tokcap.rule
 What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out in memory: its lines are queued
 and written at the flush, one write per file and rollout. An event that removes files or must be durable before
 the next (drop, retire, delete, a staged row) first writes its rollout's queued lines, then is carried out by
-the store inside the block (``TokenCaptureStore.deferred_durability`` with this object as the block's owner, so
-the store reads and keeps the states here). A freeze is answered from memory as soon as it is applied.
+the store inside the block (``TokenCaptureStore.deferred_durability`` given this object's states, so the store
+reads and keeps them here). A freeze is answered from memory as soon as it is applied.
 ``flush`` ends the block: queued lines and changed states are written once per rollout and synced together;
 the caller writes its checkpoint only after that.
 
@@ -43,7 +43,6 @@ from tokcap.rules import (
     AppendIncompleteMark,
     AppendIntent,
     ApplyResult,
-    Decision,
     RemoveRecords,
     RemoveState,
     WriteState,
@@ -126,7 +125,7 @@ class Projection:
     def begin(self) -> None:
         """Open a block if none is open: events carried out on the store until ``flush`` are part of it."""
         if self._block is None:
-            block = self._store.deferred_durability(self)
+            block = self._store.deferred_durability(self._states)
             block.__enter__()
             self._block = block
 
@@ -179,12 +178,19 @@ class Projection:
         if not all(_carried_in_memory(effect) for effect in decision.effects):
             # The store carries it out itself, deciding again from the same state (kept here): same decision.
             self.write_queued(rollout_id)
+            if any(isinstance(effect, RemoveRecords | RemoveState) for effect in decision.effects):
+                self._forget_entries(rollout_id)
+            self._states.move_to_end(rollout_id)
             return self._store.apply(event, position)
         queued = self._queued.setdefault(rollout_id, [])
         queued.extend(effect for effect in decision.effects if isinstance(effect, _Append))
         self._states[rollout_id] = decision.state
         self._dirty.add(rollout_id)
-        self.decided(event, decision)
+        self._states.move_to_end(rollout_id)
+        if isinstance(event, PutEvent):
+            for effect in decision.effects:
+                if isinstance(effect, AppendEntry):
+                    self._appended(rollout_id, event.entry, effect.start, len(effect.line))
         return decision.verdict
 
     def write_queued(self, rollout_id: str) -> None:
@@ -196,17 +202,6 @@ class Projection:
         appends = self._queued.pop(rollout_id, [])
         state = self._states[rollout_id] if with_state else None
         self._store.write_block_appends(rollout_id, appends, state)
-
-    def decided(self, event: Event, decision: Decision) -> None:
-        """Keep what a carried-out decision changed: its state is already in ``states``; keep its entry."""
-        rollout_id = event.rollout_id
-        if rollout_id in self._states:
-            self._states.move_to_end(rollout_id)
-        for effect in decision.effects:
-            if isinstance(effect, AppendEntry) and isinstance(event, PutEvent):
-                self._appended(rollout_id, event.entry, effect.start, len(effect.line))
-            elif isinstance(effect, RemoveRecords | RemoveState):
-                self._forget_entries(rollout_id)
 
     def _appended(self, rollout_id: str, entry: TokenEntry, start: int, length: int) -> None:
         """Keep an entry whose line now sits at byte ``start``; a line anywhere but next forgets the rollout."""

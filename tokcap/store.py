@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
@@ -113,7 +113,6 @@ __all__ = [
     "AcceptedEntries",
     "ApplyOutcome",
     "ApplyResult",
-    "BlockOwner",
     "TokenCaptureStore",
     "logger",
     "make_token_store",
@@ -158,34 +157,15 @@ class _KeptAppender:
     size: int
 
 
-class BlockOwner(Protocol):
-    """The single writer a deferred block serves (``tokcap.log_projection.Projection``).
-
-    Its ``states`` are the block's states: the block reads each rollout's state there before its files and
-    keeps every decided state there, so the owner's memory is the one copy of them. ``decided`` is told of
-    every decision that changed a rollout, after its effects were carried out.
-    """
-
-    @property
-    def states(self) -> MutableMapping[str, RolloutState]:
-        """The owner's rollout states, authoritative while the block runs."""
-        ...
-
-    def decided(self, event: Event, decision: Decision) -> None:
-        """Take note of a decision the block carried out."""
-        ...
-
-
 class _Deferral(threading.local):
-    """The deferred-durability block of one thread: which states await a write, where the states are kept
-    (its owner's memory, or the block's own), and the side files it appends to, kept open until the block ends
-    (an ``open`` and a ``close`` per event cost more than the write)."""
+    """The deferred-durability block of one thread: the states it keeps (its caller's, or its own), which of
+    them await a write, and the side files it appends to, kept open until the block ends (an ``open`` and a
+    ``close`` per event cost more than the write)."""
 
     active: bool = False
     barrier_deferred: bool = False
 
     def __init__(self) -> None:
-        self.owner: BlockOwner | None = None
         self.states: MutableMapping[str, RolloutState] = {}
         self.dirty: set[str] = set()
         self.appenders: dict[Path, _KeptAppender] = {}
@@ -347,7 +327,7 @@ class TokenCaptureStore:
             self._barrier()
 
     @contextmanager
-    def deferred_durability(self, owner: BlockOwner | None = None) -> Iterator[None]:
+    def deferred_durability(self, states: MutableMapping[str, RolloutState] | None = None) -> Iterator[None]:
         """Apply many events and make them durable together at the end of the block.
 
         Inside the block, operations return before their writes are durable, and each rollout's state stays
@@ -359,8 +339,8 @@ class TokenCaptureStore:
         until it ends: nothing else may write or remove their files, so it also keeps their lock files open
         between events (readers still take each lock between two events).
 
-        With an ``owner``, the block keeps its states in the owner's memory and tells it of each decision; they
-        stay there after the block (``BlockOwner``).
+        With ``states``, the block reads and keeps each rollout's state in that mapping, and leaves them there:
+        a single writer whose memory is the truth between blocks (``tokcap.log_projection``) passes its own.
         """
         deferral = self._deferral
         outermost = not deferral.active
@@ -368,8 +348,7 @@ class TokenCaptureStore:
             yield
             return
         deferral.active = True
-        deferral.owner = owner
-        deferral.states, deferral.dirty = ({} if owner is None else owner.states), set()
+        deferral.states, deferral.dirty = ({} if states is None else states), set()
         self._rollout_locks.keep_files_open()
         try:
             failed = True
@@ -379,7 +358,7 @@ class TokenCaptureStore:
             finally:
                 deferral.active = False
                 states, dirty = deferral.states, deferral.dirty
-                deferral.owner, deferral.states, deferral.dirty = None, {}, set()
+                deferral.states, deferral.dirty = {}, set()
                 deferral.close_appenders(check=not failed)
             for rollout_id in sorted(dirty):
                 paths = self._paths_of(rollout_id)
@@ -546,8 +525,6 @@ class TokenCaptureStore:
             )
             if position is None and isinstance(event, PutEvent) and not self._deferral.active:
                 self._keep_appended_entry(paths.rollout_id, event, decision)
-            if self._deferral.owner is not None:
-                self._deferral.owner.decided(event, decision)
             if not self._deferral.active and not fence_only:
                 lagging = 0 if state_written else recovered.lagging_lines + 1
                 if known is None:
@@ -767,10 +744,10 @@ class TokenCaptureStore:
     # --------------------------------------------------------- a single writer's block
 
     def recovered_for_block(self, rollout_id: str) -> RolloutState:
-        """A rollout's state as the owner of an open block resumes it, its files repaired first.
+        """A rollout's state as a single writer resumes it in an open block, its files repaired first.
 
-        For ``BlockOwner.apply`` of a rollout it holds no state of: bytes no state covers (a tail appended
-        before a crash) are cut, so the owner's appends start where the state says.
+        For ``tokcap.log_projection`` applying a rollout it holds no state of: bytes no state covers (a tail
+        appended before a crash) are cut, so its appends start where the state says.
         """
         with self._locked(rollout_id) as paths:
             try:
@@ -786,10 +763,10 @@ class TokenCaptureStore:
         appends: Sequence[AppendEntry | AppendIntent | AppendIncompleteMark],
         state: RolloutState | None,
     ) -> None:
-        """Carry out a block owner's appends of one rollout, in order and one write per file, then its state.
+        """Carry out a single writer's appends of one rollout, in order and one write per file, then its state.
 
         Each file's lines must follow one another from the first one's start, which must be the file's size:
-        the owner decided them one after another from the state its files hold.
+        the writer decided them one after another from the state its files hold.
         """
         with self._locked(rollout_id) as paths:
             by_file: dict[Path, tuple[int, list[bytes]]] = {}
