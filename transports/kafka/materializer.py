@@ -2,7 +2,8 @@
 
 It reads each assigned partition from its own checkpoint in the store directory (``checkpoint``),
 not from consumer-group offsets, routes every message through the inbound router (``router``) and
-applies what it decides through ``TokenCaptureStore.apply`` with the event's log position. This module
+applies what it decides, with the event's log position, through the directory's single-writer projection
+(``tokcap.log_projection``: hot state in memory, flushed in blocks before each checkpoint). This module
 holds that loop: consumer I/O, checkpoints and lifecycle. The scheduler (``schedule``) decides which routed
 decision to carry out next; the waiter registry (``waiters``) holds the sources' waits on positions.
 
