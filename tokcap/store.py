@@ -747,8 +747,15 @@ class TokenCaptureStore:
         """A rollout's state as a single writer resumes it in an open block, its files repaired first.
 
         For ``tokcap.log_projection`` applying a rollout it holds no state of: bytes no state covers (a tail
-        appended before a crash) are cut, so its appends start where the state says.
+        appended before a crash) are cut, so its appends start where the state says. A rollout with no file
+        yet starts empty without its lock being taken: every writer of the format creates a rollout's lock file
+        before any of its record files and removes it last, so a missing lock file means no record file (only
+        a tokcap 0.1 fence is looked for besides), and creating the lock file, the costliest step of a new
+        rollout's first event on ext4, is left to the flush.
         """
+        paths = self._paths_of(rollout_id)
+        if not (os.path.lexists(paths.lock) or os.path.lexists(paths.fence)):
+            return RolloutState(rollout_id=rollout_id)
         with self._locked(rollout_id) as paths:
             try:
                 return self._recovered(paths, replaying=True, writing=True).state

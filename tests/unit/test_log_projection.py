@@ -200,3 +200,32 @@ def test_hot_memory_stays_within_its_token_and_rollout_bounds_and_the_coldest_go
     projection.flush()
     assert list(projection.hot_rollouts()) == ["r3", "r4"]
     assert projection.kept_tokens <= 3 * tokens_per_rollout
+
+
+def test_a_new_rollout_is_applied_and_answered_without_its_lock_file_until_the_flush(tmp_path: Path) -> None:
+    ops = [("intent", 0), ("put", 0), ("intent", 1), ("put", 1)]
+    events = [*history(ops), (FreezeEvent(rollout_id=ROLLOUT), LogPosition(TOPIC, 0, len(ops)))]
+    store = TokenCaptureStore(tmp_path / "memory")
+    projection = Projection(store)
+    for event, position in events:
+        projection.apply(event, position)
+    answer = projection.snapshot(ROLLOUT, events[-1][1])
+    assert list((tmp_path / "memory").iterdir()) == []
+    projection.flush()
+    assert f"{ROLLOUT}.tokens.lock" in {path.name for path in (tmp_path / "memory").iterdir()}
+    assert snapshot_shape(answer) == snapshot_shape(store.snapshot(ROLLOUT, as_of=events[-1][1]))
+
+
+def test_every_write_of_the_store_leaves_a_rollouts_lock_file_beside_its_record_files(tmp_path: Path) -> None:
+    """A projection reads nothing of a rollout without a lock file, so no writer may leave files without one."""
+    ops = [("intent", 0), ("put", 0), ("intent", 1), ("put", 1)]
+    events = [*history(ops), (FreezeEvent(rollout_id=ROLLOUT), LogPosition(TOPIC, 0, len(ops)))]
+    store = TokenCaptureStore(tmp_path)
+    for event, position in events:
+        store.apply(event, position)
+        names = {path.name for path in tmp_path.iterdir()}
+        assert f"{ROLLOUT}.tokens.lock" in names, names
+    store.begin_call_now("other", "c0")
+    store.mark_incomplete_now("third", "c0")
+    names = {path.name for path in tmp_path.iterdir()}
+    assert {"other.tokens.lock", "third.tokens.lock"} <= names
