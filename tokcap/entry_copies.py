@@ -1,8 +1,8 @@
 """An entry's copy that is exactly what a fresh read of its stored line gives, without parsing the line.
 
-Parsing a stored line costs about 160 us per 3k-token entry (orjson, then pydantic). A freeze answered ahead
-of its apply (``TokenCaptureStore.snapshot_ahead``) already holds the decoded entries of its pending puts, so
-it copies them instead. A copy is made only when it is exactly what the parse gives: every value of a JSON
+Parsing a stored line costs about 160 us per 3k-token entry (orjson, then pydantic). A freeze answered from
+memory (the materializer's ``Projection``, the file store's ``KeptEntries``) already holds the decoded entries
+of its rollout, so it copies them instead. A copy is made only when it is exactly what the parse gives: every value of a JSON
 type (``str``, ``int``, ``float``, ``bool``, ``None``, ``list``, ``dict`` with ``str`` keys, copied in sorted
 key order as the store writes them), every declared field of the type the parse gives it, and every field
 set. Anything else (a tuple, an enum, a subclass, an unknown field, ``routed_experts``, which can be millions

@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +45,8 @@ from tokcap.durable_io import (
     replace_atomically,
     truncate_no_follow,
 )
-from tokcap.entry_copies import fresh_read_copy
 from tokcap.errors import (
     ConflictingEntryError,
-    InvalidInputError,
     RolloutFrozenError,
     RolloutRetiredError,
     StoreCorruptionError,
@@ -161,15 +159,15 @@ class _KeptAppender:
 
 
 class _Deferral(threading.local):
-    """The deferred-durability block of one thread: states kept in memory, which of them await a write, and
-    the side files it appends to, kept open until the block ends (an ``open`` and a ``close`` per event cost
-    more than the write)."""
+    """The deferred-durability block of one thread: the states it keeps (its caller's, or its own), which of
+    them await a write, and the side files it appends to, kept open until the block ends (an ``open`` and a
+    ``close`` per event cost more than the write)."""
 
     active: bool = False
     barrier_deferred: bool = False
 
     def __init__(self) -> None:
-        self.states: dict[str, RolloutState] = {}
+        self.states: MutableMapping[str, RolloutState] = {}
         self.dirty: set[str] = set()
         self.appenders: dict[Path, _KeptAppender] = {}
 
@@ -330,7 +328,7 @@ class TokenCaptureStore:
             self._barrier()
 
     @contextmanager
-    def deferred_durability(self) -> Iterator[None]:
+    def deferred_durability(self, states: MutableMapping[str, RolloutState] | None = None) -> Iterator[None]:
         """Apply many events and make them durable together at the end of the block.
 
         Inside the block, operations return before their writes are durable, and each rollout's state stays
@@ -341,6 +339,9 @@ class TokenCaptureStore:
         next apply cuts them back and applies the same events again. The block owns the rollouts it touches
         until it ends: nothing else may write or remove their files, so it also keeps their lock files open
         between events (readers still take each lock between two events).
+
+        With ``states``, the block reads and keeps each rollout's state in that mapping, and leaves them there:
+        a single writer whose memory is the truth between blocks (``tokcap.log_projection``) passes its own.
         """
         deferral = self._deferral
         outermost = not deferral.active
@@ -348,7 +349,7 @@ class TokenCaptureStore:
             yield
             return
         deferral.active = True
-        deferral.states, deferral.dirty = {}, set()
+        deferral.states, deferral.dirty = ({} if states is None else states), set()
         self._rollout_locks.keep_files_open()
         try:
             failed = True
@@ -741,6 +742,68 @@ class TokenCaptureStore:
                     results[index] = decision.verdict
         return [result for result in results if result is not None]
 
+    # --------------------------------------------------------- a single writer's block
+
+    def recovered_for_block(self, rollout_id: str) -> RolloutState:
+        """A rollout's state as a single writer resumes it in an open block, its files repaired first.
+
+        For ``tokcap.log_projection`` applying a rollout it holds no state of: bytes no state covers (a tail
+        appended before a crash) are cut, so its appends start where the state says. A rollout with no file
+        yet starts empty without its lock being taken: every writer of the format creates a rollout's lock file
+        before any of its record files and removes it last, so a missing lock file means no record file (only
+        a tokcap 0.1 fence is looked for besides), and creating the lock file, the costliest step of a new
+        rollout's first event on ext4, is left to the flush.
+        """
+        paths = self._paths_of(rollout_id)
+        if not (os.path.lexists(paths.lock) or os.path.lexists(paths.fence)):
+            return RolloutState(rollout_id=rollout_id)
+        with self._locked(rollout_id) as paths:
+            try:
+                return self._recovered(paths, replaying=True, writing=True).state
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+
+    def write_block_appends(
+        self,
+        rollout_id: str,
+        appends: Sequence[AppendEntry | AppendIntent | AppendIncompleteMark],
+        state: RolloutState | None,
+    ) -> None:
+        """Carry out a single writer's appends of one rollout, in order and one write per file, then its state.
+
+        Each file's lines must follow one another from the first one's start, which must be the file's size:
+        the writer decided them one after another from the state its files hold.
+        """
+        with self._locked(rollout_id) as paths:
+            by_file: dict[Path, tuple[int, list[bytes]]] = {}
+            for effect in appends:
+                if isinstance(effect, AppendEntry):
+                    path = paths.entries
+                elif isinstance(effect, AppendIntent):
+                    path = paths.intents
+                else:
+                    path = paths.incomplete
+                start, lines = by_file.setdefault(path, (effect.start, []))
+                if effect.start != start + sum(len(line) for line in lines):
+                    raise StoreCorruptionError(
+                        f"a block's appends to {path} do not follow one another (a line at byte {effect.start}); "
+                        "this is a bug in the projection: restart it, it applies the block again",
+                        rollout_id=rollout_id,
+                    )
+                lines.append(effect.line)
+            try:
+                for path, (start, lines) in by_file.items():
+                    self._append(path, b"".join(lines), start, rollout_id)
+                if state is not None:
+                    self._replace_state_file(paths, state)
+                    self._commit.note_write()
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+
     # ------------------------------------------------------------------ reads
 
     def _read(self, rollout_id: str) -> RolloutState:
@@ -865,97 +928,6 @@ class TokenCaptureStore:
         with self._locked(rollout_id) as paths:
             state = self._recovered(paths, replaying=False, writing=False).state
             return self._snapshot_of(paths, state, as_of)
-
-    def snapshot_ahead(
-        self,
-        rollout_id: str,
-        pending: Sequence[tuple[Event, LogPosition]],
-        applied: Sequence[TokenEntry] | None = None,
-        *,
-        entries_exact: bool = False,
-    ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
-        """Decide a rollout's events not applied yet in memory; return the verdict and snapshot of the last, a freeze.
-
-        Nothing is written. The projection applies the same events later and, the rules being pure functions of
-        state and event, reaches the same verdicts, the same state and the same entry lines: the snapshot is
-        the one ``snapshot(rollout_id, as_of=...)`` gives once they are applied. The log already holds the
-        freeze durably, so a source can answer it without waiting for the rollout's backlog to reach the disk.
-        ``pending`` must be every event of the rollout after what is applied here, in log order, ending with
-        the freeze. Return ``None`` when the answer needs something carried out first (a removal, a repair of
-        the files, a state written whole) or the freeze leaves no snapshot; the caller waits for the apply.
-        The caller is the rollout's one applier: a rollout with no file yet is decided without taking its lock.
-        ``applied`` may hold the entries the caller applied to the rollout so far, in order, exactly as it
-        applied them: when they are one per stored call, they are copied instead of parsed from the file.
-        ``entries_exact`` says the caller built every entry of ``pending`` and ``applied`` itself (decoded and
-        validated) and nothing else holds them: their token arrays hold exact ints and floats, so the copies
-        skip checking each value's type (``fresh_read_copy``).
-        """
-        if not pending or not isinstance(pending[-1][0], FreezeEvent):
-            raise InvalidInputError("snapshot_ahead needs the rollout's pending events ending with a freeze")
-        paths = self._paths_of(rollout_id)
-        if self._holds_nothing_yet(paths):
-            # Nothing of it is on disk to read consistently, so its lock is not taken: creating the lock file
-            # (the costliest step of an answer for a new rollout on ext4) is left to the apply.
-            return self._decided_ahead(
-                paths,
-                Recovered(RolloutState(rollout_id=rollout_id), (), 0, False),
-                pending,
-                applied,
-                entries_exact,
-            )
-        with self._locked(rollout_id) as paths:
-            recovered = self._recovered(paths, replaying=True, writing=False)
-            return self._decided_ahead(paths, recovered, pending, applied, entries_exact)
-
-    def _holds_nothing_yet(self, paths: RolloutPaths) -> bool:
-        """Whether no file of the rollout exists and no open deferred block keeps a state of it.
-
-        Every writer of the format (this store, Gym's) creates a rollout's lock file before any of its record
-        files and removes it last, so a missing lock file means no record file; only a tokcap 0.1 fence is
-        looked for besides. Each check is a system call, and in a busy process each one waits to take the
-        GIL back: a trainer's burst of freezes of new rollouts made six of them per answer.
-        """
-        if self._deferral.active and paths.rollout_id in self._deferral.states:
-            return False
-        return not (os.path.lexists(paths.lock) or os.path.lexists(paths.fence))
-
-    def _decided_ahead(
-        self,
-        paths: RolloutPaths,
-        recovered: Recovered,
-        pending: Sequence[tuple[Event, LogPosition]],
-        applied_by_caller: Sequence[TokenEntry] | None,
-        entries_exact: bool,
-    ) -> tuple[ApplyResult, TokenCaptureSnapshot] | None:
-        """The verdict and snapshot of ``snapshot_ahead``, from the rollout's state as applied so far."""
-        if recovered.repairs:
-            return None
-        state = recovered.state
-        appended: list[tuple[TokenEntry, bytes]] = []
-        verdict: ApplyResult | None = None
-        for event, position in pending:
-            decision = decide(state, event, position)
-            if not all(_carried_in_memory(effect) for effect in decision.effects):
-                return None
-            if isinstance(event, PutEvent):
-                lines = (effect.line for effect in decision.effects if isinstance(effect, AppendEntry))
-                appended.extend((event.entry, line) for line in lines)
-            state, verdict = decision.state, decision.verdict
-        if not state.frozen or state.retired or state.answer_at(pending[-1][1]) is None:
-            return None
-        applied = _copies_of_applied(recovered.state, applied_by_caller, entries_exact)
-        if applied is None:
-            applied = self._entries_of(paths, recovered.state)
-        # The pending puts' entries are copied rather than parsed from their lines, where a copy is exact.
-        entries = [
-            *applied,
-            *(
-                fresh_read_copy(entry, arrays_exact=entries_exact) or TokenEntry.from_json(line)
-                for entry, line in appended
-            ),
-        ]
-        assert verdict is not None
-        return verdict, self._snapshot_from(paths.rollout_id, state, entries, pending[-1][1])
 
     def _snapshot_of(
         self, paths: RolloutPaths, state: RolloutState, as_of: LogPosition | None
@@ -1193,34 +1165,6 @@ def _files_identity(paths: RolloutPaths, state_bytes: bytes | None = None) -> _F
     )
 
 
-def _copies_of_applied(
-    state: RolloutState, kept: Sequence[TokenEntry] | None, arrays_exact: bool
-) -> list[TokenEntry] | None:
-    """Exact copies of a caller's applied entries when they are one per call the state stored; else ``None``.
-
-    The caller applied them itself, so they are the lines' own entries; one per stored call id rules out a list
-    that misses some (applied before it started, or forgotten).
-    """
-    if kept is None or state.retired or len(kept) != len(state.entry_digests):
-        return None
-    if {entry.model_call_id for entry in kept} != set(state.entry_digests):
-        return None
-    copies = []
-    for entry in kept:
-        copy = fresh_read_copy(entry, arrays_exact=arrays_exact)
-        if copy is None:
-            return None
-        copies.append(copy)
-    return copies
-
-
-def _carried_in_memory(effect: object) -> bool:
-    """Whether an effect only adds to the rollout's files and state, so deciding ahead may leave it for later."""
-    if isinstance(effect, WriteState):
-        return effect.state is None
-    return isinstance(effect, (AppendEntry, AppendIntent, AppendIncompleteMark))
-
-
 def _check_ledger_lines(path: Path, state: RolloutState, lines: list[bytes]) -> None:
     """Every committed row sits where the state put it, under its own call id; the other lines are the failures.
 
@@ -1287,6 +1231,18 @@ def _named_write_error(event: Event, exc: OSError) -> StoreWriteError:
         "Free space or fix the device, then retry",
         rollout_id=event.rollout_id,
         model_call_id=call_id or None,
+    )
+    error.errno, error.filename = exc.errno, exc.filename
+    return error
+
+
+def _block_write_error(rollout_id: str, exc: OSError) -> StoreWriteError:
+    """The tokcap error for an operating-system error while a single writer's block writes a rollout."""
+    error = StoreWriteError(
+        f"writing the projected block of rollout {rollout_id!r} failed at {exc.filename or 'a sync'}: "
+        f"{exc.strerror or exc}; nothing past the last checkpoint was acknowledged to other processes, and the "
+        "projection applies those events again when restarted. Free space or fix the device, then restart it",
+        rollout_id=rollout_id,
     )
     error.errno, error.filename = exc.errno, exc.filename
     return error

@@ -67,7 +67,7 @@ def test_a_freeze_whose_answer_was_forgotten_waits_for_its_apply_and_gets_the_sa
     def forgotten(self: materializer_module.Materializer, partition: int, offset: int) -> None:
         """Every answer ahead is gone by the time its source comes to take it."""
 
-    with mock.patch.object(materializer_module.Materializer, "take_snapshot_ahead", forgotten):
+    with mock.patch.object(materializer_module.Materializer, "take_answer", forgotten):
         answers, stored, _ = asyncio.run(write_then_freeze_all(kafka_bootstrap, topic, tmp_path))
     assert answers == stored
     assert [len(answer.entries) for answer in answers] == [3] * ROLLOUTS

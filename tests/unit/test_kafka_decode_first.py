@@ -1,26 +1,29 @@
-"""While an in-process source is answered ahead, the materializer decodes what it read before sweeping any of it.
+"""While an in-process source is answered from memory, the materializer decodes what it read before sweeping any of it.
 
 A burst of freezes then finds its rollouts decoded, instead of each answer first decoding its rollout's puts
 while the next freezes wait. Decoding first stops at a bound on the tokens it holds, and a materializer no
-source answers ahead from (a replay) sweeps first as before. Every apply is held back here, so only the
+source is answered from (a replay) sweeps first as before. Every apply is held back here, so only the
 order of the work is observed: the sweep blocks at its first apply.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 from kafka_topic_double import MemoryTopic
 from store_contract import make_entry
-from test_kafka_freeze_ahead import TRAINER, nothing_applied_until_released
+from test_kafka_freeze_answers import TRAINER
 
 import transports.kafka.materializer as materializer_module
 from tokcap.events import IntentEvent, PutEvent
 from transports.kafka.materializer import Materializer
+from transports.kafka.router import Routed
 
 TOPIC = "tokcap.decode-first-test"
 
@@ -35,6 +38,23 @@ def puts_of_many_rollouts(rollouts: int = 8, calls: int = 3) -> MemoryTopic:
                 PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, f"c{call}", tokens=50))
             )
     return topic
+
+
+@contextmanager
+def nothing_applied_until_released() -> Iterator[threading.Event]:
+    """Hold every apply back until the test sets the event: the sweep blocks at its first one."""
+    release = threading.Event()
+    real = materializer_module.carry_out
+
+    def held(store: Any, topic_name: str, routed: Routed) -> Any:
+        assert release.wait(60)
+        return real(store, topic_name, routed)
+
+    try:
+        with mock.patch.object(materializer_module, "carry_out", held):
+            yield release
+    finally:
+        release.set()
 
 
 @contextmanager
@@ -56,7 +76,7 @@ def settles_within(materializer: Materializer, seconds: float) -> bool:
     return False
 
 
-def test_with_a_source_answered_ahead_everything_read_is_decoded_before_anything_is_applied(
+def test_with_a_source_answered_from_memory_everything_read_is_decoded_before_anything_is_applied(
     tmp_path: Path,
 ) -> None:
     topic = puts_of_many_rollouts()
@@ -64,7 +84,7 @@ def test_with_a_source_answered_ahead_everything_read_is_decoded_before_anything
         materializer = Materializer(
             "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
         )
-        materializer.answer_freezes_ahead_for(TRAINER)
+        materializer.answer_freezes_for(TRAINER)
         with running(materializer):
             assert settles_within(materializer, 30), "the sweep went first and blocked the decoding"
             assert materializer.applied_offsets() == {0: 0}
@@ -92,7 +112,7 @@ def test_decoding_first_stops_at_its_bound_on_tokens_held(tmp_path: Path) -> Non
         materializer = Materializer(
             "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
         )
-        materializer.answer_freezes_ahead_for(TRAINER)
+        materializer.answer_freezes_for(TRAINER)
         with running(materializer):
             decoded_all = settles_within(materializer, 0.5)
             held = materializer._router.decoded_ahead_tokens

@@ -176,27 +176,33 @@ def test_a_command_is_carried_out_after_its_own_rollouts_events_only_and_the_che
     assert [offset for _, offset, _ in harness.carried[6:]] == [0, 2, 4, 6, 8]
 
 
-def test_a_freeze_answered_ahead_is_not_urgent_and_waits_for_the_sweep() -> None:
+def test_a_command_carried_out_on_its_own_is_not_waiting_and_is_not_carried_out_again() -> None:
     harness = Harness()
     harness.open(0)
     harness.add(0, IntentEvent(rollout_id="a", model_call_id="c"))
     freeze = harness.add(0, FreezeEvent(rollout_id="a"))
-    freeze.answered_ahead = True
+    for step in harness.scheduler.command(0, freeze, 0):
+        harness.carry(step)
     assert not harness.scheduler.commands_waiting()
     assert harness.commands() == 0
+    assert list(harness.scheduler.command(0, freeze, 0)) == []
 
 
-def test_what_a_freeze_waits_on_is_its_rollouts_decisions_not_carried_out_up_to_it() -> None:
+def test_a_command_carried_out_now_takes_its_rollouts_decisions_up_to_it_and_no_other_rollouts() -> None:
     harness = Harness()
     harness.open(0)
-    first = harness.add(0, IntentEvent(rollout_id="a", model_call_id="c0"))
+    harness.add(0, IntentEvent(rollout_id="a", model_call_id="c0"))
     harness.add(0, IntentEvent(rollout_id="b", model_call_id="c0"))
-    masked = harness.add(0, IntentEvent(rollout_id="b", model_call_id="c1"), masked="a")
+    harness.add(0, IntentEvent(rollout_id="b", model_call_id="c1"), masked="a")
     freeze = harness.add(0, FreezeEvent(rollout_id="a"))
     harness.add(0, IntentEvent(rollout_id="a", model_call_id="c2"))
-    assert harness.scheduler.waiting_until(0, freeze, 0) == [(first, 0), (masked, 0), (freeze, 0)]
     harness.sweep(1)
-    assert harness.scheduler.waiting_until(0, freeze, 0) == [(masked, 0), (freeze, 0)]
+    for step in harness.scheduler.command(0, freeze, 0):
+        harness.carry(step)
+    assert harness.carried == [(0, 0, 0), (0, 2, 0), (0, 3, 0)]
+    assert harness.scheduler.take_ahead(0) == {3}
+    assert harness.sweep(100) == 4
+    assert harness.carried[3:] == [(0, 1, 0), (0, 2, 1), (0, 4, 0)]
 
 
 def test_a_burst_of_commands_is_carried_out_in_blocks_that_double_up_to_the_most_until_it_ends() -> None:

@@ -2,7 +2,8 @@
 
 It reads each assigned partition from its own checkpoint in the store directory (``checkpoint``),
 not from consumer-group offsets, routes every message through the inbound router (``router``) and
-applies what it decides through ``TokenCaptureStore.apply`` with the event's log position. This module
+applies what it decides, with the event's log position, through the directory's single-writer projection
+(``tokcap.log_projection``: hot state in memory, flushed in blocks before each checkpoint). This module
 holds that loop: consumer I/O, checkpoints and lifecycle. The scheduler (``schedule``) decides which routed
 decision to carry out next; the waiter registry (``waiters``) holds the sources' waits on positions.
 
@@ -23,7 +24,7 @@ Commands first (a freeze never waits behind other rollouts' backlog):
 - The loop reads ahead of what it applied (bounded by ``READ_AHEAD_MESSAGES`` and ``READ_AHEAD_BYTES``) and
   routes every message in log order, so the router's chunk state is exactly a clean run's.
 - Routing a capture message (intent, cancel, put, incomplete) reads only its headers and key; it is decoded
-  when its own rollout needs it (a freeze answered ahead, the rollout's apply), in that rollout's log order.
+  when its own rollout needs it (its apply, or an in-process source's freeze), in that rollout's log order.
   So reading ahead of a backlog costs a few microseconds a message, and a freeze is read without first
   decoding every other rollout's puts before it.
 - Routing decisions are then carried out per rollout in log order (``schedule`` keeps that order and the
@@ -83,12 +84,12 @@ from tokcap.errors import (
     TokcapError,
     TransportError,
 )
-from tokcap.events import Event, FreezeEvent, LogPosition
+from tokcap.events import FreezeEvent
+from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
-from transports.kafka.applied_entries import AppliedEntries
 from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
     PartitionCheckpoint,
@@ -119,9 +120,9 @@ from transports.kafka.router import (
     Deferred,
     InboundRouter,
     Routed,
-    carry_out,
     refused_staging_reason,
 )
+from transports.kafka.router import carry_out as carry_out_on_store
 from transports.kafka.schedule import MaterializerCounters, Read, Scheduler
 from transports.kafka.topics import validate_topic_name
 from transports.kafka.waiters import WaiterRegistry
@@ -141,6 +142,7 @@ __all__ = [
     "Materializer",
     "MaterializerCounters",
     "PartitionCheckpoint",
+    "carry_out",
     "check_block_messages",
     "logger",
     "main",
@@ -168,7 +170,7 @@ Each rollout's state file is replaced once per block it has events in: a file cr
 largest cost of the apply step on ext4. Blocks of 1,000 messages instead of 200 cut the store's CPU per
 event on the main workload by about a third (``python -m bench.apply_cost --baseline``). Nothing urgent
 waits for a block to end: a command read meanwhile ends it at the next step, and in-process freezes are
-answered ahead. A crash inside a block applies at most one block again."""
+carried out when read and answered from memory. A crash inside a block applies at most one block again."""
 
 _SWEEP_STEP = 25
 """Most messages swept between two reads: how long an in-process source's freeze can sit unread behind the sweep."""
@@ -218,7 +220,7 @@ _COMMAND_BUDGET_MOST = 3_200
 """The largest block of a burst of commands: each block of a burst doubles, up to this."""
 
 _ANSWERS_KEPT = 1_000
-"""Freezes answered ahead and not taken yet; a source that finds its answer forgotten waits for the apply."""
+"""Freezes answered from memory and not taken yet; a source that finds its answer forgotten reads the files."""
 
 _POLL_TIMEOUT_S = 0.2
 _RESULTS_KEPT = 10_000
@@ -319,15 +321,16 @@ class Materializer:
         )
         self._counters = self._schedule.counters
         self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
+        self._projection = Projection(self._store)
+        """The store's hot rollouts in memory: what the loop applies goes through it, and freezes are answered
+        from it before their block is flushed."""
         self._answers: OrderedDict[tuple[int, int], tuple[ApplyResult, TokenCaptureSnapshot]] = OrderedDict()
-        """Freezes answered ahead of their apply, by position: the verdict and the snapshot, taken once."""
-        self._applied_entries = AppliedEntries()
-        """The entries this loop applied, per rollout: an answer ahead copies them instead of parsing the file."""
-        self._ahead_writers: Counter[str] = Counter()
-        """Writer ids of the in-process sources whose freezes are answered ahead of their apply."""
-        self._waiters = WaiterRegistry(self._is_applied, self._is_answered_ahead)
+        """Freezes of in-process sources answered from memory, by position: the verdict and snapshot, taken once."""
+        self._answered_writers: Counter[str] = Counter()
+        """Writer ids of the in-process sources whose freezes are answered from memory as soon as applied."""
+        self._waiters = WaiterRegistry(self._is_applied, self._is_answered)
         self._condition = self._waiters.condition
-        """Guards what the waits read (applied offsets, answers ahead) and what other threads read."""
+        """Guards what the waits read (applied offsets, answers from memory) and what other threads read."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -389,33 +392,36 @@ class Materializer:
             return dict(self._applied_next)
 
     def result_at(self, partition: int, offset: int) -> ApplyResult | None:
-        """The apply result of a recent event at this position (or of a freeze answered ahead), if remembered."""
+        """The apply result of a recent event at this position (or of a freeze answered from memory), if remembered."""
         with self._condition:
             result = self._results.get((partition, offset))
             if result is None and (partition, offset) in self._answers:
                 result = self._answers[(partition, offset)][0]
             return result
 
-    def answer_freezes_ahead_for(self, writer: str) -> None:
-        """Answer this writer's freezes as soon as they are read, ahead of their rollouts' backlog.
+    def answer_freezes_for(self, writer: str) -> None:
+        """Carry this writer's freezes out as soon as they are read and answer them from memory.
 
-        An in-process source registers its writer id, then takes each answer with ``take_snapshot_ahead``.
-        Freezes of other writers (sources in other processes wait for the checkpoint) are not decided twice.
+        Each freeze is applied right away, after its own rollout's earlier events only, and answered from the
+        projection's state before its block is flushed (``tokcap.log_projection`` says why that is safe). An
+        in-process source registers its writer id, then takes each answer with ``take_answer``. Freezes of
+        other writers (sources in other processes read the files once the checkpoint passes them) wait for
+        their turn.
         """
         with self._condition:
-            self._ahead_writers[writer] += 1
+            self._answered_writers[writer] += 1
 
-    def stop_answering_ahead_for(self, writer: str) -> None:
-        """Undo one ``answer_freezes_ahead_for``; the writer's later freezes wait for their apply."""
+    def stop_answering_for(self, writer: str) -> None:
+        """Undo one ``answer_freezes_for``; the writer's later freezes wait for their checkpoint."""
         with self._condition:
-            self._ahead_writers[writer] -= 1
-            if self._ahead_writers[writer] <= 0:
-                del self._ahead_writers[writer]
+            self._answered_writers[writer] -= 1
+            if self._answered_writers[writer] <= 0:
+                del self._answered_writers[writer]
 
-    def take_snapshot_ahead(self, partition: int, offset: int) -> TokenCaptureSnapshot | None:
-        """The snapshot of the freeze at this position if it was answered ahead of its apply; given out once.
+    def take_answer(self, partition: int, offset: int) -> TokenCaptureSnapshot | None:
+        """The snapshot of the freeze at this position if it was answered from memory; given out once.
 
-        It is the snapshot ``store.snapshot(rollout_id, as_of=...)`` returns once the freeze is applied.
+        It is the snapshot ``store.snapshot(rollout_id, as_of=...)`` returns once its block is flushed.
         """
         with self._condition:
             answer = self._answers.pop((partition, offset), None)
@@ -456,7 +462,7 @@ class Materializer:
             partitions=partitions,
             rollouts_held=self._schedule.rollouts_held(),
             messages_held=self._schedule.held_messages,
-            kept_tokens=self._applied_entries.kept_tokens,
+            kept_tokens=self._projection.kept_tokens,
         )
 
     def _is_applied(self, partition: int, offset: int, command: bool) -> bool:
@@ -466,8 +472,8 @@ class Materializer:
             return True
         return command and offset in self._applied_ahead.get(partition, ())
 
-    def _is_answered_ahead(self, partition: int, offset: int) -> bool:
-        """Whether the freeze at this position was answered ahead of its apply; the caller holds the condition."""
+    def _is_answered(self, partition: int, offset: int) -> bool:
+        """Whether the freeze at this position was answered from memory; the caller holds the condition."""
         return (partition, offset) in self._answers
 
     def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
@@ -483,8 +489,8 @@ class Materializer:
 
         With ``command`` (the offset holds a freeze, drop, retire or delete), wait only until the command and
         its own rollout's earlier events are applied: the verdict depends on nothing else, and other rollouts'
-        backlog before it may still be waiting. With ``ahead`` as well, a freeze answered ahead of its apply
-        (``take_snapshot_ahead``) is waited for no further. Many trainers' freezes wait at once; a blocking
+        backlog before it may still be waiting. With ``ahead`` as well, a freeze answered from memory ahead of
+        its block's flush (``take_answer``) is waited for no further. Many trainers' freezes wait at once; a blocking
         wait per freeze would queue them behind the event loop's few executor threads.
         """
         answered = await self._waiters.wait_async(partition, offset, timeout_s, command=command, ahead=ahead)
@@ -585,7 +591,11 @@ class Materializer:
                     held.enter_context(self._exclusive(partition))
                 checkpoints = self._bind(partitions)
                 remove_stale_temp_files(self._store.root)
-                self._consume(consumer, checkpoints)
+                try:
+                    self._consume(consumer, checkpoints)
+                except BaseException as exc:
+                    self._projection.abandon(exc)
+                    raise
         finally:
             with self._consumer_lock:
                 self._consumer = None
@@ -695,22 +705,20 @@ class Materializer:
             # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
             # written only after it is durable.
             if self._schedule.commands_waiting():
-                with self._store.deferred_durability():
-                    self._carry_out_commands()
+                self._carry_out_commands()
                 self._checkpoint()
                 if self._schedule.command_block_done():
                     continue  # a burst: the sweep waits until it is answered
             self._schedule.end_burst()
-            with self._store.deferred_durability():
-                self._sweep_reading(consumer)
+            self._sweep_reading(consumer)
             self._checkpoint()
 
     def _sweep_reading(self, consumer: Consumer) -> None:
         """Sweep one batch in steps, reading (and answering in-process sources' freezes) between them.
 
-        A freeze answered ahead of its apply needs only to be read, so reading between steps keeps its wait
+        An in-process source's freeze is carried out as soon as it is read, so reading between steps keeps its wait
         to one step of the sweep rather than a whole batch; a command that must be carried out ends the batch.
-        While an in-process source is answered ahead, what was read is decoded before any of it is swept
+        While an in-process source is answered from memory, what was read is decoded before any of it is swept
         (``_DECODE_FIRST_TOKENS`` bounds it): a burst of freezes then finds its rollouts decoded.
         """
         swept = 0
@@ -761,7 +769,12 @@ class Materializer:
         return messages
 
     def _checkpoint(self) -> None:
-        """Write every changed checkpoint atomically, then tell waiters what is applied."""
+        """Flush the projection's block, then write every changed checkpoint atomically and tell waiters."""
+        # A block is flushed (and synced) even when nothing was applied: besides durability, the sync between two
+        # reads leaves the consumer free for a scrape's cached read of its ends, which back-to-back blocking
+        # reads of an idle topic starved for over 5 s.
+        self._projection.begin()
+        self._projection.flush()
         changed: dict[int, bytes] = {}
         for partition, progress in self._progress.items():
             head = self._schedule.low_water(partition)
@@ -834,8 +847,10 @@ class Materializer:
             self._incarnation.confirm_since(self._fetched_at, self._stop)
             decision = routed[index]
             assert isinstance(decision, ApplyEvent)
-            if isinstance(decision.event, FreezeEvent) and self._answers_ahead_for(decision.event.writer):
-                self._answer_ahead(partition, read, index)
+            if isinstance(decision.event, FreezeEvent) and self._answers_for(decision.event.writer):
+                progress = self._progress[partition]
+                for step in self._schedule.command(partition, read, index):
+                    self._apply(progress, self._settled(step.read, step.index), step.read)
 
     def _settled(self, read: Read, index: int) -> Routed:
         """The decision at ``read``/``index``, decoding it first (and its rollout's earlier ones) if deferred."""
@@ -846,73 +861,38 @@ class Materializer:
         return decision
 
     def _decodes_first(self) -> bool:
-        """Whether to decode what was read before sweeping: a source here is answered ahead, within the bound."""
+        """Whether to decode what was read before sweeping: a source here is answered at once, within the bound."""
         if self._router.decoded_ahead_tokens >= _DECODE_FIRST_TOKENS:
             return False
         with self._condition:
-            return bool(self._ahead_writers)
+            return bool(self._answered_writers)
 
-    def _answers_ahead_for(self, writer: str) -> bool:
+    def _answers_for(self, writer: str) -> bool:
         with self._condition:
-            return writer in self._ahead_writers
+            return writer in self._answered_writers
 
-    def _answer_ahead(self, partition: int, read: Read, index: int) -> None:
-        """Answer a routed freeze from its rollout's events decided in memory.
-
-        A freeze's verdict and snapshot depend only on its rollout's events before it, all routed already,
-        and the rules are pure, so deciding them without writing gives what applying them will. The source is
-        answered at once; the events are applied as before, and the store ends byte-identical. A freeze whose
-        answer needs something carried out first (a removal, a repair, a group abandoned without a position)
-        waits for its apply.
-        """
-        rollout_id = read.rollouts[index]
-        assert rollout_id is not None
-        pending = self._pending_events(partition, read, index)
-        if pending is None:
+    def _answer(self, routed: ApplyEvent, result: ApplyResult) -> None:
+        """Answer an in-process source's freeze from the projection's memory, before its block is flushed."""
+        event = routed.event
+        if not isinstance(event, FreezeEvent) or not self._answers_for(event.writer):
             return
         try:
-            # The router decoded every entry itself (validated, or unpacked from arrays) and nothing else holds
-            # them, so their arrays are exact and the copies skip checking each value.
-            answer = self._store.snapshot_ahead(
-                rollout_id, pending, self._applied_entries.of(rollout_id), entries_exact=True
-            )
-        except (TokcapError, OSError) as exc:
-            # The apply meets the same problem and answers the source with it.
+            snapshot = self._projection.snapshot(event.rollout_id, routed.position(self._topic))
+        except TokcapError as exc:
+            # The source reads the same answer from the files once the checkpoint passes the freeze.
             logger.debug(
-                "freeze at partition %d offset %d not answered ahead: %s", partition, read.offset, exc
+                "freeze at partition %d offset %d answered from the files: %s",
+                routed.partition,
+                routed.offset,
+                exc,
             )
             return
-        if answer is None:
-            return
-        read.answered_ahead = True
-        observe_freeze(read.read_at, time.monotonic())
         with self._condition:
-            self._answers[(partition, read.offset)] = answer
+            self._answers[(routed.partition, routed.offset)] = (result, snapshot)
             while len(self._answers) > _ANSWERS_KEPT:
                 self._answers.popitem(last=False)
             self._counters.freezes_answered_ahead += 1
-            self._waiters.answered(partition, read.offset)
-
-    def _pending_events(
-        self, partition: int, read: Read, index: int
-    ) -> list[tuple[Event, LogPosition]] | None:
-        """The rollout's events not applied yet, up to and including the decision at ``read``/``index``.
-
-        ``None`` when the schedule cannot name them, or one of them is no event (a chunk kept).
-        """
-        waiting = self._schedule.waiting_until(partition, read, index)
-        if waiting is None:
-            return None
-        events: list[tuple[Event, LogPosition]] = []
-        for earlier, earlier_index in waiting:
-            routed = self._settled(earlier, earlier_index)
-            if isinstance(routed, ApplyEvent):
-                events.append((routed.event, routed.position(self._topic)))
-            elif isinstance(routed, DeadLetter) and routed.mask is not None:
-                events.append((routed.mask, routed.position(self._topic)))
-            else:
-                return None
-        return events
+            self._waiters.answered(routed.partition, routed.offset)
 
     def _carry_out_commands(self) -> None:
         """Carry out a block of the commands read so far, each after its own rollout's earlier decisions only."""
@@ -961,17 +941,13 @@ class Materializer:
         )
 
     def _apply(self, progress: _PartitionProgress, routed: Routed, read: Read) -> None:
-        """Carry one routing decision out on the store and remember its verdict."""
-        result = carry_out(self._store, self._topic, routed)
+        """Carry one routing decision out through the projection and remember its verdict."""
+        result = carry_out(self._projection, self._topic, routed)
         count_applied(self._store, routed, result)
-        if (
-            isinstance(routed, ApplyEvent)
-            and isinstance(routed.event, FreezeEvent)
-            and not read.answered_ahead
-        ):
+        if isinstance(routed, ApplyEvent) and isinstance(routed.event, FreezeEvent):
             observe_freeze(read.read_at, time.monotonic())
         if result is not None and isinstance(routed, ApplyEvent):
-            self._applied_entries.note(routed.event, result)
+            self._answer(routed, result)
             refused = refused_staging_reason(routed, result)
             if refused is not None:
                 progress.refused[routed.offset] = refused
@@ -1021,6 +997,20 @@ class Materializer:
                     routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
                 )
             )
+
+
+def carry_out(projection: Projection, topic: str, routed: Routed) -> ApplyResult | None:
+    """Carry one routing decision out: an event through the projection, a dead letter's mask through its store.
+
+    The store appends a mask's mark itself, so the rollout's queued lines are written first.
+    Return the verdict, ``None`` when nothing was applied.
+    """
+    if isinstance(routed, ApplyEvent):
+        return projection.apply(routed.event, routed.position(topic))
+    projection.begin()
+    if isinstance(routed, DeadLetter) and routed.mask is not None:
+        projection.write_queued(routed.mask.rollout_id)
+    return carry_out_on_store(projection.store, topic, routed)
 
 
 def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:

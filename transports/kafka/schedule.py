@@ -56,7 +56,7 @@ class MaterializerCounters:
     backlog_skipped: int = 0
     """Summed over commands carried out ahead: messages still waiting before each of them when it was."""
     freezes_answered_ahead: int = 0
-    """Freezes answered from their rollouts' events decided in memory, before those events were applied."""
+    """Freezes of in-process sources answered from the projection's memory, ahead of their block's flush."""
 
 
 @dataclass
@@ -70,8 +70,6 @@ class Read:
     chunks_before: tuple[int, ...]
     """The partition's open chunk offsets before this message was routed: a checkpoint here names them."""
     size: int
-    answered_ahead: bool = False
-    """A freeze whose source was answered from its rollout's events decided in memory; it is not urgent."""
     timestamp_ms: int | None = None
     """The message's log timestamp: the lag in seconds is the age of the oldest one not applied."""
     read_at: float = 0.0
@@ -158,9 +156,9 @@ class Scheduler:
     # ------------------------------------------------------------- asking
 
     def commands_waiting(self) -> bool:
-        """Whether a command waits to be carried out first; a freeze answered ahead waits for the sweep."""
+        """Whether a command waits to be carried out first (one carried out already waits for nothing)."""
         for state in self._partitions.values():
-            while state.commands and state.commands[0][0].answered_ahead:
+            while state.commands and state.commands[0][0].done[state.commands[0][1]]:
                 state.commands.popleft()
             if state.commands:
                 return True
@@ -177,32 +175,38 @@ class Scheduler:
         for partition, state in self._partitions.items():
             while state.commands and carried < budget:
                 read, index = state.commands.popleft()
-                if read.done[index] or read.answered_ahead:
-                    continue
-                rollout_id = read.rollouts[index]
-                assert rollout_id is not None
-                waiting = state.by_rollout[rollout_id]
-                while True:
-                    earlier, earlier_index = waiting.popleft()
-                    yield Step(partition, earlier, earlier_index)
-                    earlier.done[earlier_index] = True
-                    self.counters.decisions_ahead += 1
+                for step in self.command(partition, read, index):
+                    yield step
                     carried += 1
-                    if earlier is read and earlier_index == index:
-                        break
-                if not waiting:
-                    del state.by_rollout[rollout_id]
-                state.ahead.add(read.offset)
-                backlog = read.offset - state.pending[0].offset
-                if backlog:
-                    self.counters.commands_ahead += 1
-                    self.counters.backlog_skipped += backlog
-                logger.debug(
-                    "partition %d offset %d: command carried out ahead of %d messages",
-                    partition,
-                    read.offset,
-                    backlog,
-                )
+
+    def command(self, partition: int, read: Read, index: int) -> Iterator[Step]:
+        """One command now, preceded by its own rollout's earlier decisions only; nothing if it is done."""
+        if read.done[index]:
+            return
+        state = self._partitions[partition]
+        rollout_id = read.rollouts[index]
+        assert rollout_id is not None
+        waiting = state.by_rollout[rollout_id]
+        while True:
+            earlier, earlier_index = waiting.popleft()
+            yield Step(partition, earlier, earlier_index)
+            earlier.done[earlier_index] = True
+            self.counters.decisions_ahead += 1
+            if earlier is read and earlier_index == index:
+                break
+        if not waiting:
+            del state.by_rollout[rollout_id]
+        state.ahead.add(read.offset)
+        backlog = read.offset - state.pending[0].offset
+        if backlog:
+            self.counters.commands_ahead += 1
+            self.counters.backlog_skipped += backlog
+        logger.debug(
+            "partition %d offset %d: command carried out ahead of %d messages",
+            partition,
+            read.offset,
+            backlog,
+        )
 
     def command_block_done(self) -> bool:
         """After a block of commands: whether more wait (a burst goes on, in a block twice as large)."""
@@ -256,19 +260,6 @@ class Scheduler:
                 self.held_bytes -= read.size
                 self.counters.messages_swept += 1
                 swept += 1
-
-    def waiting_until(self, partition: int, read: Read, index: int) -> list[tuple[Read, int]] | None:
-        """The decision's rollout's decisions not carried out yet, up to and including it; ``None`` if it is not
-        among them."""
-        rollout_id = read.rollouts[index]
-        if rollout_id is None:
-            return None
-        waiting: list[tuple[Read, int]] = []
-        for earlier, earlier_index in self._partitions[partition].by_rollout.get(rollout_id, ()):
-            waiting.append((earlier, earlier_index))
-            if earlier is read and earlier_index == index:
-                return waiting
-        return None
 
     # ------------------------------------------------------------- reporting
 

@@ -169,7 +169,7 @@ class KafkaTokenSource:
         )
         self._owns_partition = owns_partition
         if self._materializer is not None:
-            self._materializer.answer_freezes_ahead_for(self._writer_id)
+            self._materializer.answer_freezes_for(self._writer_id)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -276,10 +276,10 @@ class KafkaTokenSource:
                 rollout_id=rollout_id,
             )
         if self._materializer is not None:
-            ahead = self._materializer.take_snapshot_ahead(position.partition, position.offset)
-            if ahead is not None:
-                return ahead
-            # Answered by its apply, or answered ahead and forgotten since: read the snapshot once applied.
+            answer = self._materializer.take_answer(position.partition, position.offset)
+            if answer is not None:
+                return answer
+            # Not answered from memory, or answered and forgotten since: read the snapshot once checkpointed.
             await self._wait_applied(position.partition, position.offset, rollout_id, "freeze")
         # The snapshot as of the freeze's position: writes applied after it move the version past it.
         return await asyncio.to_thread(functools.partial(self._store.snapshot, rollout_id, as_of=position))
@@ -319,7 +319,7 @@ class KafkaTokenSource:
             return
         self._closed = True
         if self._materializer is not None:
-            self._materializer.stop_answering_ahead_for(self._writer_id)
+            self._materializer.stop_answering_for(self._writer_id)
         await asyncio.to_thread(self._bridge.close)
         if self._shares_materializer and self._materializer is not None:
             await asyncio.to_thread(shared_materializers.release, self._materializer)

@@ -1,7 +1,9 @@
-"""A freeze of an in-process source is answered as soon as it is read, before its rollout's backlog is applied.
+"""A freeze of an in-process source is answered from memory as soon as it is read, before anything is flushed.
 
-The answer is the one the apply gives (``store.snapshot(as_of=...)`` afterwards), the store still ends as a
-clean in-order replay leaves it, and freezes of writers nobody in the process answers for are not decided twice.
+It is carried out at once (after its own rollout's events only) and answered from the projection's state before
+its block reaches the disk. The answer is the one the files give once flushed (``store.snapshot(as_of=...)``),
+the store still ends as a clean in-order replay leaves it, and freezes of writers nobody in the process answers
+for wait for their checkpoint.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from unittest import mock
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
-import transports.kafka.materializer as materializer_module
 from tests.exact_shape import snapshot_shape
 from tokcap.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
+from tokcap.log_projection import Projection
 from transports.kafka.materializer import Materializer
-from transports.kafka.router import Routed
 from transports.kafka.waiters import WaiterRegistry
 
 TOPIC = "tokcap.freeze-ahead-test"
@@ -47,23 +48,23 @@ def rollouts_then_freezes(topic: MemoryTopic, rollouts: int, calls: int) -> dict
 
 
 @contextmanager
-def nothing_applied_until_released() -> Iterator[threading.Event]:
-    """Hold every apply back until the test sets the event: the backlog a freeze would otherwise wait for."""
+def nothing_flushed_until_released() -> Iterator[threading.Event]:
+    """Hold every flush back until the test sets the event: nothing reaches the disk or the checkpoint."""
     release = threading.Event()
-    real = materializer_module.carry_out
+    real = Projection.flush
 
-    def held(store: Any, topic_name: str, routed: Routed) -> Any:
+    def held(projection: Projection) -> None:
         assert release.wait(60)
-        return real(store, topic_name, routed)
+        real(projection)
 
     try:
-        with mock.patch.object(materializer_module, "carry_out", held):
+        with mock.patch.object(Projection, "flush", held):
             yield release
     finally:
         release.set()
 
 
-def test_waited_for_freezes_are_answered_before_any_event_is_applied_and_equal_their_apply(
+def test_waited_for_freezes_are_answered_before_anything_is_flushed_and_equal_what_the_files_then_give(
     tmp_path: Path,
 ) -> None:
     topic = MemoryTopic(TOPIC)
@@ -77,7 +78,7 @@ def test_waited_for_freezes_are_answered_before_any_event_is_applied_and_equal_t
             consumer_factory=topic.consumer,
             topic_id_reader=topic.topic_id,
         )
-        materializer.answer_freezes_ahead_for(TRAINER)
+        materializer.answer_freezes_for(TRAINER)
         materializer.start()
         try:
             answered = await asyncio.gather(
@@ -86,7 +87,7 @@ def test_waited_for_freezes_are_answered_before_any_event_is_applied_and_equal_t
             assert all(answered)
             applied_then = materializer.applied_offsets()
             ahead = {
-                rollout_id: (materializer.result_at(0, at), materializer.take_snapshot_ahead(0, at))
+                rollout_id: (materializer.result_at(0, at), materializer.take_answer(0, at))
                 for rollout_id, at in freezes.items()
             }
             release.set()
@@ -103,7 +104,7 @@ def test_waited_for_freezes_are_answered_before_any_event_is_applied_and_equal_t
             release.set()
             materializer.stop()
 
-    with nothing_applied_until_released() as release:
+    with nothing_flushed_until_released() as release:
         ahead, applied_then, later = asyncio.run(freeze_all(release))
     assert applied_then == {0: 0}
     assert ahead == later
@@ -115,7 +116,7 @@ def test_waited_for_freezes_are_answered_before_any_event_is_applied_and_equal_t
     assert files(tmp_path / "live") == files(materialize(topic, tmp_path / "replay").store.root)
 
 
-def test_a_snapshot_answered_ahead_is_given_out_once(tmp_path: Path) -> None:
+def test_a_snapshot_answered_from_memory_is_given_out_once(tmp_path: Path) -> None:
     topic = MemoryTopic(TOPIC)
     (at,) = rollouts_then_freezes(topic, rollouts=1, calls=2).values()
 
@@ -123,22 +124,22 @@ def test_a_snapshot_answered_ahead_is_given_out_once(tmp_path: Path) -> None:
         materializer = Materializer(
             "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
         )
-        materializer.answer_freezes_ahead_for(TRAINER)
+        materializer.answer_freezes_for(TRAINER)
         materializer.start()
         try:
             assert await materializer.applied(0, at, 60, command=True, ahead=True)
-            first = materializer.take_snapshot_ahead(0, at)
-            second = materializer.take_snapshot_ahead(0, at)
+            first = materializer.take_answer(0, at)
+            second = materializer.take_answer(0, at)
             return first is not None, second is not None
         finally:
             release.set()
             materializer.stop()
 
-    with nothing_applied_until_released() as release:
+    with nothing_flushed_until_released() as release:
         assert asyncio.run(freeze_twice(release)) == (True, False)
 
 
-def test_freezes_of_a_writer_no_source_in_the_process_answers_for_are_not_decided_ahead(
+def test_freezes_of_a_writer_no_source_in_the_process_answers_for_are_not_answered_from_memory(
     tmp_path: Path,
 ) -> None:
     topic = MemoryTopic(TOPIC)
@@ -148,7 +149,7 @@ def test_freezes_of_a_writer_no_source_in_the_process_answers_for_are_not_decide
         materializer = Materializer(
             "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
         )
-        materializer.answer_freezes_ahead_for("another-source")
+        materializer.answer_freezes_for("another-source")
         materializer.start()
         try:
             answered = await asyncio.gather(
@@ -163,7 +164,7 @@ def test_freezes_of_a_writer_no_source_in_the_process_answers_for_are_not_decide
     assert materialize(topic, tmp_path / "replay").counters().freezes_answered_ahead == 0
 
 
-def test_each_answer_ahead_ends_only_its_own_freezes_wait_without_rescanning_every_wait(
+def test_each_answer_from_memory_ends_only_its_own_freezes_wait_without_rescanning_every_wait(
     tmp_path: Path,
 ) -> None:
     topic = MemoryTopic(TOPIC)
@@ -179,7 +180,7 @@ def test_each_answer_ahead_ends_only_its_own_freezes_wait_without_rescanning_eve
         materializer = Materializer(
             "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
         )
-        materializer.answer_freezes_ahead_for(TRAINER)
+        materializer.answer_freezes_for(TRAINER)
         # Every wait begins before anything is read: the answers arrive while all of them are waiting.
         ahead = [
             asyncio.ensure_future(materializer.applied(0, at, 60, command=True, ahead=True))
@@ -192,7 +193,7 @@ def test_each_answer_ahead_ends_only_its_own_freezes_wait_without_rescanning_eve
         try:
             answered = await asyncio.gather(*ahead)
             checks_while_answering = len(checks)
-            # An answer ahead ends no wait for the apply itself: those wait until the backlog is applied.
+            # An answer from memory ends no wait for the apply itself: those wait until the block is flushed.
             still_waiting = not any(wait.done() for wait in applied)
             release.set()
             assert all(await asyncio.gather(*applied))
@@ -203,7 +204,7 @@ def test_each_answer_ahead_ends_only_its_own_freezes_wait_without_rescanning_eve
 
     with (
         mock.patch.object(WaiterRegistry, "_is_answered", counted),
-        nothing_applied_until_released() as release,
+        nothing_flushed_until_released() as release,
     ):
         answered, still_waiting, checks_while_answering = asyncio.run(wait_all(release))
     assert all(answered) and still_waiting

@@ -1,0 +1,277 @@
+"""The single-writer projection of a capture log into a store directory: its memory is the truth.
+
+One process owns a projected directory (the Kafka materializer holds its partitions' owner locks), so between
+two flushes nothing but this object changes the rollouts it applies. It keeps each hot rollout's state and
+accepted entries in memory (one cache) and decides each event with ``tokcap.rules.decide`` against that state.
+What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out in memory: its lines are queued
+and written at the flush, one write per file and rollout. An event that removes files or must be durable before
+the next (drop, retire, delete, a staged row) first writes its rollout's queued lines, then is carried out by
+the store inside the block (``TokenCaptureStore.deferred_durability`` given this object's states, so the store
+reads and keeps them here). A freeze is answered from memory as soon as it is applied.
+``flush`` ends the block: queued lines and changed states are written once per rollout and synced together;
+the caller writes its checkpoint only after that.
+
+Why an answer given before the flush is safe. A rollout's decisions are a pure function of its own events and
+their log positions: the state after an event depends only on the events before it, and a freeze's snapshot id
+and version come from its position, not from a clock or a random id. The freeze is durable in the log before
+it is applied, and the checkpoint never passes an event whose block was not flushed. A restart therefore
+resumes at or before every event applied since the last flush, cuts the files back to their last written
+states (recovery drops the unflushed tails), and applies the same events in the same per-rollout order:
+it reaches the same verdicts, the same snapshot and the same bytes. A trainer never holds an answer a restart
+would decide differently.
+
+Memory is bounded. Entries are kept up to ``hot_tokens`` prompt and generated tokens over all rollouts (the
+least recently applied dropped first, at once: the files hold them, and a freeze of a rollout without kept
+entries parses its file). States are kept up to ``hot_rollouts`` rollouts; a state is only let go at a flush,
+once it is on disk, and is then read from its files again when its rollout comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator, MutableMapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+from tokcap.entry_copies import fresh_read_copy
+from tokcap.events import Event, LogPosition, PutEvent
+from tokcap.protocols import TokenCaptureSnapshot
+from tokcap.records import TokenEntry, token_count
+from tokcap.rules import (
+    AppendEntry,
+    AppendIncompleteMark,
+    AppendIntent,
+    ApplyResult,
+    RemoveRecords,
+    RemoveState,
+    WriteState,
+    decide,
+)
+from tokcap.state import RolloutState
+from tokcap.store import TokenCaptureStore
+
+_Append = AppendEntry | AppendIntent | AppendIncompleteMark
+
+__all__ = ["HOT_ROLLOUTS", "HOT_TOKENS", "Projection", "logger"]
+
+logger = logging.getLogger(__name__)
+
+HOT_TOKENS = 2_000_000
+"""Prompt and generated tokens of entries kept in memory over every rollout (about 70 MB of Python ints)."""
+
+HOT_ROLLOUTS = 4_096
+"""Rollout states kept in memory after a flush; a colder one is read from its files when it is next applied."""
+
+
+@dataclass(slots=True)
+class _HotEntries:
+    """One rollout's accepted entries in file order, and the bytes of its entries file their lines cover."""
+
+    entries: list[TokenEntry] = field(default_factory=list)
+    size: int = 0
+    tokens: int = 0
+
+
+class Projection:
+    """Hot rollout states and entries of a directory one process owns; applies in blocks, answers from memory.
+
+    Use it from one thread (the projection's loop): ``apply`` each event with its log position, ``snapshot`` to
+    answer a freeze it applied, ``flush`` before writing a checkpoint, ``abandon`` when the loop fails. Before
+    the store carries out anything itself for a rollout in the block (a mask applied through
+    ``router.carry_out``), ``write_queued`` puts that rollout's queued lines in its files.
+    """
+
+    def __init__(
+        self, store: TokenCaptureStore, *, hot_tokens: int = HOT_TOKENS, hot_rollouts: int = HOT_ROLLOUTS
+    ) -> None:
+        if hot_tokens < 0 or hot_rollouts < 0:
+            raise ValueError(
+                f"hot bounds must be 0 or more, got {hot_tokens} tokens and {hot_rollouts} rollouts"
+            )
+        self._store = store
+        self._hot_tokens = hot_tokens
+        self._hot_rollouts = hot_rollouts
+        self._states: OrderedDict[str, RolloutState] = OrderedDict()
+        self._entries: OrderedDict[str, _HotEntries] = OrderedDict()
+        self._tokens = 0
+        self._block: AbstractContextManager[None] | None = None
+        self._queued: dict[str, list[_Append]] = {}
+        """Per rollout, the lines decided in this block and not written yet, in order."""
+        self._dirty: set[str] = set()
+        """Rollouts whose state changed in memory in this block: written at the flush."""
+
+    @property
+    def store(self) -> TokenCaptureStore:
+        """The store whose files this projection writes."""
+        return self._store
+
+    @property
+    def states(self) -> MutableMapping[str, RolloutState]:
+        """Hot rollouts' states, by rollout id: the truth for their rollouts, ahead of the files until a flush."""
+        return self._states
+
+    @property
+    def kept_tokens(self) -> int:
+        """Prompt and generated tokens of the entries kept now."""
+        return self._tokens
+
+    def hot_rollouts(self) -> Iterator[str]:
+        """The rollouts whose state is in memory, least recently applied first."""
+        return iter(list(self._states))
+
+    # ------------------------------------------------------------ blocks
+
+    def begin(self) -> None:
+        """Open a block if none is open: events carried out on the store until ``flush`` are part of it."""
+        if self._block is None:
+            block = self._store.deferred_durability(self._states)
+            block.__enter__()
+            self._block = block
+
+    def flush(self) -> None:
+        """Write the block's lines and states and sync them; then let go of the coldest states past the bound."""
+        if self._block is not None:
+            for rollout_id in sorted(self._dirty):
+                self._write(rollout_id, with_state=True)
+            self._dirty.clear()
+            block, self._block = self._block, None
+            block.__exit__(None, None, None)
+        while len(self._states) > self._hot_rollouts:
+            self._forget(next(iter(self._states)))
+
+    def abandon(self, error: BaseException) -> None:
+        """End an open block after a failure: nothing more is written, and memory is forgotten.
+
+        The files may then be ahead of their states; the next owner's recovery cuts them back and the events
+        past its checkpoint are applied again.
+        """
+        block, self._block = self._block, None
+        if block is not None:
+            try:
+                block.__exit__(type(error), error, error.__traceback__)
+            except BaseException:
+                logger.debug("closing the failed block's files failed too", exc_info=True)
+        self._states.clear()
+        self._entries.clear()
+        self._queued.clear()
+        self._dirty.clear()
+        self._tokens = 0
+
+    # --------------------------------------------------------- decisions
+
+    def apply(self, event: Event, position: LogPosition) -> ApplyResult:
+        """Decide one event of the log against its rollout's state and carry it out; return its verdict.
+
+        An event at or before its rollout's last applied position is skipped (the rules say so), so events
+        applied again after a restart change nothing.
+        """
+        self.begin()
+        rollout_id = event.rollout_id
+        state = self._states.get(rollout_id)
+        if state is None:
+            state = self._states[rollout_id] = self._store.recovered_for_block(rollout_id)
+        decision = decide(state, event, position)
+        if not decision.changed:
+            self._states.move_to_end(rollout_id)
+            return decision.verdict
+        if not all(_carried_in_memory(effect) for effect in decision.effects):
+            # The store carries it out itself, deciding again from the same state (kept here): same decision.
+            self.write_queued(rollout_id)
+            if any(isinstance(effect, RemoveRecords | RemoveState) for effect in decision.effects):
+                self._forget_entries(rollout_id)
+            self._states.move_to_end(rollout_id)
+            return self._store.apply(event, position)
+        queued = self._queued.setdefault(rollout_id, [])
+        queued.extend(effect for effect in decision.effects if isinstance(effect, _Append))
+        self._states[rollout_id] = decision.state
+        self._dirty.add(rollout_id)
+        self._states.move_to_end(rollout_id)
+        if isinstance(event, PutEvent):
+            for effect in decision.effects:
+                if isinstance(effect, AppendEntry):
+                    self._appended(rollout_id, event.entry, effect.start, len(effect.line))
+        return decision.verdict
+
+    def write_queued(self, rollout_id: str) -> None:
+        """Write a rollout's queued lines now, so its files hold everything its state in memory says."""
+        if self._queued.get(rollout_id):
+            self._write(rollout_id, with_state=False)
+
+    def _write(self, rollout_id: str, *, with_state: bool) -> None:
+        appends = self._queued.pop(rollout_id, [])
+        state = self._states[rollout_id] if with_state else None
+        self._store.write_block_appends(rollout_id, appends, state)
+
+    def _appended(self, rollout_id: str, entry: TokenEntry, start: int, length: int) -> None:
+        """Keep an entry whose line now sits at byte ``start``; a line anywhere but next forgets the rollout."""
+        hot = self._entries.get(rollout_id)
+        if start == 0 or hot is None or hot.size != start:
+            self._forget_entries(rollout_id)
+            if start != 0:
+                return
+            hot = self._entries[rollout_id] = _HotEntries()
+        else:
+            self._entries.move_to_end(rollout_id)
+        tokens = token_count(entry)
+        hot.entries.append(entry)
+        hot.size = start + length
+        hot.tokens += tokens
+        self._tokens += tokens
+        while self._tokens > self._hot_tokens and self._entries:
+            self._forget_entries(next(iter(self._entries)))
+
+    # ----------------------------------------------------------- answers
+
+    def snapshot(self, rollout_id: str, as_of: LogPosition) -> TokenCaptureSnapshot:
+        """The snapshot the freeze applied at ``as_of`` answered, from memory; the same one the files give.
+
+        The entries are copies, exactly what parsing their lines gives and sharing nothing with what is kept;
+        a rollout whose entries are not all kept is read from its file (under its lock, as far as its state).
+        Raises what ``TokenCaptureStore.snapshot`` raises: a rollout not frozen, retired, or with no freeze there.
+        """
+        state = self._states.get(rollout_id)
+        if state is None:
+            state = self._store.read_state(rollout_id)
+        entries = self._copies(rollout_id, state)
+        if entries is None:
+            self.write_queued(rollout_id)
+            entries = self._store.read_entries(rollout_id)
+        return self._store._snapshot_from(rollout_id, state, entries, as_of)
+
+    def _copies(self, rollout_id: str, state: RolloutState) -> list[TokenEntry] | None:
+        """Copies of the kept entries when they are every entry ``state`` accepts; else ``None``.
+
+        They are the entries this projection appended itself, decoded and validated by its reader and held by
+        nothing else, so their arrays are exact and the copies skip checking each value.
+        """
+        hot = self._entries.get(rollout_id)
+        if state.retired or state.indexed_size == 0:
+            return []
+        if hot is None or hot.size != state.indexed_size or len(hot.entries) != len(state.entry_digests):
+            return None
+        copies = []
+        for entry in hot.entries:
+            copy = fresh_read_copy(entry, arrays_exact=True)
+            if copy is None:
+                return None
+            copies.append(copy)
+        return copies
+
+    # ---------------------------------------------------------- eviction
+
+    def _forget(self, rollout_id: str) -> None:
+        self._states.pop(rollout_id, None)
+        self._forget_entries(rollout_id)
+
+    def _forget_entries(self, rollout_id: str) -> None:
+        hot = self._entries.pop(rollout_id, None)
+        if hot is not None:
+            self._tokens -= hot.tokens
+
+
+def _carried_in_memory(effect: object) -> bool:
+    """Whether an effect only adds lines to a rollout's files or changes its state, so it waits for the flush."""
+    if isinstance(effect, WriteState):
+        return effect.state is None
+    return isinstance(effect, _Append)
