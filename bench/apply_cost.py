@@ -7,7 +7,8 @@ rounds x 8 turns, 1k-token system prompt) and measures, one call at a time from 
   put per turn, a freeze per rollout, log positions on four partitions), in deferred-durability blocks of the
   size the measured tree's materializer sweeps (``SWEEP_BLOCK_MESSAGES``; 200 before it existed), or
   ``--block``; CPU per event by kind, and each block's end (state writes and the sync) shared out over its
-  events;
+  events; and the materializer's own path over the same stream, ``Projection.apply`` with a ``flush`` per block
+  (``projection_us_per_event``);
 - the file sink: ``begin_call_now`` + ``append`` per turn and ``freeze_now`` per rollout, as ``bench/cpu_cost``;
 - Gym 0.7.0's file store (its wheel, loaded as the tests load it) on the same entries, as the anchor.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -92,7 +94,33 @@ def _apply_step(workload: Any, directory: Path, block_size: int) -> dict[str, fl
     """
     figures = _apply_step_whole(workload, directory / "whole", block_size)
     figures.update(_apply_step_by_kind(workload, directory / "by-kind", block_size))
+    projection = _apply_step_projection(workload, directory / "projection", block_size)
+    if projection is not None:
+        figures["projection_us_per_event"] = projection
     return figures
+
+
+def _apply_step_projection(workload: Any, directory: Path, block_size: int) -> float | None:
+    """CPU us per event of the materializer's own path: ``Projection.apply``, then ``flush`` per block.
+
+    ``None`` for a tree without a projection (``--baseline`` of an older checkout).
+    """
+    if importlib.util.find_spec("tokcap.log_projection") is None:
+        return None
+    from tokcap.log_projection import Projection
+    from tokcap.store import TokenCaptureStore
+
+    stream: list[tuple[str, Any, Any] | None] = list(_events(workload))
+    events = len(stream)
+    projection = Projection(TokenCaptureStore(directory))
+    started = time.process_time()
+    for first in range(0, events, block_size):
+        for index in range(first, min(first + block_size, events)):
+            _, event, position = _released(stream, index)
+            projection.apply(event, position)
+            del event
+        projection.flush()
+    return (time.process_time() - started) / events * 1e6
 
 
 def _apply_step_whole(workload: Any, directory: Path, block_size: int) -> dict[str, float]:

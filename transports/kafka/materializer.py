@@ -168,7 +168,7 @@ SWEEP_BLOCK_MESSAGES = 1_000
 
 Each rollout's state file is replaced once per block it has events in: a file create and a rename, the
 largest cost of the apply step on ext4. Blocks of 1,000 messages instead of 200 cut the store's CPU per
-event on the main workload by about a third (``python -m bench.apply_cost --baseline``). Nothing urgent
+event on the main workload by about a third (``python -m bench --only apply_cost --baseline DIR``). Nothing urgent
 waits for a block to end: a command read meanwhile ends it at the next step, and in-process freezes are
 carried out when read and answered from memory. A crash inside a block applies at most one block again."""
 
