@@ -2,11 +2,12 @@
 
 Parsing a stored line costs about 160 us per 3k-token entry (orjson, then pydantic). A freeze answered from
 memory (the materializer's ``Projection``, the file store's ``KeptEntries``) already holds the decoded entries
-of its rollout, so it copies them instead. A copy is made only when it is exactly what the parse gives: every value of a JSON
-type (``str``, ``int``, ``float``, ``bool``, ``None``, ``list``, ``dict`` with ``str`` keys, copied in sorted
-key order as the store writes them), every declared field of the type the parse gives it, and every field
-set. Anything else (a tuple, an enum, a subclass, an unknown field, ``routed_experts``, which can be millions
-of values) gets ``None``, and the caller parses the line. The copy shares nothing mutable with the original.
+of its rollout, so it copies them instead.
+A copy is made only when it is exactly what the parse gives: every value of a JSON type (``str``, ``int``,
+``float``, ``bool``, ``None``, ``list``, ``dict`` with ``str`` keys, copied in sorted key order as the store
+writes them), every declared field of the type the parse gives it, and every field set. Anything else (a tuple,
+an enum, a subclass, an unknown field, ``routed_experts``, which can be millions of values) gets ``None``, and
+the caller parses the line. The copy shares nothing mutable with the original.
 """
 
 from __future__ import annotations
