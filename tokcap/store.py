@@ -328,7 +328,7 @@ class TokenCaptureStore:
             self._barrier()
 
     @contextmanager
-    def deferred_durability(self, states: MutableMapping[str, RolloutState] | None = None) -> Iterator[None]:
+    def deferred_durability(self, states: MutableMapping[str, RolloutState]) -> Iterator[None]:
         """Apply many events and make them durable together at the end of the block.
 
         Inside the block, operations return before their writes are durable, and each rollout's state stays
@@ -340,8 +340,8 @@ class TokenCaptureStore:
         until it ends: nothing else may write or remove their files, so it also keeps their lock files open
         between events (readers still take each lock between two events).
 
-        With ``states``, the block reads and keeps each rollout's state in that mapping, and leaves them there:
-        a single writer whose memory is the truth between blocks (``tokcap.log_projection``) passes its own.
+        The block reads and keeps each rollout's state in ``states``, and leaves them there: the single writer
+        whose memory is the truth between blocks (``tokcap.log_projection``) passes its own.
         """
         deferral = self._deferral
         outermost = not deferral.active
@@ -349,7 +349,7 @@ class TokenCaptureStore:
             yield
             return
         deferral.active = True
-        deferral.states, deferral.dirty = ({} if states is None else states), set()
+        deferral.states, deferral.dirty = states, set()
         self._rollout_locks.keep_files_open()
         try:
             failed = True
@@ -715,33 +715,6 @@ class TokenCaptureStore:
                 raise _named_write_error(event, exc) from exc
             return decision.verdict
 
-    def apply_many(self, events: Sequence[tuple[Event, LogPosition | None]]) -> list[ApplyResult]:
-        """Apply events as ``apply`` would one after another; return their verdicts in the same order.
-
-        Inside a deferred block, each rollout's events are applied together under one hold of its lock, in
-        their order: rollouts share no state, so only the order within a rollout matters, and taking a
-        rollout's lock once instead of once per event is most of what an event costs beyond its own work.
-        Outside a block each event is applied on its own, durable before the next, exactly as ``apply``.
-        A failure stops at the failing event; in a block, events of other rollouts that come later in
-        ``events`` may have been applied already, which the block's own crash rule covers (the projection
-        applies the events past its checkpoint again, cutting what they wrote).
-        """
-        if not self._deferral.active:
-            return [self.apply(event, position) for event, position in events]
-        by_rollout: dict[str, list[int]] = {}
-        for index, (event, _) in enumerate(events):
-            by_rollout.setdefault(event.rollout_id, []).append(index)
-        results: list[ApplyResult | None] = [None] * len(events)
-        for rollout_id, indexes in by_rollout.items():
-            with self._locked(rollout_id) as paths:
-                for index in indexes:
-                    event, position = events[index]
-                    with _write_errors_named(event):
-                        decision = self._apply_locked(paths, event, position)
-                        self._end_of_operation(forced=decision.sync_even_if_unchanged)
-                    results[index] = decision.verdict
-        return [result for result in results if result is not None]
-
     # --------------------------------------------------------- a single writer's block
 
     def recovered_for_block(self, rollout_id: str) -> RolloutState:
@@ -896,27 +869,6 @@ class TokenCaptureStore:
     def read_incomplete_marks(self, rollout_id: str) -> list[IncompleteMark]:
         """Why the rollout is masked: one marker per lost call and reason."""
         return list(self._read(rollout_id).incomplete_marks)
-
-    def reconcile_indexes(self) -> int:
-        """Bring every rollout's state up to date with its files; return how many states were rewritten.
-
-        A projection calls this when it stops, so the state files it leaves depend only on the events applied,
-        not on where index-only writes happened to fall.
-        """
-        rewritten = 0
-        for rollout_id in self.rollout_ids():
-            with self._locked(rollout_id) as paths:
-                recovered = self._recovered(paths, replaying=False, writing=True)
-                if recovered.state.retired:
-                    continue
-                if recovered.lagging_lines or (
-                    recovered.state.indexed_size and not recovered.state_file_exists
-                ):
-                    self._replace_state_file(paths, recovered.state)
-                    self._commit.note_write()
-                    rewritten += 1
-        self._barrier()
-        return rewritten
 
     def snapshot(self, rollout_id: str, *, as_of: LogPosition | None = None) -> TokenCaptureSnapshot:
         """The snapshot of a rollout that is already frozen; used after a freeze applied elsewhere.

@@ -1,4 +1,4 @@
-"""Per-rollout locks: what other lockers see, and what a deferred block keeps open."""
+"""Per-rollout locks: what other lockers see, and what a projection block keeps open."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tokcap.events import IntentEvent, LogPosition
 from tokcap.locks import KEPT_LOCK_FILES, RolloutLocks
+from tokcap.log_projection import Projection
 from tokcap.store import TokenCaptureStore
 
 
@@ -47,31 +48,36 @@ def test_a_held_rollout_lock_excludes_other_lockers_and_is_free_once_released(tm
     assert _lock_files_open(tmp_path) == 0
 
 
-def test_a_deferred_block_keeps_lock_files_open_but_unlocked_between_events(tmp_path: Path) -> None:
+def test_a_projection_block_keeps_lock_files_open_but_unlocked_between_events(tmp_path: Path) -> None:
     """Readers take a rollout's lock between two events of a block; the block must not hold it for them."""
     store = TokenCaptureStore(tmp_path)
-    with store.deferred_durability():
-        store.apply(IntentEvent(rollout_id="r", model_call_id="c1"), LogPosition("run", 0, 0))
-        assert _lock_files_open(tmp_path) == 1
-        assert _try_lock(store.lock_path_for("r"))
-        with store._rollout_locks.hold(store.lock_path_for("r")):
-            assert not _try_lock(store.lock_path_for("r"))
-        store.apply(IntentEvent(rollout_id="r", model_call_id="c2"), LogPosition("run", 0, 1))
-        assert _try_lock(store.lock_path_for("r"))
+    projection = Projection(store)
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="c1"), LogPosition("run", 0, 0))
+    projection.write_queued("r")
+    assert _lock_files_open(tmp_path) == 1
+    assert _try_lock(store.lock_path_for("r"))
+    with store._rollout_locks.hold(store.lock_path_for("r")):
+        assert not _try_lock(store.lock_path_for("r"))
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="c2"), LogPosition("run", 0, 1))
+    projection.write_queued("r")
+    assert _try_lock(store.lock_path_for("r"))
+    projection.flush()
     assert _lock_files_open(tmp_path) == 0
     assert store.intents_path_for("r").read_bytes() == b"c1\nc2\n"
 
 
-def test_a_deferred_block_keeps_at_most_its_bound_of_lock_files_open(tmp_path: Path) -> None:
-    store = TokenCaptureStore(tmp_path)
+def test_a_projection_block_keeps_at_most_its_bound_of_lock_files_open(tmp_path: Path) -> None:
+    projection = Projection(TokenCaptureStore(tmp_path))
     most = 0
-    with store.deferred_durability():
-        for offset in range(KEPT_LOCK_FILES + 40):
-            store.apply(
-                IntentEvent(rollout_id=f"r{offset}", model_call_id="c1"), LogPosition("run", 0, offset)
-            )
-            if offset % 20 == 0:
-                most = max(most, _lock_files_open(tmp_path))
+    for offset in range(KEPT_LOCK_FILES + 40):
+        rollout_id = f"r{offset}"
+        projection.apply(
+            IntentEvent(rollout_id=rollout_id, model_call_id="c1"), LogPosition("run", 0, offset)
+        )
+        projection.write_queued(rollout_id)
+        if offset % 20 == 0:
+            most = max(most, _lock_files_open(tmp_path))
+    projection.flush()
     assert KEPT_LOCK_FILES // 2 < most <= KEPT_LOCK_FILES
     assert _lock_files_open(tmp_path) == 0
 
