@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +35,7 @@ import orjson
 
 from tokcap.durable_io import (
     append_durably,
-    append_to,
     fsync_directory,
-    open_for_append,
     open_no_follow,
     read_no_follow,
     remove_if_exists,
@@ -108,7 +106,6 @@ __all__ = [
     "INCOMPLETE_SUFFIX",
     "INDEX_FLUSH_ENTRIES",
     "INTENTS_SUFFIX",
-    "KEPT_APPENDERS",
     "LOCK_SUFFIX",
     "STATE_SUFFIX",
     "AcceptedEntries",
@@ -145,85 +142,11 @@ _REMEMBERED_LINES = 65_536
 """How many appended lines' call ids a store remembers to re-index its lagging tails without parsing them."""
 
 
-KEPT_APPENDERS = 128
-"""Side files a deferred block keeps open at most (each rollout has up to three)."""
+class _WriterBatch(threading.local):
+    """Whether this thread is running an operation of the writer thread's batch, whose one barrier makes it
+    durable before its caller is answered."""
 
-
-@dataclass
-class _KeptAppender:
-    """A side file a deferred block keeps open, and the size it must have: its size when opened plus the
-    block's own appends."""
-
-    fd: int
-    size: int
-
-
-class _Deferral(threading.local):
-    """The deferred-durability block of one thread: the states it keeps (its caller's, or its own), which of
-    them await a write, and the side files it appends to, kept open until the block ends (an ``open`` and a
-    ``close`` per event cost more than the write)."""
-
-    active: bool = False
-    barrier_deferred: bool = False
-
-    def __init__(self) -> None:
-        self.states: MutableMapping[str, RolloutState] = {}
-        self.dirty: set[str] = set()
-        self.appenders: dict[Path, _KeptAppender] = {}
-
-    def append(self, path: Path, line: bytes) -> int:
-        """Append one line through the kept descriptor of ``path`` (opened now if not kept); return the size
-        the file had before it.
-
-        The size is asked of the file once, when the descriptor is opened; after that the block counts its
-        own appends, and the count is checked against the file when the descriptor is closed, so a write
-        from outside the block is still caught before the block ends. At most ``KEPT_APPENDERS`` stay open,
-        the oldest closed first: a block over a thousand rollouts would otherwise run out of descriptors (a
-        soft limit of 1,024 is common).
-        """
-        kept = self.appenders.get(path)
-        if kept is None:
-            if len(self.appenders) >= KEPT_APPENDERS:
-                self._close(next(iter(self.appenders)), check=True)
-            fd = open_for_append(path)
-            try:
-                kept = _KeptAppender(fd, os.fstat(fd).st_size)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.appenders[path] = kept
-        start = kept.size
-        append_to(kept.fd, path, line, measure=False)
-        kept.size = start + len(line)
-        return start
-
-    def close_appenders(self, paths: Iterable[Path] | None = None, *, check: bool = True) -> None:
-        """Close the kept descriptors of ``paths`` (all of them by default), before the files are cut or removed.
-
-        ``check`` compares each file's size with the block's count first (skipped when the block is failing).
-        """
-        chosen = list(self.appenders) if paths is None else [path for path in paths if path in self.appenders]
-        first_error: StoreCorruptionError | None = None
-        for path in chosen:
-            try:
-                self._close(path, check=check)
-            except StoreCorruptionError as exc:  # close the others first: none may stay open
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-
-    def _close(self, path: Path, *, check: bool) -> None:
-        kept = self.appenders.pop(path)
-        try:
-            found = os.fstat(kept.fd).st_size if check else kept.size
-        finally:
-            os.close(kept.fd)
-        if found != kept.size:
-            raise StoreCorruptionError(
-                f"{path} grew outside the rollout lock while a deferred block kept it open (the block wrote it "
-                f"to {kept.size} bytes, found {found}); another program is writing to the store. Stop it, then "
-                "restart the projection: it cuts the files back to their states and applies the events again"
-            )
+    running: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,7 +197,7 @@ class TokenCaptureStore:
         self._root.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(self._root)
         self._commit = GroupCommitter(filesystem_sync_for(self._root))
-        self._deferral = _Deferral()
+        self._batch = _WriterBatch()
         self._writes = WriteQueue(self._run_without_own_barrier, self._barrier, name="tokcap-store-writer")
         self._rollout_locks = RolloutLocks()
         self._call_ids_of_written_lines: dict[str, str] = {}
@@ -303,11 +226,11 @@ class TokenCaptureStore:
 
     def _run_without_own_barrier(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """Run one queued operation; its writes become durable at the end of its batch."""
-        self._deferral.barrier_deferred = True
+        self._batch.running = True
         try:
             return function(*args)
         finally:
-            self._deferral.barrier_deferred = False
+            self._batch.running = False
 
     # ------------------------------------------------------------ durability
 
@@ -321,59 +244,18 @@ class TokenCaptureStore:
         self._commit.wait_durable()
 
     def _end_of_operation(self, *, forced: bool = False) -> None:
-        """Make the operation durable now, unless its batch (writer thread or projection block) does it later."""
+        """Make the operation durable now, unless the writer thread's batch does it before answering its caller."""
         if forced:
             self._commit.note_write()
-        if not self._deferral.active and not self._deferral.barrier_deferred:
+        if not self._batch.running:
             self._barrier()
 
-    @contextmanager
-    def deferred_durability(self, states: MutableMapping[str, RolloutState]) -> Iterator[None]:
-        """Apply many events and make them durable together at the end of the block.
+    def sync(self) -> None:
+        """Make every write this store made durable, with one filesystem sync shared with concurrent writers.
 
-        Inside the block, operations return before their writes are durable, and each rollout's state stays
-        in memory; the states are written once per rollout at the end, then synced together.
-        Ordering barriers (a retired state before the removals it guards) still sync at once.
-        Only a single-writer projection that records its own checkpoint after the block should use this:
-        if the process dies inside the block, the files may be ahead of their states, and the projection's
-        next apply cuts them back and applies the same events again. The block owns the rollouts it touches
-        until it ends: nothing else may write or remove their files, so it also keeps their lock files open
-        between events (readers still take each lock between two events).
-
-        The block reads and keeps each rollout's state in ``states``, and leaves them there: the single writer
-        whose memory is the truth between blocks (``tokcap.log_projection``) passes its own.
+        A single writer that leaves syncs to the end of its block (``tokcap.log_projection``) calls it there.
         """
-        deferral = self._deferral
-        outermost = not deferral.active
-        if not outermost:
-            yield
-            return
-        deferral.active = True
-        deferral.states, deferral.dirty = states, set()
-        self._rollout_locks.keep_files_open()
-        try:
-            failed = True
-            try:
-                yield
-                failed = False
-            finally:
-                deferral.active = False
-                states, dirty = deferral.states, deferral.dirty
-                deferral.states, deferral.dirty = {}, set()
-                deferral.close_appenders(check=not failed)
-            for rollout_id in sorted(dirty):
-                paths = self._paths_of(rollout_id)
-                with self._rollout_locks.hold(paths.lock):
-                    written = self._replace_state_file(paths, states[rollout_id])
-                    self._remember_state(
-                        rollout_id,
-                        _files_identity(paths, written),
-                        Recovered(states[rollout_id], (), 0, True),
-                    )
-            self._commit.note_write()
-            self._barrier()
-        finally:
-            self._rollout_locks.stop_keeping_files_open()
+        self._forced_barrier()
 
     # ----------------------------------------------------------------- paths
 
@@ -448,17 +330,12 @@ class TokenCaptureStore:
 
     def _recovered_with_identity(
         self, paths: RolloutPaths, *, replaying: bool, writing: bool
-    ) -> tuple[Recovered, _FilesIdentity | None]:
+    ) -> tuple[Recovered, _FilesIdentity]:
         """The rollout's state and the identity of the files it was recovered from (after any repair).
 
-        Inside a deferred block the state the block keeps in memory is the truth (and no identity is taken).
-        Otherwise a state this store recovered or wrote is reused while the rollout's files are exactly as it
-        left them, so an operation costs a few ``stat`` calls, not a parse of a state that grows with the rollout.
+        A state this store recovered or wrote is reused while the rollout's files are exactly as it left them,
+        so an operation costs a few ``stat`` calls, not a parse of a state that grows with the rollout.
         """
-        if self._deferral.active:
-            kept = self._deferral.states.get(paths.rollout_id)
-            if kept is not None:
-                return Recovered(kept, (), 0, True), None
         identity = _files_identity(paths)
         cached = self._recovered_states.get(paths.rollout_id)
         if cached is not None and cached[0] == identity and (cached[1].lagging_lines == 0 or not replaying):
@@ -492,7 +369,6 @@ class TokenCaptureStore:
     def _cut(self, cut: CutTail) -> None:
         """Cut bytes no state covers: a torn line never acknowledged, or a projection's unapplied tail."""
         logger.warning("cutting %s back to %d bytes: they were never committed", cut.path, cut.size)
-        self._deferral.close_appenders((cut.path,), check=False)
         if cut.size == 0:
             remove_if_exists(cut.path)
         else:
@@ -524,9 +400,9 @@ class TokenCaptureStore:
             state_written, known = self._carry_out(
                 paths, decision, recovered, identity, fence_only=fence_only
             )
-            if position is None and isinstance(event, PutEvent) and not self._deferral.active:
+            if position is None and isinstance(event, PutEvent):
                 self._keep_appended_entry(paths.rollout_id, event, decision)
-            if not self._deferral.active and not fence_only:
+            if not fence_only:
                 lagging = 0 if state_written else recovered.lagging_lines + 1
                 if known is None:
                     exists = state_written or (recovered.state_file_exists and paths.state.exists())
@@ -561,7 +437,7 @@ class TokenCaptureStore:
         paths: RolloutPaths,
         decision: Decision,
         recovered: Recovered,
-        identity: _FilesIdentity | None,
+        identity: _FilesIdentity,
         *,
         fence_only: bool,
     ) -> tuple[bool, _FilesIdentity | None]:
@@ -573,35 +449,23 @@ class TokenCaptureStore:
         removal it returns ``None`` and the caller takes the identity from the files.
         """
         state = decision.state
-        deferred = self._deferral.active
-        rollout_id = paths.rollout_id
-        state_written = False
-        if identity is None:
-            known_state, entries_size, intents_size, incomplete_size, exact = None, -1, -1, -1, False
-        else:
-            known_state, entries_size, intents_size, incomplete_size = identity
-            exact = True
+        state_written, exact = False, True
+        known_state, entries_size, intents_size, incomplete_size = identity
         for effect in decision.effects:
             if isinstance(effect, AppendEntry):
-                entries_size = self._append(paths.entries, effect.line, effect.start, rollout_id)
-                self._remember_written_line(effect.digest, effect.model_call_id)
+                entries_size = self._append_line(paths, effect)
             elif isinstance(effect, AppendIntent):
-                intents_size = self._append(paths.intents, effect.line, effect.start, rollout_id)
+                intents_size = self._append_line(paths, effect)
             elif isinstance(effect, AppendIncompleteMark):
-                incomplete_size = self._append(paths.incomplete, effect.line, effect.start, rollout_id)
+                incomplete_size = self._append_line(paths, effect)
             elif isinstance(effect, AppendStagedLine | AppendLedgerLine):
-                path = paths.staged if isinstance(effect, AppendStagedLine) else paths.ledger
-                if _size_of(path) > effect.start:
-                    self._cut(CutTail(path, effect.start))
-                self._append(path, effect.line, effect.start, rollout_id)
+                self._append_line(paths, effect)
             elif isinstance(effect, WriteState) and effect.state is not None:
                 self._replace_state_file(paths, effect.state)
                 self._commit.note_write()
                 exact = False
             elif isinstance(effect, WriteState):
-                if deferred:
-                    self._deferral.dirty.add(rollout_id)
-                elif effect.durable or state.last_position is not None or self._index_write_due(recovered):
+                if effect.durable or state.last_position is not None or self._index_write_due(recovered):
                     known_state = self._replace_state_file(paths, state)
                     state_written = True
                     if effect.durable:
@@ -609,10 +473,6 @@ class TokenCaptureStore:
             elif isinstance(effect, Barrier):
                 if fence_only:
                     return state_written, None
-                if deferred and rollout_id in self._deferral.dirty:
-                    self._deferral.dirty.discard(rollout_id)
-                    self._replace_state_file(paths, state)
-                    self._commit.note_write()
                 self._barrier()
             elif isinstance(effect, RemoveRecords):
                 self._remove_records(paths)
@@ -621,8 +481,6 @@ class TokenCaptureStore:
                 self._remove(paths.state)
                 state_written = False
                 exact = False
-        if deferred:
-            self._deferral.states[rollout_id] = state
         if not exact:
             return state_written, None
         return state_written, (known_state, entries_size, intents_size, incomplete_size)
@@ -639,13 +497,35 @@ class TokenCaptureStore:
         """An index-only change of the file store is written every few lines, or when there is no state file."""
         return recovered.lagging_lines + 1 >= INDEX_FLUSH_ENTRIES or not recovered.state_file_exists
 
+    def _append_line(
+        self,
+        paths: RolloutPaths,
+        effect: AppendEntry | AppendIntent | AppendIncompleteMark | AppendStagedLine | AppendLedgerLine,
+    ) -> int:
+        """Append one decided line to its file at the byte it was decided at; return the file's size after it.
+
+        A staged or ledger file longer than that holds bytes never acknowledged, so it is cut first.
+        """
+        if isinstance(effect, AppendEntry):
+            size = self._append(paths.entries, effect.line, effect.start, paths.rollout_id)
+            self._remember_written_line(effect.digest, effect.model_call_id)
+            return size
+        if isinstance(effect, AppendIntent):
+            path = paths.intents
+        elif isinstance(effect, AppendIncompleteMark):
+            path = paths.incomplete
+        else:
+            path = paths.staged if isinstance(effect, AppendStagedLine) else paths.ledger
+            if _size_of(path) > effect.start:
+                self._cut(CutTail(path, effect.start))
+        return self._append(path, effect.line, effect.start, paths.rollout_id)
+
     def _append(self, path: Path, line: bytes, expected_start: int, rollout_id: str) -> int:
         """Append one line and return the file's size after it.
 
         The line becomes durable at the operation's barrier, before the caller returns.
         """
-        deferral = self._deferral
-        start = deferral.append(path, line) if deferral.active else append_durably(path, line, durable=False)
+        start = append_durably(path, line, durable=False)
         self._commit.note_write()
         if start != expected_start:
             raise StoreCorruptionError(
@@ -663,7 +543,6 @@ class TokenCaptureStore:
 
     def _remove(self, path: Path) -> None:
         """Remove a file if it exists; the removal becomes durable at the operation's barrier."""
-        self._deferral.close_appenders((path,))
         if remove_if_exists(path):
             self._commit.note_write()
 
@@ -777,6 +656,50 @@ class TokenCaptureStore:
             except OSError as exc:
                 raise _block_write_error(rollout_id, exc) from exc
 
+    def carry_out_decided(self, event: Event, decision: Decision) -> bool:
+        """Carry out what a single writer decided from the state it keeps, under the rollout's lock.
+
+        For ``tokcap.log_projection``: what it does not keep in memory until its flush (a drop, retire or delete,
+        a staged or ledger row). The decided state is written where a barrier needs it on disk first (the fence
+        before the removals it guards) and synced there; otherwise the writer writes it at its flush. Return
+        whether the state is left for the flush. The writer owns the rollout's files: nothing is recovered here.
+        """
+        rollout_id = event.rollout_id
+        state, state_due = decision.state, False
+        with self._locked(rollout_id) as paths:
+            try:
+                if (
+                    isinstance(event, StageEvent)
+                    and event.blob_bytes
+                    and decision.verdict.outcome is ApplyOutcome.ACCEPTED
+                ):
+                    self._write_carried_blobs(paths, event)
+                for effect in decision.effects:
+                    if isinstance(effect, WriteState) and effect.state is None:
+                        state_due = True
+                    elif isinstance(effect, WriteState):
+                        self._replace_state_file(paths, effect.state or state)
+                        self._commit.note_write()
+                    elif isinstance(effect, Barrier):
+                        if state_due:
+                            self._replace_state_file(paths, state)
+                            self._commit.note_write()
+                            state_due = False
+                        self._barrier()
+                    elif isinstance(effect, RemoveRecords):
+                        self._remove_records(paths)
+                    elif isinstance(effect, RemoveState):
+                        self._remove(paths.state)
+                    else:
+                        self._append_line(paths, effect)
+                if decision.sync_even_if_unchanged:
+                    self._commit.note_write()
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+        return state_due
+
     # ------------------------------------------------------------------ reads
 
     def _read(self, rollout_id: str) -> RolloutState:
@@ -789,6 +712,15 @@ class TokenCaptureStore:
         with os.fdopen(open_no_follow(paths.entries, os.O_RDONLY), "rb") as handle:
             data = handle.read(state.indexed_size)
         return [TokenEntry.from_json(line) for line in data.split(b"\n") if line]
+
+    def read_entries_of(self, state: RolloutState) -> list[TokenEntry]:
+        """The entries ``state`` accepts, read from its rollout's file under the lock.
+
+        For a single writer whose state in memory is ahead of the state file (``tokcap.log_projection``):
+        its lines are written, its state is not yet.
+        """
+        with self._locked(state.rollout_id) as paths:
+            return self._entries_of(paths, state)
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """Every accepted entry of a rollout, in file order (which carries no meaning)."""
