@@ -1,8 +1,11 @@
 """The file store: a durable, rollout-keyed projection of capture events.
 
-It carries out the decisions of ``tokcap.rules``; it holds no rule of its own. Every mutating operation,
-the file store's own and the Kafka materializer's, builds an event, recovers the rollout's state
-(``tokcap.recovery``), asks ``tokcap.rules.decide`` what the event does, and carries out the effects in order.
+It carries out the decisions of ``tokcap.rules``; it holds no rule of its own. It serves a directory several
+processes may write (Gym's store among them): the files are the truth, so every operation builds an event,
+recovers the rollout's state from the files (``tokcap.recovery``; cached only while the files are exactly as
+the store left them), asks ``tokcap.rules.decide`` what the event does, and carries out the effects in order.
+A single writer that owns its directory and keeps the truth in memory (``tokcap.log_projection``) decides
+itself and uses the few functions of the section "a single writer", which are given what to write.
 File names live in ``tokcap.layout``, locks in ``tokcap.locks``, durability in ``tokcap.group_commit``,
 ``tokcap.write_queue`` and ``tokcap.durable_io``.
 
@@ -594,7 +597,7 @@ class TokenCaptureStore:
                 raise _named_write_error(event, exc) from exc
             return decision.verdict
 
-    # --------------------------------------------------------- a single writer's block
+    # ------------------------------------------------------------------ a single writer
 
     def recovered_for_block(self, rollout_id: str) -> RolloutState:
         """A rollout's state as a single writer resumes it in an open block, its files repaired first.
