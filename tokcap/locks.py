@@ -115,13 +115,11 @@ class _Hold:
 
 
 def _lock_file(path: str) -> int:
-    """Open the lock file (never removed by tokcap, so every locker shares one inode) and wait for its ``flock``."""
+    """Open the lock file (never removed by tokcap, so every locker shares one inode) and wait for its ``flock``.
+
+    The file is closed if the wait fails.
+    """
     fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
-    return _lock_open_file(fd)
-
-
-def _lock_open_file(fd: int) -> int:
-    """Wait for the ``flock`` of an open lock file; the file is closed if that fails."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:
