@@ -3,20 +3,18 @@
 ``python -m bench --only apply_cost --baseline DIR`` builds the main workload's entries once (64 rollouts x 2
 rounds x 8 turns, 1k-token system prompt) and measures, one call at a time from one thread, with real syncs:
 
-- the apply step: ``store.apply(event, position)`` over the event stream a materializer applies (intent and
-  put per turn, a freeze per rollout, log positions on four partitions), in deferred-durability blocks of the
-  size the measured tree's materializer sweeps (``SWEEP_BLOCK_MESSAGES``; 200 before it existed), or
-  ``--block``; CPU per event by kind, and each block's end (state writes and the sync) shared out over its
-  events; and the materializer's own path over the same stream, ``Projection.apply`` with a ``flush`` per block
-  (``projection_us_per_event``);
+- the apply step, the materializer's own path: ``Projection.apply(event, position)`` over the event stream a
+  materializer applies (intent and put per turn, a freeze per rollout, log positions on four partitions), with
+  a ``flush`` per block of the size the measured tree's materializer sweeps (``SWEEP_BLOCK_MESSAGES``), or
+  ``--block``; the whole stream (``projection_us_per_event``), then CPU per event by kind, and each flush
+  (lines, state writes and the sync) shared out over the block's events;
 - the file sink: ``begin_call_now`` + ``append`` per turn and ``freeze_now`` per rollout, as ``bench/cpu_cost``;
 - Gym 0.7.0's file store (its wheel, loaded as the tests load it) on the same entries, as the anchor.
 
 CPU is ``time.process_time`` (user + system of this process), not wall time, so the figures hold on a
 machine other jobs share; the ratios of trials run side by side in one run are the evidence.
 The scenario measures this checkout and ``--baseline DIR`` (``git worktree add /tmp/apply-base main``) in the
-same run, trials alternating, each in its own process (``bench.trials.apply_cost``); ``apply_many`` is timed in
-a process of its own, since after the other figures it would pay for their dirty pages and heap.
+same run, trials alternating, each in its own process (``bench.trials.apply_cost``).
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ from typing import Any
 __all__ = ["measure"]
 
 _REPO = Path(__file__).resolve().parent.parent
-_BLOCK_BEFORE_IT_WAS_NAMED = 200
-"""The materializer's block size in trees older than ``SWEEP_BLOCK_MESSAGES``."""
 _PARTITIONS = 4
 
 
@@ -84,43 +80,24 @@ def _events(workload: Any) -> list[tuple[str, Any, Any]]:
 
 
 def _apply_step(workload: Any, directory: Path, block_size: int) -> dict[str, float]:
-    """CPU us per event of ``store.apply`` in deferred blocks: the whole stream, then by kind.
+    """CPU us per event of ``Projection.apply`` with a ``flush`` per block: the whole stream, then by kind.
 
-    The headline (``all_us_per_event`` and its user/system split) comes from a pass with no clock read
+    The headline (``projection_us_per_event`` and its user/system split) comes from a pass with no clock read
     between events: reading the process CPU clock is a system call, two per event would add to every event
     a cost comparable to its own system calls and pull the ratio of two trees towards one. A second pass
-    over the same stream into another directory times each event by kind; its block ends are shared over
+    over the same stream into another directory times each event by kind; its flushes are shared over
     all events.
     """
     figures = _apply_step_whole(workload, directory / "whole", block_size)
     figures.update(_apply_step_by_kind(workload, directory / "by-kind", block_size))
-    projection = _apply_step_projection(workload, directory / "projection", block_size)
-    if projection is not None:
-        figures["projection_us_per_event"] = projection
     return figures
 
 
-def _apply_step_projection(workload: Any, directory: Path, block_size: int) -> float | None:
-    """CPU us per event of the materializer's own path: ``Projection.apply``, then ``flush`` per block.
-
-    ``None`` for a tree without a projection (``--baseline`` of an older checkout).
-    """
-    if importlib.util.find_spec("tokcap.log_projection") is None:
-        return None
+def _projection(directory: Path) -> Any:
     from tokcap.log_projection import Projection
     from tokcap.store import TokenCaptureStore
 
-    stream: list[tuple[str, Any, Any] | None] = list(_events(workload))
-    events = len(stream)
-    projection = Projection(TokenCaptureStore(directory))
-    started = time.process_time()
-    for first in range(0, events, block_size):
-        for index in range(first, min(first + block_size, events)):
-            _, event, position = _released(stream, index)
-            projection.apply(event, position)
-            del event
-        projection.flush()
-    return (time.process_time() - started) / events * 1e6
+    return Projection(TokenCaptureStore(directory))
 
 
 def _apply_step_whole(workload: Any, directory: Path, block_size: int) -> dict[str, float]:
@@ -130,69 +107,46 @@ def _apply_step_whole(workload: Any, directory: Path, block_size: int) -> dict[s
     time, but it counts in scheduler ticks (10 ms here), too coarse for a pass of about 100 ms to be the
     headline: a tick more or less moved a trial's figure by a tenth.
     """
-    from tokcap.store import TokenCaptureStore
-
     stream: list[tuple[str, Any, Any] | None] = list(_events(workload))
     events = len(stream)
-    store = TokenCaptureStore(directory)
+    projection = _projection(directory)
     before, cpu_before = os.times(), time.process_time()
     for first in range(0, events, block_size):
-        with store.deferred_durability():
-            for index in range(first, min(first + block_size, events)):
-                _, event, position = _released(stream, index)
-                store.apply(event, position)
-                del event
+        for index in range(first, min(first + block_size, events)):
+            _, event, position = _released(stream, index)
+            projection.apply(event, position)
+            del event
+        projection.flush()
     cpu_after, after = time.process_time(), os.times()
     user = (after.user - before.user) / events * 1e6
     system = (after.system - before.system) / events * 1e6
     total = (cpu_after - cpu_before) / events * 1e6
-    return {"all_us_per_event": total, "user_us_per_event": user, "system_us_per_event": system}
+    return {"projection_us_per_event": total, "user_us_per_event": user, "system_us_per_event": system}
 
 
 def _apply_step_by_kind(workload: Any, directory: Path, block_size: int) -> dict[str, float]:
-    """CPU us per event by kind, each event timed on its own; block ends shared over all events."""
-    from tokcap.store import TokenCaptureStore
-
+    """CPU us per event by kind, each event timed on its own; flushes shared over all events."""
     stream: list[tuple[str, Any, Any] | None] = list(_events(workload))
     events = len(stream)
-    store = TokenCaptureStore(directory)
+    projection = _projection(directory)
     cpu = {"intent": 0.0, "put": 0.0, "freeze": 0.0, "block_end": 0.0}
     counts = {"intent": 0, "put": 0, "freeze": 0}
     clock = time.process_time
     for first in range(0, events, block_size):
-        block = store.deferred_durability()
-        block.__enter__()
         for index in range(first, min(first + block_size, events)):
             kind, event, position = _released(stream, index)
             started = clock()
-            store.apply(event, position)
+            projection.apply(event, position)
             cpu[kind] += clock() - started
             counts[kind] += 1
             del event
         started = clock()
-        block.__exit__(None, None, None)
+        projection.flush()
         cpu["block_end"] += clock() - started
     figures = {f"{kind}_us": cpu[kind] / counts[kind] * 1e6 for kind in counts}
     figures["block_end_us_per_event"] = cpu["block_end"] / events * 1e6
     figures["timed_us_per_event"] = sum(cpu.values()) / events * 1e6
     return figures
-
-
-def _apply_step_grouped(workload: Any, directory: Path, block_size: int) -> float:
-    """CPU us per event of ``store.apply_many`` over the same blocks (each rollout's events under one lock hold)."""
-    from tokcap.store import TokenCaptureStore
-
-    stream: list[tuple[str, Any, Any] | None] = list(_events(workload))
-    events = len(stream)
-    store = TokenCaptureStore(directory)
-    clock = time.process_time
-    started = clock()
-    for first in range(0, events, block_size):
-        block = [_released(stream, index)[1:] for index in range(first, min(first + block_size, events))]
-        with store.deferred_durability():
-            store.apply_many(block)
-        del block
-    return (clock() - started) / events * 1e6
 
 
 def _released(stream: list[tuple[str, Any, Any] | None], index: int) -> tuple[str, Any, Any]:
@@ -330,7 +284,7 @@ def _load_gym() -> Any:
 def _materializer_block() -> int:
     """The block size the imported tree's materializer sweeps in."""
     materializer = importlib.import_module("transports.kafka.materializer")
-    return int(getattr(materializer, "SWEEP_BLOCK_MESSAGES", _BLOCK_BEFORE_IT_WAS_NAMED))
+    return int(materializer.SWEEP_BLOCK_MESSAGES)
 
 
 def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
@@ -342,10 +296,6 @@ def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     if args.block is None:
         args.block = _materializer_block()
     figures: dict[str, Any] = {"tokcap": str(Path(tokcap.__file__).resolve().parent), "block": args.block}
-    if args.grouped_only:
-        # A process of its own: run after the other figures, it would pay for their dirty pages and heap.
-        figures["grouped_us_per_event"] = _apply_step_grouped(workload, directory / "grouped", args.block)
-        return figures
     figures["apply"] = _apply_step(workload, directory / "apply", args.block)
     if args.apply_only:
         return figures

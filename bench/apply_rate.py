@@ -1,7 +1,7 @@
 """The materializer's apply step alone: decode each message and apply it to an empty store, in log order.
 
 Messages are read from the topic into memory first, so the figure excludes the consumer and the broker;
-they are applied in deferred-durability batches of the materializer's size, each made durable at its end.
+they are applied through the materializer's ``Projection``, flushed after each block of the materializer's size.
 Replay time (in ``kafka_trial``) is the end-to-end figure with the consumer.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from tokcap.events import Event, LogPosition, PutEvent
+from tokcap.log_projection import Projection
 from tokcap.store import TokenCaptureStore
 from transports.kafka.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
 from transports.kafka.delta_parents import ParentRestorer
@@ -77,24 +78,24 @@ def _read_topic(bootstrap: str, topic: str, ends: dict[int, int]) -> list[tuple[
 def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directory: Path) -> ApplyRate:
     """Read the topic, then time decoding and applying every message to a fresh store."""
     messages = _read_topic(bootstrap, topic, ends)
-    store = TokenCaptureStore(directory)
+    projection = Projection(TokenCaptureStore(directory))
     tokens = 0
     # Wire deltas are restored as the materializer restores them, from the puts decoded before them.
     parents = ParentRestorer()
     started, cpu_started = time.perf_counter(), time.thread_time()
     for first in range(0, len(messages), SWEEP_BLOCK_MESSAGES):
-        with store.deferred_durability():
-            for partition, offset, value, raw_headers, key in messages[first : first + SWEEP_BLOCK_MESSAGES]:
-                headers = headers_to_dict(raw_headers)
-                event: Event
-                if is_wire_delta(headers):
-                    event = parents.restore(key, partition, offset, decode_wire_delta(key, value, headers))
-                else:
-                    event = decode_event_value(value, headers)
-                    if isinstance(event, PutEvent):
-                        parents.remember(key, partition, offset, event)
-                store.apply(event, LogPosition(topic, partition, offset))
+        for partition, offset, value, raw_headers, key in messages[first : first + SWEEP_BLOCK_MESSAGES]:
+            headers = headers_to_dict(raw_headers)
+            event: Event
+            if is_wire_delta(headers):
+                event = parents.restore(key, partition, offset, decode_wire_delta(key, value, headers))
+            else:
+                event = decode_event_value(value, headers)
                 if isinstance(event, PutEvent):
-                    tokens += len(event.entry.prompt_token_ids) + len(event.entry.generation_token_ids)
+                    parents.remember(key, partition, offset, event)
+            projection.apply(event, LogPosition(topic, partition, offset))
+            if isinstance(event, PutEvent):
+                tokens += len(event.entry.prompt_token_ids) + len(event.entry.generation_token_ids)
+        projection.flush()
     seconds, cpu_seconds = time.perf_counter() - started, time.thread_time() - cpu_started
     return ApplyRate(len(messages), tokens, seconds, cpu_seconds)

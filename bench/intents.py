@@ -3,7 +3,7 @@
     python -m bench --only intents
 
 Per size (1,000, 2,000 and 4,000 pairs), the seconds to apply the pairs as a projection does (log positions,
-one deferred block per 200 events) and through the file store's own durable calls, the two taking turns, with
+a projection flushed every 200 events) and through the file store's own durable calls, the two taking turns, with
 the time per 1,000 pairs, so a quadratic cost shows as a figure that grows with the size.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.harness import Variant, alternate
 from tokcap.events import CancelEvent, IntentEvent, LogPosition
+from tokcap.log_projection import Projection
 from tokcap.store import TokenCaptureStore
 
 __all__ = ["measure_intents"]
@@ -24,16 +25,16 @@ _BLOCK = 200
 
 
 def _projected(root: Path, pairs: int) -> float:
-    store = TokenCaptureStore(root)
+    projection = Projection(TokenCaptureStore(root))
     events = []
     for n in range(pairs):
         events.append(IntentEvent(rollout_id="r", model_call_id=f"c{n}"))
         events.append(CancelEvent(rollout_id="r", model_call_id=f"c{n}"))
     start = time.perf_counter()
     for first in range(0, len(events), _BLOCK):
-        with store.deferred_durability():
-            for offset in range(first, min(first + _BLOCK, len(events))):
-                store.apply(events[offset], LogPosition("bench", 0, offset))
+        for offset in range(first, min(first + _BLOCK, len(events))):
+            projection.apply(events[offset], LogPosition("bench", 0, offset))
+        projection.flush()
     return time.perf_counter() - start
 
 

@@ -121,7 +121,6 @@ def _replay(
         seconds = time.perf_counter() - started
     finally:
         materializer.stop()
-    materializer.store.reconcile_indexes()
     figures = ReplayFigures(
         seconds=seconds,
         events=sum(high.values()),

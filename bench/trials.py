@@ -284,21 +284,15 @@ async def apply_cost(
     rollouts: int = 64,
     gym: bool = True,
     apply_only: bool = False,
-    grouped_only: bool = False,
     **_: Any,
 ) -> dict[str, float]:
     """CPU per event of the tree's apply step and per intent + put of its file sink, Gym's store beside them.
 
     The measuring code is this checkout's ``bench/apply_cost.py``, run against the tree on ``sys.path``.
-    ``grouped_only`` times ``apply_many`` alone (nothing when the tree's store has none).
     """
     import argparse
     import runpy
 
-    from tokcap.store import TokenCaptureStore
-
-    if grouped_only and not hasattr(TokenCaptureStore, "apply_many"):
-        return {}
     measure = runpy.run_path(str(Path(__file__).with_name("apply_cost.py")))["measure"]
     args = argparse.Namespace(
         rollouts=rollouts,
@@ -308,7 +302,6 @@ async def apply_cost(
         block=None,
         gym=gym,
         apply_only=apply_only,
-        grouped_only=grouped_only,
     )
     # ``measure`` runs its own event loops, so it runs in a thread with none.
     return _flat(await asyncio.to_thread(measure, args, directory))

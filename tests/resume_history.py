@@ -25,6 +25,7 @@ from tokcap.events import (
     RetireEvent,
 )
 from tokcap.layout import RolloutPaths
+from tokcap.log_projection import Projection
 from tokcap.rules import decide, snapshot_id_at
 from tokcap.state import RolloutState
 from tokcap.store import TokenCaptureStore
@@ -135,14 +136,14 @@ def block_start(block: int) -> int:
     return sum(len(events) for events in BLOCKS[:block])
 
 
-def apply_blocks(store: TokenCaptureStore, first_block: int = 0, end_block: int | None = None) -> None:
-    """Apply blocks ``first_block`` up to ``end_block``, each in one deferred-durability block, as a projection does."""
+def apply_blocks(projection: Projection, first_block: int = 0, end_block: int | None = None) -> None:
+    """Apply blocks ``first_block`` up to ``end_block``, each flushed at its end, as the materializer does."""
     offset = block_start(first_block)
     for events in BLOCKS[first_block:end_block]:
-        with store.deferred_durability():
-            for event in events:
-                store.apply(event, LogPosition(TOPIC, 0, offset))
-                offset += 1
+        for event in events:
+            projection.apply(event, LogPosition(TOPIC, 0, offset))
+            offset += 1
+        projection.flush()
 
 
 def _kill_self() -> None:
@@ -157,28 +158,31 @@ def run_until_killed(root: Path, block: int, events_before_kill: int, state_writ
     (after all of them: between the block's barrier and the checkpoint a projection would write).
     """
     store = TokenCaptureStore(root)
-    apply_blocks(store, 0, block)
+    projection = Projection(store)
+    apply_blocks(projection, 0, block)
     offset = block_start(block)
     events = BLOCKS[block]
+    flushing = [False]
     if state_writes_before_kill >= 0:
         write_state_file = store._replace_state_file
         closing_writes = [0]
 
-        def dying_write(paths: RolloutPaths, state: RolloutState) -> None:
-            if not store._deferral.active:
+        def dying_write(paths: RolloutPaths, state: RolloutState) -> bytes:
+            if flushing[0]:
                 if closing_writes[0] == state_writes_before_kill:
                     _kill_self()
                 closing_writes[0] += 1
-            write_state_file(paths, state)
+            return write_state_file(paths, state)
 
         store._replace_state_file = dying_write  # type: ignore[method-assign]
-    with store.deferred_durability():
-        for index, event in enumerate(events):
-            if index == events_before_kill and state_writes_before_kill < 0:
-                _kill_self()
-            store.apply(event, LogPosition(TOPIC, 0, offset + index))
-        if state_writes_before_kill < 0:
+    for index, event in enumerate(events):
+        if index == events_before_kill and state_writes_before_kill < 0:
             _kill_self()
+        projection.apply(event, LogPosition(TOPIC, 0, offset + index))
+    if state_writes_before_kill < 0:
+        _kill_self()
+    flushing[0] = True
+    projection.flush()
     _kill_self()
 
 

@@ -12,17 +12,14 @@ from pathlib import Path
 
 from tokcap.durable_io import open_no_follow
 
-__all__ = ["KEPT_LOCK_FILES", "RolloutLocks"]
-
-KEPT_LOCK_FILES = 128
-"""Unlocked lock files kept open at most while a deferred block runs."""
+__all__ = ["RolloutLocks"]
 
 
 class _RolloutLock:
     """One rollout's lock inside this process.
 
     ``users`` counts the threads holding or waiting for it; ``fd`` is the open lock file, locked while
-    ``depth`` > 0 and kept open unlocked between holds while lock files are kept.
+    ``depth`` > 0.
     """
 
     __slots__ = ("depth", "fd", "thread_lock", "users")
@@ -46,31 +43,6 @@ class RolloutLocks:
     def __init__(self) -> None:
         self._guard = threading.Lock()
         self._locks: dict[str, _RolloutLock] = {}
-        self._keeping = 0
-        self._kept: dict[str, None] = {}
-        """Rollouts whose lock file is kept open and unlocked, oldest first."""
-
-    def keep_files_open(self) -> None:
-        """Keep released lock files open (unlocked) for the next hold, until ``stop_keeping_files_open``.
-
-        A deferred block takes each rollout's lock once per event; opening the lock file by name and the
-        bookkeeping around it were a quarter of an event's cost. A kept descriptor is only right while the
-        lock file is not removed and recreated, which a deferred block already requires of the rollouts it
-        touches (their states live in memory until it ends). Calls nest; at most ``KEPT_LOCK_FILES`` are
-        kept, the oldest closed first.
-        """
-        with self._guard:
-            self._keeping += 1
-
-    def stop_keeping_files_open(self) -> None:
-        """End one ``keep_files_open``; the last one closes every kept lock file (held ones when released)."""
-        with self._guard:
-            self._keeping -= 1
-            if self._keeping:
-                return
-            kept, self._kept = self._kept, {}
-            for key in kept:
-                self._close_kept(key)
 
     def hold(self, path: Path) -> _Hold:
         """Hold the lock of ``path`` for the duration of a ``with`` block.
@@ -86,12 +58,11 @@ class RolloutLocks:
             if lock is None:
                 lock = self._locks[key] = _RolloutLock()
             lock.users += 1
-            self._kept.pop(key, None)
         try:
             lock.thread_lock.acquire()
             try:
                 if lock.depth == 0:
-                    lock.fd = _lock_file(key) if lock.fd < 0 else _lock_open_file(lock.fd)
+                    lock.fd = _lock_file(key)
                 lock.depth += 1
             except BaseException:
                 lock.fd = -1  # closed by the helper that failed
@@ -107,16 +78,8 @@ class RolloutLocks:
             lock.depth -= 1
             if lock.depth == 0:
                 try:
-                    if self._keeping:
-                        fcntl.flock(lock.fd, fcntl.LOCK_UN)
-                    else:
-                        fd, lock.fd = lock.fd, -1
-                        os.close(fd)
-                except BaseException:
-                    if lock.fd >= 0:
-                        fd, lock.fd = lock.fd, -1
-                        os.close(fd)
-                    raise
+                    fd, lock.fd = lock.fd, -1
+                    os.close(fd)
                 finally:
                     lock.thread_lock.release()
             else:
@@ -125,32 +88,11 @@ class RolloutLocks:
             self._done(key, lock)
 
     def _done(self, key: str, lock: _RolloutLock) -> None:
-        """One user less; a lock nobody uses is forgotten, or kept with its file open while files are kept."""
+        """One user less; a lock nobody uses is forgotten."""
         with self._guard:
             lock.users -= 1
-            if lock.users:
-                return
-            if lock.fd < 0:
+            if not lock.users:
                 del self._locks[key]
-                return
-            if not self._keeping:
-                self._close_kept(key)
-                return
-            self._kept[key] = None
-            if len(self._kept) > KEPT_LOCK_FILES:
-                oldest = next(iter(self._kept))
-                del self._kept[oldest]
-                self._close_kept(oldest)
-
-    def _close_kept(self, key: str) -> None:
-        """Close a lock file kept open for a lock nobody uses (the guard is held)."""
-        lock = self._locks[key]
-        if lock.users:
-            return
-        fd, lock.fd = lock.fd, -1
-        del self._locks[key]
-        if fd >= 0:
-            os.close(fd)
 
 
 class _Hold:
@@ -173,13 +115,11 @@ class _Hold:
 
 
 def _lock_file(path: str) -> int:
-    """Open the lock file (never removed by tokcap, so every locker shares one inode) and wait for its ``flock``."""
+    """Open the lock file (never removed by tokcap, so every locker shares one inode) and wait for its ``flock``.
+
+    The file is closed if the wait fails.
+    """
     fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
-    return _lock_open_file(fd)
-
-
-def _lock_open_file(fd: int) -> int:
-    """Wait for the ``flock`` of an open lock file; the file is closed if that fails."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:

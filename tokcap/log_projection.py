@@ -4,12 +4,13 @@ One process owns a projected directory (the Kafka materializer holds its partiti
 two flushes nothing but this object changes the rollouts it applies. It keeps each hot rollout's state and
 accepted entries in memory (one cache) and decides each event with ``tokcap.rules.decide`` against that state.
 What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out in memory: its lines are queued
-and written at the flush, one write per file and rollout. An event that removes files or must be durable before
-the next (drop, retire, delete, a staged row) first writes its rollout's queued lines, then is carried out by
-the store inside the block (``TokenCaptureStore.deferred_durability`` given this object's states, so the store
-reads and keeps them here). A freeze is answered from memory as soon as it is applied.
+and written at the flush, one write per file and rollout. An event that removes files or writes a staged or
+ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the store
+carries out the decision made here (``TokenCaptureStore.carry_out_decided``; a fence is synced before the
+removals it guards). A freeze is answered from memory as soon as it is applied.
 ``flush`` ends the block: queued lines and changed states are written once per rollout and synced together;
-the caller writes its checkpoint only after that.
+the caller writes its checkpoint only after that. The store never reads a rollout's state while this object
+holds it: between flushes the files may be behind memory, never ahead of it.
 
 Why an answer given before the flush is safe. A rollout's decisions are a pure function of its own events and
 their log positions: the state after an event depends only on the events before it, and a freeze's snapshot id
@@ -31,7 +32,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from tokcap.entry_copies import fresh_read_copy
@@ -77,9 +77,8 @@ class Projection:
     """Hot rollout states and entries of a directory one process owns; applies in blocks, answers from memory.
 
     Use it from one thread (the projection's loop): ``apply`` each event with its log position, ``snapshot`` to
-    answer a freeze it applied, ``flush`` before writing a checkpoint, ``abandon`` when the loop fails. Before
-    the store carries out anything itself for a rollout in the block (a mask applied through
-    ``router.carry_out``), ``write_queued`` puts that rollout's queued lines in its files.
+    answer a freeze it applied, ``flush`` before writing a checkpoint, ``abandon`` when the loop fails.
+    ``write_queued`` puts a rollout's queued lines in its files before the flush.
     """
 
     def __init__(
@@ -95,7 +94,8 @@ class Projection:
         self._states: OrderedDict[str, RolloutState] = OrderedDict()
         self._entries: OrderedDict[str, _HotEntries] = OrderedDict()
         self._tokens = 0
-        self._block: AbstractContextManager[None] | None = None
+        self._open = False
+        """Whether a block is open: something was applied since the last flush, or ``begin`` was called."""
         self._queued: dict[str, list[_Append]] = {}
         """Per rollout, the lines decided in this block and not written yet, in order."""
         self._dirty: set[str] = set()
@@ -123,20 +123,17 @@ class Projection:
     # ------------------------------------------------------------ blocks
 
     def begin(self) -> None:
-        """Open a block if none is open: events carried out on the store until ``flush`` are part of it."""
-        if self._block is None:
-            block = self._store.deferred_durability(self._states)
-            block.__enter__()
-            self._block = block
+        """Open a block if none is open, so the next ``flush`` syncs even when nothing was applied."""
+        self._open = True
 
     def flush(self) -> None:
         """Write the block's lines and states and sync them; then let go of the coldest states past the bound."""
-        if self._block is not None:
+        if self._open:
             for rollout_id in sorted(self._dirty):
                 self._write(rollout_id, with_state=True)
             self._dirty.clear()
-            block, self._block = self._block, None
-            block.__exit__(None, None, None)
+            self._open = False
+            self._store.sync()
         while len(self._states) > self._hot_rollouts:
             self._forget(next(iter(self._states)))
 
@@ -146,12 +143,8 @@ class Projection:
         The files may then be ahead of their states; the next owner's recovery cuts them back and the events
         past its checkpoint are applied again.
         """
-        block, self._block = self._block, None
-        if block is not None:
-            try:
-                block.__exit__(type(error), error, error.__traceback__)
-            except BaseException:
-                logger.debug("closing the failed block's files failed too", exc_info=True)
+        logger.debug("abandoning the projection's block after %r", error)
+        self._open = False
         self._states.clear()
         self._entries.clear()
         self._queued.clear()
@@ -176,12 +169,16 @@ class Projection:
             self._states.move_to_end(rollout_id)
             return decision.verdict
         if not all(_carried_in_memory(effect) for effect in decision.effects):
-            # The store carries it out itself, deciding again from the same state (kept here): same decision.
             self.write_queued(rollout_id)
             if any(isinstance(effect, RemoveRecords | RemoveState) for effect in decision.effects):
                 self._forget_entries(rollout_id)
+            self._states[rollout_id] = decision.state
             self._states.move_to_end(rollout_id)
-            return self._store.apply(event, position)
+            if self._store.carry_out_decided(event, decision):
+                self._dirty.add(rollout_id)
+            else:
+                self._dirty.discard(rollout_id)
+            return decision.verdict
         queued = self._queued.setdefault(rollout_id, [])
         queued.extend(effect for effect in decision.effects if isinstance(effect, _Append))
         self._states[rollout_id] = decision.state
@@ -236,7 +233,7 @@ class Projection:
         entries = self._copies(rollout_id, state)
         if entries is None:
             self.write_queued(rollout_id)
-            entries = self._store.read_entries(rollout_id)
+            entries = self._store.read_entries_of(state)
         return self._store._snapshot_from(rollout_id, state, entries, as_of)
 
     def _copies(self, rollout_id: str, state: RolloutState) -> list[TokenEntry] | None:

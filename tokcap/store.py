@@ -1,8 +1,11 @@
 """The file store: a durable, rollout-keyed projection of capture events.
 
-It carries out the decisions of ``tokcap.rules``; it holds no rule of its own. Every mutating operation,
-the file store's own and the Kafka materializer's, builds an event, recovers the rollout's state
-(``tokcap.recovery``), asks ``tokcap.rules.decide`` what the event does, and carries out the effects in order.
+It carries out the decisions of ``tokcap.rules``; it holds no rule of its own. It serves a directory several
+processes may write (Gym's store among them): the files are the truth, so every operation builds an event,
+recovers the rollout's state from the files (``tokcap.recovery``; cached only while the files are exactly as
+the store left them), asks ``tokcap.rules.decide`` what the event does, and carries out the effects in order.
+A single writer that owns its directory and keeps the truth in memory (``tokcap.log_projection``) decides
+itself and uses the few functions of the section "a single writer", which are given what to write.
 File names live in ``tokcap.layout``, locks in ``tokcap.locks``, durability in ``tokcap.group_commit``,
 ``tokcap.write_queue`` and ``tokcap.durable_io``.
 
@@ -25,7 +28,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +38,7 @@ import orjson
 
 from tokcap.durable_io import (
     append_durably,
-    append_to,
     fsync_directory,
-    open_for_append,
     open_no_follow,
     read_no_follow,
     remove_if_exists,
@@ -108,7 +109,6 @@ __all__ = [
     "INCOMPLETE_SUFFIX",
     "INDEX_FLUSH_ENTRIES",
     "INTENTS_SUFFIX",
-    "KEPT_APPENDERS",
     "LOCK_SUFFIX",
     "STATE_SUFFIX",
     "AcceptedEntries",
@@ -145,85 +145,11 @@ _REMEMBERED_LINES = 65_536
 """How many appended lines' call ids a store remembers to re-index its lagging tails without parsing them."""
 
 
-KEPT_APPENDERS = 128
-"""Side files a deferred block keeps open at most (each rollout has up to three)."""
+class _WriterBatch(threading.local):
+    """Whether this thread is running an operation of the writer thread's batch, whose one barrier makes it
+    durable before its caller is answered."""
 
-
-@dataclass
-class _KeptAppender:
-    """A side file a deferred block keeps open, and the size it must have: its size when opened plus the
-    block's own appends."""
-
-    fd: int
-    size: int
-
-
-class _Deferral(threading.local):
-    """The deferred-durability block of one thread: the states it keeps (its caller's, or its own), which of
-    them await a write, and the side files it appends to, kept open until the block ends (an ``open`` and a
-    ``close`` per event cost more than the write)."""
-
-    active: bool = False
-    barrier_deferred: bool = False
-
-    def __init__(self) -> None:
-        self.states: MutableMapping[str, RolloutState] = {}
-        self.dirty: set[str] = set()
-        self.appenders: dict[Path, _KeptAppender] = {}
-
-    def append(self, path: Path, line: bytes) -> int:
-        """Append one line through the kept descriptor of ``path`` (opened now if not kept); return the size
-        the file had before it.
-
-        The size is asked of the file once, when the descriptor is opened; after that the block counts its
-        own appends, and the count is checked against the file when the descriptor is closed, so a write
-        from outside the block is still caught before the block ends. At most ``KEPT_APPENDERS`` stay open,
-        the oldest closed first: a block over a thousand rollouts would otherwise run out of descriptors (a
-        soft limit of 1,024 is common).
-        """
-        kept = self.appenders.get(path)
-        if kept is None:
-            if len(self.appenders) >= KEPT_APPENDERS:
-                self._close(next(iter(self.appenders)), check=True)
-            fd = open_for_append(path)
-            try:
-                kept = _KeptAppender(fd, os.fstat(fd).st_size)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.appenders[path] = kept
-        start = kept.size
-        append_to(kept.fd, path, line, measure=False)
-        kept.size = start + len(line)
-        return start
-
-    def close_appenders(self, paths: Iterable[Path] | None = None, *, check: bool = True) -> None:
-        """Close the kept descriptors of ``paths`` (all of them by default), before the files are cut or removed.
-
-        ``check`` compares each file's size with the block's count first (skipped when the block is failing).
-        """
-        chosen = list(self.appenders) if paths is None else [path for path in paths if path in self.appenders]
-        first_error: StoreCorruptionError | None = None
-        for path in chosen:
-            try:
-                self._close(path, check=check)
-            except StoreCorruptionError as exc:  # close the others first: none may stay open
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-
-    def _close(self, path: Path, *, check: bool) -> None:
-        kept = self.appenders.pop(path)
-        try:
-            found = os.fstat(kept.fd).st_size if check else kept.size
-        finally:
-            os.close(kept.fd)
-        if found != kept.size:
-            raise StoreCorruptionError(
-                f"{path} grew outside the rollout lock while a deferred block kept it open (the block wrote it "
-                f"to {kept.size} bytes, found {found}); another program is writing to the store. Stop it, then "
-                "restart the projection: it cuts the files back to their states and applies the events again"
-            )
+    running: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,7 +200,7 @@ class TokenCaptureStore:
         self._root.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(self._root)
         self._commit = GroupCommitter(filesystem_sync_for(self._root))
-        self._deferral = _Deferral()
+        self._batch = _WriterBatch()
         self._writes = WriteQueue(self._run_without_own_barrier, self._barrier, name="tokcap-store-writer")
         self._rollout_locks = RolloutLocks()
         self._call_ids_of_written_lines: dict[str, str] = {}
@@ -303,11 +229,11 @@ class TokenCaptureStore:
 
     def _run_without_own_barrier(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """Run one queued operation; its writes become durable at the end of its batch."""
-        self._deferral.barrier_deferred = True
+        self._batch.running = True
         try:
             return function(*args)
         finally:
-            self._deferral.barrier_deferred = False
+            self._batch.running = False
 
     # ------------------------------------------------------------ durability
 
@@ -321,59 +247,18 @@ class TokenCaptureStore:
         self._commit.wait_durable()
 
     def _end_of_operation(self, *, forced: bool = False) -> None:
-        """Make the operation durable now, unless its batch (writer thread or projection block) does it later."""
+        """Make the operation durable now, unless the writer thread's batch does it before answering its caller."""
         if forced:
             self._commit.note_write()
-        if not self._deferral.active and not self._deferral.barrier_deferred:
+        if not self._batch.running:
             self._barrier()
 
-    @contextmanager
-    def deferred_durability(self, states: MutableMapping[str, RolloutState] | None = None) -> Iterator[None]:
-        """Apply many events and make them durable together at the end of the block.
+    def sync(self) -> None:
+        """Make every write this store made durable, with one filesystem sync shared with concurrent writers.
 
-        Inside the block, operations return before their writes are durable, and each rollout's state stays
-        in memory; the states are written once per rollout at the end, then synced together.
-        Ordering barriers (a retired state before the removals it guards) still sync at once.
-        Only a single-writer projection that records its own checkpoint after the block should use this:
-        if the process dies inside the block, the files may be ahead of their states, and the projection's
-        next apply cuts them back and applies the same events again. The block owns the rollouts it touches
-        until it ends: nothing else may write or remove their files, so it also keeps their lock files open
-        between events (readers still take each lock between two events).
-
-        With ``states``, the block reads and keeps each rollout's state in that mapping, and leaves them there:
-        a single writer whose memory is the truth between blocks (``tokcap.log_projection``) passes its own.
+        A single writer that leaves syncs to the end of its block (``tokcap.log_projection``) calls it there.
         """
-        deferral = self._deferral
-        outermost = not deferral.active
-        if not outermost:
-            yield
-            return
-        deferral.active = True
-        deferral.states, deferral.dirty = ({} if states is None else states), set()
-        self._rollout_locks.keep_files_open()
-        try:
-            failed = True
-            try:
-                yield
-                failed = False
-            finally:
-                deferral.active = False
-                states, dirty = deferral.states, deferral.dirty
-                deferral.states, deferral.dirty = {}, set()
-                deferral.close_appenders(check=not failed)
-            for rollout_id in sorted(dirty):
-                paths = self._paths_of(rollout_id)
-                with self._rollout_locks.hold(paths.lock):
-                    written = self._replace_state_file(paths, states[rollout_id])
-                    self._remember_state(
-                        rollout_id,
-                        _files_identity(paths, written),
-                        Recovered(states[rollout_id], (), 0, True),
-                    )
-            self._commit.note_write()
-            self._barrier()
-        finally:
-            self._rollout_locks.stop_keeping_files_open()
+        self._forced_barrier()
 
     # ----------------------------------------------------------------- paths
 
@@ -448,17 +333,12 @@ class TokenCaptureStore:
 
     def _recovered_with_identity(
         self, paths: RolloutPaths, *, replaying: bool, writing: bool
-    ) -> tuple[Recovered, _FilesIdentity | None]:
+    ) -> tuple[Recovered, _FilesIdentity]:
         """The rollout's state and the identity of the files it was recovered from (after any repair).
 
-        Inside a deferred block the state the block keeps in memory is the truth (and no identity is taken).
-        Otherwise a state this store recovered or wrote is reused while the rollout's files are exactly as it
-        left them, so an operation costs a few ``stat`` calls, not a parse of a state that grows with the rollout.
+        A state this store recovered or wrote is reused while the rollout's files are exactly as it left them,
+        so an operation costs a few ``stat`` calls, not a parse of a state that grows with the rollout.
         """
-        if self._deferral.active:
-            kept = self._deferral.states.get(paths.rollout_id)
-            if kept is not None:
-                return Recovered(kept, (), 0, True), None
         identity = _files_identity(paths)
         cached = self._recovered_states.get(paths.rollout_id)
         if cached is not None and cached[0] == identity and (cached[1].lagging_lines == 0 or not replaying):
@@ -492,7 +372,6 @@ class TokenCaptureStore:
     def _cut(self, cut: CutTail) -> None:
         """Cut bytes no state covers: a torn line never acknowledged, or a projection's unapplied tail."""
         logger.warning("cutting %s back to %d bytes: they were never committed", cut.path, cut.size)
-        self._deferral.close_appenders((cut.path,), check=False)
         if cut.size == 0:
             remove_if_exists(cut.path)
         else:
@@ -524,9 +403,9 @@ class TokenCaptureStore:
             state_written, known = self._carry_out(
                 paths, decision, recovered, identity, fence_only=fence_only
             )
-            if position is None and isinstance(event, PutEvent) and not self._deferral.active:
+            if position is None and isinstance(event, PutEvent):
                 self._keep_appended_entry(paths.rollout_id, event, decision)
-            if not self._deferral.active and not fence_only:
+            if not fence_only:
                 lagging = 0 if state_written else recovered.lagging_lines + 1
                 if known is None:
                     exists = state_written or (recovered.state_file_exists and paths.state.exists())
@@ -561,7 +440,7 @@ class TokenCaptureStore:
         paths: RolloutPaths,
         decision: Decision,
         recovered: Recovered,
-        identity: _FilesIdentity | None,
+        identity: _FilesIdentity,
         *,
         fence_only: bool,
     ) -> tuple[bool, _FilesIdentity | None]:
@@ -573,35 +452,23 @@ class TokenCaptureStore:
         removal it returns ``None`` and the caller takes the identity from the files.
         """
         state = decision.state
-        deferred = self._deferral.active
-        rollout_id = paths.rollout_id
-        state_written = False
-        if identity is None:
-            known_state, entries_size, intents_size, incomplete_size, exact = None, -1, -1, -1, False
-        else:
-            known_state, entries_size, intents_size, incomplete_size = identity
-            exact = True
+        state_written, exact = False, True
+        known_state, entries_size, intents_size, incomplete_size = identity
         for effect in decision.effects:
             if isinstance(effect, AppendEntry):
-                entries_size = self._append(paths.entries, effect.line, effect.start, rollout_id)
-                self._remember_written_line(effect.digest, effect.model_call_id)
+                entries_size = self._append_line(paths, effect)
             elif isinstance(effect, AppendIntent):
-                intents_size = self._append(paths.intents, effect.line, effect.start, rollout_id)
+                intents_size = self._append_line(paths, effect)
             elif isinstance(effect, AppendIncompleteMark):
-                incomplete_size = self._append(paths.incomplete, effect.line, effect.start, rollout_id)
+                incomplete_size = self._append_line(paths, effect)
             elif isinstance(effect, AppendStagedLine | AppendLedgerLine):
-                path = paths.staged if isinstance(effect, AppendStagedLine) else paths.ledger
-                if _size_of(path) > effect.start:
-                    self._cut(CutTail(path, effect.start))
-                self._append(path, effect.line, effect.start, rollout_id)
+                self._append_line(paths, effect)
             elif isinstance(effect, WriteState) and effect.state is not None:
                 self._replace_state_file(paths, effect.state)
                 self._commit.note_write()
                 exact = False
             elif isinstance(effect, WriteState):
-                if deferred:
-                    self._deferral.dirty.add(rollout_id)
-                elif effect.durable or state.last_position is not None or self._index_write_due(recovered):
+                if effect.durable or state.last_position is not None or self._index_write_due(recovered):
                     known_state = self._replace_state_file(paths, state)
                     state_written = True
                     if effect.durable:
@@ -609,10 +476,6 @@ class TokenCaptureStore:
             elif isinstance(effect, Barrier):
                 if fence_only:
                     return state_written, None
-                if deferred and rollout_id in self._deferral.dirty:
-                    self._deferral.dirty.discard(rollout_id)
-                    self._replace_state_file(paths, state)
-                    self._commit.note_write()
                 self._barrier()
             elif isinstance(effect, RemoveRecords):
                 self._remove_records(paths)
@@ -621,8 +484,6 @@ class TokenCaptureStore:
                 self._remove(paths.state)
                 state_written = False
                 exact = False
-        if deferred:
-            self._deferral.states[rollout_id] = state
         if not exact:
             return state_written, None
         return state_written, (known_state, entries_size, intents_size, incomplete_size)
@@ -639,13 +500,35 @@ class TokenCaptureStore:
         """An index-only change of the file store is written every few lines, or when there is no state file."""
         return recovered.lagging_lines + 1 >= INDEX_FLUSH_ENTRIES or not recovered.state_file_exists
 
+    def _append_line(
+        self,
+        paths: RolloutPaths,
+        effect: AppendEntry | AppendIntent | AppendIncompleteMark | AppendStagedLine | AppendLedgerLine,
+    ) -> int:
+        """Append one decided line to its file at the byte it was decided at; return the file's size after it.
+
+        A staged or ledger file longer than that holds bytes never acknowledged, so it is cut first.
+        """
+        if isinstance(effect, AppendEntry):
+            size = self._append(paths.entries, effect.line, effect.start, paths.rollout_id)
+            self._remember_written_line(effect.digest, effect.model_call_id)
+            return size
+        if isinstance(effect, AppendIntent):
+            path = paths.intents
+        elif isinstance(effect, AppendIncompleteMark):
+            path = paths.incomplete
+        else:
+            path = paths.staged if isinstance(effect, AppendStagedLine) else paths.ledger
+            if _size_of(path) > effect.start:
+                self._cut(CutTail(path, effect.start))
+        return self._append(path, effect.line, effect.start, paths.rollout_id)
+
     def _append(self, path: Path, line: bytes, expected_start: int, rollout_id: str) -> int:
         """Append one line and return the file's size after it.
 
         The line becomes durable at the operation's barrier, before the caller returns.
         """
-        deferral = self._deferral
-        start = deferral.append(path, line) if deferral.active else append_durably(path, line, durable=False)
+        start = append_durably(path, line, durable=False)
         self._commit.note_write()
         if start != expected_start:
             raise StoreCorruptionError(
@@ -663,7 +546,6 @@ class TokenCaptureStore:
 
     def _remove(self, path: Path) -> None:
         """Remove a file if it exists; the removal becomes durable at the operation's barrier."""
-        self._deferral.close_appenders((path,))
         if remove_if_exists(path):
             self._commit.note_write()
 
@@ -715,34 +597,7 @@ class TokenCaptureStore:
                 raise _named_write_error(event, exc) from exc
             return decision.verdict
 
-    def apply_many(self, events: Sequence[tuple[Event, LogPosition | None]]) -> list[ApplyResult]:
-        """Apply events as ``apply`` would one after another; return their verdicts in the same order.
-
-        Inside a deferred block, each rollout's events are applied together under one hold of its lock, in
-        their order: rollouts share no state, so only the order within a rollout matters, and taking a
-        rollout's lock once instead of once per event is most of what an event costs beyond its own work.
-        Outside a block each event is applied on its own, durable before the next, exactly as ``apply``.
-        A failure stops at the failing event; in a block, events of other rollouts that come later in
-        ``events`` may have been applied already, which the block's own crash rule covers (the projection
-        applies the events past its checkpoint again, cutting what they wrote).
-        """
-        if not self._deferral.active:
-            return [self.apply(event, position) for event, position in events]
-        by_rollout: dict[str, list[int]] = {}
-        for index, (event, _) in enumerate(events):
-            by_rollout.setdefault(event.rollout_id, []).append(index)
-        results: list[ApplyResult | None] = [None] * len(events)
-        for rollout_id, indexes in by_rollout.items():
-            with self._locked(rollout_id) as paths:
-                for index in indexes:
-                    event, position = events[index]
-                    with _write_errors_named(event):
-                        decision = self._apply_locked(paths, event, position)
-                        self._end_of_operation(forced=decision.sync_even_if_unchanged)
-                    results[index] = decision.verdict
-        return [result for result in results if result is not None]
-
-    # --------------------------------------------------------- a single writer's block
+    # ------------------------------------------------------------------ a single writer
 
     def recovered_for_block(self, rollout_id: str) -> RolloutState:
         """A rollout's state as a single writer resumes it in an open block, its files repaired first.
@@ -804,6 +659,50 @@ class TokenCaptureStore:
             except OSError as exc:
                 raise _block_write_error(rollout_id, exc) from exc
 
+    def carry_out_decided(self, event: Event, decision: Decision) -> bool:
+        """Carry out what a single writer decided from the state it keeps, under the rollout's lock.
+
+        For ``tokcap.log_projection``: what it does not keep in memory until its flush (a drop, retire or delete,
+        a staged or ledger row). The decided state is written where a barrier needs it on disk first (the fence
+        before the removals it guards) and synced there; otherwise the writer writes it at its flush. Return
+        whether the state is left for the flush. The writer owns the rollout's files: nothing is recovered here.
+        """
+        rollout_id = event.rollout_id
+        state, state_due = decision.state, False
+        with self._locked(rollout_id) as paths:
+            try:
+                if (
+                    isinstance(event, StageEvent)
+                    and event.blob_bytes
+                    and decision.verdict.outcome is ApplyOutcome.ACCEPTED
+                ):
+                    self._write_carried_blobs(paths, event)
+                for effect in decision.effects:
+                    if isinstance(effect, WriteState) and effect.state is None:
+                        state_due = True
+                    elif isinstance(effect, WriteState):
+                        self._replace_state_file(paths, effect.state or state)
+                        self._commit.note_write()
+                    elif isinstance(effect, Barrier):
+                        if state_due:
+                            self._replace_state_file(paths, state)
+                            self._commit.note_write()
+                            state_due = False
+                        self._barrier()
+                    elif isinstance(effect, RemoveRecords):
+                        self._remove_records(paths)
+                    elif isinstance(effect, RemoveState):
+                        self._remove(paths.state)
+                    else:
+                        self._append_line(paths, effect)
+                if decision.sync_even_if_unchanged:
+                    self._commit.note_write()
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+        return state_due
+
     # ------------------------------------------------------------------ reads
 
     def _read(self, rollout_id: str) -> RolloutState:
@@ -816,6 +715,15 @@ class TokenCaptureStore:
         with os.fdopen(open_no_follow(paths.entries, os.O_RDONLY), "rb") as handle:
             data = handle.read(state.indexed_size)
         return [TokenEntry.from_json(line) for line in data.split(b"\n") if line]
+
+    def read_entries_of(self, state: RolloutState) -> list[TokenEntry]:
+        """The entries ``state`` accepts, read from its rollout's file under the lock.
+
+        For a single writer whose state in memory is ahead of the state file (``tokcap.log_projection``):
+        its lines are written, its state is not yet.
+        """
+        with self._locked(state.rollout_id) as paths:
+            return self._entries_of(paths, state)
 
     def read_entries(self, rollout_id: str) -> list[TokenEntry]:
         """Every accepted entry of a rollout, in file order (which carries no meaning)."""
@@ -896,27 +804,6 @@ class TokenCaptureStore:
     def read_incomplete_marks(self, rollout_id: str) -> list[IncompleteMark]:
         """Why the rollout is masked: one marker per lost call and reason."""
         return list(self._read(rollout_id).incomplete_marks)
-
-    def reconcile_indexes(self) -> int:
-        """Bring every rollout's state up to date with its files; return how many states were rewritten.
-
-        A projection calls this when it stops, so the state files it leaves depend only on the events applied,
-        not on where index-only writes happened to fall.
-        """
-        rewritten = 0
-        for rollout_id in self.rollout_ids():
-            with self._locked(rollout_id) as paths:
-                recovered = self._recovered(paths, replaying=False, writing=True)
-                if recovered.state.retired:
-                    continue
-                if recovered.lagging_lines or (
-                    recovered.state.indexed_size and not recovered.state_file_exists
-                ):
-                    self._replace_state_file(paths, recovered.state)
-                    self._commit.note_write()
-                    rewritten += 1
-        self._barrier()
-        return rewritten
 
     def snapshot(self, rollout_id: str, *, as_of: LogPosition | None = None) -> TokenCaptureSnapshot:
         """The snapshot of a rollout that is already frozen; used after a freeze applied elsewhere.

@@ -240,7 +240,7 @@ def test_a_materializer_killed_fifty_times_mid_batch_ends_byte_identical_to_a_cl
     for _ in range(KILL_CYCLES):
         process = start_process(kafka_bootstrap, topic, crashed, log)
         # Kill once the process has checkpointed one batch of its own, a random moment into the next batch:
-        # inside its deferred-durability block, whose applied events are not yet checkpointed. Any moment
+        # inside its projection block, whose applied events are not yet checkpointed. Any moment
         # must do; the randomness only spreads the kills over the block.
         before = checkpointed(crashed, topic)
         while before != end and checkpointed(crashed, topic) == before and process.poll() is None:

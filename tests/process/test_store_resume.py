@@ -1,4 +1,4 @@
-"""Exact resume: a projection killed at any event boundary of a deferred block resumes to a clean replay's bytes."""
+"""A projection killed at any event boundary of a block, or in its flush, resumes to a clean replay's bytes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from resume_history import BLOCKS, apply_blocks
 from store_contract import directory_contents
 
+from tokcap.log_projection import Projection
 from tokcap.store import TokenCaptureStore
 
 _TESTS = Path(__file__).resolve().parents[1]
@@ -25,10 +26,10 @@ def _without_locks(root: Path) -> dict[str, bytes]:
 def clean_replay(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, bytes]]:
     """The directory a clean replay leaves after each block."""
     root = tmp_path_factory.mktemp("clean")
-    store = TokenCaptureStore(root)
+    projection = Projection(TokenCaptureStore(root))
     after_each_block = []
     for block in range(len(BLOCKS)):
-        apply_blocks(store, block, block + 1)
+        apply_blocks(projection, block, block + 1)
         after_each_block.append(_without_locks(root))
     return after_each_block
 
@@ -72,7 +73,7 @@ def test_a_projection_killed_at_any_boundary_resumes_to_the_bytes_of_a_clean_rep
     killer.stdin.write(f"{tmp_path} {block} {boundary} {closing_writes}\n")
     killer.stdin.flush()
     assert killer.stdout.readline().strip() == "signal 9"
-    resumed = TokenCaptureStore(tmp_path)
+    resumed = Projection(TokenCaptureStore(tmp_path))
     apply_blocks(resumed, block, block + 1)
     assert _without_locks(tmp_path) == clean_replay[block]
     apply_blocks(resumed, block + 1)

@@ -1,4 +1,4 @@
-"""Per-rollout locks: what other lockers see, and what a deferred block keeps open."""
+"""Per-rollout locks: what other lockers see, and what a projection holds between events."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 from tokcap.events import IntentEvent, LogPosition
-from tokcap.locks import KEPT_LOCK_FILES, RolloutLocks
+from tokcap.locks import RolloutLocks
+from tokcap.log_projection import Projection
 from tokcap.store import TokenCaptureStore
 
 
@@ -47,37 +48,24 @@ def test_a_held_rollout_lock_excludes_other_lockers_and_is_free_once_released(tm
     assert _lock_files_open(tmp_path) == 0
 
 
-def test_a_deferred_block_keeps_lock_files_open_but_unlocked_between_events(tmp_path: Path) -> None:
+def test_a_projection_holds_no_rollout_lock_or_lock_file_between_events(tmp_path: Path) -> None:
     """Readers take a rollout's lock between two events of a block; the block must not hold it for them."""
     store = TokenCaptureStore(tmp_path)
-    with store.deferred_durability():
-        store.apply(IntentEvent(rollout_id="r", model_call_id="c1"), LogPosition("run", 0, 0))
-        assert _lock_files_open(tmp_path) == 1
-        assert _try_lock(store.lock_path_for("r"))
-        with store._rollout_locks.hold(store.lock_path_for("r")):
-            assert not _try_lock(store.lock_path_for("r"))
-        store.apply(IntentEvent(rollout_id="r", model_call_id="c2"), LogPosition("run", 0, 1))
-        assert _try_lock(store.lock_path_for("r"))
+    projection = Projection(store)
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="c1"), LogPosition("run", 0, 0))
+    projection.write_queued("r")
+    assert _lock_files_open(tmp_path) == 0
+    assert _try_lock(store.lock_path_for("r"))
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="c2"), LogPosition("run", 0, 1))
+    projection.write_queued("r")
+    assert _try_lock(store.lock_path_for("r"))
+    projection.flush()
     assert _lock_files_open(tmp_path) == 0
     assert store.intents_path_for("r").read_bytes() == b"c1\nc2\n"
 
 
-def test_a_deferred_block_keeps_at_most_its_bound_of_lock_files_open(tmp_path: Path) -> None:
-    store = TokenCaptureStore(tmp_path)
-    most = 0
-    with store.deferred_durability():
-        for offset in range(KEPT_LOCK_FILES + 40):
-            store.apply(
-                IntentEvent(rollout_id=f"r{offset}", model_call_id="c1"), LogPosition("run", 0, offset)
-            )
-            if offset % 20 == 0:
-                most = max(most, _lock_files_open(tmp_path))
-    assert KEPT_LOCK_FILES // 2 < most <= KEPT_LOCK_FILES
-    assert _lock_files_open(tmp_path) == 0
-
-
 def test_threads_sharing_rollout_locks_exclude_each_other_and_leave_no_file_open(tmp_path: Path) -> None:
-    """Many threads take a few rollouts' locks while another thread starts and ends keeping files open.
+    """Many threads take a few rollouts' locks, re-entering some.
 
     A rollout's lock is held by one thread at a time, another description of its lock file can never take
     the ``flock`` meanwhile, and once everyone is done no lock file is open and no lock is remembered.
@@ -90,7 +78,6 @@ def test_threads_sharing_rollout_locks_exclude_each_other_and_leave_no_file_open
     inside: dict[Path, int] = dict.fromkeys(paths, 0)
     guard = threading.Lock()
     failures: list[str] = []
-    done = threading.Event()
 
     def worker(seed: int) -> None:
         chooser = random.Random(seed)
@@ -112,23 +99,12 @@ def test_threads_sharing_rollout_locks_exclude_each_other_and_leave_no_file_open
                 with guard:
                     inside[path] -= 1
 
-    def keeper() -> None:
-        while not done.is_set():
-            locks.keep_files_open()
-            locks.keep_files_open()
-            locks.stop_keeping_files_open()
-            locks.stop_keeping_files_open()
-
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
-    toggler = threading.Thread(target=keeper)
-    toggler.start()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    done.set()
-    toggler.join()
     assert failures == []
     assert _lock_files_open(tmp_path) == 0
-    assert locks._locks == {} and locks._kept == {}
+    assert locks._locks == {}
     assert all(_try_lock(path) for path in paths)

@@ -20,9 +20,9 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from tokcap.locks import KEPT_LOCK_FILES
+from tokcap.log_projection import Projection
 from tokcap.rules import decide
-from tokcap.store import KEPT_APPENDERS, ApplyOutcome, TokenCaptureStore
+from tokcap.store import ApplyOutcome, TokenCaptureStore
 
 
 def _at(offset: int) -> LogPosition:
@@ -88,31 +88,35 @@ def _files_open_under(directory: Path) -> list[str]:
     return found
 
 
-def test_a_deferred_block_leaves_no_side_file_open_when_it_ends_or_fails(tmp_path: Path) -> None:
-    store = TokenCaptureStore(tmp_path)
-    with store.deferred_durability():
-        for offset, call_id in enumerate(("c1", "c2")):
-            store.apply(IntentEvent(rollout_id="r", model_call_id=call_id), _at(2 * offset))
-            store.apply(PutEvent(rollout_id="r", entry=make_entry("r", call_id)), _at(2 * offset + 1))
+def test_a_projection_leaves_no_side_file_open_between_events_after_its_flush_or_when_abandoned(
+    tmp_path: Path,
+) -> None:
+    projection = Projection(TokenCaptureStore(tmp_path))
+    for offset, call_id in enumerate(("c1", "c2")):
+        projection.apply(IntentEvent(rollout_id="r", model_call_id=call_id), _at(2 * offset))
+        projection.apply(PutEvent(rollout_id="r", entry=make_entry("r", call_id)), _at(2 * offset + 1))
+    projection.flush()
     assert _files_open_under(tmp_path) == []
-    with pytest.raises(RuntimeError), store.deferred_durability():
-        store.apply(IntentEvent(rollout_id="r", model_call_id="c3"), _at(4))
-        assert _files_open_under(tmp_path) != []
-        raise RuntimeError("the projection failed inside its block")
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="c3"), _at(4))
+    projection.write_queued("r")
+    assert _files_open_under(tmp_path) == []
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="c4"), _at(5))
+    projection.abandon(RuntimeError("the projection failed inside its block"))
     assert _files_open_under(tmp_path) == []
 
 
-def test_a_rollout_deleted_and_written_again_in_one_deferred_block_keeps_only_the_new_lines(
+def test_a_rollout_deleted_and_written_again_in_one_block_keeps_only_the_new_lines(
     tmp_path: Path,
 ) -> None:
     store = TokenCaptureStore(tmp_path)
-    with store.deferred_durability():
-        store.apply(IntentEvent(rollout_id="r", model_call_id="old"), _at(0))
-        store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "old")), _at(1))
-        store.apply(RetireEvent(rollout_id="r"), _at(2))
-        store.apply(DeleteEvent(rollout_id="r"), _at(3))
-        store.apply(IntentEvent(rollout_id="r", model_call_id="new"), _at(4))
-        store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "new")), _at(5))
+    projection = Projection(store)
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="old"), _at(0))
+    projection.apply(PutEvent(rollout_id="r", entry=make_entry("r", "old")), _at(1))
+    projection.apply(RetireEvent(rollout_id="r"), _at(2))
+    projection.apply(DeleteEvent(rollout_id="r"), _at(3))
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="new"), _at(4))
+    projection.apply(PutEvent(rollout_id="r", entry=make_entry("r", "new")), _at(5))
+    projection.flush()
     assert [entry.model_call_id for entry in store.read_entries("r")] == ["new"]
     assert store.intents_path_for("r").read_bytes() == b"new\n"
     assert [entry.model_call_id for entry in TokenCaptureStore(tmp_path).read_entries("r")] == ["new"]
@@ -151,29 +155,32 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(directory.iterdir()) if path.is_file()}
 
 
-def test_applying_a_block_rollout_by_rollout_leaves_the_same_bytes_and_verdicts_as_event_by_event(
+def test_a_projections_block_leaves_the_same_bytes_and_verdicts_as_the_store_applying_event_by_event(
     tmp_path: Path,
 ) -> None:
     log = _mixed_log()
-    one_by_one, grouped = TokenCaptureStore(tmp_path / "one"), TokenCaptureStore(tmp_path / "grouped")
-    with one_by_one.deferred_durability():
-        expected = [one_by_one.apply(event, position) for event, position in log]
-    with grouped.deferred_durability():
-        results = grouped.apply_many(log)
+    one_by_one = TokenCaptureStore(tmp_path / "one")
+    projection = Projection(TokenCaptureStore(tmp_path / "projected"))
+    expected = [one_by_one.apply(event, position) for event, position in log]
+    results = [projection.apply(event, position) for event, position in log]
+    projection.flush()
     assert results == expected
     assert {result.outcome for result in results} >= {
         ApplyOutcome.ACCEPTED,
         ApplyOutcome.CONFLICT,
         ApplyOutcome.REJECTED_AFTER_FREEZE,
     }
-    assert _files(tmp_path / "grouped") == _files(tmp_path / "one")
-    assert grouped.apply_many(log) == [one_by_one.apply(event, position) for event, position in log]
+    assert _files(tmp_path / "projected") == _files(tmp_path / "one")
+    again = Projection(TokenCaptureStore(tmp_path / "projected"))
+    assert [again.apply(event, position) for event, position in log] == [
+        one_by_one.apply(event, position) for event, position in log
+    ]
 
 
-def test_a_deferred_block_over_more_rollouts_than_the_open_file_limit_keeps_every_line(
+def test_a_projection_block_over_more_rollouts_than_the_open_file_limit_keeps_every_line(
     tmp_path: Path,
 ) -> None:
-    """A block keeps side files open to save an open per event; it must not run out of descriptors doing so.
+    """A block must not hold a descriptor per rollout it touches.
 
     A materializer's block may touch a thousand rollouts (a replay of many short rollouts), and a process's
     soft limit is often 1,024 descriptors.
@@ -182,17 +189,18 @@ def test_a_deferred_block_over_more_rollouts_than_the_open_file_limit_keeps_ever
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     in_use = len(os.listdir("/proc/self/fd"))
-    limit = in_use + KEPT_APPENDERS + KEPT_LOCK_FILES + 16  # what a block keeps open, and a few more
+    limit = in_use + 16
     rollouts = [f"r{index}" for index in range(limit + 64)]
-    store = TokenCaptureStore(tmp_path)
+    projection = Projection(TokenCaptureStore(tmp_path))
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
-        with store.deferred_durability():
-            for offset, rollout_id in enumerate(rollouts):
-                store.apply(IntentEvent(rollout_id=rollout_id, model_call_id="c1"), _at(2 * offset))
-                store.apply(
-                    PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, "c1")), _at(2 * offset + 1)
-                )
+        for offset, rollout_id in enumerate(rollouts):
+            projection.apply(IntentEvent(rollout_id=rollout_id, model_call_id="c1"), _at(2 * offset))
+            projection.apply(
+                PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, "c1")), _at(2 * offset + 1)
+            )
+            projection.write_queued(rollout_id)
+        projection.flush()
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert _files_open_under(tmp_path) == []
@@ -202,24 +210,29 @@ def test_a_deferred_block_over_more_rollouts_than_the_open_file_limit_keeps_ever
         assert reopened.intents_path_for(rollout_id).read_bytes() == b"c1\n"
 
 
-def test_a_side_file_another_program_appends_to_during_a_deferred_block_is_refused_as_corruption(
+def test_a_side_file_another_program_appends_to_during_a_projection_block_is_refused_as_corruption(
     tmp_path: Path,
 ) -> None:
     """A block owns its rollouts' files and keeps their states in memory, so bytes written beside it would
     be counted as the block's own: the block must fail before its end, and before any checkpoint.
 
-    It counts its own appends and checks the count against the file when it lets go of the file.
+    Each write checks that the file ends where the projection's state says it does.
     """
     from tokcap.errors import StoreCorruptionError
 
     store = TokenCaptureStore(tmp_path)
-    with (
-        pytest.raises(StoreCorruptionError, match="grew outside the rollout lock"),
-        store.deferred_durability(),
-    ):
-        store.apply(IntentEvent(rollout_id="r", model_call_id="c1"), _at(0))
-        store.apply(IntentEvent(rollout_id="other", model_call_id="c1"), _at(1))
-        with store.intents_path_for("r").open("ab") as foreign:
-            foreign.write(b"planted\n")
-        store.apply(IntentEvent(rollout_id="r", model_call_id="c2"), _at(2))
+    projection = Projection(store)
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="c1"), _at(0))
+    projection.apply(IntentEvent(rollout_id="other", model_call_id="c1"), _at(1))
+    projection.write_queued("r")
+    projection.write_queued("other")
+    with store.intents_path_for("r").open("ab") as foreign:
+        foreign.write(b"planted\n")
+    projection.apply(IntentEvent(rollout_id="r", model_call_id="c2"), _at(2))
+    with pytest.raises(StoreCorruptionError, match="grew outside the rollout lock"):
+        try:
+            projection.flush()
+        except StoreCorruptionError as exc:
+            projection.abandon(exc)
+            raise
     assert _files_open_under(tmp_path) == []  # the other rollout's file too, closed after r's check failed

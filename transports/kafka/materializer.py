@@ -120,9 +120,9 @@ from transports.kafka.router import (
     Deferred,
     InboundRouter,
     Routed,
+    carry_out,
     refused_staging_reason,
 )
-from transports.kafka.router import carry_out as carry_out_on_store
 from transports.kafka.schedule import MaterializerCounters, Read, Scheduler
 from transports.kafka.topics import validate_topic_name
 from transports.kafka.waiters import WaiterRegistry
@@ -164,7 +164,7 @@ Decoded, an entry's token ids take about ten times their wire size (one Python i
 on the order of 200 MB at most."""
 
 SWEEP_BLOCK_MESSAGES = 1_000
-"""Most messages the in-order sweep applies in one deferred-durability block, then one sync and a checkpoint.
+"""Most messages the in-order sweep applies in one projection block, then one sync and a checkpoint.
 
 Each rollout's state file is replaced once per block it has events in: a file create and a rename, the
 largest cost of the apply step on ext4. Blocks of 1,000 messages instead of 200 cut the store's CPU per
@@ -278,7 +278,7 @@ class Materializer:
         ``on_dead_letter`` is called, on the materializer's thread, with each dead-letter line once it is
         written (``tokcap materialize`` prints them); it must not block.
 
-        ``block_messages`` bounds the in-order sweep's deferred-durability blocks: smaller blocks checkpoint
+        ``block_messages`` bounds the in-order sweep's projection blocks: smaller blocks checkpoint
         more often (a resume applies less again), larger ones write each rollout's state fewer times; the
         default is ``SWEEP_BLOCK_MESSAGES``.
 
@@ -997,20 +997,6 @@ class Materializer:
                     routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
                 )
             )
-
-
-def carry_out(projection: Projection, topic: str, routed: Routed) -> ApplyResult | None:
-    """Carry one routing decision out: an event through the projection, a dead letter's mask through its store.
-
-    The store appends a mask's mark itself, so the rollout's queued lines are written first.
-    Return the verdict, ``None`` when nothing was applied.
-    """
-    if isinstance(routed, ApplyEvent):
-        return projection.apply(routed.event, routed.position(topic))
-    projection.begin()
-    if isinstance(routed, DeadLetter) and routed.mask is not None:
-        projection.write_queued(routed.mask.rollout_id)
-    return carry_out_on_store(projection.store, topic, routed)
 
 
 def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:

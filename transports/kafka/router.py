@@ -54,7 +54,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError
 from tokcap.events import (
@@ -71,7 +71,7 @@ from tokcap.events import (
 )
 from tokcap.hashing import sha256_hex
 from tokcap.records import token_count
-from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
+from tokcap.store import ApplyOutcome, ApplyResult
 from transports.kafka.codec import (
     DEFAULT_MAX_EVENT_BYTES,
     HEADER_TYPE,
@@ -727,7 +727,13 @@ def _check_named_type(headers: Mapping[str, str], event: Event) -> None:
         raise EventDecodeError(f"type header {named!r} does not name the event's type {event.type.value!r}")
 
 
-def carry_out(store: TokenCaptureStore, topic: str, routed: Routed) -> ApplyResult | None:
+class Applier(Protocol):
+    """What carries a routed event out: a store, or the materializer's projection in front of one."""
+
+    def apply(self, event: Event, position: LogPosition) -> ApplyResult: ...
+
+
+def carry_out(store: Applier, topic: str, routed: Routed) -> ApplyResult | None:
     """Apply a routing decision to a store: the event, or the dead letter's mask; a buffered chunk is nothing yet.
 
     Return the store's verdict, ``None`` when nothing was applied.
