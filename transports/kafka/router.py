@@ -91,6 +91,7 @@ __all__ = [
     "DEFAULT_MAX_OPEN_CHUNK_BYTES",
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
+    "Applier",
     "ApplyEvent",
     "Buffered",
     "DeadLetter",
