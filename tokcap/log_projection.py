@@ -220,6 +220,12 @@ class Projection:
 
     # ----------------------------------------------------------- answers
 
+    def state_of(self, rollout_id: str) -> RolloutState:
+        """The rollout's state as decided so far: memory for a hot rollout, which is ahead of its files until the
+        flush; the files for any other."""
+        state = self._states.get(rollout_id)
+        return self._store.read_state(rollout_id) if state is None else state
+
     def snapshot(self, rollout_id: str, as_of: LogPosition) -> TokenCaptureSnapshot:
         """The snapshot the freeze applied at ``as_of`` answered, from memory; the same one the files give.
 
@@ -227,9 +233,7 @@ class Projection:
         a rollout whose entries are not all kept is read from its file (under its lock, as far as its state).
         Raises what ``TokenCaptureStore.snapshot`` raises: a rollout not frozen, retired, or with no freeze there.
         """
-        state = self._states.get(rollout_id)
-        if state is None:
-            state = self._store.read_state(rollout_id)
+        state = self.state_of(rollout_id)
         entries = self._copies(rollout_id, state)
         if entries is None:
             self.write_queued(rollout_id)

@@ -7,10 +7,12 @@ from the decision's shape and the reason's fixed opening words, never used as a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tokcap.events import EventType, FreezeEvent
 from tokcap.metrics import DEAD_LETTERS, EVENTS_APPLIED, FREEZE_SECONDS, ROLLOUTS_MASKED
 from tokcap.rules import ApplyOutcome, ApplyResult
-from tokcap.store import TokenCaptureStore
+from tokcap.state import RolloutState
 from transports.kafka.router import ApplyEvent, DeadLetter, Routed
 
 __all__ = ["count_applied", "count_dead_letter", "dead_letter_kind", "observe_freeze"]
@@ -42,18 +44,20 @@ def count_dead_letter(routed: Routed) -> None:
     DEAD_LETTERS.labels(dead_letter_kind(routed)).inc()
 
 
-def count_applied(store: TokenCaptureStore, routed: Routed, result: ApplyResult | None) -> None:
+def count_applied(
+    state_of: Callable[[str], RolloutState], routed: Routed, result: ApplyResult | None
+) -> None:
     """Count an applied event; a freeze that froze its rollout incomplete counts as masked, by its reason kind.
 
-    Only an accepted freeze reads the rollout's state (held in memory by the store), so a freeze answered again
-    or any other event costs one increment.
+    Only an accepted freeze reads the rollout's state, through ``state_of`` (the projection's memory, ahead of the
+    files until its flush), so a freeze answered again or any other event costs one increment.
     """
     if result is None or not isinstance(routed, ApplyEvent):
         return
     _APPLIED[result.event_type].inc()
     if not isinstance(routed.event, FreezeEvent) or result.outcome is not ApplyOutcome.ACCEPTED:
         return
-    state = store.read_state(routed.event.rollout_id)
+    state = state_of(routed.event.rollout_id)
     if not state.incomplete:
         return
     if state.dangling_intents:

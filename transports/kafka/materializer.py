@@ -943,7 +943,7 @@ class Materializer:
     def _apply(self, progress: _PartitionProgress, routed: Routed, read: Read) -> None:
         """Carry one routing decision out through the projection and remember its verdict."""
         result = carry_out(self._projection, self._topic, routed)
-        count_applied(self._store, routed, result)
+        count_applied(self._projection.state_of, routed, result)
         if isinstance(routed, ApplyEvent) and isinstance(routed.event, FreezeEvent):
             observe_freeze(read.read_at, time.monotonic())
         if result is not None and isinstance(routed, ApplyEvent):
