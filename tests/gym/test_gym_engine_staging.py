@@ -13,7 +13,6 @@ hands it to the adapter and Gym's capture, and "generates" fixed tokens. Over Ka
 from __future__ import annotations
 
 import asyncio
-import importlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import pytest
 from gym_wheel import GymModules, needs_gym_build_sink
 from staging_calls import exact_log_prob
 
+from tokcap.gym_package import gym_module
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink, FileStagingSource, finalize_rollout, receipt_from_manifest
 
@@ -88,11 +88,14 @@ def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Trans
 
 
 def _staging(gym: GymModules) -> Any:
-    return importlib.import_module("nemo_gym.token_id_capture.staging")
+    return _module("staging")
 
 
 def _module(name: str) -> Any:
-    return importlib.import_module(f"nemo_gym.token_id_capture.{name}")
+    """Gym's module, found where tokcap finds it (Gym main's package path first)."""
+    found = gym_module(name)
+    assert found is not None, f"Gym's {name} module does not import"
+    return found
 
 
 def test_gyms_config_accepts_external_staging_with_tokcaps_ledger_and_the_classes_meet_gyms_protocols(
@@ -128,7 +131,7 @@ class _Worker:
     def __init__(self, gym: GymModules, transport: _Transport) -> None:
         staging = _staging(gym)
         self.host = staging.CaptureHost()
-        self.adapter = importlib.import_module("nemo_gym.token_id_capture.adapters.vllm").VLLMCaptureAdapter()
+        self.adapter = _module("adapters.vllm").VLLMCaptureAdapter()
         self.capture = staging.install_capture(
             self.host, sink=transport.sink(), weight_version_fn=lambda: 5, adapter=self.adapter
         )
