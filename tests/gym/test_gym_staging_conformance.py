@@ -70,6 +70,21 @@ def test_the_kafka_transport_passes_every_staging_check_with_gyms_classes(
     assert passed == ALL_CHECKS
 
 
+def test_the_kafka_transport_passes_every_staging_check_with_no_store_dir_anywhere(
+    gym: GymModules, kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    from transports.kafka.lineage import KafkaLineageResolver
+    from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
+
+    where = {"bootstrap_servers": kafka_bootstrap, "topic": kafka_topic}
+    passed = _run(
+        lambda: KafkaStagingSink(**where),
+        lambda: KafkaStagingSource(**where),
+        lambda: KafkaLineageResolver(**where),
+    )
+    assert passed == ALL_CHECKS
+
+
 class _Float32Source(FileStagingSource):
     """A source that narrows log probs to float32, as a float32 column store would."""
 

@@ -43,13 +43,17 @@ class CaughtUpStore:
         consumer_config: Mapping[str, Any] | None = None,
         timeout_s: float = 30.0,
         partitioner: str = DEFAULT_PARTITIONER,
+        skipped_types: frozenset[str] = frozenset(),
     ) -> None:
+        """``skipped_types``: event types the directory's materializer passes over (``Materializer``)."""
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         self._topic = topic
         self._timeout_s = timeout_s
         self._partitioner = partitioner
-        materializer = shared_materializers.acquire(bootstrap_servers, topic, store_dir, consumer_config)
+        materializer = shared_materializers.acquire(
+            bootstrap_servers, topic, store_dir, consumer_config, skipped_types
+        )
         if materializer is None:
             raise ConfigError(
                 f"{store_dir} is materialized by another process; give this staging reader a store_dir of its own"
@@ -65,6 +69,11 @@ class CaughtUpStore:
     def store(self) -> TokenCaptureStore:
         """The projection every read is answered from."""
         return self._materializer_now().store
+
+    @property
+    def materializer(self) -> Materializer:
+        """The process's materializer of the directory."""
+        return self._materializer_now()
 
     def _materializer_now(self) -> Materializer:
         if self._materializer is None:

@@ -90,6 +90,7 @@ __all__ = [
     "read_chunk_header",
     "read_packed_head",
     "rollout_of_key",
+    "type_header",
 ]
 
 DEFAULT_CHUNK_BYTES = 900_000
@@ -764,6 +765,22 @@ def headers_to_dict(
         except UnicodeDecodeError as exc:
             raise EventDecodeError(f"header {name!r} is not UTF-8") from exc
     return result
+
+
+def type_header(headers: Iterable[tuple[str, str | bytes | None]]) -> str | None:
+    """The message's ``type`` header as text, read alone; ``None`` when it is missing or not UTF-8.
+
+    A reader that passes over some event types tells them by this header without decoding anything else.
+    """
+    for name, raw in headers:
+        if name == HEADER_TYPE:
+            if isinstance(raw, str):
+                return raw
+            try:
+                return (raw or b"").decode()
+            except UnicodeDecodeError:
+                return None
+    return None
 
 
 def _header_int(headers: Mapping[str, str], name: str) -> int:

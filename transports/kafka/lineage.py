@@ -25,10 +25,13 @@ materialized for each rollout is kept too (``max_kept_tokens`` overall), so a re
 the puts after it: its cost follows what was appended since, not the rollout's length.
 
 Nameable in the config block as ``lineage_store: transports.kafka.lineage:KafkaLineageResolver`` with
-``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``). With ``store_dir`` as well it
-is Gym's ``CaptureLedger`` for engine-side staging (``transports.kafka.staging.KafkaCaptureLedger``): ledger
-rows are events on the topic, read back from the materializer's projection in that directory, and a
-continuation no put resolves is looked up among the committed ledger rows, as the file resolver does.
+``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``). It is Gym's ``CaptureLedger``
+for engine-side staging too (``transports.kafka.staging.KafkaCaptureLedger``): ledger rows are events on the
+topic, read back from a materializer's projection, and a continuation no put resolves is looked up among the
+committed ledger rows, as the file resolver does. The projection lives in ``store_dir`` when given; without
+it, in a ledger-only projection in a directory the process makes for itself (``private_projection``), so the
+one block every model server reads needs no per-process setting. It is started at the first ledger call, or
+at the first continuation whose rollout has ledger rows on the topic: a resolver of puts alone never starts it.
 """
 
 from __future__ import annotations
@@ -176,6 +179,8 @@ class _RolloutLog:
     puts: dict[str, _StoredPut] = field(default_factory=dict)
     frozen: bool = False
     retired: bool = False
+    ledger_rows: bool = False
+    """Whether a ledger row of the rollout was read: a continuation no put resolves may continue one."""
     at: dict[int, _StoredPut] = field(default_factory=dict)
     """Whole put messages by offset: the parents a wire delta of this rollout may link."""
 
@@ -198,8 +203,9 @@ class KafkaLineageResolver:
         delivery_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
         producer_config: Mapping[str, Any] | None = None,
     ) -> None:
-        """``store_dir`` makes the resolver Gym's ``CaptureLedger`` too (engine-side staging): ledger rows are
-        events on the topic, read back from the materializer's projection of it in that directory.
+        """The resolver is Gym's ``CaptureLedger`` too (engine-side staging): ledger rows are events on the topic,
+        read back from a materializer's projection of it, in ``store_dir`` when given (a whole projection, which
+        sources of this process may share), else in a ledger-only one of this process's own.
         """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
@@ -249,16 +255,18 @@ class KafkaLineageResolver:
         ]
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokcap-lineage")
         self._ledger: KafkaCaptureLedger | None = None
-        if store_dir is not None:
-            self._ledger = KafkaCaptureLedger(
-                bootstrap_servers=bootstrap_servers,
-                store_dir=store_dir,
-                topic=self._topic,
-                delivery_timeout_s=delivery_timeout_s,
-                producer_config=producer_config,
-                consumer_config=consumer_config,
-            )
+        self._ledger_lock = threading.Lock()
+        self._ledger_settings: dict[str, Any] = {
+            "bootstrap_servers": bootstrap_servers,
+            "store_dir": store_dir,
+            "topic": self._topic,
+            "delivery_timeout_s": delivery_timeout_s,
+            "producer_config": producer_config,
+            "consumer_config": consumer_config,
+        }
         self._closed = False
+        if store_dir is not None:
+            self._capture_ledger()
 
     def __repr__(self) -> str:
         """Names the topic only: consumer settings may hold credentials."""
@@ -313,9 +321,14 @@ class KafkaLineageResolver:
         high = self._ends.ask(partition, self._ends_of)
         self._catch_up(partition, high)
         answer = self._answer(rollout_id, request_items, fingerprint)
-        if answer.status is ParentResolutionStatus.UNRESOLVED and self._ledger is not None:
+        if answer.status is not ParentResolutionStatus.UNRESOLVED:
+            return answer
+        with self._lock:
+            log = self._rollouts.get(rollout_id)
+            ledger_rows = log is not None and log.ledger_rows
+        if self._ledger is not None or ledger_rows:
             # Engine-side staging: the parent is a ledger row, not a put.
-            staged = self._ledger.staged_resolution(rollout_id, request_items)
+            staged = self._capture_ledger().staged_resolution(rollout_id, request_items)
             if staged is not None:
                 return staged
         return answer
@@ -350,45 +363,50 @@ class KafkaLineageResolver:
         return True
 
     def _capture_ledger(self) -> KafkaCaptureLedger:
-        if self._ledger is None:
-            raise ConfigError(
-                f"{self!r} has no store_dir, so it is no CaptureLedger; pass lineage_store_kwargs.store_dir (a "
-                "directory of this process's own) to use it with external_staging"
-            )
-        return self._ledger
+        """The ledger, started on first use (it starts a materializer: call it off the event loop)."""
+        with self._ledger_lock:
+            self._raise_if_closed()
+            if self._ledger is None:
+                self._ledger = KafkaCaptureLedger(**self._ledger_settings)
+            return self._ledger
+
+    async def _started_ledger(self) -> KafkaCaptureLedger:
+        ledger = self._ledger
+        return ledger if ledger is not None else await asyncio.to_thread(self._capture_ledger)
 
     async def record(self, commit: Any) -> None:
         """Gym's ``CaptureLedger.record``: returns once every serving worker can read the row."""
-        await self._capture_ledger().record(commit)
+        await (await self._started_ledger()).record(commit)
 
     async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         """Gym's ``CaptureLedger.record_failure``: the row poisons the rollout and never resolves a parent."""
-        await self._capture_ledger().record_failure(rollout_id, model_call_id, reason)
+        await (await self._started_ledger()).record_failure(rollout_id, model_call_id, reason)
 
     async def manifest(self, rollout_id: str) -> dict[str, Any]:
         """Gym's ``CaptureLedger.manifest``, as plain JSON."""
-        return await self._capture_ledger().manifest(rollout_id)
+        return await (await self._started_ledger()).manifest(rollout_id)
 
     async def has_rows(self, rollout_id: str) -> bool:
         """Gym's ``CaptureLedger.has_rows``; failure rows count."""
-        return await self._capture_ledger().has_rows(rollout_id)
+        return await (await self._started_ledger()).has_rows(rollout_id)
 
     async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
         """Gym main's ``CaptureLedger.retire``: remove the rollouts' rows and keep their fences."""
-        return await self._capture_ledger().retire(rollout_ids)
+        return await (await self._started_ledger()).retire(rollout_ids)
 
     async def delete(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
         """Gym main's ``CaptureLedger.delete``: remove the rollouts and their fences."""
-        return await self._capture_ledger().delete(rollout_ids)
+        return await (await self._started_ledger()).delete(rollout_ids)
 
     async def close(self) -> None:
         """Close the consumer (and the ledger's clients); calling it again is a no-op."""
-        with self._lock:
+        with self._ledger_lock, self._lock:
             if self._closed:
                 return
             self._closed = True
-        if self._ledger is not None:
-            await self._ledger.close()
+            ledger = self._ledger
+        if ledger is not None:
+            await ledger.close()
         with self._lock:
             self._rollouts.clear()
             self._chunk_router = InboundRouter()
@@ -570,6 +588,8 @@ class KafkaLineageResolver:
             self._parents.forget(rollout_id)
         elif kind == "freeze":
             log.frozen = True
+        elif kind == "ledger":
+            log.ledger_rows = True
         elif kind == "put" and not log.frozen:
             self._index_put(log, rollout_id, value, headers, partition, offset)
 

@@ -77,6 +77,7 @@ from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
     BrokerAuthenticationError,
     BrokerAuthorizationError,
+    ConfigError,
     InvalidInputError,
     MaterializerFailedError,
     MaterializerOwnedElsewhereError,
@@ -93,6 +94,7 @@ from transports.kafka.admin import TopicIdReader
 from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
     PartitionCheckpoint,
+    checkpoint_files,
     checkpoint_path,
     write_checkpoints,
 )
@@ -103,7 +105,7 @@ from transports.kafka.clients import (
     list_topics,
     open_reader,
 )
-from transports.kafka.codec import DEFAULT_MAX_EVENT_BYTES, LogMessage
+from transports.kafka.codec import DEFAULT_MAX_EVENT_BYTES, LogMessage, type_header
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import read_failure
@@ -269,6 +271,7 @@ class Materializer:
         topic_id_reader: Callable[[], str] | None = None,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
         max_open_chunk_bytes: int = DEFAULT_MAX_OPEN_CHUNK_BYTES,
+        skipped_types: frozenset[str] = frozenset(),
     ) -> None:
         """``consumer_factory`` builds the consumer from its settings; tests pass an in-memory topic double.
 
@@ -285,6 +288,13 @@ class Materializer:
         ``max_event_bytes`` and ``max_open_chunk_bytes`` bound the memory of large events being reassembled
         (``router``): a larger chunk group is dead-lettered and its rollout masked. Keep ``max_event_bytes`` at
         least the sinks' and the same on every reader of the topic.
+
+        ``skipped_types`` names event types (``type`` headers) this projection passes over unread: their
+        messages are neither decoded nor applied, and their chunks are counted towards the memory limits but
+        not kept, as the lineage resolver passes over other rollouts' groups. A ledger-only projection skips
+        ``stage``, so its start-up time and disk do not grow with the tokens staged on the topic. Such a
+        projection is partial by design: it starts from an empty directory only, and nothing else may read
+        or resume it.
         """
         self._block_messages = check_block_messages(
             SWEEP_BLOCK_MESSAGES if block_messages is None else block_messages
@@ -293,6 +303,12 @@ class Materializer:
         self._on_dead_letter = on_dead_letter
         self._new_consumer = consumer_factory
         self._topic = validate_topic_name(topic)
+        self._skipped_types = frozenset(skipped_types)
+        if self._skipped_types and checkpoint_files(Path(store_dir)):
+            raise ConfigError(
+                f"{store_dir} holds checkpoints already; a projection that skips {sorted(self._skipped_types)} "
+                "events starts from an empty directory only"
+            )
         self._store = TokenCaptureStore(store_dir)
         self._requested_partitions = None if partitions is None else sorted(set(partitions))
         self._consumer_config = dict(consumer_config or {})
@@ -352,6 +368,11 @@ class Materializer:
     def topic(self) -> str:
         """The topic this materializer reads."""
         return self._topic
+
+    @property
+    def skipped_types(self) -> frozenset[str]:
+        """The event types this materializer passes over without applying them."""
+        return self._skipped_types
 
     @property
     def block_messages(self) -> int:
@@ -830,7 +851,11 @@ class Materializer:
             return
         log_message = LogMessage.of(message)
         chunks_before = tuple(self._router.open_chunk_offsets(partition))
-        routed = self._router.route_deferring(log_message)
+        routed: list[Routed | Deferred]
+        if self._skipped_types and type_header(log_message.headers) in self._skipped_types:
+            routed = list(self._router.pass_over(log_message))
+        else:
+            routed = self._router.route_deferring(log_message)
         read = Read(
             offset,
             routed,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokcap.errors import MaterializerOwnedElsewhereError
+from tokcap.errors import ConfigError, MaterializerOwnedElsewhereError
 from transports.kafka.materializer import Materializer
 
 __all__ = ["SharedMaterializers", "shared_materializers"]
@@ -38,15 +38,32 @@ class SharedMaterializers:
         topic: str,
         store_dir: str | Path,
         consumer_config: Mapping[str, Any] | None = None,
+        skipped_types: frozenset[str] = frozenset(),
     ) -> Materializer | None:
-        """This process's materializer of the directory, started if need be; ``None`` if another process owns it."""
+        """This process's materializer of the directory, started if need be; ``None`` if another process owns it.
+
+        ``skipped_types`` must be what the directory's materializer skips (``Materializer``): a partial
+        projection answers nobody who needs what it skipped.
+        """
         key = (str(Path(store_dir).resolve()), topic)
         with self._lock:
             shared = self._by_directory.get(key)
             if shared is not None:
+                if shared.materializer.skipped_types != skipped_types:
+                    raise ConfigError(
+                        f"{store_dir} is materialized in this process skipping "
+                        f"{sorted(shared.materializer.skipped_types) or 'nothing'}, not "
+                        f"{sorted(skipped_types) or 'nothing'}; give each kind of reader a directory of its own"
+                    )
                 shared.users += 1
                 return shared.materializer
-            materializer = Materializer(bootstrap_servers, topic, store_dir, consumer_config=consumer_config)
+            materializer = Materializer(
+                bootstrap_servers,
+                topic,
+                store_dir,
+                consumer_config=consumer_config,
+                skipped_types=skipped_types,
+            )
             try:
                 materializer.start()
             except MaterializerOwnedElsewhereError:

@@ -39,6 +39,7 @@ from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.incarnation import other_incarnation
 from transports.kafka.materializer import Materializer
+from transports.kafka.private_projection import PROJECTION, PrivateProjection
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, ProducerBridge
 from transports.kafka.shared_materializers import shared_materializers
 from transports.kafka.sink import default_writer_id
@@ -117,7 +118,7 @@ class KafkaTokenSource:
         self,
         *,
         bootstrap_servers: str,
-        store_dir: str | Path,
+        store_dir: str | Path | None = None,
         run_id: str | None = None,
         topic: str | None = None,
         materializer: Materializer | None = None,
@@ -132,12 +133,21 @@ class KafkaTokenSource:
         """``owns_partition``, given by a source spanning several directories (``partitioned_source``), says
         whether ``store_dir`` owns a partition: a command that lands on one it does not own is refused at once
         instead of waiting for a checkpoint that never moves.
+
+        Without ``store_dir`` (nor ``materializer``) the projection lives in a directory this process makes for
+        itself and removes at ``close`` (``tokcap.private_dirs``), shared by this process's sources of the topic.
         """
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         self._topic = resolve_topic(run_id, topic)
         if external_materializer and materializer is not None:
             raise ConfigError("pass either a materializer or external_materializer=True, not both")
+        if store_dir is None and external_materializer:
+            raise ConfigError("an external materializer writes a directory of its own: pass it as store_dir")
+        if store_dir is None and materializer is not None:
+            store_dir = materializer.store.root
+        self._private = PrivateProjection.take(store_dir, PROJECTION, bootstrap_servers, self._topic)
+        store_dir = self._private.store_dir
         if materializer is not None:
             if materializer.topic != self._topic:
                 raise ConfigError(
@@ -151,7 +161,11 @@ class KafkaTokenSource:
         self._materializer: Materializer | None = materializer
         self._materializer_settings = (bootstrap_servers, self._topic, store_dir, consumer_config)
         if self._shares_materializer:
-            self._materializer = shared_materializers.acquire(*self._materializer_settings)
+            try:
+                self._materializer = shared_materializers.acquire(*self._materializer_settings)
+            except BaseException:
+                self._private.release()
+                raise
         self._store = (
             self._materializer.store if self._materializer is not None else TokenCaptureStore(store_dir)
         )
@@ -323,6 +337,7 @@ class KafkaTokenSource:
         await asyncio.to_thread(self._bridge.close)
         if self._shares_materializer and self._materializer is not None:
             await asyncio.to_thread(shared_materializers.release, self._materializer)
+        self._private.release()
 
 
 def _commands_are_never_chunked() -> str:

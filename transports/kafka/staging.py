@@ -57,6 +57,12 @@ from transports.kafka.codec import (
     check_size_settings,
     encode_event_messages,
 )
+from transports.kafka.private_projection import (
+    LEDGER_ONLY,
+    LEDGER_SKIPPED_TYPES,
+    PROJECTION,
+    PrivateProjection,
+)
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
 from transports.kafka.sink import default_writer_id
 from transports.kafka.source import KafkaTokenSource
@@ -65,7 +71,13 @@ from transports.kafka.topics import resolve_topic
 if TYPE_CHECKING:
     from tokcap.lineage import LineageResolution
 
-__all__ = ["DEFAULT_STAGE_TIMEOUT_S", "KafkaCaptureLedger", "KafkaStagingSink", "KafkaStagingSource"]
+__all__ = [
+    "DEFAULT_STAGE_TIMEOUT_S",
+    "LEDGER_SKIPPED_TYPES",
+    "KafkaCaptureLedger",
+    "KafkaStagingSink",
+    "KafkaStagingSource",
+]
 
 DEFAULT_STAGE_TIMEOUT_S = 5.0
 """How long ``stage`` waits for the broker: a worker answers Gym only after it, so an unreachable broker
@@ -290,21 +302,29 @@ class KafkaStagingSource:
         self,
         *,
         bootstrap_servers: str,
-        store_dir: str | Path,
+        store_dir: str | Path | None = None,
         run_id: str | None = None,
         topic: str | None = None,
         consumer_config: Mapping[str, Any] | None = None,
         timeout_s: float = 30.0,
     ) -> None:
+        """Without ``store_dir`` the projection lives in a directory this process makes for itself and removes
+        at ``close`` (``tokcap.private_dirs``), shared by this process's sources of the topic.
+        """
         self._topic = resolve_topic(run_id, topic)
-        self._projection = CaughtUpStore(
-            bootstrap_servers=bootstrap_servers,
-            topic=self._topic,
-            store_dir=store_dir,
-            consumer_config=consumer_config,
-            timeout_s=timeout_s,
-        )
-        self._files = FileStagingSource(store_dir)
+        self._private = PrivateProjection.take(store_dir, PROJECTION, bootstrap_servers, self._topic)
+        try:
+            self._projection = CaughtUpStore(
+                bootstrap_servers=bootstrap_servers,
+                topic=self._topic,
+                store_dir=self._private.store_dir,
+                consumer_config=consumer_config,
+                timeout_s=timeout_s,
+            )
+        except BaseException:
+            self._private.release()
+            raise
+        self._files = FileStagingSource(self._private.store_dir)
 
     def __repr__(self) -> str:
         return f"KafkaStagingSource(topic={self._topic!r})"
@@ -335,8 +355,9 @@ class KafkaStagingSource:
         return self._current(lambda keys: self._files.fetch_attachments(keys[0]), [staging_key])
 
     def close(self) -> None:
-        """Hand the materializer back; calling it again is a no-op."""
+        """Hand the materializer back (and the private directory); calling it again is a no-op."""
         self._projection.close()
+        self._private.release()
 
 
 class KafkaCaptureLedger:
@@ -345,13 +366,21 @@ class KafkaCaptureLedger:
     ``record`` returns once the broker acknowledged the row and this process's materializer applied it,
     so every reader that waits for the rollout's partition end (every serving worker) sees it, and a
     repeat that differs from the row kept raises here.
+
+    Without ``store_dir`` (the one block every model server reads) the projection is ledger-only and lives in
+    a directory this process makes for itself and removes at ``close`` (``tokcap.private_dirs``): it applies
+    every event but the staged calls, which it passes over by their type header without decoding them
+    (``LEDGER_SKIPPED_TYPES``), so its start-up and disk do not grow with the tokens staged. A ledger row is
+    then judged without the staged row it names, as one whose staged row lives in another store: a row whose
+    ``staging_digest`` differs from the one staged is not refused here but fails the trainer's
+    ``verify_and_linearize``, and the full projection masks the rollout.
     """
 
     def __init__(
         self,
         *,
         bootstrap_servers: str,
-        store_dir: str | Path,
+        store_dir: str | Path | None = None,
         run_id: str | None = None,
         topic: str | None = None,
         delivery_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
@@ -362,15 +391,22 @@ class KafkaCaptureLedger:
     ) -> None:
         self._topic = resolve_topic(run_id, topic)
         self._writer_id = writer_id or default_writer_id()
+        self._private = PrivateProjection.take(store_dir, LEDGER_ONLY, bootstrap_servers, self._topic)
+        store_dir = self._private.store_dir
+        try:
+            self._projection = CaughtUpStore(
+                bootstrap_servers=bootstrap_servers,
+                topic=self._topic,
+                store_dir=store_dir,
+                consumer_config=consumer_config,
+                timeout_s=timeout_s,
+                skipped_types=self._private.skipped_types,
+            )
+        except BaseException:
+            self._private.release()
+            raise
         self._bridge = ProducerBridge(
             bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
-        )
-        self._projection = CaughtUpStore(
-            bootstrap_servers=bootstrap_servers,
-            topic=self._topic,
-            store_dir=store_dir,
-            consumer_config=consumer_config,
-            timeout_s=timeout_s,
         )
         self._files = FileCaptureLedger(store_dir)
         self._store_dir = store_dir
@@ -469,7 +505,10 @@ class KafkaCaptureLedger:
         with self._commands_lock:
             if self._source is None:
                 self._source = KafkaTokenSource(
-                    store_dir=self._store_dir, topic=self._topic, **self._source_settings
+                    store_dir=self._store_dir,
+                    topic=self._topic,
+                    materializer=self._projection.materializer,
+                    **self._source_settings,
                 )
             return self._source
 
@@ -494,6 +533,7 @@ class KafkaCaptureLedger:
             await source.close()
         await asyncio.to_thread(self._bridge.close)
         self._projection.close()
+        self._private.release()
 
 
 def _rows_are_never_chunked() -> str:
