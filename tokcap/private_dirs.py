@@ -35,7 +35,7 @@ __all__ = ["PrivateDirectories", "private_directories", "private_root"]
 logger = logging.getLogger(__name__)
 
 _LOCK_SUFFIX = ".lock"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._]+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def private_root() -> Path:
