@@ -1,0 +1,137 @@
+"""Each block of docs/gym.md's "One block for every process", read from one file by two processes at once.
+
+Each process builds what the block names with Gym 0.7.0's own config path (``token_id_capture_config``,
+``build_sink``, ``build_lineage_store``) and the staging sink from the block's own keys, with no setting of its
+own (``tests/gym/shared_block_worker.py``). Both serve rollouts at once, each reads the other's through its own
+ledger, both leave no private directory behind, and the trainer, built from the same block, delivers every
+rollout unmasked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from gym_rollouts import tool_use_rollout
+from gym_wheel import GymModules, needs_gym_build_sink
+from shared_block_worker import built
+from staging_calls import conversation, cumulative_tokens
+
+from tokcap.staging import finalize_rollout
+
+pytestmark = needs_gym_build_sink
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("shared_block_worker.py")
+SECTION = "## One block for every process"
+STAGING_SOURCES = {
+    "tokcap.lineage:FileLineageResolver": "tokcap.staging:FileStagingSource",
+    "transports.kafka.lineage:KafkaLineageResolver": "transports.kafka.staging:KafkaStagingSource",
+}
+TOKEN_SOURCES = {
+    "tokcap.lineage:FileLineageResolver": "tokcap.store:TokenCaptureStore",
+    "transports.kafka.lineage:KafkaLineageResolver": "transports.kafka:KafkaTokenSource",
+}
+
+
+def documented_blocks() -> list[str]:
+    """The YAML blocks of the section, in order."""
+    text = (REPO / "docs" / "gym.md").read_text()
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
+
+
+def test_the_section_documents_a_block_per_transport_and_placement() -> None:
+    blocks = [yaml.safe_load(text)["token_id_capture"] for text in documented_blocks()]
+    assert [(block["lineage_store"], bool(block.get("external_staging"))) for block in blocks] == [
+        ("tokcap.lineage:FileLineageResolver", False),
+        ("transports.kafka.lineage:KafkaLineageResolver", False),
+        ("tokcap.lineage:FileLineageResolver", True),
+        ("transports.kafka.lineage:KafkaLineageResolver", True),
+    ]
+    assert all("store_dir" not in repr(block) for block in blocks)
+
+
+@pytest.fixture(params=[1, 2, 3, 4], ids=["file", "kafka", "file-staging", "kafka-staging"])
+def config_file(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """The documented block, pointed at this test's directory or broker topic."""
+    text = documented_blocks()[request.param - 1]
+    text = text.replace("/var/lib/tokcap/run-1", str(tmp_path / "store"))
+    if "kafka-1:9092" in text:
+        text = text.replace("kafka-1:9092", request.getfixturevalue("kafka_bootstrap"))
+        text = text.replace("run_id: run-1", f"topic: {request.getfixturevalue('kafka_topic')}")
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def _serve_from_two_processes(config_file: Path, out: Path) -> dict[str, Any]:
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(WORKER.parent)])}
+    processes = {
+        who: subprocess.Popen(
+            [sys.executable, str(WORKER), str(config_file), who, peer, str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for who, peer in (("a", "b"), ("b", "a"))
+    }
+    for who, process in processes.items():
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, f"process {who} failed:\n{output}"
+    return {who: orjson.loads((out / f"{who}.json").read_bytes()) for who in processes}
+
+
+async def _closed(instance: Any) -> None:
+    close = getattr(instance, "close", None)
+    result = close() if callable(close) else None
+    if asyncio.iscoroutine(result):
+        await result
+
+
+def test_one_documented_block_serves_two_processes_at_once_and_the_trainer_delivers_both(
+    gym: GymModules, config_file: Path, tmp_path: Path
+) -> None:
+    seen = _serve_from_two_processes(config_file, tmp_path / "out")
+    private = Path(os.environ["TOKCAP_PRIVATE_DIR"])
+    assert not private.exists() or list(private.iterdir()) == []
+    block = yaml.safe_load(config_file.read_text())["token_id_capture"]
+    kwargs = block["lineage_store_kwargs"]
+    if block.get("external_staging"):
+        assert seen == {
+            who: {"resolved": ["call-0", "call-1"], "peer_calls": ["call-0", "call-1", "call-2"]}
+            for who in ("a", "b")
+        }
+        ledger = built(block["lineage_store"], kwargs)
+        source = built(STAGING_SOURCES[block["lineage_store"]], kwargs)
+        try:
+            for who in ("a", "b"):
+                last = conversation(f"{who}-staged", 3, extras=True)[-1]
+                done = finalize_rollout(asyncio.run(ledger.manifest(f"{who}-staged")), source)
+                assert done.row is not None, done.masked_reason
+                assert done.row.token_ids == cumulative_tokens(last.call)
+        finally:
+            asyncio.run(_closed(source))
+            asyncio.run(_closed(ledger))
+    else:
+        source = built(TOKEN_SOURCES[block["lineage_store"]], kwargs)
+        try:
+            for who in ("a", "b"):
+                rollout = tool_use_rollout(f"{who}-put", retry_last=False)
+                result = rollout.result()
+                asyncio.run(gym.delivery.finalize_rollout_token_capture(result, source))
+                assert "mask_sample" not in result, result.get("_ng_token_capture")
+                assert result["response"]["output"][-1]["generation_token_ids"] == [106, 107, 108]
+        finally:
+            asyncio.run(_closed(source))
+    assert not private.exists() or list(private.iterdir()) == []
