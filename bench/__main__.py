@@ -87,6 +87,12 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
     parser.add_argument("--staging-calls", type=int, default=320, help="staging: MoE calls staged")
     parser.add_argument("--staging-images", type=int, default=64, help="staging: image calls staged")
     parser.add_argument("--staging-threads", type=int, default=16, help="staging: stager threads")
+    parser.add_argument(
+        "--ledger-start-calls", type=int, default=10_000, help="ledger_start: staged calls on the topic"
+    )
+    parser.add_argument(
+        "--ledger-start-attachment", type=int, default=256 * 1024, help="ledger_start: bytes per attachment"
+    )
     parser.add_argument("--senders", type=int, default=64, help="sends_ab: concurrent senders")
     parser.add_argument("--sends", type=int, default=60, help="sends_ab: sends per sender")
     parser.add_argument(
@@ -133,6 +139,8 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
         staging_calls=args.staging_calls,
         staging_images=args.staging_images,
         staging_threads=args.staging_threads,
+        ledger_start_calls=args.ledger_start_calls,
+        ledger_start_attachment=args.ledger_start_attachment,
         senders=args.senders,
         sends=args.sends,
     )
@@ -152,6 +160,8 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
             workers_trials=1,
             staging_calls=min(options.staging_calls, 32),
             staging_images=min(options.staging_images, 8),
+            ledger_start_calls=min(options.ledger_start_calls, 200),
+            ledger_start_attachment=min(options.ledger_start_attachment, 64 * 1024),
             senders=min(options.senders, 8),
             sends=min(options.sends, 10),
             long_rollouts=(200,),

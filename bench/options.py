@@ -68,6 +68,10 @@ class BenchOptions:
     staging_calls: int = 320
     staging_images: int = 64
     staging_threads: int = 16
+    ledger_start_calls: int = 10_000
+    """ledger_start: staged calls on the topic a ledger starts on."""
+    ledger_start_attachment: int = 256 * 1024
+    """ledger_start: bytes of each staged call's attachment."""
     senders: int = 64
     sends: int = 60
     long_rollouts: tuple[int, ...] = (1000, 2000)

@@ -122,6 +122,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         starts_broker=False,
     ),
     Scenario(
+        "ledger_start",
+        "a topic of 10,000 staged calls (1,000 rollouts x 10, 256 KiB attachment + 300 tokens each) and their "
+        "ledger rows, and a topic of the rows alone: a model server's ledger from construction to its first "
+        "manifest",
+        ("ledger_only", "rows_only", "whole", "read_floor"),
+        anchor="whole",
+        kafka=True,
+        shown=("start_s", "cpu_s", "dir_mb"),
+    ),
+    Scenario(
         "file_floor",
         "the main load; the file work alone (append, hash, state rename, one syncfs per 6 puts) beside the stores "
         "and the load's driver with only the hop to a writer thread",

@@ -28,6 +28,7 @@ from bench.intents import measure_intents
 from bench.kafka_external import run_with_materializer_process
 from bench.kafka_split import run_with_trainer_process
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
+from bench.ledger_start import LedgerStartShape, run_ledger_start
 from bench.lineage_resolve import file_resolve, kafka_resolve, long_rollout_figures, resolve_args
 from bench.load import BenchmarkCheckError, LoadResult, PreparedWorkload, drive, prepare
 from bench.metrics_cost import measure_metrics_cost
@@ -392,6 +393,10 @@ def _scenario(
         return _staging(options, bootstrap, work_dir, progress)
     if name == "file_floor":
         return _file_floor(options, work_dir, progress)
+    if name == "ledger_start":
+        assert bootstrap is not None
+        shape = LedgerStartShape(options.ledger_start_calls, options.ledger_start_attachment)
+        return run_ledger_start(bootstrap, shape, options.repeats, work_dir, progress)
     if name == "resolve_long":
         progress(f"long rollouts of {', '.join(map(str, options.long_rollouts))} calls")
         return {
