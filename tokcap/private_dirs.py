@@ -32,7 +32,7 @@ from tokcap.errors import ConfigError
 
 __all__ = ["PrivateDirectories", "private_directories", "private_root"]
 
-logger = logging.getLogger(__name__)
+_logger = logging.getLogger(__name__)
 
 _LOCK_SUFFIX = ".lock"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -141,7 +141,7 @@ class PrivateDirectories:
                 continue
             left = [root / name, root / f"{name}{_LOCK_SUFFIX}", root / f".{name}{_LOCK_SUFFIX}"]
             if _owner_gone(left[1:]):
-                logger.info("removing %s, left by process %d, which no longer runs", root / name, pid)
+                _logger.info("removing %s, left by process %d, which no longer runs", root / name, pid)
                 shutil.rmtree(left[0], ignore_errors=True)
                 for lock_path in left[1:]:
                     with contextlib.suppress(FileNotFoundError):

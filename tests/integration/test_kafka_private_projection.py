@@ -185,3 +185,49 @@ def test_a_resolver_of_puts_alone_starts_no_ledger(where: dict[str, Any], privat
     finally:
         asyncio.run(resolver.close())
     assert _directories(private_root) == []
+
+
+def test_the_ledger_start_benchmark_keeps_a_ledger_only_start_free_of_the_staged_bytes(
+    kafka_bootstrap: str,
+) -> None:
+    from bench.ledger_start import LedgerStartShape, run_ledger_start
+
+    shape = LedgerStartShape(calls=20, attachment_bytes=64 * 1024)
+    result = run_ledger_start(
+        kafka_bootstrap, shape, 1, Path(os.environ["TOKCAP_PRIVATE_DIR"]), lambda _: None
+    )
+    medians = result["medians"]
+    assert set(medians) == {"ledger_only", "rows_only", "whole", "read_floor"}
+    assert result["topic_mb"] > 20 * 64 * 1024 / 1e6
+    assert medians["whole"]["dir_mb"] > 20 * 64 * 1024 / 1e6
+    assert medians["ledger_only"]["dir_mb"] < medians["whole"]["dir_mb"] / 10
+    assert medians["ledger_only"]["dir_mb"] == pytest.approx(medians["rows_only"]["dir_mb"], rel=0.25)
+
+
+def test_a_model_server_killed_with_its_ledger_open_leaves_a_directory_the_next_start_removes(
+    where: dict[str, Any], private_root: Path
+) -> None:
+    script = (
+        "import asyncio, sys, time\n"
+        "from tokcap.private_dirs import private_directories\n"
+        "from transports.kafka.lineage import KafkaLineageResolver\n"
+        "ledger = KafkaLineageResolver(bootstrap_servers=sys.argv[1], topic=sys.argv[2])\n"
+        "asyncio.run(ledger.record_failure('killed', 'call-0', 'worker_capture_failed'))\n"
+        "print(*private_directories.held(), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-c", script, where["bootstrap_servers"], where["topic"]]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as server:
+        assert server.stdout is not None
+        left = Path(server.stdout.readline().strip())
+        server.kill()
+    assert left.is_dir() and list(left.iterdir())
+    ledger = KafkaLineageResolver(**where)
+    try:
+        assert asyncio.run(ledger.has_rows("killed"))
+        (mine,) = _directories(private_root)
+        assert mine != left and not left.exists()
+    finally:
+        asyncio.run(ledger.close())
+    assert list(private_root.iterdir()) == []
