@@ -23,7 +23,9 @@ def _private_marker_spill(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
 
 
 @pytest.fixture(autouse=True)
-def _private_directory_root(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+def _private_directory_root(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Readers built without a store_dir (and the processes a test starts) make their directories under a root
     of the test's own, not under the user's cache."""
     monkeypatch.setenv("TOKCAP_PRIVATE_DIR", str(tmp_path_factory.mktemp("private")))
