@@ -27,8 +27,6 @@ from staging_calls import conversation, cumulative_tokens
 
 from tokcap.staging import finalize_rollout
 
-pytestmark = needs_gym_build_sink
-
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("shared_block_worker.py")
 SECTION = "## One block for every process"
@@ -99,6 +97,7 @@ async def _closed(instance: Any) -> None:
         await result
 
 
+@needs_gym_build_sink
 def test_one_documented_block_serves_two_processes_at_once_and_the_trainer_delivers_both(
     gym: GymModules, config_file: Path, tmp_path: Path
 ) -> None:
