@@ -1,0 +1,218 @@
+"""``tokcap staging status``: what the staging journal holds that no trainer has retired yet.
+
+Per rollout not retired: its staged calls and their bytes (row lines, extras and attachments), how old they
+are, its ledger rows and failure rows, and the staged calls that have no ledger row at all: a model server that
+died after its worker staged leaves such rows, and nothing retires them until an operator does. Then the
+rollouts a restored trainer would train on (``pending_rollouts``: a committed ledger row, not retired) and the
+cursors trainers took.
+
+Ages: the file store keeps no time per staged row, so a rollout's age is the time since its staged file last
+changed, which every staged call of it is at least as old as (``age_basis: last-write``). Over Kafka each
+staged call's age is its stage message's broker timestamp (``age_basis: message-time``), read by the
+transport's part of the command.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from tokcap.cli.inspect import open_existing_store
+from tokcap.layout import RolloutPaths
+from tokcap.store import TokenCaptureStore
+
+__all__ = [
+    "AGE_BY_LAST_WRITE",
+    "AGE_BY_MESSAGE_TIME",
+    "StagedTimes",
+    "describe_staging",
+    "render_staging_status",
+    "staging_status",
+]
+
+AGE_BY_LAST_WRITE = "last-write"
+"""A rollout's age is the time since its staged file last changed: every staged call is at least that old."""
+
+AGE_BY_MESSAGE_TIME = "message-time"
+"""Each staged call's age is its stage message's timestamp in the log."""
+
+StagedTimes = Mapping[str, float]
+"""When each staged call was staged (seconds since the epoch), by staging key, where the transport knows it."""
+
+
+@dataclass(frozen=True)
+class _Staged:
+    key: str
+    call_id: str
+    size: int
+    staged_at: float | None
+
+
+def _staged_calls(
+    store: TokenCaptureStore, rollout_id: str, keys: Sequence[str], times: StagedTimes
+) -> list[_Staged]:
+    """Each staged call's key, call id, bytes (its row line, extras and attachments) and time where known."""
+    out = []
+    for key, line in zip(keys, store.read_staged_lines(rollout_id, keys), strict=True):
+        if line is None:
+            continue
+        stored = orjson.loads(line)
+        blobs = [] if stored.get("extras") is None else [stored["extras"]]
+        blobs += list(stored.get("attachments", {}).values())
+        size = len(line) + sum(int(blob["size"]) for blob in blobs)
+        out.append(_Staged(key, stored["row"]["model_call_id"], size, times.get(key)))
+    return out
+
+
+def _age(now: float, at: float | None) -> float | None:
+    return None if at is None else round(max(0.0, now - at), 3)
+
+
+def _rollout_status(
+    store: TokenCaptureStore, root: Path, rollout_id: str, now: float, times: StagedTimes | None
+) -> dict[str, Any] | None:
+    """One rollout's line of the status; ``None`` when it is retired or holds nothing staged or recorded."""
+    state = store.read_state(rollout_id)
+    if state.retired or not (state.staged or state.ledger or state.ledger_failures):
+        return None
+    keys = sorted(state.staged, key=lambda key: state.staged[key].start)
+    if times is None:
+        staged_file = RolloutPaths.of(root, rollout_id).staged
+        last_write = staged_file.stat().st_mtime if keys and staged_file.exists() else None
+        calls = _staged_calls(store, rollout_id, keys, {key: last_write for key in keys if last_write})
+    else:
+        calls = _staged_calls(store, rollout_id, keys, times)
+    recorded = set(state.ledger) | set(state.ledger_failures)
+    unrecorded = [call for call in calls if call.call_id not in recorded]
+    known = [call.staged_at for call in calls if call.staged_at is not None]
+    return {
+        "rollout_id": rollout_id,
+        "staged_calls": len(calls),
+        "staged_bytes": sum(call.size for call in calls),
+        "age_s": _age(now, min(known)) if known else None,
+        "ledger_rows": len(state.ledger),
+        "failure_rows": len(state.ledger_failures),
+        "unrecorded": [
+            {"staging_key": call.key, "bytes": call.size, "age_s": _age(now, call.staged_at)}
+            for call in unrecorded
+        ],
+    }
+
+
+def describe_staging(
+    root: Path,
+    *,
+    times: StagedTimes | None = None,
+    cursors: Sequence[Mapping[str, Any]] = (),
+    now: float | None = None,
+) -> dict[str, Any]:
+    """The staging status of a store directory (a file store, or a projection of a run topic).
+
+    ``times``: when each staged call was staged, where the transport knows it; without it a rollout's age is
+    the time since its staged file last changed. ``cursors``: the journal cursors taken, as the transport
+    lists them.
+    """
+    store = open_existing_store(root)
+    now = time.time() if now is None else now
+    rollouts = [
+        status
+        for rollout_id in store.rollout_ids()
+        if (status := _rollout_status(store, root, rollout_id, now, times)) is not None
+    ]
+    pending = [
+        {"rollout_id": r["rollout_id"], "has_failures": r["failure_rows"] > 0}
+        for r in rollouts
+        if r["ledger_rows"]
+    ]
+    return {
+        "store_dir": str(root),
+        "age_basis": AGE_BY_LAST_WRITE if times is None else AGE_BY_MESSAGE_TIME,
+        "rollouts": rollouts,
+        "pending_rollouts": pending,
+        "cursors": list(cursors),
+        "totals": {
+            "rollouts": len(rollouts),
+            "staged_calls": sum(r["staged_calls"] for r in rollouts),
+            "staged_bytes": sum(r["staged_bytes"] for r in rollouts),
+            "unrecorded_calls": sum(len(r["unrecorded"]) for r in rollouts),
+            "pending_rollouts": len(pending),
+            "cursors": len(cursors),
+        },
+    }
+
+
+def staging_status(directory: Path) -> dict[str, Any]:
+    """``tokcap staging status DIR``: the status of a file store."""
+    return describe_staging(directory)
+
+
+def _bytes(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def _seconds(age: float | None) -> str:
+    if age is None:
+        return "-"
+    if age < 120:
+        return f"{age:.0f} s"
+    if age < 7200:
+        return f"{age / 60:.0f} min"
+    return f"{age / 3600:.1f} h"
+
+
+def render_staging_status(status: Mapping[str, Any], console: Console) -> None:
+    """A table of rollouts, then each staged call without a ledger row, the pending rollouts and the cursors."""
+    where = status.get("topic") or status["store_dir"]
+    basis = "since the last write" if status["age_basis"] == AGE_BY_LAST_WRITE else "oldest staged call"
+    table = Table(title=f"staged, not retired, in {where}", title_justify="left")
+    for column in (
+        "rollout",
+        "staged calls",
+        "bytes",
+        f"age ({basis})",
+        "ledger rows",
+        "failures",
+        "no ledger row",
+    ):
+        table.add_column(column, justify="left" if column == "rollout" else "right")
+    for rollout in status["rollouts"]:
+        table.add_row(
+            rollout["rollout_id"],
+            str(rollout["staged_calls"]),
+            _bytes(rollout["staged_bytes"]),
+            _seconds(rollout["age_s"]),
+            str(rollout["ledger_rows"]),
+            str(rollout["failure_rows"]),
+            str(len(rollout["unrecorded"])),
+        )
+    console.print(table)
+    totals = status["totals"]
+    console.print(
+        f"{totals['rollouts']} rollouts, {totals['staged_calls']} staged calls, {_bytes(totals['staged_bytes'])}; "
+        f"{totals['unrecorded_calls']} staged calls without a ledger row"
+    )
+    for rollout in status["rollouts"]:
+        for call in rollout["unrecorded"]:
+            console.print(
+                f"no ledger row: {call['staging_key']} ({_bytes(call['bytes'])}, {_seconds(call['age_s'])} old): "
+                "its model server never recorded it; retire the rollout once no trainer needs it"
+            )
+    pending = status["pending_rollouts"]
+    names = ", ".join(p["rollout_id"] + (" (failure rows)" if p["has_failures"] else "") for p in pending)
+    console.print(
+        f"pending rollouts (committed, not retired): {len(pending)}" + (f": {names}" if names else "")
+    )
+    cursors = status["cursors"]
+    console.print(f"cursors taken: {len(cursors)}")
+    for cursor in cursors:
+        console.print(f"  {orjson.dumps(cursor).decode()}")
