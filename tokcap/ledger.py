@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,35 @@ from tokcap.store import TokenCaptureStore
 if TYPE_CHECKING:
     from tokcap.protocols import LineageResolution
 
-__all__ = ["FileCaptureLedger", "ledger_event", "ledger_failure_event", "ledger_row"]
+__all__ = [
+    "FileCaptureLedger",
+    "PendingRollout",
+    "ledger_event",
+    "ledger_failure_event",
+    "ledger_row",
+    "pending_in",
+]
+
+
+@dataclass(frozen=True)
+class PendingRollout:
+    """A rollout with committed ledger rows, not retired or deleted: a restored trainer trains on it, not again.
+
+    ``has_failures``: it also has failure rows, so some call did not commit and the rollout is poisoned.
+    """
+
+    rollout_id: str
+    has_failures: bool
+
+
+def pending_in(store: TokenCaptureStore) -> list[PendingRollout]:
+    """The pending rollouts of a store directory, by rollout id."""
+    pending = []
+    for rollout_id in store.rollout_ids():
+        state = store.read_state(rollout_id)
+        if not state.retired and state.ledger:
+            pending.append(PendingRollout(rollout_id, has_failures=bool(state.ledger_failures)))
+    return pending
 
 
 def _commit_from(commit: Any) -> CaptureLedgerCommit:
@@ -226,6 +255,10 @@ class FileCaptureLedger:
     async def has_rows(self, rollout_id: str) -> bool:
         """Whether any ledger row, committed or failed, exists for the rollout."""
         return await asyncio.to_thread(self.has_rows_now, rollout_id)
+
+    async def pending_rollouts(self) -> list[PendingRollout]:
+        """The rollouts with at least one committed row, not retired or deleted, each saying if it has failures."""
+        return await asyncio.to_thread(pending_in, self._store)
 
     async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
         """Remove the rollouts' staged rows, ledger rows and records, keeping the fence (Gym main's names).
