@@ -19,11 +19,13 @@ same bytes produced raw, ``acks=all``, waited for): ``bench.staging``'s floors.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -276,14 +278,27 @@ def stage_cost(
         sink = JournaledStagingSink(inner, journal)
         closers += [journal.close, partial(_delete_topic, bootstrap, topic)]
 
+    # The journaled sink's stage is a coroutine: each stager thread runs it on an event loop of its own.
+    loops = threading.local()
+
     def one(call: StagedCall) -> None:
-        result = sink.stage(call.record, attachments=call.attachments)
+        if transport == "memory":
+            result = sink.stage(call.record, attachments=call.attachments)
+        else:
+            loop = getattr(loops, "loop", None)
+            if loop is None:
+                loop = loops.loop = asyncio.new_event_loop()
+                opened.append(loop)
+            result = loop.run_until_complete(sink.stage(call.record, attachments=call.attachments))
         if not result.ok:
             raise RuntimeError(f"stage failed: {result.error}")
 
+    opened: list[asyncio.AbstractEventLoop] = []
     try:
         seconds, latencies, _cpu = _threaded(calls, threads, one)
     finally:
+        for loop in opened:
+            loop.close()
         for close in closers:
             close()
     return _per_stage(latencies, seconds, len(calls))
@@ -356,13 +371,9 @@ def run_journal_crash(
         measure = floor_cost if writer.endswith("_floor") else stage_cost
 
         async def variant(directory: Path, writer: str = writer, measure: Any = measure) -> dict[str, float]:
-            import asyncio
-
             return await asyncio.to_thread(measure, writer, directory, calls, plan.generators, bootstrap)
 
         variants[writer] = variant
-    import asyncio
-
     costs: Trials = asyncio.run(
         alternate(variants, trials, work, lambda line: say(f"journal_crash cost: {line}"))
     )

@@ -8,6 +8,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -16,7 +17,8 @@ from staging_calls import commit_for, conversation
 from tokcap.cli import run
 from tokcap.cli.staging_status import describe_staging, render_staging_status
 from tokcap.lineage import FileLineageResolver
-from tokcap.staging import FileStagingSink
+from tokcap.staging import FileStagingSink, JournaledStagingSink
+from tokcap.staging.records import StageResult
 
 
 def _journal(root: Path) -> None:
@@ -109,3 +111,25 @@ def test_a_wrong_command_line_fails_with_one_line(
     assert run(["staging", "status", *where]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tokcap: error:") and said in err
+
+
+class _Store:
+    """A trainer's in-memory store: accepts every call."""
+
+    def stage(self, record: Any, *, attachments: Any = None) -> Any:
+        return StageResult(ok=True, staging_key=f"{record.rollout_id}/{record.model_call_id}")
+
+
+def test_every_cursor_a_trainer_took_is_listed_oldest_first(tmp_path: Path) -> None:
+    sink = JournaledStagingSink(_Store(), FileStagingSink(tmp_path))
+
+    async def take() -> None:
+        for number, turn in enumerate(conversation("c", 2)):
+            assert (await sink.stage(turn.call)).ok
+            await sink.cursor(f"step-{number}")
+
+    asyncio.run(take())
+    status = describe_staging(tmp_path)
+    assert [cursor["label"] for cursor in status["cursors"]] == ["step-0", "step-1"]
+    assert status["cursors"][1]["rollouts"]["c"]["size"] > status["cursors"][0]["rollouts"]["c"]["size"]
+    assert status["totals"]["cursors"] == 2

@@ -26,6 +26,8 @@ from rich.table import Table
 
 from tokcap.cli.inspect import open_existing_store
 from tokcap.layout import RolloutPaths
+from tokcap.ledger import pending_in
+from tokcap.staging import cursors_taken
 from tokcap.store import TokenCaptureStore
 
 __all__ = [
@@ -110,14 +112,14 @@ def describe_staging(
     root: Path,
     *,
     times: StagedTimes | None = None,
-    cursors: Sequence[Mapping[str, Any]] = (),
+    cursors: Sequence[Mapping[str, Any]] | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
     """The staging status of a store directory (a file store, or a projection of a run topic).
 
     ``times``: when each staged call was staged, where the transport knows it; without it a rollout's age is
     the time since its staged file last changed. ``cursors``: the journal cursors taken, as the transport
-    lists them.
+    lists them (by default those recorded in the directory: the file journal's own).
     """
     store = open_existing_store(root)
     now = time.time() if now is None else now
@@ -127,23 +129,27 @@ def describe_staging(
         if (status := _rollout_status(store, root, rollout_id, now, times)) is not None
     ]
     pending = [
-        {"rollout_id": r["rollout_id"], "has_failures": r["failure_rows"] > 0}
-        for r in rollouts
-        if r["ledger_rows"]
+        {"rollout_id": rollout.rollout_id, "has_failures": rollout.has_failures}
+        for rollout in pending_in(store)
     ]
+    taken = (
+        [orjson.loads(cursor.to_json()) for cursor in cursors_taken(root)]
+        if cursors is None
+        else list(cursors)
+    )
     return {
         "store_dir": str(root),
         "age_basis": AGE_BY_LAST_WRITE if times is None else AGE_BY_MESSAGE_TIME,
         "rollouts": rollouts,
         "pending_rollouts": pending,
-        "cursors": list(cursors),
+        "cursors": taken,
         "totals": {
             "rollouts": len(rollouts),
             "staged_calls": sum(r["staged_calls"] for r in rollouts),
             "staged_bytes": sum(r["staged_bytes"] for r in rollouts),
             "unrecorded_calls": sum(len(r["unrecorded"]) for r in rollouts),
             "pending_rollouts": len(pending),
-            "cursors": len(cursors),
+            "cursors": len(taken),
         },
     }
 
