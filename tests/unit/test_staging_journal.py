@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 from memory_staging_store import AsyncMemoryStagingStore, MemoryStagingStore
 from staging_calls import commit_for, conversation, staged_call
 
-from tokcap.errors import InvalidInputError
+from tokcap.errors import InvalidInputError, StoreCorruptionError
+from tokcap.events import LogPosition
 from tokcap.ledger import PendingRollout
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import (
@@ -26,6 +29,8 @@ from tokcap.staging import (
     staged_rollouts,
 )
 from tokcap.staging.journal import REFUSED_STAGE_REASON, RolloutMark
+from tokcap.state import RolloutState, StagedSlot
+from tokcap.store import TokenCaptureStore
 
 ATTACHMENTS = {"empty": b"", "image": bytes(range(256)) * 40}
 
@@ -307,3 +312,91 @@ def test_the_journal_and_inner_store_must_have_their_shapes(tmp_path: Path) -> N
         JournaledStagingSink(object(), FileStagingSink(tmp_path))
     with pytest.raises(InvalidInputError, match="no journal_cursor"):
         JournaledStagingSink(MemoryStagingStore(), MemoryStagingStore())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"label": 3, "taken_at": 1, "transport": "file", "version": 1, "rollouts": {}}',
+        '{"label": "x", "taken_at": 1, "transport": "kafka", "version": 1, "topic": 5, "offsets": {}}',
+        '{"label": "x", "taken_at": 1, "transport": "ftp", "version": 1}',
+        '{"label": "x", "taken_at": 1, "transport": "kafka", "version": 1, "topic": "t", "offsets": {"0": -1}}',
+        '{"label": "x", "transport": "file", "version": 1, "rollouts": {"r": {"size": 1, "slots": "a"}}}',
+    ],
+)
+def test_a_cursor_with_a_wrong_field_is_refused_naming_it(text: str) -> None:
+    with pytest.raises(InvalidInputError, match="not a journal cursor"):
+        JournalCursor.from_json(text)
+
+
+def test_a_kafka_cursor_restages_a_row_at_or_past_its_partitions_offset_and_any_row_it_cannot_place() -> None:
+    cursor = JournalCursor("k", "kafka", 0.0, topic="run", offsets={0: 10})
+    slot = StagedSlot(start=0, length=1, digest="d", offset=9)
+    at = RolloutState(rollout_id="r", last_position=LogPosition("run", 0, 12))
+    assert not cursor.restages(at, slot)
+    assert cursor.restages(at, slot.model_copy(update={"offset": 10}))
+    assert cursor.restages(at, slot.model_copy(update={"offset": None}))
+    assert cursor.restages(RolloutState(rollout_id="r", last_position=LogPosition("other", 0, 12)), slot)
+    assert cursor.restages(RolloutState(rollout_id="r", last_position=LogPosition("run", 1, 12)), slot)
+
+
+def test_a_cursor_line_a_crash_cut_short_is_skipped_and_damage_before_the_end_is_reported(
+    tmp_path: Path,
+) -> None:
+    sink, _ = _journaled(tmp_path)
+    first = asyncio.run(sink.cursor("step-1"))
+    listed = tmp_path / "tokcap-journal-cursors.jsonl"
+    with listed.open("ab") as handle:
+        handle.write(b'{"label": "step-2", "ta')
+    assert cursors_taken(tmp_path) == [first]
+    listed.write_bytes(b"garbage\n" + first.to_json().encode() + b"\n")
+    with pytest.raises(InvalidInputError, match="not a journal cursor"):
+        cursors_taken(tmp_path)
+
+
+class _RefusalUnrecorded(FileStagingSink):
+    """A journal whose disk fails just when a refusal is to be recorded (fault injection)."""
+
+    def record_refusal(self, rollout_id: str, model_call_id: str) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_refusal_the_journal_could_not_record_is_reported_in_the_failed_result(tmp_path: Path) -> None:
+    sink = JournaledStagingSink(
+        MemoryStagingStore(refuse=frozenset({"r1/call-0"})), _RefusalUnrecorded(tmp_path)
+    )
+    [turn] = conversation("r1", 1)
+    result = asyncio.run(sink.stage(turn.call))
+    assert not result.ok
+    assert "recording the refusal in the journal failed too (OSError" in result.error
+    assert (
+        "until Gym's model server records the call's failure row a restage would give it back" in result.error
+    )
+
+
+def test_a_rollout_retired_while_restage_runs_is_skipped_and_counted(tmp_path: Path) -> None:
+    sink, _ = _journaled(tmp_path)
+    for rollout_id in ("r1", "r2"):
+        for turn in conversation(rollout_id, 2):
+            assert asyncio.run(sink.stage(turn.call)).ok
+
+    class RetiresR2(MemoryStagingStore):
+        def stage(self, record: Any, *, attachments: Any = None) -> Any:
+            TokenCaptureStore(tmp_path).retire_now(["r2"])
+            return super().stage(record, attachments=attachments)
+
+    fresh = RetiresR2()
+    report = asyncio.run(restage(FileStagingSource(tmp_path), fresh))
+    assert (report.restaged, report.retired, report.retired_rollouts) == (2, 1, ("r2",))
+    assert sorted(fresh.stored) == ["r1/call-0", "r1/call-1"]
+
+
+def test_a_damaged_blob_fails_the_restage_instead_of_restaging_without_it(tmp_path: Path) -> None:
+    sink, _ = _journaled(tmp_path)
+    [turn] = conversation("r1", 1, extras=True)
+    assert asyncio.run(sink.stage(turn.call, attachments={"image": b"pixels"})).ok
+    store = TokenCaptureStore(tmp_path)
+    blob = store.blob_path_for("r1", hashlib.sha256(b"pixels").hexdigest())
+    blob.write_bytes(b"pixelz")
+    with pytest.raises(StoreCorruptionError, match="does not hold the 6 bytes"):
+        asyncio.run(restage(FileStagingSource(tmp_path), MemoryStagingStore()))

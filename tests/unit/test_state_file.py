@@ -56,7 +56,9 @@ def test_only_a_state_holding_a_commands_verdict_is_written_with_the_verdicts_sc
     assert RolloutState.decode(deleted.encode(), "r.tokens.state.json", "r") == deleted
 
 
-def test_a_staged_row_applied_from_a_log_keeps_its_offset_and_only_such_a_state_has_the_newest_schema() -> None:
+def test_a_staged_row_applied_from_a_log_keeps_its_offset_and_only_such_a_state_has_the_newest_schema() -> (
+    None
+):
     event = StageEvent(
         rollout_id="r", staging_key="r/c", model_call_id="c", row={"rollout_id": "r", "model_call_id": "c"}
     )

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
+from confluent_kafka import Consumer
 
 from tokcap.errors import (
     ConfigError,
@@ -43,14 +44,17 @@ from tokcap.errors import (
 )
 from tokcap.events import Event, StagedBlob, StageEvent
 from tokcap.hashing import sha256_hex
-from tokcap.ledger import FileCaptureLedger, ledger_event, ledger_failure_event
+from tokcap.ledger import FileCaptureLedger, PendingRollout, ledger_event, ledger_failure_event, pending_in
 from tokcap.metrics import SENT_BYTES, source_timed, stage_timed
 from tokcap.staging.file_sink import _attachment_bytes, staged_record_from
 from tokcap.staging.file_source import FileStagingSource
 from tokcap.staging.gym_types import build
+from tokcap.staging.journal import REFUSED_STAGE_REASON, JournalCursor, kafka_cursor
 from tokcap.staging.records import staging_key
 from tokcap.state import IncompleteMark
-from transports.kafka.caught_up import CaughtUpStore
+from tokcap.store import TokenCaptureStore
+from transports.kafka.caught_up import CaughtUpStore, end_offsets
+from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_EVENT_BYTES,
@@ -184,6 +188,10 @@ class KafkaStagingSink:
                 store_dir=store_dir,
                 consumer_config=consumer_config,
             )
+        self._store_dir = None if store_dir is None else Path(store_dir)
+        self._asker_context = ClientContext(bootstrap_servers, dict(consumer_config or {}))
+        self._asker: tuple[Consumer, AuthenticationWatch] | None = None
+        self._asker_lock = threading.Lock()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -268,15 +276,49 @@ class KafkaStagingSink:
             return f"rollout {event.rollout_id!r} is retired; its fence refused the stage of {event.staging_key!r}"
         return f"{event.staging_key!r} was already staged with a different payload; the first one stands"
 
+    def journal_cursor(self, label: str) -> JournalCursor:
+        """The end offset of every partition of the topic now (``tokcap.staging.journal``); it writes nothing.
+
+        It asks the broker with ``consumer_config``'s settings (a secured broker needs them).
+        """
+        with self._asker_lock:
+            if self._closed:
+                raise TransportError(f"{self!r} is closed; no cursor was taken")
+            if self._asker is None:
+                watch = AuthenticationWatch(self._asker_context)
+                reader = open_reader(self._asker_context, self._topic, purpose="staging-cursor", watch=watch)
+                self._asker = (reader, watch)
+            reader, watch = self._asker
+            ends = end_offsets(reader, watch, self._asker_context, self._topic, self._delivery_timeout_s)
+        return kafka_cursor(self._topic, label, ends)
+
+    def record_refusal(self, rollout_id: str, model_call_id: str) -> None:
+        """Record that a stage journaled here was not ok, as the failure row Gym's model server records for it.
+
+        Returns once the broker acknowledged the row; raises ``TransportError`` when it did not.
+        """
+        event = ledger_failure_event(rollout_id, model_call_id, REFUSED_STAGE_REASON).model_copy(
+            update={"writer": self._writer_id}
+        )
+        self._send(event, f"refusal of the stage of call {model_call_id!r}")
+
+    def journal_dir(self) -> Path | None:
+        """The ``store_dir`` this sink was given, where cursors taken on it are recorded; else ``None``."""
+        return self._store_dir
+
     def close(self) -> None:
         """Flush what is in flight and close the producer; calling it again is a no-op."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._asker_lock:
+            if self._closed:
+                return
+            self._closed = True
+            asker, self._asker = self._asker, None
         self._bridge.close()
         self._loop.close()
         if self._projection is not None:
             self._projection.close()
+        if asker is not None:
+            asker[0].close()
 
 
 class KafkaStagingSource:
@@ -333,6 +375,15 @@ class KafkaStagingSource:
     def fetch_attachments(self, staging_key: str) -> dict[str, bytes]:
         """The attachments staged with the call, by name, as the bytes given (``{}`` when none)."""
         return self._current(lambda keys: self._files.fetch_attachments(keys[0]), [staging_key])
+
+    def journal_store(self) -> TokenCaptureStore:
+        """The projection a restage reads (``tokcap.staging.journal``), once it holds every partition up to its end."""
+        self._projection.catch_up_all()
+        return self._projection.store
+
+    def journal_topic(self) -> str:
+        """The run topic: a cursor taken on another topic is refused."""
+        return self._topic
 
     def close(self) -> None:
         """Hand the materializer back; calling it again is a no-op."""
@@ -463,6 +514,14 @@ class KafkaCaptureLedger:
     def is_process_shared(self) -> bool:
         """True: every worker reads the same topic."""
         return True
+
+    async def pending_rollouts(self) -> list[PendingRollout]:
+        """The rollouts with at least one committed row, not retired or deleted, each saying if it has failures.
+
+        Read once the projection holds every partition up to its end as of the call.
+        """
+        await asyncio.to_thread(self._projection.catch_up_all)
+        return await asyncio.to_thread(pending_in, self._projection.store)
 
     def _commands(self) -> KafkaTokenSource:
         """The source whose retire and delete commands this ledger publishes (built on first use)."""
