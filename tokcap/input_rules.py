@@ -226,12 +226,12 @@ def _refuse(rollout_id: str, call_id: str, field: str, why: str) -> None:
 def _check_token_ids(rollout_id: str, call_id: str, field: str, ids: list[int]) -> None:
     """Refuse an id that is not an int (a bool included), or is outside [0, 2**64).
 
-    orjson encodes the ids in one pass in C (measured no slower than packing them as unsigned 64-bit numbers,
-    which takes a bool as 1): it refuses an int of 2**64 or more and a value that is no JSON type, and writes a negative id with a
-    ``-``, a float with a ``.`` or an ``e``, a bool as ``true`` or ``false``, None as ``null`` and a string
-    in quotes. So ids that encode to digits, commas and brackets only are ints in range (an int subclass
-    such as an ``IntEnum`` member is written as its number, as the canonical line writes it). Only when that
-    fails are the ids scanned in Python to name the one at fault.
+    orjson encodes the ids in one pass in C, measured no slower than packing them as unsigned 64-bit numbers
+    (which takes a bool as 1). It refuses an int of 2**64 or more and a value that is no JSON type. It writes
+    a negative id with a ``-``, a float with a ``.`` or an ``e``, a bool as ``true`` or ``false``, None as
+    ``null`` and a string in quotes. So ids that encode to digits, commas and brackets only are ints in range
+    (an ``IntEnum`` member is written as its number, as the canonical line writes it). Only when that fails
+    are the ids scanned in Python to name the one at fault.
     """
     try:
         encoded = orjson.dumps(ids)
