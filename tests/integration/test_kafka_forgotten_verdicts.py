@@ -53,12 +53,16 @@ def test_commands_whose_verdicts_were_forgotten_get_the_verdicts_memory_gives(
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     remembered = asyncio.run(
-        verdicts_of_a_rollouts_commands(kafka_bootstrap, kafka_topic_factory("kept", partitions=2), tmp_path / "a")
+        verdicts_of_a_rollouts_commands(
+            kafka_bootstrap, kafka_topic_factory("kept", partitions=2), tmp_path / "a"
+        )
     )
     monkeypatch.setattr(materializer_module, "_ANSWERS_KEPT", 0)
     monkeypatch.setattr(materializer_module, "_RESULTS_KEPT", 0)
     forgotten = asyncio.run(
-        verdicts_of_a_rollouts_commands(kafka_bootstrap, kafka_topic_factory("lost", partitions=2), tmp_path / "b")
+        verdicts_of_a_rollouts_commands(
+            kafka_bootstrap, kafka_topic_factory("lost", partitions=2), tmp_path / "b"
+        )
     )
     assert forgotten == remembered
     assert remembered[2] is False and remembered[8] is True
