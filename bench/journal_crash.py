@@ -212,7 +212,7 @@ def run_crashes(
         elif code != 0:
             raise RuntimeError(f"the {transport} trainer failed (exit {code}):\n{stderr[-3000:]}")
         elif kill:
-            raise RuntimeError(f"the {transport} trainer finished before its planned kill {kill}")
+            break  # the run reached its last step before this kill's point: the later kills have no run left
     run.wall_seconds = time.perf_counter() - started
     return run
 
