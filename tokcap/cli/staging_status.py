@@ -1,10 +1,10 @@
 """``tokcap staging status``: what the staging journal holds that no trainer has retired yet.
 
-Per rollout not retired: its staged calls and their bytes (row lines, extras and attachments), how old they
-are, its ledger rows and failure rows, and the staged calls that have no ledger row at all: a model server that
-died after its worker staged leaves such rows, and nothing retires them until an operator does. Then the
-rollouts a restored trainer would train on (``pending_rollouts``: a committed ledger row, not retired) and the
-cursors trainers took.
+Per rollout with staged calls not retired (``tokcap.staging.staged_rollouts``): how many, their bytes (rows and
+blobs), how old they are, its ledger rows and failure rows, and each staged call that has no ledger row at all:
+a model server that died after its worker staged leaves such rows, and nothing retires them until an operator
+does. Then the rollouts a restored trainer would train on (what ``pending_rollouts()`` answers: a committed
+ledger row, not retired, and whether it has failure rows) and the cursors trainers took.
 
 Ages: the file store keeps no time per staged row, so a rollout's age is the time since its staged file last
 changed, which every staged call of it is at least as old as (``age_basis: last-write``). Over Kafka each
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tokcap.cli.inspect import open_existing_store
-from tokcap.layout import RolloutPaths
 from tokcap.ledger import pending_in
-from tokcap.staging import cursors_taken
+from tokcap.staging import FileStagingSource, StagedRollout, cursors_taken, staged_rollouts
 from tokcap.store import TokenCaptureStore
 
 __all__ = [
@@ -49,28 +47,18 @@ StagedTimes = Mapping[str, float]
 """When each staged call was staged (seconds since the epoch), by staging key, where the transport knows it."""
 
 
-@dataclass(frozen=True)
-class _Staged:
-    key: str
-    call_id: str
-    size: int
-    staged_at: float | None
-
-
-def _staged_calls(
-    store: TokenCaptureStore, rollout_id: str, keys: Sequence[str], times: StagedTimes
-) -> list[_Staged]:
-    """Each staged call's key, call id, bytes (its row line, extras and attachments) and time where known."""
-    out = []
-    for key, line in zip(keys, store.read_staged_lines(rollout_id, keys), strict=True):
+def _call_bytes(store: TokenCaptureStore, rollout_id: str, keys: Sequence[str]) -> list[int]:
+    """Each staged call's bytes: its row line, its extras and its attachments."""
+    sizes = []
+    for line in store.read_staged_lines(rollout_id, keys):
         if line is None:
+            sizes.append(0)
             continue
         stored = orjson.loads(line)
         blobs = [] if stored.get("extras") is None else [stored["extras"]]
         blobs += list(stored.get("attachments", {}).values())
-        size = len(line) + sum(int(blob["size"]) for blob in blobs)
-        out.append(_Staged(key, stored["row"]["model_call_id"], size, times.get(key)))
-    return out
+        sizes.append(len(line) + sum(int(blob["size"]) for blob in blobs))
+    return sizes
 
 
 def _age(now: float, at: float | None) -> float | None:
@@ -78,32 +66,29 @@ def _age(now: float, at: float | None) -> float | None:
 
 
 def _rollout_status(
-    store: TokenCaptureStore, root: Path, rollout_id: str, now: float, times: StagedTimes | None
-) -> dict[str, Any] | None:
-    """One rollout's line of the status; ``None`` when it is retired or holds nothing staged or recorded."""
-    state = store.read_state(rollout_id)
-    if state.retired or not (state.staged or state.ledger or state.ledger_failures):
-        return None
+    store: TokenCaptureStore, rollout: StagedRollout, now: float, times: StagedTimes | None
+) -> dict[str, Any]:
+    """One rollout's line: ``staged_rollouts``' figures, aged by ``times`` where given, and its calls no ledger
+    or failure row names, each with its bytes and age."""
+    state = store.read_state(rollout.rollout_id)
     keys = sorted(state.staged, key=lambda key: state.staged[key].start)
-    if times is None:
-        staged_file = RolloutPaths.of(root, rollout_id).staged
-        last_write = staged_file.stat().st_mtime if keys and staged_file.exists() else None
-        calls = _staged_calls(store, rollout_id, keys, {key: last_write for key in keys if last_write})
-    else:
-        calls = _staged_calls(store, rollout_id, keys, times)
     recorded = set(state.ledger) | set(state.ledger_failures)
-    unrecorded = [call for call in calls if call.call_id not in recorded]
-    known = [call.staged_at for call in calls if call.staged_at is not None]
+    unrecorded = [key for key in keys if key.partition("/")[2] not in recorded]
+
+    def staged_at(key: str) -> float | None:
+        return rollout.last_staged_at if times is None else times.get(key)
+
+    known = [at for key in keys if (at := staged_at(key)) is not None]
     return {
-        "rollout_id": rollout_id,
-        "staged_calls": len(calls),
-        "staged_bytes": sum(call.size for call in calls),
+        "rollout_id": rollout.rollout_id,
+        "staged_calls": rollout.staged_calls,
+        "staged_bytes": rollout.staged_bytes,
         "age_s": _age(now, min(known)) if known else None,
-        "ledger_rows": len(state.ledger),
-        "failure_rows": len(state.ledger_failures),
+        "ledger_rows": rollout.ledger_rows,
+        "failure_rows": rollout.failure_rows,
         "unrecorded": [
-            {"staging_key": call.key, "bytes": call.size, "age_s": _age(now, call.staged_at)}
-            for call in unrecorded
+            {"staging_key": key, "bytes": size, "age_s": _age(now, staged_at(key))}
+            for key, size in zip(unrecorded, _call_bytes(store, rollout.rollout_id, unrecorded), strict=True)
         ],
     }
 
@@ -124,9 +109,8 @@ def describe_staging(
     store = open_existing_store(root)
     now = time.time() if now is None else now
     rollouts = [
-        status
-        for rollout_id in store.rollout_ids()
-        if (status := _rollout_status(store, root, rollout_id, now, times)) is not None
+        _rollout_status(store, rollout, now, times)
+        for rollout in staged_rollouts(FileStagingSource(root), now=now)
     ]
     pending = [
         {"rollout_id": rollout.rollout_id, "has_failures": rollout.has_failures}
