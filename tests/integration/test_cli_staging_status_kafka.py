@@ -11,6 +11,8 @@ from typing import Any
 from cli_helpers import tokcap
 from staging_calls import commit_for, conversation
 
+from tokcap.staging import JournaledStagingSink
+from tokcap.staging.records import StageResult
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.staging import KafkaStagingSink
 
@@ -44,9 +46,9 @@ def test_the_status_of_a_run_topic_ages_each_staged_call_by_its_message_and_name
     assert status["topic"] == topic and status["age_basis"] == "message-time"
     by_id = {rollout["rollout_id"]: rollout for rollout in status["rollouts"]}
     assert sorted(by_id) == ["done", "orphan"]
-    assert [call["staging_key"] for call in by_id["orphan"]["unrecorded"]] == ["orphan/call-1"]
+    assert [call["staging_key"] for call in by_id["orphan"]["unledgered"]] == ["orphan/call-1"]
     ceiling = time.time() - before + 5
-    assert all(0 <= call["age_s"] <= ceiling for call in by_id["orphan"]["unrecorded"])
+    assert all(0 <= call["age_s"] <= ceiling for call in by_id["orphan"]["unledgered"])
     assert 0 <= by_id["done"]["age_s"] <= ceiling
     assert by_id["done"]["staged_bytes"] > 10_000 and by_id["done"]["ledger_rows"] == 2
     assert status["pending_rollouts"] == [
@@ -56,6 +58,44 @@ def test_the_status_of_a_run_topic_ages_each_staged_call_by_its_message_and_name
     table = tokcap("staging", "status", "--bootstrap", kafka_bootstrap, "--topic", topic)
     assert table.returncode == 0, table.stderr
     assert "no ledger row: orphan/call-1" in table.stdout
+
+
+class _Store:
+    """A trainer's in-memory store: accepts every call."""
+
+    def stage(self, record: Any, *, attachments: Any = None) -> Any:
+        return StageResult(ok=True, staging_key=f"{record.rollout_id}/{record.model_call_id}")
+
+
+def test_the_cursors_a_kafka_journal_recorded_are_listed_from_its_cursor_dir(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    journal = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+    sink = JournaledStagingSink(_Store(), journal, cursor_dir=tmp_path)
+
+    async def stage_then_cursor() -> None:
+        (turn,) = conversation("cursored", 1)
+        assert (await sink.stage(turn.call)).ok
+        await sink.cursor("step-3")
+
+    try:
+        asyncio.run(stage_then_cursor())
+    finally:
+        journal.close()
+    shown = tokcap(
+        "staging",
+        "status",
+        "--bootstrap",
+        kafka_bootstrap,
+        "--topic",
+        kafka_topic,
+        "--cursor-dir",
+        str(tmp_path),
+        "--json",
+    )
+    assert shown.returncode == 0, shown.stderr
+    (cursor,) = shown.json()["cursors"]
+    assert cursor["label"] == "step-3" and cursor["topic"] == kafka_topic and cursor["offsets"] == {"0": 1}
 
 
 def test_the_status_of_a_run_that_does_not_exist_fails_with_one_line(kafka_bootstrap: str) -> None:

@@ -51,15 +51,15 @@ def test_a_staged_call_without_a_ledger_row_shows_with_its_age_and_bytes(tmp_pat
     assert sorted(by_id) == ["done", "failed", "orphan"]
     orphan = by_id["orphan"]
     assert (orphan["staged_calls"], orphan["ledger_rows"], orphan["failure_rows"]) == (3, 1, 0)
-    assert [call["staging_key"] for call in orphan["unrecorded"]] == ["orphan/call-1", "orphan/call-2"]
-    assert all(3590 <= call["age_s"] <= 3700 for call in orphan["unrecorded"])
+    assert [call["staging_key"] for call in orphan["unledgered"]] == ["orphan/call-1", "orphan/call-2"]
+    assert all(3590 <= call["age_s"] <= 3700 for call in orphan["unledgered"])
     assert 3590 <= orphan["age_s"] <= 3700 and status["age_basis"] == "last-write"
-    assert by_id["done"]["unrecorded"] == [] and by_id["done"]["age_s"] < 3590
+    assert by_id["done"]["unledgered"] == [] and by_id["done"]["age_s"] < 3590
     # The row lines, the extras blobs and the 1,000-byte image: more than the image, less than twice the lines.
     lines = staged_file.read_bytes()
     assert orphan["staged_bytes"] > len(lines) + 1000
     # A failure row records its call too: only the orphan's two calls have no row at all.
-    assert status["totals"]["unrecorded_calls"] == 2 and by_id["failed"]["unrecorded"] == []
+    assert status["totals"]["unledgered_calls"] == 2 and by_id["failed"]["unledgered"] == []
 
 
 def test_pending_rollouts_are_the_committed_ones_not_retired_with_their_failure_rows(tmp_path: Path) -> None:
@@ -133,3 +133,21 @@ def test_every_cursor_a_trainer_took_is_listed_oldest_first(tmp_path: Path) -> N
     assert [cursor["label"] for cursor in status["cursors"]] == ["step-0", "step-1"]
     assert status["cursors"][1]["rollouts"]["c"]["size"] > status["cursors"][0]["rollouts"]["c"]["size"]
     assert status["totals"]["cursors"] == 2
+
+
+def test_cursors_recorded_elsewhere_are_read_from_the_cursor_dir_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _journal(tmp_path / "store")
+    sink = JournaledStagingSink(_Store(), FileStagingSink(tmp_path / "store"), cursor_dir=tmp_path)
+
+    async def take() -> None:
+        await sink.cursor("before-snapshot-7")
+
+    asyncio.run(take())
+    assert describe_staging(tmp_path / "store")["cursors"] == []
+    assert run(["staging", "status", str(tmp_path / "store"), "--cursor-dir", str(tmp_path), "--json"]) == 0
+    assert [c["label"] for c in json.loads(capsys.readouterr().out)["cursors"]] == ["before-snapshot-7"]
+    assert run(["staging", "status", str(tmp_path / "store"), "--cursor-dir", str(tmp_path / "absent")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cursor directory" in err

@@ -202,11 +202,19 @@ def staging_status(
         list[str] | None,
         typer.Option("--kafka-option", "-X", help="A librdkafka setting KEY=VALUE (repeatable)."),
     ] = None,
+    cursor_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--cursor-dir",
+            help="Where the trainer's JournaledStagingSink recorded its cursors (default: DIR; over Kafka, its "
+            "sink's store_dir or cursor_dir).",
+        ),
+    ] = None,
     timeout: Timeout = 10.0,
     as_json: JsonFlag = False,
 ) -> None:
     """Staged calls not retired, per rollout (bytes, age, ledger rows), pending rollouts and cursors taken."""
-    from tokcap.cli.staging_status import render_staging_status
+    from tokcap.cli.staging_status import listed_cursors, render_staging_status
     from tokcap.cli.staging_status import staging_status as file_status
 
     if (directory is None) == (bootstrap is None):
@@ -215,13 +223,19 @@ def staging_status(
         raise InvalidInputError(
             "--run, --topic and -X read a run topic: give them with --bootstrap, not a directory"
         )
+    cursors = None if cursor_dir is None else listed_cursors(cursor_dir)
     if bootstrap is not None:
         status = _kafka("--bootstrap").staging_status(
-            bootstrap, run_id=run, topic=topic, client_options=kafka_option or [], timeout_s=timeout
+            bootstrap,
+            run_id=run,
+            topic=topic,
+            client_options=kafka_option or [],
+            timeout_s=timeout,
+            cursors=cursors or [],
         )
     else:
         assert directory is not None
-        status = file_status(directory)
+        status = file_status(directory, cursors)
     if as_json:
         emit_json(status)
     else:

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokcap.cli.inspect import open_existing_store
+from tokcap.errors import InvalidInputError
 from tokcap.ledger import pending_in
 from tokcap.staging import FileStagingSource, StagedRollout, cursors_taken, staged_rollouts
 from tokcap.store import TokenCaptureStore
@@ -33,6 +34,7 @@ __all__ = [
     "AGE_BY_MESSAGE_TIME",
     "StagedTimes",
     "describe_staging",
+    "listed_cursors",
     "render_staging_status",
     "staging_status",
 ]
@@ -86,7 +88,7 @@ def _rollout_status(
         "age_s": _age(now, min(known)) if known else None,
         "ledger_rows": rollout.ledger_rows,
         "failure_rows": rollout.failure_rows,
-        "unrecorded": [
+        "unledgered": [
             {"staging_key": key, "bytes": size, "age_s": _age(now, staged_at(key))}
             for key, size in zip(unrecorded, _call_bytes(store, rollout.rollout_id, unrecorded), strict=True)
         ],
@@ -131,16 +133,23 @@ def describe_staging(
             "rollouts": len(rollouts),
             "staged_calls": sum(r["staged_calls"] for r in rollouts),
             "staged_bytes": sum(r["staged_bytes"] for r in rollouts),
-            "unrecorded_calls": sum(len(r["unrecorded"]) for r in rollouts),
+            "unledgered_calls": sum(len(r["unledgered"]) for r in rollouts),
             "pending_rollouts": len(pending),
             "cursors": len(taken),
         },
     }
 
 
-def staging_status(directory: Path) -> dict[str, Any]:
-    """``tokcap staging status DIR``: the status of a file store."""
-    return describe_staging(directory)
+def listed_cursors(directory: Path) -> list[dict[str, Any]]:
+    """The cursors a ``JournaledStagingSink`` recorded in ``directory``, oldest first, as JSON objects."""
+    if not directory.is_dir():
+        raise InvalidInputError(f"cursor directory {directory} does not exist or is not a directory")
+    return [orjson.loads(cursor.to_json()) for cursor in cursors_taken(directory)]
+
+
+def staging_status(directory: Path, cursors: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """``tokcap staging status DIR``: the status of a file store; its own cursors unless ``cursors`` is given."""
+    return describe_staging(directory, cursors=cursors)
 
 
 def _bytes(size: int) -> str:
@@ -183,16 +192,16 @@ def render_staging_status(status: Mapping[str, Any], console: Console) -> None:
             _seconds(rollout["age_s"]),
             str(rollout["ledger_rows"]),
             str(rollout["failure_rows"]),
-            str(len(rollout["unrecorded"])),
+            str(len(rollout["unledgered"])),
         )
     console.print(table)
     totals = status["totals"]
     console.print(
         f"{totals['rollouts']} rollouts, {totals['staged_calls']} staged calls, {_bytes(totals['staged_bytes'])}; "
-        f"{totals['unrecorded_calls']} staged calls without a ledger row"
+        f"{totals['unledgered_calls']} staged calls without a ledger row"
     )
     for rollout in status["rollouts"]:
-        for call in rollout["unrecorded"]:
+        for call in rollout["unledgered"]:
             console.print(
                 f"no ledger row: {call['staging_key']} ({_bytes(call['bytes'])}, {_seconds(call['age_s'])} old): "
                 "its model server never recorded it; retire the rollout once no trainer needs it"

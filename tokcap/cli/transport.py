@@ -60,6 +60,7 @@ class MountedTransport(Protocol):
         topic: str | None,
         client_options: Sequence[str],
         timeout_s: float,
+        cursors: Sequence[Mapping[str, Any]] = (),
     ) -> dict[str, Any]:
         """``tokcap staging status --bootstrap``: the staging status of a run topic, as the file store's."""
         ...

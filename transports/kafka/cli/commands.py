@@ -114,12 +114,18 @@ class KafkaCommandLine:
         topic: str | None,
         client_options: Sequence[str],
         timeout_s: float,
+        cursors: Sequence[Mapping[str, Any]] = (),
     ) -> dict[str, Any]:
         """The run topic applied to a scratch store, then the file store's staging status of it."""
         from transports.kafka.cli.staging_status import topic_staging_status
 
         return topic_staging_status(
-            bootstrap, run_id=run_id, topic=topic, client_options=client_options, timeout_s=timeout_s
+            bootstrap,
+            run_id=run_id,
+            topic=topic,
+            client_options=client_options,
+            timeout_s=timeout_s,
+            cursors=cursors,
         )
 
 

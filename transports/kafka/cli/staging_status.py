@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,10 @@ def topic_staging_status(
     topic: str | None,
     client_options: Sequence[str],
     timeout_s: float,
+    cursors: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Staged calls not retired per rollout, pending rollouts and cursors of the run topic."""
+    """Staged calls not retired per rollout and pending rollouts of the run topic; ``cursors`` are the cursors
+    taken, read by the caller from where the trainer's sink recorded them (the topic holds none)."""
     name = resolve_run_topic(run_id, topic)
     client_config = parse_key_values(client_options, "-X")
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
@@ -52,7 +54,7 @@ def topic_staging_status(
                     if message.key is not None and entry.timestamp_ms is not None:
                         key = f"{message.key.decode()}/{entry.model_call_id}"
                         times[key] = entry.timestamp_ms / 1000.0
-        status = describe_staging(Path(scratch), times=times)
+        status = describe_staging(Path(scratch), times=times, cursors=cursors)
     status["store_dir"] = None
     status["topic"] = name
     return status
