@@ -159,9 +159,9 @@ class Trainer:
         self.transport: str = config["transport"]
         self.restart: bool = config.get("restart", False)
         """Whether an earlier incarnation ran: restore, from its snapshot or from nothing."""
-        self.killer = Killer(config.get("kill"))
-        self.store = InMemoryStagingStore(self.killer)
         self.out = _Output()
+        self.killer = Killer(config.get("kill"), lambda point: self.out.say(killed=point))
+        self.store = InMemoryStagingStore(self.killer)
         self.journal = (
             None
             if self.transport == "memory"
@@ -195,8 +195,9 @@ class Trainer:
         )
         self.step, self.next_rollout = snapshot["step"], snapshot["next_rollout"]
         self.trained = set(snapshot["trained"])
-        self.store.point = "restage"
+        self.store.point = "load"
         self.store.load(snapshot["rows"])
+        self.store.point = "restage"
         restaged = refused = 0
         pending: list[str] = []
         if self.journal is not None:

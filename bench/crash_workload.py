@@ -14,7 +14,7 @@ import os
 import random
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -140,13 +140,14 @@ class Killer:
     """SIGKILLs this process at the n-th time a named point is reached (``{"stage": 12}``, ...).
 
     The points: ``stage``, inside the in-memory store's ``stage`` while the trainer generates (the journal has
-    the call, the store not yet); ``restage``, the same while the trainer restores; ``cursor``, after the
-    cursor was taken and before the snapshot is written.
+    the call, the store not yet); ``restage``, the same inside ``restage`` while the trainer restores (not while
+    it loads its snapshot's calls); ``cursor``, after the cursor was taken and before the snapshot is written.
     """
 
-    def __init__(self, plan: Mapping[str, int] | None) -> None:
+    def __init__(self, plan: Mapping[str, int] | None, announce: Callable[[str], None] | None = None) -> None:
         self._left = dict(plan or {})
         self._lock = threading.Lock()
+        self._announce = announce
 
     def reached(self, point: str) -> None:
         """Count one arrival at ``point``; the arrival the plan names does not return."""
@@ -156,7 +157,9 @@ class Killer:
             self._left[point] -= 1
             if self._left[point] > 0:
                 return
-        os.kill(os.getpid(), signal.SIGKILL)
+            if self._announce is not None:
+                self._announce(point)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class InMemoryStagingStore:
@@ -171,7 +174,7 @@ class InMemoryStagingStore:
         self._lock = threading.Lock()
         self._killer = killer or Killer(None)
         self.point = "stage"
-        """The kill point a ``stage`` counts as: ``restage`` while the trainer restores."""
+        """The kill point a ``stage`` counts as: ``restage`` inside a restage, ``load`` while a snapshot loads."""
 
     def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         """Keep the call; ok unless a different payload is already kept under its key."""

@@ -83,7 +83,7 @@ def kill_plan(seed: int, kills: int, plan: WorkloadPlan) -> list[dict[str, int]]
         elif point == "cursor":
             out.append({"cursor": rng.randint(1, 2)})
         else:
-            out.append({"restage": rng.randint(1, calls // 2), "stage": stage})
+            out.append({"restage": rng.randint(1, max(1, calls // 4)), "stage": stage})
     return out
 
 
@@ -110,6 +110,8 @@ class CrashRun:
     generated_seconds: float = 0.0
     wall_seconds: float = 0.0
     trained: int = 0
+    killed_at: dict[str, int] = field(default_factory=dict)
+    """How many kills hit each point: ``stage``, ``cursor``, ``restage``."""
 
     @property
     def lost_seconds(self) -> float:
@@ -127,6 +129,7 @@ class CrashRun:
         """The run as bench figures."""
         return {
             "kills": float(self.kills),
+            **{f"kills_at_{point}": float(self.killed_at.get(point, 0)) for point in _KILL_POINTS},
             "acknowledged": float(self.acknowledged),
             "lost_calls": float(self.lost_calls),
             "lost_seconds": self.lost_seconds,
@@ -196,6 +199,8 @@ def run_crashes(
                     restore = _priced(plan, had, event["restored"])
                     run.restores.append(restore)
                     had = {key: _expected(plan, key).generation_seconds for key in event["restored"]["held"]}
+                elif "killed" in event:
+                    run.killed_at[event["killed"]] = run.killed_at.get(event["killed"], 0) + 1
                 elif "done" in event:
                     run.trained = event["done"]["trained"]
             code = process.wait(timeout=timeout_s)
@@ -426,6 +431,9 @@ def crash_table(result: Mapping[str, Any]) -> str:
     ]
     rows = (
         ("trainer SIGKILLs", "kills", "{:.0f}"),
+        ("  inside a stage (journal has it, store not yet)", "kills_at_stage", "{:.0f}"),
+        ("  between cursor and snapshot", "kills_at_cursor", "{:.0f}"),
+        ("  inside a restore's restage", "kills_at_restage", "{:.0f}"),
         ("calls acknowledged", "acknowledged", "{:,.0f}"),
         ("generation-seconds lost per crash", "lost_seconds_per_crash", "{:,.1f}"),
         ("acknowledged calls lost (generated again)", "lost_calls", "{:,.0f}"),

@@ -19,6 +19,7 @@ def test_with_the_kafka_journal_no_acknowledged_call_is_lost_and_every_restaged_
     settings = {"bootstrap": kafka_bootstrap, "topic": topic}
     run = run_crashes("kafka", tmp_path, _PLAN, kill_plan(_PLAN.seed, 3, _PLAN), settings, timeout_s=60)
     assert run.kills >= 2 and run.restores
+    assert run.killed_at.get("restage", 0) >= 1 and run.killed_at.get("cursor", 0) >= 1
     assert run.lost_calls == 0 and run.lost_seconds == 0
     assert run.not_exact == 0
     assert sum(restore.restaged for restore in run.restores) > 0
