@@ -321,7 +321,8 @@ def test_the_journal_and_inner_store_must_have_their_shapes(tmp_path: Path) -> N
         '{"label": "x", "taken_at": 1, "transport": "kafka", "version": 1, "topic": 5, "offsets": {}}',
         '{"label": "x", "taken_at": 1, "transport": "ftp", "version": 1}',
         '{"label": "x", "taken_at": 1, "transport": "kafka", "version": 1, "topic": "t", "offsets": {"0": -1}}',
-        '{"label": "x", "transport": "file", "version": 1, "rollouts": {"r": {"size": 1, "slots": "a"}}}',
+        '{"label": "x", "taken_at": 1, "transport": "file", "version": 1, '
+        '"rollouts": {"r": {"size": 1, "slots": "ab"}}}',
     ],
 )
 def test_a_cursor_with_a_wrong_field_is_refused_naming_it(text: str) -> None:
@@ -400,3 +401,48 @@ def test_a_damaged_blob_fails_the_restage_instead_of_restaging_without_it(tmp_pa
     blob.write_bytes(b"pixelz")
     with pytest.raises(StoreCorruptionError, match="does not hold the 6 bytes"):
         asyncio.run(restage(FileStagingSource(tmp_path), MemoryStagingStore()))
+
+
+class _SnapshottedStore(MemoryStagingStore):
+    """A trainer's in-memory store that can be snapshotted and loaded, as the operations guide's wiring uses it."""
+
+    def state(self) -> dict[str, Any]:
+        return dict(self.stored)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.stored = dict(state)
+
+
+def test_the_operations_guides_ten_lines_restore_a_crashed_trainers_store_to_every_acknowledged_call(
+    tmp_path: Path,
+) -> None:
+    guide = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    section = guide[guide.index("## A journal behind a trainer's in-memory staging store") :]
+    code = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
+    checkpoints: dict[int, Any] = {}
+
+    class Checkpoint:
+        def __init__(self, state: dict[str, Any], journal_cursor: str) -> None:
+            self.state, self.journal_cursor = state, journal_cursor
+
+    before_crash = _SnapshottedStore()
+    names: dict[str, Any] = {
+        "transfer_queue": before_crash,
+        "STORE": tmp_path,
+        "save_checkpoint": lambda step, state, journal_cursor: checkpoints.update(
+            {step: Checkpoint(state, journal_cursor)}
+        ),
+    }
+    exec(compile(code, "docs/operations.md", "exec"), names)
+    ledger = FileLineageResolver(tmp_path)
+    for turn in conversation("r1", 2):
+        assert asyncio.run(names["sink"].stage(turn.call)).ok
+        asyncio.run(ledger.record(commit_for(turn)))
+    asyncio.run(names["snapshot"](10))
+    for turn in conversation("r2", 2):
+        assert asyncio.run(names["sink"].stage(turn.call)).ok
+    names["transfer_queue"] = restored = _SnapshottedStore()
+    asyncio.run(names["restore"](checkpoints[10]))
+    assert restored.stored == before_crash.stored and len(restored.stored) == 4
+    assert len(restored.given) == 2
+    assert asyncio.run(ledger.pending_rollouts()) == [PendingRollout("r1", has_failures=False)]
