@@ -171,6 +171,22 @@ def test_a_stage_the_journal_refused_is_not_ok_and_the_inner_store_is_not_asked(
     assert inner.given == []
 
 
+def test_a_stage_the_journal_refused_for_another_payload_poisons_the_call_so_neither_payload_is_restaged(
+    tmp_path: Path,
+) -> None:
+    sink, inner = _journaled(tmp_path)
+    first = staged_call("r1", "c0", [1, 2], [3])
+    other = staged_call("r1", "c0", [1, 2], [4])
+    assert asyncio.run(sink.stage(first)).ok
+    result = asyncio.run(sink.stage(other))
+    assert not result.ok and "already staged with a different payload" in result.error
+    assert "the journal recorded the refusal" in result.error and len(inner.given) == 1
+    failures = asyncio.run(FileLineageResolver(tmp_path).manifest("r1"))["failures"]
+    assert failures == [{"schema_version": 2, "model_call_id": "c0", "reason": REFUSED_STAGE_REASON}]
+    report = asyncio.run(restage(FileStagingSource(tmp_path), MemoryStagingStore()))
+    assert (report.restaged, report.failed) == (0, 1)
+
+
 def test_an_async_inner_store_is_awaited(tmp_path: Path) -> None:
     inner = AsyncMemoryStagingStore()
     sink = JournaledStagingSink(inner, FileStagingSink(tmp_path))
