@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from memory_staging_store import AsyncMemoryStagingStore, MemoryStagingStore
 from staging_calls import commit_for, conversation, staged_call
 
+import tokcap.store
 from tokcap.errors import InvalidInputError, StoreCorruptionError
 from tokcap.events import LogPosition
 from tokcap.ledger import PendingRollout
@@ -262,25 +264,36 @@ def test_cursors_taken_are_recorded_in_the_store_directory_oldest_first(tmp_path
     assert FileStagingSource(tmp_path).journal_store().rollout_ids() == ["r1"]
 
 
-def test_a_stage_adds_no_filesystem_sync_of_its_own_to_the_journal(
+def test_a_stage_through_the_journal_syncs_exactly_as_often_as_a_plain_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plain = FileStagingSink(tmp_path / "plain")
-    journaled, _ = _journaled(tmp_path / "journaled")
-    calls = [turn.call for turn in conversation("r1", 2)]
-    syncs: list[int] = []
-    real_fsync = os.fsync
+    syncs: list[str] = []
+    real_fsync, real_sync_for = os.fsync, tokcap.store.filesystem_sync_for
 
-    def counted(fd: int) -> None:
-        syncs.append(fd)
+    def counted_fsync(fd: int) -> None:
+        syncs.append("fsync")
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", counted)
-    plain.stage(calls[0])
-    plain_syncs = len(syncs)
-    syncs.clear()
-    assert asyncio.run(journaled.stage(calls[0])).ok
-    assert len(syncs) == plain_syncs
+    def counted_sync_for(directory: Path) -> Callable[[], None]:
+        sync = real_sync_for(directory)
+
+        def counted() -> None:
+            syncs.append("syncfs")
+            sync()
+
+        return counted
+
+    monkeypatch.setattr(os, "fsync", counted_fsync)
+    monkeypatch.setattr(tokcap.store, "filesystem_sync_for", counted_sync_for)
+    plain = FileStagingSink(tmp_path / "plain")
+    journaled, _ = _journaled(tmp_path / "journaled")
+    for call in (turn.call for turn in conversation("r1", 3)):
+        syncs.clear()
+        assert plain.stage(call).ok
+        plain_syncs = list(syncs)
+        syncs.clear()
+        assert asyncio.run(journaled.stage(call)).ok
+        assert syncs == plain_syncs and plain_syncs
 
 
 def test_pending_rollouts_are_the_committed_ones_not_retired_each_saying_if_it_has_failures(
