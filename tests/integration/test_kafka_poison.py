@@ -314,7 +314,8 @@ def test_the_timeline_and_the_lineage_resolver_are_not_fooled_by_events_the_sink
 ) -> None:
     produce_raw(kafka_bootstrap, kafka_topic, [message for _, message, _ in REFUSED_ON_THE_TOPIC])
     produce_raw(kafka_bootstrap, kafka_topic, [crafted_put("r-healthy", "packed")])
-    for rollout_id, _, fragments in REFUSED_ON_THE_TOPIC:
+    produce_raw(kafka_bootstrap, kafka_topic, [message for _, message, _ in REFUSED_STAGING_EVENTS])
+    for rollout_id, _, fragments in REFUSED_ON_THE_TOPIC + REFUSED_STAGING_EVENTS:
         completed = tokcap(
             "log", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic, "--rollout", rollout_id, "--json"
         )  # fmt: skip
