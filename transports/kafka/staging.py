@@ -274,11 +274,14 @@ class KafkaStagingSink:
                 if refused is not None:
                     return build("StageResult", {"ok": False, "error": refused})
                 if known.digest != digest:
-                    # The remembered row was removed by a delete: the key is free again.
-                    if not _staged_digests.replace(self._topic, key, known, digest):
-                        error = f"{key!r} is being staged with a different payload in this process"
+                    # The remembered row was removed by a delete: the key is free again, unless another thread
+                    # of this process staged under it meanwhile.
+                    claimed = _staged_digests.replace(self._topic, key, known, digest)
+                    newer = None if claimed else _staged_digests.claim(self._topic, key, digest)
+                    claimed = claimed or newer is None
+                    if newer is not None and newer.digest != digest:
+                        error = f"{key!r} was already staged with a different payload; the first one stands"
                         return build("StageResult", {"ok": False, "error": error})
-                    claimed = True
             last = self._send(event, f"stage of {key!r}")
             refused = None if self._projection is None else self._verdict(event, digest, last)
         except (TransportError, ConfigError, FutureTimeoutError, EventTooLargeError) as exc:
