@@ -14,8 +14,8 @@ dead-letters the refused stage and masks the rollout, so it is never trained on.
 the call commits: the ledger row Gym's model server writes next waits for the store's verdict, and the rules
 refuse a row that commits a staged digest other than the one kept, or any row of a retired rollout. A sink
 given a ``store_dir`` learns it at ``stage`` already. Within one process the sink refuses a different
-payload under a key it already staged at once, and a stage of a rollout retired since; before refusing it asks
-its projection, or else the log after the row it remembers (``removals``), so a delete frees the key.
+payload under a key it already staged at once; before refusing it asks its projection, or else the log after
+the row it remembers (``removals``), so a delete frees the key and a retire refuses as the fence does.
 """
 
 from __future__ import annotations
@@ -269,19 +269,18 @@ class KafkaStagingSink:
         known = _staged_digests.claim(self._topic, key, digest)
         claimed = known is None
         try:
-            if known is not None:
+            if known is not None and known.digest != digest:
                 refused = self._refusal_from_memory(event, digest, known)
                 if refused is not None:
                     return build("StageResult", {"ok": False, "error": refused})
-                if known.digest != digest:
-                    # The remembered row was removed by a delete: the key is free again, unless another thread
-                    # of this process staged under it meanwhile.
-                    claimed = _staged_digests.replace(self._topic, key, known, digest)
-                    newer = None if claimed else _staged_digests.claim(self._topic, key, digest)
-                    claimed = claimed or newer is None
-                    if newer is not None and newer.digest != digest:
-                        error = f"{key!r} was already staged with a different payload; the first one stands"
-                        return build("StageResult", {"ok": False, "error": error})
+                # The remembered row was removed by a delete: the key is free again, unless another thread of
+                # this process staged under it meanwhile.
+                claimed = _staged_digests.replace(self._topic, key, known, digest)
+                newer = None if claimed else _staged_digests.claim(self._topic, key, digest)
+                claimed = claimed or newer is None
+                if newer is not None and newer.digest != digest:
+                    error = f"{key!r} was already staged with a different payload; the first one stands"
+                    return build("StageResult", {"ok": False, "error": error})
             last = self._send(event, f"stage of {key!r}")
             refused = None if self._projection is None else self._verdict(event, digest, last)
         except (TransportError, ConfigError, FutureTimeoutError, EventTooLargeError) as exc:
@@ -296,17 +295,19 @@ class KafkaStagingSink:
         return build("StageResult", {"ok": True, "staging_key": key})
 
     def _refusal_from_memory(self, event: StageEvent, digest: str, known: _Staged) -> str | None:
-        """Why a key this process staged before refuses the stage now, or ``None`` when it may be sent.
+        """Why a key this process staged another payload under refuses the stage now, or ``None`` if it is free.
 
         The memory answers only while it is true: the projection, or else the log after the remembered row,
-        says whether the rollout was deleted (the key is free) or retired (its fence refuses) since.
+        says whether the rollout was deleted (the key is free) or retired (its fence refuses) since. An
+        identical repeat is sent without asking: it is a no-op where the row stands and restores it where a
+        delete removed it.
         """
         key, rollout_id = event.staging_key, event.rollout_id
         different = f"{key!r} was already staged with a different payload; the first one stands"
         retired = f"rollout {rollout_id!r} is retired; its fence refused the stage of {key!r}"
         if known.landed is None:
             # Still being sent by another thread of this process: nothing can have removed it yet.
-            return None if known.digest == digest else different
+            return different
         if self._projection is not None:
             self._projection.catch_up(rollout_id)
             state = self._projection.store.read_state(rollout_id)
@@ -325,9 +326,7 @@ class KafkaStagingSink:
         )
         if removal is Removal.RETIRED:
             return retired
-        if removal is Removal.DELETED:
-            return None
-        return None if known.digest == digest else different
+        return None if removal is Removal.DELETED else different
 
     def _send(self, event: Event, what: str) -> Delivered:
         """Send the event's messages; return where the last one (the one the store applies) landed."""
