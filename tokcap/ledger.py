@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from pydantic import ValidationError
 
 from tokcap.errors import ConflictingEntryError, InvalidInputError, RolloutRetiredError, StoreCorruptionError
 from tokcap.events import LedgerEvent, LedgerFailureEvent
@@ -29,7 +30,7 @@ from tokcap.metrics import source_timed
 from tokcap.records import ParentResolutionStatus
 from tokcap.rules import ApplyOutcome, ApplyResult
 from tokcap.staging.records import CallRecord, CaptureLedgerCommit, ManifestFailure, RolloutManifest
-from tokcap.staging.row_rules import call_record_of
+from tokcap.staging.row_rules import call_record_of, ledger_row_problem
 from tokcap.state import RolloutState
 from tokcap.store import TokenCaptureStore
 
@@ -113,9 +114,11 @@ def _manifest_row(number: int, line: bytes) -> CallRecord | ManifestFailure:
         if not isinstance(row, dict):
             raise ValueError(f"it is a JSON {type(row).__name__}, not an object")
         call_id = row.get("model_call_id")
+        if not isinstance(call_id, str):
+            raise ValueError(f"its model_call_id is {call_id!r}, not a str")
         if "failure_reason" in row:
             return ManifestFailure(model_call_id=call_id, reason=row["failure_reason"])
-        return call_record_of(call_id, row)  # type: ignore[arg-type]
+        return call_record_of(call_id, row)
     except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
         named = call_id if isinstance(call_id, str) and call_id else UNNAMED_CALL
         reason = f"ledger line {number} cannot be read as a manifest row ({_first_line(exc)}); the rollout is masked"
@@ -123,6 +126,9 @@ def _manifest_row(number: int, line: bytes) -> CallRecord | ManifestFailure:
 
 
 def _first_line(exc: Exception) -> str:
+    """What was wrong with a ledger line, in one line that names the column."""
+    if isinstance(exc, ValidationError):
+        return ledger_row_problem(exc)
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
@@ -204,7 +210,10 @@ class FileCaptureLedger:
         else:
             for number, line in enumerate(lines, 1):
                 row = _manifest_row(number, line)
-                (failures if isinstance(row, ManifestFailure) else records).append(row)  # type: ignore[arg-type]
+                if isinstance(row, ManifestFailure):
+                    failures.append(row)
+                else:
+                    records.append(row)
             failures.extend(_mask_failures(state))
         return RolloutManifest(rollout_id=rollout_id, records=records, failures=failures).model_dump(
             mode="json"

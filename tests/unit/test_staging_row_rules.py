@@ -136,3 +136,25 @@ def test_a_masked_rollouts_manifest_says_why(tmp_path: Path) -> None:
         ("call-1", "dead-lettered event: bad row"),
         (UNNAMED_CALL, "a lost marker"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("written", "fragment"),
+    [
+        (b'{"failure_reason":"","model_call_id":"c9"}', "reason"),
+        (b"[1, 2]", "not an object"),
+        (b'{"failure_reason":"lost!","model_call_id":9}', "not a str"),
+    ],
+)
+def test_a_failure_line_rewritten_on_disk_masks_the_manifest_instead_of_raising(
+    tmp_path: Path, written: bytes, fragment: str
+) -> None:
+    store, ledger = _recorded(tmp_path)
+    asyncio.run(ledger.record_failure("r1", "c9", "lost!"))
+    path = store.path_for("r1").with_suffix(".ledger")
+    first, failure = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(first + written.ljust(len(failure) - 1) + b"\n")
+    manifest = asyncio.run(ledger.manifest("r1"))
+    assert [record["model_call_id"] for record in manifest["records"]] == ["call-0"]
+    [damaged] = manifest["failures"]
+    assert "ledger line 2 cannot be read" in damaged["reason"] and fragment in damaged["reason"]

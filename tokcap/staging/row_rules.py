@@ -35,6 +35,7 @@ __all__ = [
     "check_ledger_event",
     "check_ledger_failure_event",
     "check_stage_event",
+    "ledger_row_problem",
 ]
 
 _RECORD_FIELD_OF_COLUMN = {
@@ -97,6 +98,11 @@ def _first_problem(exc: ValidationError, column_of: Mapping[str, str]) -> str:
     return f"column {column!r}: {error['msg']}"
 
 
+def ledger_row_problem(exc: ValidationError) -> str:
+    """The first complaint of a ledger row's validation, naming the row's column."""
+    return _first_problem(exc, _COLUMN_OF_RECORD_FIELD)
+
+
 def check_stage_event(event: StageEvent) -> None:
     """Refuse a stage that ``stage`` would not have sent (its call id and token ids aside)."""
     rollout_id, call_id = event.rollout_id, event.model_call_id
@@ -132,8 +138,7 @@ def check_ledger_event(event: LedgerEvent) -> None:
     try:
         record = call_record_of(call_id, row)
     except ValidationError as exc:
-        problem = _first_problem(exc, _COLUMN_OF_RECORD_FIELD)
-        _refuse(rollout_id, call_id, f"the ledger row is no valid call record: {problem}")
+        _refuse(rollout_id, call_id, f"the ledger row is no valid call record: {ledger_row_problem(exc)}")
     if row["digest"] != record.cumulative_hash:
         _refuse(rollout_id, call_id, "the ledger row's column 'digest' is not its cumulative_hash")
     context_len = row["context_len"]
