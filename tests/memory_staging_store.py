@@ -16,11 +16,16 @@ from tokcap.staging.gym_types import build
 
 @dataclass(frozen=True)
 class GivenCall:
-    """One ``stage`` call as the store received it: the record's class and JSON, and the attachments keyword."""
+    """One ``stage`` call as the store received it: the record's class name and JSON, and the attachments keyword.
 
-    record_type: type
+    Calls compare by the class's name: a restage builds Gym's class once any test of the session imported Gym,
+    whatever class the first stage was given. ``record_class`` is the class itself, for tests that need Gym's.
+    """
+
+    record_type: str
     record_json: str
     attachments: dict[str, bytes] | None
+    record_class: type = field(compare=False, default=object)
 
 
 @dataclass
@@ -38,9 +43,10 @@ class MemoryStagingStore:
     def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         key = f"{record.rollout_id}/{record.model_call_id}"
         call = GivenCall(
-            type(record),
+            type(record).__name__,
             record.model_dump_json(),
             None if attachments is None else {name: bytes(value) for name, value in attachments.items()},
+            type(record),
         )
         self.entered.set()
         if self.hold is not None:

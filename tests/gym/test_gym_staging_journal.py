@@ -31,6 +31,6 @@ def test_restage_gives_the_inner_store_gyms_staged_call_record_byte_for_byte(
     fresh = MemoryStagingStore()
     report = asyncio.run(restage(FileStagingSource(tmp_path), fresh))
     assert report.restaged == 3
-    assert [given.record_type for given in fresh.given] == [gym_records.StagedCallRecord] * 3
+    assert [given.record_class for given in fresh.given] == [gym_records.StagedCallRecord] * 3
     assert fresh.given == first.given
     assert [given.record_json for given in fresh.given] == [call.model_dump_json() for call in calls]

@@ -121,6 +121,7 @@ def test_a_refused_stage_is_recorded_on_the_topic_and_never_restaged_and_retired
         asyncio.run(ledger.record(commit_for(conversation("a", 1)[0])))
         asyncio.run(ledger.record_failure("a", "call-1", "worker_capture_failed"))
         asyncio.run(ledger.retire(["c"]))
+        asyncio.run(ledger.delete(["d"]))
         assert asyncio.run(ledger.pending_rollouts()) == [
             PendingRollout("a", has_failures=True),
             PendingRollout("b", has_failures=False),

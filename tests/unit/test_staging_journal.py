@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from memory_staging_store import AsyncMemoryStagingStore, MemoryStagingStore
 from staging_calls import commit_for, conversation, staged_call
 
+import tokcap.store
 from tokcap.errors import InvalidInputError, StoreCorruptionError
 from tokcap.events import LogPosition
 from tokcap.ledger import PendingRollout
@@ -171,6 +173,22 @@ def test_a_stage_the_journal_refused_is_not_ok_and_the_inner_store_is_not_asked(
     assert inner.given == []
 
 
+def test_a_stage_the_journal_refused_for_another_payload_poisons_the_call_so_neither_payload_is_restaged(
+    tmp_path: Path,
+) -> None:
+    sink, inner = _journaled(tmp_path)
+    first = staged_call("r1", "c0", [1, 2], [3])
+    other = staged_call("r1", "c0", [1, 2], [4])
+    assert asyncio.run(sink.stage(first)).ok
+    result = asyncio.run(sink.stage(other))
+    assert not result.ok and "already staged with a different payload" in result.error
+    assert "the journal recorded the refusal" in result.error and len(inner.given) == 1
+    failures = asyncio.run(FileLineageResolver(tmp_path).manifest("r1"))["failures"]
+    assert failures == [{"schema_version": 2, "model_call_id": "c0", "reason": REFUSED_STAGE_REASON}]
+    report = asyncio.run(restage(FileStagingSource(tmp_path), MemoryStagingStore()))
+    assert (report.restaged, report.failed) == (0, 1)
+
+
 def test_an_async_inner_store_is_awaited(tmp_path: Path) -> None:
     inner = AsyncMemoryStagingStore()
     sink = JournaledStagingSink(inner, FileStagingSink(tmp_path))
@@ -246,25 +264,36 @@ def test_cursors_taken_are_recorded_in_the_store_directory_oldest_first(tmp_path
     assert FileStagingSource(tmp_path).journal_store().rollout_ids() == ["r1"]
 
 
-def test_a_stage_adds_no_filesystem_sync_of_its_own_to_the_journal(
+def test_a_stage_through_the_journal_syncs_exactly_as_often_as_a_plain_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plain = FileStagingSink(tmp_path / "plain")
-    journaled, _ = _journaled(tmp_path / "journaled")
-    calls = [turn.call for turn in conversation("r1", 2)]
-    syncs: list[int] = []
-    real_fsync = os.fsync
+    syncs: list[str] = []
+    real_fsync, real_sync_for = os.fsync, tokcap.store.filesystem_sync_for
 
-    def counted(fd: int) -> None:
-        syncs.append(fd)
+    def counted_fsync(fd: int) -> None:
+        syncs.append("fsync")
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", counted)
-    plain.stage(calls[0])
-    plain_syncs = len(syncs)
-    syncs.clear()
-    assert asyncio.run(journaled.stage(calls[0])).ok
-    assert len(syncs) == plain_syncs
+    def counted_sync_for(directory: Path) -> Callable[[], None]:
+        sync = real_sync_for(directory)
+
+        def counted() -> None:
+            syncs.append("syncfs")
+            sync()
+
+        return counted
+
+    monkeypatch.setattr(os, "fsync", counted_fsync)
+    monkeypatch.setattr(tokcap.store, "filesystem_sync_for", counted_sync_for)
+    plain = FileStagingSink(tmp_path / "plain")
+    journaled, _ = _journaled(tmp_path / "journaled")
+    for call in (turn.call for turn in conversation("r1", 3)):
+        syncs.clear()
+        assert plain.stage(call).ok
+        plain_syncs = list(syncs)
+        syncs.clear()
+        assert asyncio.run(journaled.stage(call)).ok
+        assert syncs == plain_syncs and plain_syncs
 
 
 def test_pending_rollouts_are_the_committed_ones_not_retired_each_saying_if_it_has_failures(
@@ -321,7 +350,8 @@ def test_the_journal_and_inner_store_must_have_their_shapes(tmp_path: Path) -> N
         '{"label": "x", "taken_at": 1, "transport": "kafka", "version": 1, "topic": 5, "offsets": {}}',
         '{"label": "x", "taken_at": 1, "transport": "ftp", "version": 1}',
         '{"label": "x", "taken_at": 1, "transport": "kafka", "version": 1, "topic": "t", "offsets": {"0": -1}}',
-        '{"label": "x", "transport": "file", "version": 1, "rollouts": {"r": {"size": 1, "slots": "a"}}}',
+        '{"label": "x", "taken_at": 1, "transport": "file", "version": 1, '
+        '"rollouts": {"r": {"size": 1, "slots": "ab"}}}',
     ],
 )
 def test_a_cursor_with_a_wrong_field_is_refused_naming_it(text: str) -> None:
@@ -400,3 +430,48 @@ def test_a_damaged_blob_fails_the_restage_instead_of_restaging_without_it(tmp_pa
     blob.write_bytes(b"pixelz")
     with pytest.raises(StoreCorruptionError, match="does not hold the 6 bytes"):
         asyncio.run(restage(FileStagingSource(tmp_path), MemoryStagingStore()))
+
+
+class _SnapshottedStore(MemoryStagingStore):
+    """A trainer's in-memory store that can be snapshotted and loaded, as the operations guide's wiring uses it."""
+
+    def state(self) -> dict[str, Any]:
+        return dict(self.stored)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.stored = dict(state)
+
+
+def test_the_operations_guides_ten_lines_restore_a_crashed_trainers_store_to_every_acknowledged_call(
+    tmp_path: Path,
+) -> None:
+    guide = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    section = guide[guide.index("## A journal behind a trainer's in-memory staging store") :]
+    code = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
+    checkpoints: dict[int, Any] = {}
+
+    class Checkpoint:
+        def __init__(self, state: dict[str, Any], journal_cursor: str) -> None:
+            self.state, self.journal_cursor = state, journal_cursor
+
+    before_crash = _SnapshottedStore()
+    names: dict[str, Any] = {
+        "transfer_queue": before_crash,
+        "STORE": tmp_path,
+        "save_checkpoint": lambda step, state, journal_cursor: checkpoints.update(
+            {step: Checkpoint(state, journal_cursor)}
+        ),
+    }
+    exec(compile(code, "docs/operations.md", "exec"), names)
+    ledger = FileLineageResolver(tmp_path)
+    for turn in conversation("r1", 2):
+        assert asyncio.run(names["sink"].stage(turn.call)).ok
+        asyncio.run(ledger.record(commit_for(turn)))
+    asyncio.run(names["snapshot"](10))
+    for turn in conversation("r2", 2):
+        assert asyncio.run(names["sink"].stage(turn.call)).ok
+    names["transfer_queue"] = restored = _SnapshottedStore()
+    asyncio.run(names["restore"](checkpoints[10]))
+    assert restored.stored == before_crash.stored and len(restored.stored) == 4
+    assert len(restored.given) == 2
+    assert asyncio.run(ledger.pending_rollouts()) == [PendingRollout("r1", has_failures=False)]

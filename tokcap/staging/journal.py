@@ -10,7 +10,8 @@ Why no acknowledged call is lost, one claim per sentence:
 
 - A stage is ok only once the journal made the call durable and the inner store then accepted it.
 - A stage that is not ok gets a ledger failure row for its call (``worker_capture_failed``, the row Gym's model
-  server records for it too), and restage skips every call with a failure row.
+  server records for it too), whether the journal or the inner store refused it, and restage skips every call
+  with a failure row.
 - The journal keeps a staged call until its rollout is retired or deleted; restage reads only what it keeps.
 - On Kafka the journal's order is the log's: each staged row's slot keeps the offset of its stage, and a cursor
   is the end offset of every partition, so a stage acknowledged after the cursor sits at or past it.
@@ -24,8 +25,9 @@ Why no acknowledged call is lost, one claim per sentence:
   returned, so the snapshot taken after ``cursor`` holds it.
 - A call staged in between the cursor and the snapshot may therefore come back once more, identical, never
   zero times.
-- A repeat of an identical stage keeps the call's place from its first stage; that stage either was
-  acknowledged before the cursor (so the snapshot holds it) or was not ok (so it has a failure row).
+- A repeat of an identical stage keeps the call's place from its first stage; when that place is before the
+  cursor, the first stage either was acknowledged before the snapshot (so the snapshot holds the call) or was
+  not ok (so the call has a failure row and its rollout is poisoned).
 - The wait covers stages through this sink object; a store written through several sinks in several processes
   takes its cursor where the writes stop for the snapshot.
 
@@ -340,9 +342,9 @@ class JournaledStagingSink:
         """Stage in the journal, then in the inner store; a ``StageResult`` ok only when both accepted the call.
 
         The inner store's own result is returned when ok (its staging key is the one its trainer reads). A
-        refusal or error of either is a failed result with the reason; one of the inner store also records a
-        failure row in the journal, so ``restage`` never gives the call back. Input that is no valid staged
-        record raises ``InvalidInputError`` before anything is staged, as the journal's ``stage`` does.
+        refusal or error of either is a failed result with the reason, and records the call's failure row in the
+        journal, as Gym's model server does next, so ``restage`` never gives the call back. Input that is no
+        valid staged record raises ``InvalidInputError`` before anything is staged, as the journal's ``stage`` does.
         """
         number = self._in_flight.enter()
         try:
@@ -350,7 +352,8 @@ class JournaledStagingSink:
             journaled = await asyncio.to_thread(self._journal.stage, record, **keywords)
             refused = _refusal_of(journaled)
             if refused is not None:
-                return _failed(f"the journal refused the call, so the inner store was not asked: {refused}")
+                why = f"the journal refused the call, so the inner store was not asked: {refused}"
+                return _failed(await self._recorded_refusal(record, why))
             try:
                 result = await _stage_into(self._inner, record, attachments)
                 refused = _refusal_of(result)
@@ -358,13 +361,14 @@ class JournaledStagingSink:
                 result, refused = None, f"the inner store raised {type(exc).__name__}: {exc}"
             if refused is None:
                 return result
-            return _failed(await self._recorded_refusal(record, refused))
+            why = f"the call is durable in the journal but the inner store refused it: {refused}"
+            return _failed(await self._recorded_refusal(record, why))
         finally:
             self._in_flight.leave(number)
 
-    async def _recorded_refusal(self, record: Any, refused: str) -> str:
+    async def _recorded_refusal(self, record: Any, why: str) -> str:
+        """Record the call's failure row in the journal; say in the reason whether that worked."""
         rollout_id, call_id = _identity(record)
-        why = f"the call is durable in the journal but the inner store refused it: {refused}"
         try:
             await asyncio.to_thread(self._journal.record_refusal, str(rollout_id), str(call_id))
         except Exception as exc:  # reported in the failed result; Gym records the same failure row next
