@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 from pathlib import Path
 
@@ -26,10 +25,10 @@ def test_restage_gives_the_inner_store_gyms_staged_call_record_byte_for_byte(
         for turn in conversation("gym-r", 3, extras=True)
     ]
     for number, call in enumerate(calls):
-        result = asyncio.run(sink.stage(call, attachments={"pixels": bytes([number]) * 7, "none": b""}))
+        result = sink.stage(call, attachments={"pixels": bytes([number]) * 7, "none": b""})
         assert isinstance(result, gym_records.StageResult) and result.ok
     fresh = MemoryStagingStore()
-    report = asyncio.run(restage(FileStagingSource(tmp_path), fresh))
+    report = restage(FileStagingSource(tmp_path), fresh)
     assert report.restaged == 3
     assert [given.record_class for given in fresh.given] == [gym_records.StagedCallRecord] * 3
     assert fresh.given == first.given

@@ -49,7 +49,7 @@ def _restaged(
 ) -> RestageReport:
     source = KafkaStagingSource(bootstrap_servers=bootstrap, topic=topic, store_dir=store_dir)
     try:
-        return asyncio.run(restage(source, inner, after=after))
+        return restage(source, inner, after=after)
     finally:
         source.close()
 
@@ -62,8 +62,8 @@ def test_a_kafka_cursor_is_offsets_per_partition_and_restage_gives_back_exactly_
     (tmp_path / "cursors").mkdir()
     before = [turn.call for rollout in ("a", "b", "c") for turn in conversation(rollout, 2)]
     for call in before:
-        assert asyncio.run(sink.stage(call)).ok
-    cursor = JournalCursor.from_json(asyncio.run(sink.cursor("step-10")).to_json())
+        assert sink.stage(call).ok
+    cursor = JournalCursor.from_json(sink.cursor("step-10").to_json())
     assert cursor.topic == journal_topic and sorted(cursor.offsets) == [0, 1, 2]
     assert sum(cursor.offsets.values()) == len(before)
     after = [
@@ -71,7 +71,7 @@ def test_a_kafka_cursor_is_offsets_per_partition_and_restage_gives_back_exactly_
         *(t.call for t in conversation("d", 2, extras=True)),
     ]
     for number, call in enumerate(after):
-        assert asyncio.run(sink.stage(call, attachments=ATTACHMENTS if number else None)).ok
+        assert sink.stage(call, attachments=ATTACHMENTS if number else None).ok
     fresh = MemoryStagingStore()
     report = _restaged(kafka_bootstrap, journal_topic, tmp_path / "p1", fresh, after=cursor)
     assert report.restaged == 3
@@ -95,7 +95,7 @@ def test_two_fresh_stores_restaged_from_two_projections_are_equal_and_twice_give
 ) -> None:
     sink = JournaledStagingSink(MemoryStagingStore(), journal_sink)
     for number, turn in enumerate(conversation("a", 3, extras=True) + conversation("b", 2)):
-        assert asyncio.run(sink.stage(turn.call, attachments={"n": bytes([number])})).ok
+        assert sink.stage(turn.call, attachments={"n": bytes([number])}).ok
     one, two = MemoryStagingStore(), MemoryStagingStore()
     _restaged(kafka_bootstrap, journal_topic, tmp_path / "p1", one)
     _restaged(kafka_bootstrap, journal_topic, tmp_path / "p2", two)
@@ -109,9 +109,7 @@ def test_a_refused_stage_is_recorded_on_the_topic_and_never_restaged_and_retired
 ) -> None:
     inner = MemoryStagingStore(refuse=frozenset({"a/call-1"}))
     sink = JournaledStagingSink(inner, journal_sink)
-    results = [
-        asyncio.run(sink.stage(turn.call)) for rollout in ("a", "b", "c") for turn in conversation(rollout, 2)
-    ]
+    results = [sink.stage(turn.call) for rollout in ("a", "b", "c") for turn in conversation(rollout, 2)]
     assert [result.ok for result in results] == [True, False, True, True, True, True]
     ledger = KafkaLineageResolver(
         bootstrap_servers=kafka_bootstrap, topic=journal_topic, store_dir=tmp_path / "l"

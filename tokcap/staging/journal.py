@@ -37,7 +37,6 @@ staged; the inner store's own staging key is what its ``StageResult`` says, as o
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import inspect
 import itertools
@@ -287,18 +286,20 @@ def _identity(record: Any) -> tuple[Any, Any]:
     return getattr(record, "rollout_id", None), getattr(record, "model_call_id", None)
 
 
-async def _stage_into(inner: Any, record: Any, attachments: Mapping[str, Any] | None) -> Any:
-    """``inner.stage`` with the attachments keyword only when there are attachments, as Gym's capture core calls it.
-
-    A synchronous ``stage`` runs in a worker thread; an ``async def stage`` is awaited.
-    """
+def _stage_into(inner: Any, record: Any, attachments: Mapping[str, Any] | None) -> Any:
+    """``inner.stage`` with the attachments keyword only when there are attachments, as Gym's capture core calls it."""
     keywords = {} if attachments is None else {"attachments": attachments}
-    if inspect.iscoroutinefunction(inner.stage):
-        return await inner.stage(record, **keywords)
-    result = await asyncio.to_thread(inner.stage, record, **keywords)
-    if inspect.isawaitable(result):
-        return await result
-    return result
+    return inner.stage(record, **keywords)
+
+
+def _require_staging_sink_shape(inner: Any) -> None:
+    """Refuse an inner store without Gym's ``StagingSink`` shape before anything is staged into it."""
+    stage = getattr(inner, "stage", None)
+    if not callable(stage) or inspect.iscoroutinefunction(stage):
+        raise InvalidInputError(
+            "inner must have Gym's StagingSink shape (a synchronous stage method, which Gym's inference workers "
+            f"call from their own threads); got {inner!r}"
+        )
 
 
 def _refusal_of(result: Any) -> str | None:
@@ -313,17 +314,15 @@ def _refusal_of(result: Any) -> str | None:
 class JournaledStagingSink:
     """Gym's ``StagingSink`` in front of any staging store: durable in a tokcap journal first, then in ``inner``.
 
-    ``inner`` has Gym's ``StagingSink`` shape (``stage(record, *, attachments=None) -> StageResult``, plain or
-    ``async``); ``journal`` is a ``FileStagingSink`` or ``KafkaStagingSink``. ``cursor_dir`` is where cursors
+    It has that shape itself, so an inference worker stages through it as through any staging sink. ``inner``
+    has Gym's ``StagingSink`` shape (a synchronous ``stage(record, *, attachments=None) -> StageResult``);
+    ``journal`` is a ``FileStagingSink`` or ``KafkaStagingSink``. ``cursor_dir`` is where cursors
     taken are recorded; by default the journal's own directory (the file store, or a Kafka sink's
     ``store_dir``), and none when the journal has none.
     """
 
     def __init__(self, inner: Any, journal: StagingJournal, *, cursor_dir: str | Path | None = None) -> None:
-        if not callable(getattr(inner, "stage", None)):
-            raise InvalidInputError(
-                f"inner must have Gym's StagingSink shape (a stage method); got {inner!r}"
-            )
+        _require_staging_sink_shape(inner)
         for name in ("stage", "journal_cursor", "record_refusal", "journal_dir"):
             if not callable(getattr(journal, name, None)):
                 raise InvalidInputError(
@@ -338,7 +337,7 @@ class JournaledStagingSink:
     def __repr__(self) -> str:
         return f"JournaledStagingSink(inner={self._inner!r}, journal={self._journal!r})"
 
-    async def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         """Stage in the journal, then in the inner store; a ``StageResult`` ok only when both accepted the call.
 
         The inner store's own result is returned when ok (its staging key is the one its trainer reads). A
@@ -349,28 +348,28 @@ class JournaledStagingSink:
         number = self._in_flight.enter()
         try:
             keywords = {} if attachments is None else {"attachments": attachments}
-            journaled = await asyncio.to_thread(self._journal.stage, record, **keywords)
+            journaled = self._journal.stage(record, **keywords)
             refused = _refusal_of(journaled)
             if refused is not None:
                 why = f"the journal refused the call, so the inner store was not asked: {refused}"
-                return _failed(await self._recorded_refusal(record, why))
+                return _failed(self._recorded_refusal(record, why))
             try:
-                result = await _stage_into(self._inner, record, attachments)
+                result = _stage_into(self._inner, record, attachments)
                 refused = _refusal_of(result)
             except Exception as exc:  # any error of a foreign store is its refusal, recorded and answered
                 result, refused = None, f"the inner store raised {type(exc).__name__}: {exc}"
             if refused is None:
                 return result
             why = f"the call is durable in the journal but the inner store refused it: {refused}"
-            return _failed(await self._recorded_refusal(record, why))
+            return _failed(self._recorded_refusal(record, why))
         finally:
             self._in_flight.leave(number)
 
-    async def _recorded_refusal(self, record: Any, why: str) -> str:
+    def _recorded_refusal(self, record: Any, why: str) -> str:
         """Record the call's failure row in the journal; say in the reason whether that worked."""
         rollout_id, call_id = _identity(record)
         try:
-            await asyncio.to_thread(self._journal.record_refusal, str(rollout_id), str(call_id))
+            self._journal.record_refusal(str(rollout_id), str(call_id))
         except Exception as exc:  # reported in the failed result; Gym records the same failure row next
             return (
                 f"{why}; recording the refusal in the journal failed too ({type(exc).__name__}: {exc}), so until "
@@ -378,18 +377,18 @@ class JournaledStagingSink:
             )
         return f"{why}; the journal recorded the refusal, so a restage skips it"
 
-    async def cursor(self, label: str) -> JournalCursor:
+    def cursor(self, label: str) -> JournalCursor:
         """A position in the journal's order for the snapshot about to be taken; keep ``to_json()`` in it.
 
         It reads the position, then waits until every stage this sink had started has returned, so that each
         call before the position is in the inner store (or refused) before the snapshot. The cursor is
         recorded in ``cursor_dir`` when there is one.
         """
-        cursor = await asyncio.to_thread(self._journal.journal_cursor, label)
+        cursor = self._journal.journal_cursor(label)
         for running in self._in_flight.running():
-            await asyncio.to_thread(running.wait)
+            running.wait()
         if self._cursor_dir is not None:
-            await asyncio.to_thread(record_cursor, self._cursor_dir, cursor)
+            record_cursor(self._cursor_dir, cursor)
         return cursor
 
 
@@ -500,7 +499,7 @@ def _check_cursor(source: JournalSource, after: JournalCursor) -> None:
         )
 
 
-async def restage(
+def restage(
     source: JournalSource,
     inner: Any,
     *,
@@ -514,24 +513,25 @@ async def restage(
     failure row are skipped; what the inner store refuses (or raises) is counted with its reason. It only reads
     the journal.
     """
+    _require_staging_sink_shape(inner)
     if after is not None:
         _check_cursor(source, after)
     asked = None if rollout_ids is None else list(rollout_ids)
-    store = await asyncio.to_thread(source.journal_store)
+    store = source.journal_store()
     retired: list[str] = []
     failed: list[str] = []
-    calls = await asyncio.to_thread(_journal_calls, store, after, asked, retired, failed)
+    calls = _journal_calls(store, after, asked, retired, failed)
     restaged = 0
     refusals: list[RestageRefusal] = []
     for call in calls:
-        read = await asyncio.to_thread(_read_call, store, call)
+        read = _read_call(store, call)
         if read is None:
             if call.rollout_id not in retired:
                 retired.append(call.rollout_id)
             continue
         record, attachments = read
         try:
-            result = await _stage_into(inner, record, attachments or None)
+            result = _stage_into(inner, record, attachments or None)
             refused = _refusal_of(result)
         except Exception as exc:  # counted and reported with its reason, never dropped silently
             refused = f"the inner store raised {type(exc).__name__}: {exc}"
