@@ -204,7 +204,7 @@ class Trainer:
             from tokcap.staging import JournalCursor, restage
 
             cursor = None if snapshot["cursor"] is None else JournalCursor.from_json(snapshot["cursor"])
-            report = self.journal.loop.run(restage(self.journal.source, self.store, after=cursor))
+            report = restage(self.journal.source, self.store, after=cursor)
             restaged, refused = report.restaged, report.refused
             if refused:
                 raise RuntimeError(f"the in-memory store refused {refused} restaged calls: {report!r}")
@@ -253,9 +253,7 @@ class Trainer:
                 if self.journal is None:
                     result = self.store.stage(call.record, attachments=call.attachments)
                 else:
-                    result = self.journal.loop.run(
-                        self.journal.sink.stage(call.record, attachments=call.attachments)
-                    )
+                    result = self.journal.sink.stage(call.record, attachments=call.attachments)
                 if not result.ok:
                     raise RuntimeError(f"stage of {call.key} failed: {result.error}")
                 self.out.say(ack=call.key, cost=call.generation_seconds)
@@ -325,11 +323,7 @@ class Trainer:
 
     def snapshot(self, trained_since: list[str]) -> None:
         """Cursor first, then the durable snapshot, then retire what the snapshot trained on."""
-        cursor = (
-            None
-            if self.journal is None
-            else self.journal.loop.run(self.journal.sink.cursor(f"step-{self.step}")).to_json()
-        )
+        cursor = None if self.journal is None else self.journal.sink.cursor(f"step-{self.step}").to_json()
         self.killer.reached("cursor")
         _write_snapshot(
             self.work,

@@ -25,7 +25,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -283,27 +282,14 @@ def stage_cost(
         sink = JournaledStagingSink(inner, journal)
         closers += [journal.close, partial(_delete_topic, bootstrap, topic)]
 
-    # The journaled sink's stage is a coroutine: each stager thread runs it on an event loop of its own.
-    loops = threading.local()
-
     def one(call: StagedCall) -> None:
-        if transport == "memory":
-            result = sink.stage(call.record, attachments=call.attachments)
-        else:
-            loop = getattr(loops, "loop", None)
-            if loop is None:
-                loop = loops.loop = asyncio.new_event_loop()
-                opened.append(loop)
-            result = loop.run_until_complete(sink.stage(call.record, attachments=call.attachments))
+        result = sink.stage(call.record, attachments=call.attachments)
         if not result.ok:
             raise RuntimeError(f"stage failed: {result.error}")
 
-    opened: list[asyncio.AbstractEventLoop] = []
     try:
         seconds, latencies, _cpu = _threaded(calls, threads, one)
     finally:
-        for loop in opened:
-            loop.close()
         for close in closers:
             close()
     return _per_stage(latencies, seconds, len(calls))

@@ -73,13 +73,10 @@ def test_the_cursors_a_kafka_journal_recorded_are_listed_from_its_cursor_dir(
     journal = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
     sink = JournaledStagingSink(_Store(), journal, cursor_dir=tmp_path)
 
-    async def stage_then_cursor() -> None:
-        (turn,) = conversation("cursored", 1)
-        assert (await sink.stage(turn.call)).ok
-        await sink.cursor("step-3")
-
     try:
-        asyncio.run(stage_then_cursor())
+        (turn,) = conversation("cursored", 1)
+        assert sink.stage(turn.call).ok
+        sink.cursor("step-3")
     finally:
         journal.close()
     shown = tokcap(

@@ -123,12 +123,9 @@ class _Store:
 def test_every_cursor_a_trainer_took_is_listed_oldest_first(tmp_path: Path) -> None:
     sink = JournaledStagingSink(_Store(), FileStagingSink(tmp_path))
 
-    async def take() -> None:
-        for number, turn in enumerate(conversation("c", 2)):
-            assert (await sink.stage(turn.call)).ok
-            await sink.cursor(f"step-{number}")
-
-    asyncio.run(take())
+    for number, turn in enumerate(conversation("c", 2)):
+        assert sink.stage(turn.call).ok
+        sink.cursor(f"step-{number}")
     status = describe_staging(tmp_path)
     assert [cursor["label"] for cursor in status["cursors"]] == ["step-0", "step-1"]
     assert status["cursors"][1]["rollouts"]["c"]["size"] > status["cursors"][0]["rollouts"]["c"]["size"]
@@ -141,10 +138,7 @@ def test_cursors_recorded_elsewhere_are_read_from_the_cursor_dir_given(
     _journal(tmp_path / "store")
     sink = JournaledStagingSink(_Store(), FileStagingSink(tmp_path / "store"), cursor_dir=tmp_path)
 
-    async def take() -> None:
-        await sink.cursor("before-snapshot-7")
-
-    asyncio.run(take())
+    sink.cursor("before-snapshot-7")
     assert describe_staging(tmp_path / "store")["cursors"] == []
     assert run(["staging", "status", str(tmp_path / "store"), "--cursor-dir", str(tmp_path), "--json"]) == 0
     assert [c["label"] for c in json.loads(capsys.readouterr().out)["cursors"]] == ["before-snapshot-7"]
