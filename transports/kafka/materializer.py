@@ -50,7 +50,9 @@ rewritten under the same id) with ``MaterializerFailedError``.
 
 Run it in a thread (``start``/``stop``) or as a process::
 
-    python -m transports.kafka.materializer --bootstrap HOST:PORT --topic TOPIC --dir STORE_DIR
+    python -m transports.kafka.materializer --bootstrap HOST:PORT --topic TOPIC --dir STORE_DIR [--metrics-port PORT]
+
+With ``--metrics-port`` it serves ``/metrics`` and ``/healthz`` as ``tokcap materialize`` does (``readiness``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ from tokcap.errors import (
 from tokcap.events import FreezeEvent
 from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
+from tokcap.metrics_http import DEFAULT_METRICS_HOST
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
@@ -1012,6 +1015,13 @@ def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
     return int(high) if high is not None and high >= 0 else None
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, not {port}")
+    return port
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m transports.kafka.materializer",
@@ -1028,6 +1038,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=SWEEP_BLOCK_MESSAGES,
         help=f"most messages applied per durable block before a checkpoint (default: {SWEEP_BLOCK_MESSAGES})",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve Prometheus /metrics and a /healthz readiness check on this port (0: any free port)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        help=f"the address --metrics-port listens on (default: {DEFAULT_METRICS_HOST})",
     )
     return parser.parse_args(argv)
 
@@ -1050,11 +1071,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    try:
-        materializer.run_until_stopped()
-    except MaterializerFailedError as exc:
-        print(f"materializer failed: {exc}", file=sys.stderr)
-        return 1
+    with ExitStack() as serving:
+        if args.metrics_port is not None:
+            # Imported here: readiness imports this module.
+            from transports.kafka.readiness import serve_metrics
+
+            server = serve_metrics(materializer, host=args.metrics_host, port=args.metrics_port)
+            serving.callback(server.close)
+            logger.info("serving /metrics and /healthz on http://%s:%d", server.host, server.port)
+        try:
+            materializer.run_until_stopped()
+        except MaterializerFailedError as exc:
+            print(f"materializer failed: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
