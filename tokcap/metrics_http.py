@@ -164,11 +164,14 @@ class _Workers:
         return True
 
     def stop(self, timeout_s: float) -> None:
+        """Ask each thread to stop after the requests it has; a thread stuck in an answer is left behind."""
         started = [thread for thread in self._threads if thread.ident is not None]
-        for _ in started:
-            self._jobs.put(None)
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(queue.Full):
+            for _ in started:
+                self._jobs.put(None, timeout=max(0.0, deadline - time.monotonic()))
         for thread in started:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -196,7 +199,11 @@ class MetricsServer:
         self._limits = limits or HttpLimits()
         self._metrics = make_wsgi_app(REGISTRY)
         family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host,
+            port,
+            socket.AF_INET6 if ":" in host else socket.AF_INET,
+            socket.SOCK_STREAM,
+            flags=socket.AI_PASSIVE,
         )[0]
         self._listener = socket.socket(family, kind, proto)
         try:

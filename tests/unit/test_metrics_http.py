@@ -231,3 +231,24 @@ def test_a_head_request_gets_the_headers_without_the_body_and_an_unknown_path_a_
 def test_limits_below_one_are_refused_naming_the_field(field: str) -> None:
     with pytest.raises(InvalidInputError, match=field):
         HttpLimits(**{field: 0})
+
+
+def test_closing_does_not_wait_for_ever_on_an_answer_stuck_in_the_health_check() -> None:
+    release = threading.Event()
+
+    def stuck() -> Health:
+        release.wait(60)
+        return Health(True, "late")
+
+    server = MetricsServer(stuck, port=0, limits=HttpLimits(queued_requests=1)).start()
+    socks = [_connect(server), _connect(server)]
+    try:
+        _one_answering_one_queued(server, socks)
+        closer = threading.Thread(target=server.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()
+    finally:
+        release.set()
+        for sock in socks:
+            sock.close()
