@@ -88,24 +88,7 @@ LATENCY_BUCKETS = (
 )
 """From a tmpfs put (about 100 µs) to a delivery timeout (30 s)."""
 
-PAUSE_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-)
+PAUSE_BUCKETS = (*LATENCY_BUCKETS[LATENCY_BUCKETS.index(0.001) :], 60.0, 120.0)
 """From a flush of a few files (about 1 ms) to a pause longer than a source's default timeout (30 s)."""
 
 # ------------------------------------------------------------------------------------------ sinks
