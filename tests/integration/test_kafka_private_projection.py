@@ -231,3 +231,20 @@ def test_a_model_server_killed_with_its_ledger_open_leaves_a_directory_the_next_
     finally:
         asyncio.run(ledger.close())
     assert list(private_root.iterdir()) == []
+
+
+def test_a_directory_projected_whole_in_this_process_is_refused_to_a_ledger_only_reader(
+    where: dict[str, Any], tmp_path: Path
+) -> None:
+    from tokcap.errors import ConfigError
+    from transports.kafka.private_projection import LEDGER_SKIPPED_TYPES
+    from transports.kafka.shared_materializers import shared_materializers
+
+    source = KafkaStagingSource(**where, store_dir=tmp_path)
+    try:
+        with pytest.raises(ConfigError, match="give each kind of reader a directory of its own"):
+            shared_materializers.acquire(
+                where["bootstrap_servers"], where["topic"], tmp_path, None, LEDGER_SKIPPED_TYPES
+            )
+    finally:
+        source.close()
