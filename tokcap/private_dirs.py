@@ -186,6 +186,8 @@ def _owner_gone(lock_paths: list[Path]) -> bool:
             fd = os.open(lock_path, os.O_RDWR)
         except FileNotFoundError:
             continue
+        except OSError:
+            return False  # not ours to judge (another user's, say): left alone
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -70,3 +70,25 @@ def test_the_root_is_the_environment_setting_else_the_users_cache(monkeypatch: p
     monkeypatch.delenv("TOKCAP_PRIVATE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", "/var/cache/me")
     assert private_root() == Path("/var/cache/me/tokcap/private")
+
+
+def test_a_lock_this_process_cannot_open_keeps_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's directory under a shared root: its lock cannot be opened here, so it is left alone."""
+    stale = tmp_path / "ledger-run-999999999-0badcafe"
+    stale.mkdir()
+    lock = tmp_path / f"{stale.name}.lock"
+    lock.write_bytes(b"")
+    opened = os.open
+
+    def refusing(path: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int:
+        if Path(path) == lock:
+            raise PermissionError(13, "Permission denied", str(path))
+        return opened(path, flags, mode)
+
+    monkeypatch.setattr("tokcap.private_dirs.os.open", refusing)
+    directories = PrivateDirectories(tmp_path)
+    mine = directories.acquire("ledger-run", "key")
+    assert stale.is_dir() and lock.exists()
+    directories.release(mine)
