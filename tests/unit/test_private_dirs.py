@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,10 +83,10 @@ def test_a_lock_this_process_cannot_open_keeps_its_directory(
     lock.write_bytes(b"")
     opened = os.open
 
-    def refusing(path: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int:
+    def refusing(path: str | os.PathLike[str], flags: int, mode: int = 0o777, **where: Any) -> int:
         if Path(path) == lock:
             raise PermissionError(13, "Permission denied", str(path))
-        return opened(path, flags, mode)
+        return opened(path, flags, mode, **where)
 
     monkeypatch.setattr("tokcap.private_dirs.os.open", refusing)
     directories = PrivateDirectories(tmp_path)
