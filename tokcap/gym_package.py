@@ -5,8 +5,9 @@ Gym's main branch moves the package from ``nemo_gym.token_id_capture`` to ``nemo
 of either layout is found; when both paths import, the newer one is taken.
 
 A path that does not import is not tried again until ``sys.path`` changes, because a staging source asks
-on every fetch. A module already in ``sys.modules`` is always seen at once, so a process that imports Gym
-(or aliases it) after tokcap started is served from then on.
+on every fetch. A module already in ``sys.modules`` is always seen, so a process that imports Gym (or aliases
+it) after tokcap started is served from then on; it is taken through ``importlib.import_module``, which waits
+while another thread is still executing it (serving threads ask concurrently).
 """
 
 from __future__ import annotations
@@ -47,12 +48,10 @@ def gym_package() -> str | None:
 
 
 def _imported(path: str) -> types.ModuleType | None:
-    found = sys.modules.get(path)
-    if found is not None:
-        return found
     searched = tuple(sys.path)
-    if _missing.get(path) == searched:
+    if sys.modules.get(path) is None and _missing.get(path) == searched:
         return None
+    # A module in sys.modules may still be executing in another thread: import_module waits until it is whole.
     try:
         return importlib.import_module(path)
     except ImportError:

@@ -71,15 +71,15 @@ def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Trans
         from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
 
         bootstrap, topic = request.getfixturevalue("kafka_bootstrap"), request.getfixturevalue("kafka_topic")
-        store_dir = tmp_path / "projection"
+        # The block every model server shares: no store_dir, each reader projects into a directory of its own.
         kwargs = {"bootstrap_servers": bootstrap, "topic": topic}
         chosen = _Transport(
             "kafka",
             lambda: chosen.kept(lambda: KafkaStagingSink(**kwargs)),
-            lambda: chosen.kept(lambda: KafkaStagingSource(**kwargs, store_dir=store_dir)),
-            lambda: chosen.kept(lambda: KafkaLineageResolver(**kwargs, store_dir=store_dir)),
+            lambda: chosen.kept(lambda: KafkaStagingSource(**kwargs)),
+            lambda: chosen.kept(lambda: KafkaLineageResolver(**kwargs)),
             "transports.kafka.lineage:KafkaLineageResolver",
-            {**kwargs, "store_dir": str(store_dir)},
+            dict(kwargs),
         )
     try:
         yield chosen

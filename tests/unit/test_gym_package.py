@@ -4,6 +4,7 @@ records without Gym."""
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,3 +95,40 @@ def test_a_missing_path_is_searched_again_once_sys_path_changes(
     monkeypatch.syspath_prepend(str(tmp_path))
     found = gym_module("staging.records")
     assert found is not None and found.__name__ == f"{MAIN}.staging.records" and found.FOUND_HERE
+
+
+def test_a_module_another_thread_is_still_importing_is_given_out_only_once_it_is_whole(
+    no_gym: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Serving threads ask on every fetch; one asking while another imports Gym must not get a half-made module."""
+    hook = types.ModuleType("_tokcap_test_gym_import_hook")
+    hook.started = threading.Event()  # type: ignore[attr-defined]
+    hook.release = threading.Event()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, hook.__name__, hook)
+    monkeypatch.delitem(sys.modules, "nemo_gym")
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if not (Path(entry) / "nemo_gym").exists()])
+    package = tmp_path / "nemo_gym" / "models" / "token_capture" / "staging"
+    package.mkdir(parents=True)
+    (package / "records.py").write_text(
+        "import sys\n"
+        "hook = sys.modules['_tokcap_test_gym_import_hook']\n"
+        "hook.started.set()\n"
+        "hook.release.wait(30)\n"
+        "WHOLE = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    whole_when_given: dict[str, bool] = {}
+
+    def ask(who: str) -> None:
+        whole_when_given[who] = hasattr(gym_module("staging.records"), "WHOLE")
+
+    importing = threading.Thread(target=ask, args=("importing",))
+    importing.start()
+    assert hook.started.wait(30)
+    asking = threading.Thread(target=ask, args=("asking",))
+    asking.start()
+    asking.join(0.5)  # it waits for the import, or (wrongly) returns the module half made
+    hook.release.set()
+    importing.join(30)
+    asking.join(30)
+    assert whole_when_given == {"importing": True, "asking": True}
