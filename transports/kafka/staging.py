@@ -51,12 +51,8 @@ from tokcap.staging.gym_types import build
 from tokcap.staging.records import staging_key
 from tokcap.state import IncompleteMark
 from transports.kafka.caught_up import CaughtUpStore
-from transports.kafka.codec import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_EVENT_BYTES,
-    check_size_settings,
-    encode_event_messages,
-)
+from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.limits_record import WriterLimits
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
 from transports.kafka.sink import default_writer_id
 from transports.kafka.source import KafkaTokenSource
@@ -152,10 +148,11 @@ class KafkaStagingSink:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         store_dir: str | Path | None = None,
         consumer_config: Mapping[str, Any] | None = None,
-        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_event_bytes: int | None = None,
     ) -> None:
-        """``max_event_bytes`` bounds a stage's encoded size, row, extras and attachments together
-        (``codec.DEFAULT_MAX_EVENT_BYTES``): a larger stage fails at once and sends nothing.
+        """The topic's ``max_event_bytes`` (``topic_limits``, read at the first stage) bounds a stage's encoded
+        size, row, extras and attachments together: a larger stage fails at once, naming both sizes, and sends
+        nothing. ``max_event_bytes`` is deprecated: given, it is only checked against the topic's.
 
         ``store_dir`` (a directory of this process's own) makes ``stage`` also wait until the materializer
         applied the stage and answer with the store's verdict: a different payload already staged under the
@@ -164,11 +161,18 @@ class KafkaStagingSink:
         """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
-        check_size_settings(chunk_bytes, max_event_bytes)
         self._topic = resolve_topic(run_id, topic)
         self._writer_id = writer_id or default_writer_id()
         self._chunk_bytes = chunk_bytes
-        self._max_event_bytes = max_event_bytes
+        self._limits = WriterLimits(
+            "KafkaStagingSink",
+            bootstrap_servers,
+            self._topic,
+            client_config=consumer_config or producer_config,
+            chunk_bytes=chunk_bytes,
+            max_event_bytes=max_event_bytes,
+            timeout_s=delivery_timeout_s,
+        )
         self._session = uuid.uuid4().hex
         self._chunk_sequence = itertools.count()
         self._bridge = ProducerBridge(
@@ -221,6 +225,10 @@ class KafkaStagingSink:
             extras=extras,
             attachments={name: blob(data) for name, data in blobs.items()},
         ).with_blob_bytes(carried)
+        try:
+            self._limits.get()
+        except TransportError as exc:
+            return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
         digest = sha256_hex(event.stored_line)
         reserved = _staged_digests.reserve(self._topic, key, digest)
         if reserved is None:
@@ -246,7 +254,7 @@ class KafkaStagingSink:
         messages = encode_event_messages(
             event,
             chunk_bytes=self._chunk_bytes,
-            max_event_bytes=self._max_event_bytes,
+            limits=self._limits.get(),
             next_chunk_group=self._next_chunk_group,
         )
         # The bridge fails the send within the delivery timeout; the margin only guards a stuck loop.

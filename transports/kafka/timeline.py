@@ -33,6 +33,7 @@ from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
+from transports.kafka.limits_record import read_topic_limits
 from transports.kafka.offset_reader import OffsetReader
 from transports.kafka.router import (
     ApplyEvent,
@@ -211,19 +212,25 @@ class LogApplier:
         client_config: Mapping[str, Any] | None = None,
         timeout_s: float = 10.0,
     ) -> LogApplier:
-        """An applier that reads a forgotten wire-delta parent again from the topic; ``close`` it after use."""
+        """An applier by the topic's limits that reads a forgotten wire-delta parent again from the topic;
+        ``close`` it after use."""
         context = ClientContext(bootstrap_servers, dict(client_config or {}))
+        limits = read_topic_limits(context, topic, timeout_s=max(timeout_s, 30.0))
         reader = OffsetReader(context, topic, timeout_s=max(timeout_s, 30.0))
-        return cls(store, topic, InboundRouter(parents=ParentRestorer(reader.read)), reader=reader)
+        router = InboundRouter(limits=limits, topic=topic, parents=ParentRestorer(reader.read))
+        return cls(store, topic, router, reader=reader)
 
     def close(self) -> None:
         """Close the parent reader, if any; idempotent."""
         if self.reader is not None:
             self.reader.close()
 
-    def take(self, message: LogMessage) -> TimelineEntry:
-        """Route, decode and apply one message; never raises for a bad message, it dead-letters it."""
-        return next(entry for entry, own in self._take(message) if own)
+    def take(self, message: LogMessage) -> TimelineEntry | None:
+        """Route, decode and apply one message; never raises for a bad message, it dead-letters it.
+
+        The topic's limits record is no event: it gives no entry.
+        """
+        return next((entry for entry, own in self._take(message) if own), None)
 
     def take_all(self, message: LogMessage) -> list[TimelineEntry]:
         """The message's entry, with those of the chunk groups it makes abandoned, in the order decided."""
