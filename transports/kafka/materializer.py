@@ -82,6 +82,7 @@ from tokcap.errors import (
     MaterializerOwnedElsewhereError,
     OffsetGapError,
     TokcapError,
+    TopicLimitsMismatchError,
     TransportError,
 )
 from tokcap.events import FreezeEvent
@@ -576,7 +577,7 @@ class Materializer:
 
     def _raise_if_failed(self) -> None:
         failure = self._waiters.failure
-        if isinstance(failure, MaterializerOwnedElsewhereError):
+        if isinstance(failure, MaterializerOwnedElsewhereError | TopicLimitsMismatchError):
             raise failure
         if failure is not None:
             # A specific stop (another topic incarnation, an offset gap) keeps its class for the caller.

@@ -29,7 +29,7 @@ from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, 
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import watermarks
 from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
-from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage
+from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage, headers_to_dict
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
@@ -43,10 +43,13 @@ from transports.kafka.router import (
     Routed,
     carry_out,
 )
+from transports.kafka.topic_limits import LIMITS_PARTITION, LIMITS_RECORD_TYPE
 
 __all__ = [
     "BUFFERED",
     "DEAD_LETTERED",
+    "LIMITS_PASSED_OVER",
+    "LIMITS_RECORDED",
     "LogApplier",
     "LogMessage",
     "TimelineEntry",
@@ -58,6 +61,12 @@ DEAD_LETTERED = "dead-lettered"
 
 BUFFERED = "buffered"
 """The verdict of a chunk that waits for the rest of its event."""
+
+LIMITS_RECORDED = "recorded"
+"""The verdict of the topic's limits record: the limits every writer and reader uses."""
+
+LIMITS_PASSED_OVER = "passed-over"
+"""The verdict of a limits record anywhere but offset 0 of partition 0, which counts for nothing."""
 
 _BATCH = 500
 _POLL_S = 0.5
@@ -225,12 +234,9 @@ class LogApplier:
         if self.reader is not None:
             self.reader.close()
 
-    def take(self, message: LogMessage) -> TimelineEntry | None:
-        """Route, decode and apply one message; never raises for a bad message, it dead-letters it.
-
-        The topic's limits record is no event: it gives no entry.
-        """
-        return next((entry for entry, own in self._take(message) if own), None)
+    def take(self, message: LogMessage) -> TimelineEntry:
+        """Route, decode and apply one message; never raises for a bad message, it dead-letters it."""
+        return next(entry for entry, own in self._take(message) if own)
 
     def take_all(self, message: LogMessage) -> list[TimelineEntry]:
         """The message's entry, with those of the chunk groups it makes abandoned, in the order decided."""
@@ -246,9 +252,27 @@ class LogApplier:
 
     def _take(self, message: LogMessage) -> list[tuple[TimelineEntry, bool]]:
         """Each decision's entry, and whether it is the message's own (the others are abandoned groups)."""
-        return [
+        taken = [
             (self._carry_out(message, routed), not _abandons(routed)) for routed in self.router.route(message)
         ]
+        if not taken:
+            # Only the topic's limits record routes to no decision: it is no event, and applies nothing.
+            taken = [(self._limits_entry(message), True)]
+        return taken
+
+    def _limits_entry(self, message: LogMessage) -> TimelineEntry:
+        recorded = message.partition == LIMITS_PARTITION and message.offset == 0
+        return TimelineEntry(
+            partition=message.partition,
+            offset=message.offset,
+            timestamp_ms=message.timestamp_ms,
+            event_type=LIMITS_RECORD_TYPE,
+            model_call_id="",
+            writer=headers_to_dict(message.headers).get(HEADER_WRITER, ""),
+            size=message.size,
+            decision=LIMITS_RECORDED if recorded else LIMITS_PASSED_OVER,
+            detail=self.router.limits.describe() if recorded else "not at offset 0 of partition 0: no effect",
+        )
 
     def _carry_out(self, message: LogMessage, routed: Routed) -> TimelineEntry:
         result = carry_out(self.store, self.topic, routed)

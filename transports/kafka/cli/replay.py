@@ -162,8 +162,8 @@ def _replay_part(
             on_message=lambda partition, offset: progress.advance(task),
             on_skipped=applier.pass_over,
         ):
-            if applier.take(message) is not None:
-                applied += 1
+            applier.take(message)
+            applied += 1
     if rollout_id is not None and applied == 0:
         raise InvalidInputError(
             f"rollout {rollout_id!r} has no events in topic {topic!r} before the chosen offsets"
