@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
-from tokcap.errors import DeliveryError
+from tokcap.errors import DeliveryError, EventDecodeError, EventTooLargeError
 from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client, open_reader
 from transports.kafka.codec import LogMessage, check_size_settings, headers_to_dict
 from transports.kafka.error_map import Request, translated
@@ -39,6 +39,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 def read_first_message(
@@ -108,7 +110,13 @@ def read_topic_limits(
 ) -> TopicLimits:
     """The topic's limits: its limits record, else the defaults (``topic_limits`` says when which)."""
     first = read_first_message(context, topic, watch=watch, factory=factory, timeout_s=timeout_s)
-    return limits_at_start(None if first is None else (first.value, headers_to_dict(first.headers)))
+    if first is None:
+        return limits_at_start(None)
+    try:
+        headers = headers_to_dict(first.headers)
+    except EventDecodeError:
+        return limits_at_start((first.value, {}))  # headers no writer sends: an event, not a limits record
+    return limits_at_start((first.value, headers))
 
 
 class TopicLimitsReader:
@@ -136,10 +144,13 @@ class TopicLimitsReader:
 
 
 class WriterLimits:
-    """A writer's limits: its topic's, read before its first send and kept, checked against any it was given.
+    """A writer's limits: its topic's, read when first needed and kept, checked against any it was given.
 
-    Read lazily, so a sink is still constructible without a broker. ``max_event_bytes`` is what the writer's
-    constructor or config block named (deprecated; ``None`` when not given).
+    An event that fits one message is under every reader's limit (readers check only what they reassemble), so
+    a writer reads the topic's limits only for its first event that needs chunks: a sink stays constructible
+    and usable for small events without reading, and a marker still reaches the broker when nothing else can
+    be read. ``max_event_bytes`` is what the writer's constructor or config block named (deprecated; ``None``
+    when not given); given, it is checked at the first send, whatever its size.
     """
 
     def __init__(
@@ -158,6 +169,7 @@ class WriterLimits:
         self._who = who
         self._topic = topic
         self._chunk_bytes = chunk_bytes
+        self._one_message = TopicLimits(max_event_bytes=chunk_bytes)
         self._given = max_event_bytes
         self._read = TopicLimitsReader(
             bootstrap_servers, topic, client_config=client_config, timeout_s=timeout_s
@@ -168,6 +180,11 @@ class WriterLimits:
     def __repr__(self) -> str:
         """Names the topic only."""
         return f"WriterLimits(topic={self._topic!r})"
+
+    @property
+    def check_first(self) -> bool:
+        """Whether the next send must read the limits first: a limit was given and is not checked yet."""
+        return self._given is not None and self.known() is None
 
     def get(self) -> TopicLimits:
         """The topic's limits; the first call reads them (blocking, one short request)."""
@@ -183,6 +200,16 @@ class WriterLimits:
         """The limits once read, without reading."""
         with self._lock:
             return self._limits
+
+    def encode(self, encode: Callable[[TopicLimits], _T]) -> _T:
+        """Encode with the topic's limits, reading them only when the event does not fit one message."""
+        limits = self.known()
+        if limits is not None:
+            return encode(limits)
+        try:
+            return encode(self._one_message)
+        except EventTooLargeError:
+            return encode(self.get())
 
 
 def write_limits_record(context: ClientContext, topic: str, limits: TopicLimits, timeout_s: float) -> None:

@@ -40,7 +40,6 @@ from transports.kafka.marker_forwarder import MarkerForwarder
 from transports.kafka.marker_spill import MarkerSpill, MarkerSpillError, SpilledMarker, default_spill_dir
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
 from transports.kafka.sent_calls import DEFAULT_REMEMBERED_TOKENS, SentCalls, encode_put
-from transports.kafka.topic_limits import TOPIC_DEFAULTS
 from transports.kafka.topics import resolve_topic
 
 __all__ = [
@@ -158,7 +157,7 @@ class KafkaTokenSink:
         self, event: Event, *, what: str, large: bool = False, entry_digest: str | None = None
     ) -> list[Delivered]:
         """Encode, send and await the acknowledgement of one event; a put may bring its entry's digest."""
-        if isinstance(event, PutEvent) and self._limits.known() is None:
+        if self._limits.check_first:
             await asyncio.to_thread(self._limits.get)
         if large:
             messages = await asyncio.to_thread(self._encode, event, entry_digest)
@@ -169,39 +168,27 @@ class KafkaTokenSink:
         return delivered
 
     def _encode(self, event: Event, entry_digest: str | None = None) -> list[OutgoingMessage]:
-        """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is."""
-        if isinstance(event, PutEvent):
-            return encode_put(
-                event,
-                self._sent,
-                chunk_bytes=self._chunk_bytes,
-                limits=self._limits.get(),
-                next_chunk_group=self._next_chunk_group,
-                entry_digest=entry_digest,
-            )
-        return self._encode_small(event)
+        """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is.
 
-    def _encode_small(self, event: Event) -> list[OutgoingMessage]:
-        """An intent, cancel or marker: one message, under every topic's limit, is sent without reading them.
-
-        A marker must reach the spill or the broker even when the limits cannot be read; only one too large
-        for a message waits for them.
+        The topic's limits are read for the first event that needs chunks (``WriterLimits``).
         """
-        limits = self._limits.known()
-        messages = encode_event_messages(
-            event,
-            chunk_bytes=self._chunk_bytes,
-            limits=limits or TOPIC_DEFAULTS,
-            next_chunk_group=self._next_chunk_group,
-        )
-        if limits is None and len(messages) > 1:
-            return encode_event_messages(
-                event,
-                chunk_bytes=self._chunk_bytes,
-                limits=self._limits.get(),
-                next_chunk_group=self._next_chunk_group,
+        if isinstance(event, PutEvent):
+            sent = self._sent
+            return self._limits.encode(
+                lambda limits: encode_put(
+                    event,
+                    sent,
+                    chunk_bytes=self._chunk_bytes,
+                    limits=limits,
+                    next_chunk_group=self._next_chunk_group,
+                    entry_digest=entry_digest,
+                )
             )
-        return messages
+        return self._limits.encode(
+            lambda limits: encode_event_messages(
+                event, chunk_bytes=self._chunk_bytes, limits=limits, next_chunk_group=self._next_chunk_group
+            )
+        )
 
     def _reserve_digest(self, rollout_id: str, call_id: str, digest: str) -> bool:
         """Remember the payload of a call; refuse a different one; return whether this call added it."""

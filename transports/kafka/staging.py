@@ -225,10 +225,11 @@ class KafkaStagingSink:
             extras=extras,
             attachments={name: blob(data) for name, data in blobs.items()},
         ).with_blob_bytes(carried)
-        try:
-            self._limits.get()
-        except TransportError as exc:
-            return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
+        if self._limits.check_first:
+            try:
+                self._limits.get()
+            except TransportError as exc:
+                return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
         digest = sha256_hex(event.stored_line)
         reserved = _staged_digests.reserve(self._topic, key, digest)
         if reserved is None:
@@ -251,11 +252,10 @@ class KafkaStagingSink:
         """Send the event's messages; return where the last one (the one the store applies) landed."""
         if self._closed:
             raise TransportError(f"{self!r} is closed; {what} was not sent")
-        messages = encode_event_messages(
-            event,
-            chunk_bytes=self._chunk_bytes,
-            limits=self._limits.get(),
-            next_chunk_group=self._next_chunk_group,
+        messages = self._limits.encode(
+            lambda limits: encode_event_messages(
+                event, chunk_bytes=self._chunk_bytes, limits=limits, next_chunk_group=self._next_chunk_group
+            )
         )
         # The bridge fails the send within the delivery timeout; the margin only guards a stuck loop.
         sent = self._loop.run(

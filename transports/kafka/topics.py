@@ -28,10 +28,9 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type:
 
 from tokcap.errors import ConfigError, TopicLimitsMismatchError, TopicMismatchError, TransportError
 from transports.kafka.clients import ClientContext, build_client
-from transports.kafka.codec import headers_to_dict
 from transports.kafka.error_map import Request, kafka_error_of, translated
-from transports.kafka.limits_record import partition_marks, read_first_message, write_limits_record
-from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits, limits_at_start
+from transports.kafka.limits_record import partition_marks, read_topic_limits, write_limits_record
+from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 __all__ = [
     "KEEP_WHOLE_RUN",
@@ -231,8 +230,7 @@ def _record_limits(context: ClientContext, topic: str, limits: TopicLimits, time
 
 
 def _recorded_limits(context: ClientContext, topic: str, timeout_s: float) -> TopicLimits:
-    first = read_first_message(context, topic, timeout_s=timeout_s)
-    return limits_at_start(None if first is None else (first.value, headers_to_dict(first.headers)))
+    return read_topic_limits(context, topic, timeout_s=timeout_s)
 
 
 def _check_existing_limits(
