@@ -375,3 +375,39 @@ def test_a_topic_made_before_limits_were_recorded_is_read_with_the_default_limit
         with pytest.raises(ConfigError, match="the topic has 268,435,456"):
             other.start()
         other.stop()
+
+
+def test_a_config_block_naming_other_limits_than_the_topics_builds_a_sink_that_refuses_its_first_put(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    from tokcap.config import token_id_capture_config
+
+    config = token_id_capture_config(
+        {
+            "token_id_capture": {
+                "enabled": True,
+                "sink": "transports.kafka:KafkaTokenSink",
+                "allow_unresolved_continuations": True,
+                "sink_kwargs": {
+                    "bootstrap_servers": kafka_bootstrap,
+                    "topic": kafka_topic,
+                    "max_event_bytes": 300 * MIB,
+                    "spill_dir": str(tmp_path / "spill"),
+                },
+            }
+        }
+    )
+    with pytest.warns(DeprecationWarning, match="KafkaTokenSink: max_event_bytes is deprecated"):
+        sink = config.build_sink()
+
+    async def put() -> None:
+        try:
+            with pytest.raises(
+                ConfigError, match=r"max_event_bytes=314,572,800 \(the topic has 268,435,456\)"
+            ):
+                await sink.put(make_entry("r-config", "c1"))
+        finally:
+            await sink.close()
+
+    asyncio.run(put())
+    assert _messages_on(kafka_bootstrap, kafka_topic) == 0
