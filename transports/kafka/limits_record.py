@@ -1,8 +1,8 @@
 """Read a run topic's limits from its log, and write them there when the topic is made.
 
 ``topic_limits`` says what the first message of partition 0 means; this module fetches it. A component reads
-the limits once when it starts, as it reads the topic's id (``TopicIdReader``): a writer before its first send,
-a reader before its first message.
+the limits once, as it reads the topic's id (``TopicIdReader``): a reader before its first message, a writer
+before its first event that needs chunks (``WriterLimits``).
 """
 
 from __future__ import annotations

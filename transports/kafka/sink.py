@@ -92,8 +92,8 @@ class KafkaTokenSink:
         (parent link, suffix); readers restore the exact entry (docs/events.md). Readers must be upgraded
         first: older ones dead-letter such messages. ``wire_delta_tokens`` bounds the tokens remembered for it.
 
-        The largest encoded put sent is the topic's ``max_event_bytes`` (``topic_limits``), read before the
-        first send; a larger one raises ``EventTooLargeError`` and nothing is sent. ``max_event_bytes`` is
+        The largest encoded put sent is the topic's ``max_event_bytes`` (``topic_limits``), read for the first
+        event that needs chunks; a larger one raises ``EventTooLargeError`` and nothing is sent. ``max_event_bytes`` is
         deprecated: given, it is only checked against the topic's (``TopicLimitsMismatchError`` on a difference).
         """
         if not bootstrap_servers:

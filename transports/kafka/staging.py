@@ -150,9 +150,9 @@ class KafkaStagingSink:
         consumer_config: Mapping[str, Any] | None = None,
         max_event_bytes: int | None = None,
     ) -> None:
-        """The topic's ``max_event_bytes`` (``topic_limits``, read at the first stage) bounds a stage's encoded
-        size, row, extras and attachments together: a larger stage fails at once, naming both sizes, and sends
-        nothing. ``max_event_bytes`` is deprecated: given, it is only checked against the topic's.
+        """The topic's ``max_event_bytes`` (``topic_limits``, read for the first stage that needs chunks) bounds
+        a stage's encoded size, row, extras and attachments together: a larger stage fails at once, naming both
+        sizes, and sends nothing. ``max_event_bytes`` is deprecated: given, it is only checked against the topic's.
 
         ``store_dir`` (a directory of this process's own) makes ``stage`` also wait until the materializer
         applied the stage and answer with the store's verdict: a different payload already staged under the

@@ -7,8 +7,9 @@ drops. So the numbers belong to the topic, not to each process: ``ensure_topic``
 writes them as the topic's first message, a limits record at offset 0 of partition 0, before anything else.
 
 The broker takes no custom topic settings, so the record lives in the log itself, read the way the topic's
-incarnation is: a callable reads it when a component starts (``limits_reader``), and this module only decides
-what it means. Offset 0 of partition 0 is the only place a limits record counts:
+incarnation is: a callable reads it (``limits_record``), a reader when it starts and a writer for its first
+event that needs chunks, and this module only decides what it means. Offset 0 of partition 0 is the only
+place a limits record counts:
 
 - a limits record there gives the topic's limits;
 - any other message there means the topic was made before limits were recorded: it has the defaults;
