@@ -411,3 +411,22 @@ def test_a_config_block_naming_other_limits_than_the_topics_builds_a_sink_that_r
 
     asyncio.run(put())
     assert _messages_on(kafka_bootstrap, kafka_topic) == 0
+
+
+def test_tokcap_topic_create_records_the_limits_given_and_describe_shows_them(
+    kafka_bootstrap: str, kafka_topic_factory: Any
+) -> None:
+    from cli_helpers import tokcap
+
+    run = f"limits-{os.urandom(5).hex()}"
+    kafka_topic_factory.created.append(f"tokcap.{run}")
+    base = ("--bootstrap", kafka_bootstrap, "--run", run)
+    created = tokcap("topic", "create", *base, "--max-event-bytes", str(300 * MIB), "--json")
+    assert created.returncode == 0, created.stderr
+    assert created.json()["limits"] == {"max_event_bytes": 300 * MIB, "max_open_chunk_bytes": 600 * MIB}
+    described = tokcap("topic", "describe", *base, "--json").json()
+    assert described["limits"] == {"max_event_bytes": 300 * MIB, "max_open_chunk_bytes": 600 * MIB}
+    refused = tokcap("topic", "create", *base, "--max-event-bytes", str(DEFAULT_EVENT_LIMIT))
+    assert refused.returncode == 1
+    assert "already has limits max_event_bytes=314,572,800" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1

@@ -123,6 +123,8 @@ def render_description(description: dict[str, Any], console: Console) -> None:
             str(partition["high_offset"]),
         )
     console.print(table)
+    for key, value in (description.get("limits") or {}).items():
+        console.print(f"{key} = {value} (the topic's limit: every sink and reader uses it)")
     for key, value in description["configs"].items():
         console.print(f"{key} = {value if value is not None else '(not reported)'}")
     for warning in description["warnings"]:
