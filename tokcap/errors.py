@@ -20,6 +20,7 @@ Error tree::
     │   └── UndeliverableBuilderError
     ├── ConfigError (ValueError)
     │   ├── SinkConfigError
+    │   ├── CanonicalEncodingError
     │   ├── PartitionOwnershipConflictError
     │   └── TopicLimitsMismatchError
     ├── RolloutClosedError (RuntimeError)
@@ -66,6 +67,7 @@ __all__ = [
     "BrokerAuthorizationError",
     "BrokerTlsError",
     "BrokerUnreachableError",
+    "CanonicalEncodingError",
     "ChainValidationError",
     "ConfigError",
     "ConflictingEntryError",
@@ -184,6 +186,10 @@ class ConfigError(TokcapError, ValueError):
 
 class SinkConfigError(ConfigError):
     """The configured sink cannot be built; refused at startup rather than losing turns later."""
+
+
+class CanonicalEncodingError(ConfigError):
+    """The installed JSON encoder writes bytes other than tokcap's canonical form; this node may not write lines."""
 
 
 class PartitionOwnershipConflictError(ConfigError):

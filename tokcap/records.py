@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tokcap.canonical_json import require_canonical_floats
 from tokcap.errors import NewerSchemaError, RecordValidationError, TokenExtractionError
 from tokcap.hashing import sha256_hex, sha256_hex_of
 
@@ -73,6 +74,8 @@ TOKEN_FIELDS: tuple[str, ...] = (
 
 REQUIRED_TOKEN_FIELDS: tuple[str, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 """The arrays an item must carry all of, or none of."""
+
+require_canonical_floats()
 
 _CANONICAL_FAST_OPTIONS = (
     orjson.OPT_SORT_KEYS
