@@ -1,4 +1,4 @@
-"""A materializer's own process leaves its start-up heap out of collections and collects its young objects less often."""
+"""A materializer's own process leaves its start-up heap out of collections and collects young objects less often."""
 
 from __future__ import annotations
 
