@@ -176,7 +176,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         kafka=True,
         trial="apply_rate",
         baseline=True,
-        shown=("events_per_s", "tokens_per_s", "us_per_put", "events"),
+        shown=("events_per_s", "tokens_per_s", "us_per_put", "cpu_us_per_event", "events"),
     ),
     Scenario(
         "apply_cost",
