@@ -148,6 +148,7 @@ __all__ = [
     "logger",
     "main",
     "remove_stale_temp_files",
+    "collect_less_after_start_up",
 ]
 
 logger = logging.getLogger(__name__)
@@ -1037,14 +1038,14 @@ _YOUNG_COLLECTION_THRESHOLD = 20_000
 """Container allocations between the collector's youngest passes in a materializer's own process (Python: 700)."""
 
 
-def _collect_less_after_start_up() -> None:
+def collect_less_after_start_up() -> None:
     """Leave the start-up heap out of every collection and run the youngest pass less often.
 
     Each pass walks every young container, and an applied put leaves long lists of token ids behind (its
     entry, kept hot by the projection): at Python's default a pass ran every 60-odd events and the passes
     took 15-25% of the apply step's CPU. Garbage cycles are rare here, so fewer passes free them a little later
     and cost nothing else. Only a process that is a materializer and nothing else sets this; a trainer that
-    hosts one keeps its own settings.
+    hosts one keeps its own settings, and may call this after its own start-up.
     """
     gc.collect()
     gc.freeze()
@@ -1069,7 +1070,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    _collect_less_after_start_up()
+    collect_less_after_start_up()
     try:
         materializer.run_until_stopped()
     except MaterializerFailedError as exc:
