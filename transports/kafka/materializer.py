@@ -145,10 +145,10 @@ __all__ = [
     "PartitionCheckpoint",
     "carry_out",
     "check_block_messages",
+    "collect_less_after_start_up",
     "logger",
     "main",
     "remove_stale_temp_files",
-    "collect_less_after_start_up",
 ]
 
 logger = logging.getLogger(__name__)
