@@ -194,6 +194,7 @@ SCENARIOS: tuple[Scenario, ...] = (
             "apply.freeze_us",
             "apply.block_end_us_per_event",
             "apply.projection_us_per_event",
+            "sink.put_us",
             "sink.intent_put_us",
             "sink.freeze_us",
             "load.cpu_us_per_put",
