@@ -30,7 +30,17 @@ from typing import Any, NoReturn
 import orjson
 
 from tokcap.errors import InvalidInputError, RecordValidationError
-from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent, event_from_mapping
+from tokcap.events import (
+    CancelEvent,
+    Event,
+    IncompleteEvent,
+    IntentEvent,
+    LedgerEvent,
+    LedgerFailureEvent,
+    PutEvent,
+    StageEvent,
+    event_from_mapping,
+)
 from tokcap.records import REQUIRED_TOKEN_FIELDS, TokenEntry, as_token_entry
 from tokcap.rollout_ids import validate_rollout_id
 
@@ -130,7 +140,8 @@ def check_event(event: Event, *, token_ids_checked: bool = False) -> Event:
 
     Each event type is checked for what it carries: a put its entry (``check_storable``), an intent or a
     cancel its call id, an incomplete marker its call id, which may be empty (its marker id was checked
-    against ``MARKER_ID_PATTERN`` when it was validated), every event its rollout id.
+    against ``MARKER_ID_PATTERN`` when it was validated), a stage, ledger row or ledger failure its call
+    id, key, columns and reason (``tokcap.staging.row_rules``), every event its rollout id.
     """
     if isinstance(event, PutEvent):
         check_storable(event.entry, token_ids_checked=token_ids_checked)
@@ -138,9 +149,31 @@ def check_event(event: Event, *, token_ids_checked: bool = False) -> Event:
         check_call_id(event.rollout_id, event.model_call_id)
     elif isinstance(event, IncompleteEvent):
         check_call_id(event.rollout_id, event.model_call_id, may_be_empty=True)
+    elif isinstance(event, StageEvent | LedgerEvent | LedgerFailureEvent):
+        _check_staging_event(event)
     else:
         validate_rollout_id(event.rollout_id)
     return event
+
+
+def _check_staging_event(event: StageEvent | LedgerEvent | LedgerFailureEvent) -> None:
+    """The checks of ``stage``, ``record`` and ``record_failure``: the call id and token ids here, the columns
+    in ``tokcap.staging.row_rules``.
+
+    Imported here, not at the top: the staging package's sinks import these rules themselves.
+    """
+    from tokcap.staging import row_rules
+
+    check_call_id(event.rollout_id, event.model_call_id)
+    if isinstance(event, StageEvent):
+        ids = event.row.get("token_ids_delta")
+        if isinstance(ids, list):
+            _check_token_ids(event.rollout_id, event.model_call_id, "token_ids_delta", ids)
+        row_rules.check_stage_event(event)
+    elif isinstance(event, LedgerEvent):
+        row_rules.check_ledger_event(event)
+    else:
+        row_rules.check_ledger_failure_event(event)
 
 
 def check_entry_fields(raw: Mapping[str, Any]) -> None:

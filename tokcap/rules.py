@@ -753,6 +753,7 @@ def _staging(
             length=len(line),
             digest=digest,
             record_digest=record_digest if isinstance(record_digest, str) else None,
+            offset=None if position is None else position.offset,
         )
         state = state.evolve(staged=state.staged.set(key, slot), staged_size=state.staged_size + len(line))
     else:
