@@ -8,6 +8,7 @@ keys, the encoding ``TokenEntry.canonical_json`` documents. The reference doors 
 from __future__ import annotations
 
 import copy
+import datetime
 import enum
 import hashlib
 from typing import Any
@@ -169,6 +170,10 @@ def _break(fields: dict[str, Any], how: str) -> dict[str, Any]:
         broken["rollout_id"] = "../x"
     elif how == "tuple ids":
         broken["prompt_token_ids"] = tuple(broken["prompt_token_ids"])
+    elif how == "datetime extra":
+        broken["zz_when"] = datetime.datetime(2024, 1, 2, 3, 4, 5)
+    elif how == "int rollout id":
+        broken["rollout_id"] = 5
     return {
         name: value for name, value in broken.items() if name not in fields or not same(value, fields[name])
     }
@@ -191,6 +196,8 @@ _BREAKS = [
     "newline call id",
     "bad rollout id",
     "tuple ids",
+    "datetime extra",
+    "int rollout id",
 ]
 
 
