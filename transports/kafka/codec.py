@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from tokcap.checked_puts import accept_put_or_event
 from tokcap.errors import (
     ConfigError,
     EventDecodeError,
@@ -49,7 +50,7 @@ from tokcap.errors import (
 )
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, StageEvent, encode_event
 from tokcap.hashing import sha256_hex
-from tokcap.input_rules import accept_event, check_entry_fields
+from tokcap.input_rules import check_entry_fields
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
@@ -414,9 +415,9 @@ def _refused(exc: InvalidInputError) -> EventDecodeError:
 
 
 def _accepted(raw: object, *, token_ids_checked: bool) -> Event:
-    """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_event``)."""
+    """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_put_or_event``)."""
     try:
-        return accept_event(raw, token_ids_checked=token_ids_checked)
+        return accept_put_or_event(raw, token_ids_checked=token_ids_checked)
     except (EventDecodeError, NewerSchemaError):
         raise
     except InvalidInputError as exc:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -155,6 +156,7 @@ __all__ = [
     "PartitionCheckpoint",
     "carry_out",
     "check_block_messages",
+    "collect_less_after_start_up",
     "logger",
     "main",
     "remove_stale_temp_files",
@@ -1116,6 +1118,24 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+_YOUNG_COLLECTION_THRESHOLD = 20_000
+"""Container allocations between the collector's youngest passes in a materializer's own process (Python: 700)."""
+
+
+def collect_less_after_start_up() -> None:
+    """Leave the start-up heap out of every collection and run the youngest pass less often.
+
+    Each pass walks every young container, and an applied put leaves long lists of token ids behind (its
+    entry, kept hot by the projection): at Python's default a pass ran every 60-odd events and the passes
+    took 15-25% of the apply step's CPU. Garbage cycles are rare here, so fewer passes free them a little later
+    and cost nothing else. Only a process that is a materializer and nothing else sets this; a trainer that
+    hosts one keeps its own settings, and may call this after its own start-up.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a materializer process; it stops cleanly, checkpoint written, on SIGINT or SIGTERM."""
     args = _parse_args(argv)
@@ -1142,6 +1162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server = serve_metrics(materializer, host=args.metrics_host, port=args.metrics_port)
             serving.callback(server.close)
             logger.info("serving /metrics and /healthz on http://%s:%d", server.host, server.port)
+        collect_less_after_start_up()
         try:
             materializer.run_until_stopped()
         except MaterializerFailedError as exc:

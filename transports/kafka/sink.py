@@ -28,9 +28,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tokcap.checked_puts import accept_put
 from tokcap.errors import ConfigError, ConflictingEntryError, DeliveryError, TransportError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
-from tokcap.input_rules import accept_entry, check_call_id
+from tokcap.input_rules import check_call_id
 from tokcap.metrics import MARKERS_SPILLED, SENT_BYTES, sink_timed
 from tokcap.records import TokenEntry, token_count
 from tokcap.rollout_ids import validate_rollout_id
@@ -222,12 +223,12 @@ class KafkaTokenSink:
         An entry whose encoded put is larger than ``max_event_bytes`` raises ``EventTooLargeError`` with
         nothing sent: the caller marks the rollout incomplete, as after any failed put.
         """
-        entry = accept_entry(entry)
+        event = accept_put(entry, self._writer_id)
+        entry = event.entry
         rollout_id = validate_rollout_id(entry.rollout_id)
         call_id = entry.model_call_id
-        digest = entry.payload_digest()
+        digest = event.payload_digest
         added = self._reserve_digest(rollout_id, call_id, digest)
-        event = PutEvent(rollout_id=rollout_id, writer=self._writer_id, entry=entry)
         tokens = token_count(entry)
         try:
             delivered = await self._publish(
