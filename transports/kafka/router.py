@@ -62,6 +62,7 @@ from typing import Protocol, TypeVar
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.events import (
+    LOG_READER_WRITER,
     DeleteEvent,
     Event,
     FreezeEvent,
@@ -116,7 +117,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MATERIALIZER_WRITER = "tokcap-materializer"
+MATERIALIZER_WRITER = LOG_READER_WRITER
 """Writer id of the incomplete markers the materializer itself applies."""
 
 ORPHAN_AFTER_OFFSETS = 100_000
