@@ -7,10 +7,15 @@ What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out 
 and written at the flush, one write per file and rollout. An event that removes files or writes a staged or
 ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the store
 carries out the decision made here (``TokenCaptureStore.carry_out_decided``; a fence is synced before the
-removals it guards). A freeze is answered from memory as soon as it is applied.
-``flush`` ends the block: queued lines and changed states are written once per rollout and synced together;
-the caller writes its checkpoint only after that. The store never reads a rollout's state while this object
-holds it: between flushes the files may be behind memory, never ahead of it.
+removals it guards). ``flush`` ends the block: queued lines and changed states are written once per rollout
+and synced together; the caller writes its checkpoint only after that. The store never reads a rollout's state
+while this object holds it: between flushes the files may be behind memory, never ahead of it.
+
+It owns the answers by log position (``tokcap.log_answers``): ``verdict_at`` and ``snapshot_at`` answer a
+command it applied from memory, and from the files only once they hold that position (its block flushed);
+until then ``snapshot_at`` says so and the caller waits for the flush. A freeze is thus answered from memory as
+soon as it is applied. Those two may be called from any thread: one lock guards the memory they read, and the
+loop holds it while it applies an event or lets memory go.
 
 Why an answer given before the flush is safe. A rollout's decisions are a pure function of its own events and
 their log positions: the state after an event depends only on the events before it, and a freeze's snapshot id
@@ -30,12 +35,14 @@ once it is on disk, and is then read from its files again when its rollout comes
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 
 from tokcap.entry_copies import fresh_read_copy
 from tokcap.events import Event, LogPosition, PutEvent
+from tokcap.log_answers import FileAnswers, command_verdict, snapshot_from
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry, token_count
 from tokcap.rules import (
@@ -78,7 +85,8 @@ class Projection:
 
     Use it from one thread (the projection's loop): ``apply`` each event with its log position, ``snapshot`` to
     answer a freeze it applied, ``flush`` before writing a checkpoint, ``abandon`` when the loop fails.
-    ``write_queued`` puts a rollout's queued lines in its files before the flush.
+    ``write_queued`` puts a rollout's queued lines in its files before the flush. ``verdict_at`` and
+    ``snapshot_at`` answer other threads.
     """
 
     def __init__(
@@ -100,6 +108,9 @@ class Projection:
         """Per rollout, the lines decided in this block and not written yet, in order."""
         self._dirty: set[str] = set()
         """Rollouts whose state changed in memory in this block: written at the flush."""
+        self._guard = threading.Lock()
+        """Held while memory changes and while another thread reads it (``verdict_at``, ``snapshot_at``)."""
+        self._files = FileAnswers(store)
 
     @property
     def store(self) -> TokenCaptureStore:
@@ -131,11 +142,12 @@ class Projection:
         if self._open:
             for rollout_id in sorted(self._dirty):
                 self._write(rollout_id, with_state=True)
-            self._dirty.clear()
             self._open = False
             self._store.sync()
-        while len(self._states) > self._hot_rollouts:
-            self._forget(next(iter(self._states)))
+        with self._guard:
+            self._dirty.clear()
+            while len(self._states) > self._hot_rollouts:
+                self._forget(next(iter(self._states)))
 
     def abandon(self, error: BaseException) -> None:
         """End an open block after a failure: nothing more is written, and memory is forgotten.
@@ -144,12 +156,13 @@ class Projection:
         past its checkpoint are applied again.
         """
         logger.debug("abandoning the projection's block after %r", error)
-        self._open = False
-        self._states.clear()
-        self._entries.clear()
-        self._queued.clear()
-        self._dirty.clear()
-        self._tokens = 0
+        with self._guard:
+            self._open = False
+            self._states.clear()
+            self._entries.clear()
+            self._queued.clear()
+            self._dirty.clear()
+            self._tokens = 0
 
     # --------------------------------------------------------- decisions
 
@@ -159,6 +172,10 @@ class Projection:
         An event at or before its rollout's last applied position is skipped (the rules say so), so events
         applied again after a restart change nothing.
         """
+        with self._guard:
+            return self._apply(event, position)
+
+    def _apply(self, event: Event, position: LogPosition) -> ApplyResult:
         self.begin()
         rollout_id = event.rollout_id
         state = self._states.get(rollout_id)
@@ -246,18 +263,51 @@ class Projection:
         They are the entries this projection appended itself, decoded and validated by its reader and held by
         nothing else, so their arrays are exact and the copies skip checking each value.
         """
+        kept = self._kept(rollout_id, state)
+        return None if kept is None else _fresh_copies(kept)
+
+    def _kept(self, rollout_id: str, state: RolloutState) -> list[TokenEntry] | None:
+        """The kept entries when they are every entry ``state`` accepts (a new list of them); else ``None``."""
         hot = self._entries.get(rollout_id)
         if state.retired or state.indexed_size == 0:
             return []
         if hot is None or hot.size != state.indexed_size or len(hot.entries) != len(state.entry_digests):
             return None
-        copies = []
-        for entry in hot.entries:
-            copy = fresh_read_copy(entry, arrays_exact=True)
-            if copy is None:
-                return None
-            copies.append(copy)
-        return copies
+        return list(hot.entries)
+
+    def verdict_at(
+        self, command: Event, position: LogPosition, *, from_files: bool = True
+    ) -> ApplyResult | None:
+        """The verdict of the command this projection applied at ``position``; from any thread, once it is applied.
+
+        Memory holds it while its rollout is hot; a state leaves memory only once its files hold it, so the
+        files answer for any other (``None`` instead when ``from_files`` is false: the caller reads them where
+        blocking is fine).
+        """
+        with self._guard:
+            state = self._states.get(command.rollout_id)
+        if state is not None:
+            return command_verdict(state, command, position)
+        return self._files.verdict_at(command, position, from_files=from_files)
+
+    def snapshot_at(
+        self, rollout_id: str, position: LogPosition, *, from_files: bool = True
+    ) -> TokenCaptureSnapshot | None:
+        """The snapshot the freeze applied at ``position`` answered; from any thread, once it is applied.
+
+        From memory when the rollout's state and every entry are kept. Otherwise ``None`` until the files hold
+        the position: the caller waits for the flush of its block (the materializer's checkpoint passing it),
+        then asks ``from_files``. Raises what ``TokenCaptureStore.snapshot`` raises: a rollout not frozen,
+        retired, or with no freeze there.
+        """
+        with self._guard:
+            state = self._states.get(rollout_id)
+            kept = None if state is None else self._kept(rollout_id, state)
+        if state is not None and kept is not None:
+            copies = _fresh_copies(kept)
+            if copies is not None:
+                return snapshot_from(state, copies, position)
+        return self._files.snapshot_at(rollout_id, position, from_files=from_files)
 
     # ---------------------------------------------------------- eviction
 
@@ -269,6 +319,17 @@ class Projection:
         hot = self._entries.pop(rollout_id, None)
         if hot is not None:
             self._tokens -= hot.tokens
+
+
+def _fresh_copies(entries: list[TokenEntry]) -> list[TokenEntry] | None:
+    """Copies sharing nothing with what is kept; ``None`` if one cannot be copied without checking each value."""
+    copies = []
+    for entry in entries:
+        copy = fresh_read_copy(entry, arrays_exact=True)
+        if copy is None:
+            return None
+        copies.append(copy)
+    return copies
 
 
 def _carried_in_memory(effect: object) -> bool:

@@ -1,8 +1,8 @@
-"""An in-process source whose command verdict the materializer has forgotten reads it from flushed files only.
+"""An in-process source whose answer the projection's memory does not hold reads it from flushed files only.
 
-The materializer keeps recent verdicts and freeze answers in memory for a bounded count. A source that finds
-its own forgotten reads the rollout's state file, which lags the projection until its block is flushed. Run
-once with memory and once with nothing kept (so every command takes that path), the same commands must get
+The projection answers a command by position from the rollout's state and entries while it keeps them, and
+from the files once it let them go (only after they are written). Run once with memory and once with
+nothing kept past a flush (so every answer memory can drop comes from the files), the same commands must get
 the same verdicts.
 """
 
@@ -16,8 +16,8 @@ import pytest
 from store_contract import make_entry
 
 from tokcap.errors import RolloutRetiredError
+from tokcap.log_projection import Projection
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka import materializer as materializer_module
 
 
 async def verdicts_of_a_rollouts_commands(bootstrap: str, topic: str, store_dir: Path) -> list[object]:
@@ -57,8 +57,12 @@ def test_commands_whose_verdicts_were_forgotten_get_the_verdicts_memory_gives(
             kafka_bootstrap, kafka_topic_factory("kept", partitions=2), tmp_path / "a"
         )
     )
-    monkeypatch.setattr(materializer_module, "_ANSWERS_KEPT", 0)
-    monkeypatch.setattr(materializer_module, "_RESULTS_KEPT", 0)
+    real_init = Projection.__init__
+
+    def keeping_nothing(self: Projection, store: Any, **_: int) -> None:
+        real_init(self, store, hot_tokens=0, hot_rollouts=0)
+
+    monkeypatch.setattr(Projection, "__init__", keeping_nothing)
     forgotten = asyncio.run(
         verdicts_of_a_rollouts_commands(
             kafka_bootstrap, kafka_topic_factory("lost", partitions=2), tmp_path / "b"

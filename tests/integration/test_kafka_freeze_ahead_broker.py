@@ -1,6 +1,6 @@
 """A real broker: a trainer's batch of freezes is answered ahead of the rollouts' backlog, and every answer is
-the snapshot the store holds once the materializer caught up; an answer forgotten before it was taken still
-gives the right snapshot, after the apply."""
+the snapshot the store holds once the materializer caught up; an answer memory does not hold still gives the
+right snapshot, from the files after the apply."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from store_contract import make_entry
 
-import transports.kafka.materializer as materializer_module
+from tokcap.log_projection import Projection
 from tokcap.protocols import TokenCaptureSnapshot
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 
@@ -59,15 +59,15 @@ def test_a_batch_of_freezes_is_answered_ahead_and_each_answer_is_the_snapshot_th
     assert ahead == ROLLOUTS
 
 
-def test_a_freeze_whose_answer_was_forgotten_waits_for_its_apply_and_gets_the_same_snapshot(
+def test_a_freeze_whose_answer_memory_does_not_hold_waits_for_its_apply_and_gets_the_same_snapshot(
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
     topic = kafka_topic_factory()
 
-    def forgotten(self: materializer_module.Materializer, partition: int, offset: int) -> None:
-        """Every answer ahead is gone by the time its source comes to take it."""
+    def forgotten(self: Projection, rollout_id: str, state: object) -> None:
+        """No rollout's entries are all kept: every snapshot is read from the files."""
 
-    with mock.patch.object(materializer_module.Materializer, "take_answer", forgotten):
+    with mock.patch.object(Projection, "_kept", forgotten):
         answers, stored, _ = asyncio.run(write_then_freeze_all(kafka_bootstrap, topic, tmp_path))
     assert answers == stored
     assert [len(answer.entries) for answer in answers] == [3] * ROLLOUTS

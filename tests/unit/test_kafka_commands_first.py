@@ -342,7 +342,7 @@ def test_a_freeze_answers_the_snapshot_of_its_position_whatever_the_backlog_befo
     freeze_at = busy_log(topic, backlog)
     topic.publish(PutEvent(rollout_id="a", entry=make_entry("a", "late")))
     materializer = materialize(topic, tmp_path)
-    result = materializer.result_at(0, freeze_at)
+    result = materializer.projection.verdict_at(FreezeEvent(rollout_id="a"), LogPosition(TOPIC, 0, freeze_at))
     assert result is not None
     snapshot = materializer.store.snapshot("a", as_of=LogPosition(TOPIC, 0, freeze_at))
     # The late put was rejected after the cut and moved the version past the one the freeze answered.

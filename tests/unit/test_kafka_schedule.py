@@ -166,14 +166,14 @@ def test_a_command_is_carried_out_after_its_own_rollouts_events_only_and_the_che
     harness.commands()
     assert [offset for _, offset, _ in harness.carried] == [1, 3, 5, 7, 9, freeze.offset]
     assert harness.scheduler.low_water(0) is harness.reads[(0, 0)]
-    assert harness.scheduler.take_ahead(0) == {freeze.offset}
-    assert harness.scheduler.take_ahead(0) == set()
+    assert harness.scheduler.ahead(0) == {freeze.offset}
     counters = harness.scheduler.counters
     assert (counters.commands_ahead, counters.backlog_skipped, counters.decisions_ahead) == (1, 10, 6)
     assert not harness.scheduler.commands_waiting()
     # The sweep then hands out the rest in log order, and what went ahead only for its dead-letter line.
     assert harness.sweep(100) == 11
     assert [offset for _, offset, _ in harness.carried[6:]] == [0, 2, 4, 6, 8]
+    assert harness.scheduler.ahead(0) == set()
 
 
 def test_a_command_carried_out_on_its_own_is_not_waiting_and_is_not_carried_out_again() -> None:
@@ -200,7 +200,7 @@ def test_a_command_carried_out_now_takes_its_rollouts_decisions_up_to_it_and_no_
     for step in harness.scheduler.command(0, freeze, 0):
         harness.carry(step)
     assert harness.carried == [(0, 0, 0), (0, 2, 0), (0, 3, 0)]
-    assert harness.scheduler.take_ahead(0) == {3}
+    assert harness.scheduler.ahead(0) == {3}
     assert harness.sweep(100) == 4
     assert harness.carried[3:] == [(0, 1, 0), (0, 2, 1), (0, 4, 0)]
 

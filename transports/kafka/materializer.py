@@ -65,10 +65,9 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -85,7 +84,6 @@ from tokcap.errors import (
     MaterializerFailedError,
     MaterializerOwnedElsewhereError,
     OffsetGapError,
-    TokcapError,
     TopicLimitsMismatchError,
     TransportError,
 )
@@ -93,8 +91,7 @@ from tokcap.events import EventType, FreezeEvent
 from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
 from tokcap.metrics_http import DEFAULT_METRICS_HOST
-from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.store import ApplyResult, TokenCaptureStore
+from tokcap.store import TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
 from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
@@ -234,11 +231,7 @@ _COMMAND_BUDGET = 100
 _COMMAND_BUDGET_MOST = 3_200
 """The largest block of a burst of commands: each block of a burst doubles, up to this."""
 
-_ANSWERS_KEPT = 1_000
-"""Freezes answered from memory and not taken yet; a source that finds its answer forgotten reads the files."""
-
 _POLL_TIMEOUT_S = 0.2
-_RESULTS_KEPT = 10_000
 
 
 @dataclass
@@ -357,26 +350,21 @@ class Materializer:
             self._client, self._topic, purpose="materializer", watch=self._watch, factory=self._new_consumer
         )
         self._router = InboundRouter(topic=self._topic, parents=ParentRestorer(self._parent_reader.read))
-        self._applied_next: dict[int, int] = {}
-        self._applied_ahead: dict[int, set[int]] = {}
+        self._durable: dict[int, PartitionCheckpoint] = {}
+        """Per partition, the checkpoint last written: what is applied and durable, as a following source reads it."""
         self._schedule = Scheduler(
             time.monotonic, first_command_block=_COMMAND_BUDGET, most_command_block=_COMMAND_BUDGET_MOST
         )
         self._counters = self._schedule.counters
-        self._results: OrderedDict[tuple[int, int], ApplyResult] = OrderedDict()
         self._projection = Projection(self._store)
-        """The store's hot rollouts in memory: what the loop applies goes through it, and freezes are answered
-        from it before their block is flushed."""
-        self._answers: OrderedDict[tuple[int, int], tuple[ApplyResult, TokenCaptureSnapshot]] = OrderedDict()
-        """Freezes of in-process sources answered from memory, by position: the verdict and snapshot, taken once."""
+        """The store's hot rollouts in memory: what the loop applies goes through it, and it answers the sources'
+        commands by position (freezes from memory before their block is flushed)."""
         self._unanswered: list[tuple[EventType, float]] = []
         """Commands carried out since the last checkpoint and not answered from memory: their type and when
         they were read. Their answer is the checkpoint that makes them durable."""
-        self._answered_writers: Counter[str] = Counter()
-        """Writer ids of the in-process sources whose freezes are answered from memory as soon as applied."""
-        self._waiters = WaiterRegistry(self._is_applied, self._is_answered)
+        self._waiters = WaiterRegistry(self._is_applied, self._schedule.carried)
         self._condition = self._waiters.condition
-        """Guards what the waits read (applied offsets, answers from memory) and what other threads read."""
+        """Guards what the waits read (durable checkpoints, commands carried out ahead) and what other threads read."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -393,6 +381,12 @@ class Materializer:
     def store(self) -> TokenCaptureStore:
         """The store this materializer writes."""
         return self._store
+
+    @property
+    def projection(self) -> Projection:
+        """The projection this materializer applies through; it answers commands by position (``verdict_at``,
+        ``snapshot_at``) once ``applied`` says they are applied."""
+        return self._projection
 
     @property
     def topic(self) -> str:
@@ -440,43 +434,23 @@ class Materializer:
     def applied_offsets(self) -> dict[int, int]:
         """Per partition, the next offset to apply: every offset below it is applied and checkpointed."""
         with self._condition:
-            return dict(self._applied_next)
-
-    def result_at(self, partition: int, offset: int) -> ApplyResult | None:
-        """The apply result of a recent event at this position (or of a freeze answered from memory), if remembered."""
-        with self._condition:
-            result = self._results.get((partition, offset))
-            if result is None and (partition, offset) in self._answers:
-                result = self._answers[(partition, offset)][0]
-            return result
+            return {partition: checkpoint.next_offset for partition, checkpoint in self._durable.items()}
 
     def answer_freezes_for(self, writer: str) -> None:
-        """Carry this writer's freezes out as soon as they are read and answer them from memory.
+        """Carry this writer's freezes out as soon as they are read, so the projection answers them from memory.
 
-        Each freeze is applied right away, after its own rollout's earlier events only, and answered from the
-        projection's state before its block is flushed (``tokcap.log_projection`` says why that is safe). An
-        in-process source registers its writer id, then takes each answer with ``take_answer``. Freezes of
-        other writers (sources in other processes read the files once the checkpoint passes them) wait for
-        their turn.
+        Each freeze is applied right away, after its own rollout's earlier events only, and ``applied`` with
+        ``ahead`` ends its wait then, before its block is flushed (``tokcap.log_projection`` says why answering
+        it is safe). Freezes of other writers (sources in other processes read the files once the checkpoint
+        passes them) wait for their turn.
         """
         with self._condition:
-            self._answered_writers[writer] += 1
+            self._schedule.serve(writer)
 
     def stop_answering_for(self, writer: str) -> None:
-        """Undo one ``answer_freezes_for``; the writer's later freezes wait for their checkpoint."""
+        """Undo one ``answer_freezes_for``; the writer's later freezes wait for their turn."""
         with self._condition:
-            self._answered_writers[writer] -= 1
-            if self._answered_writers[writer] <= 0:
-                del self._answered_writers[writer]
-
-    def take_answer(self, partition: int, offset: int) -> TokenCaptureSnapshot | None:
-        """The snapshot of the freeze at this position if it was answered from memory; given out once.
-
-        It is the snapshot ``store.snapshot(rollout_id, as_of=...)`` returns once its block is flushed.
-        """
-        with self._condition:
-            answer = self._answers.pop((partition, offset), None)
-        return None if answer is None else answer[1]
+            self._schedule.stop_serving(writer)
 
     def counters(self) -> MaterializerCounters:
         """A copy of the loop's counters."""
@@ -490,7 +464,7 @@ class Materializer:
             consumer = self._consumer
             ends = {p: _cached_end(consumer, self._topic, p) for p in self._progress} if consumer else {}
         with self._condition:
-            applied = dict(self._applied_next)
+            applied = {partition: checkpoint.next_offset for partition, checkpoint in self._durable.items()}
             failed = self._waiters.failure
             failure = None if failed is None else str(failed) or type(failed).__name__
         partitions = []
@@ -518,14 +492,11 @@ class Materializer:
 
     def _is_applied(self, partition: int, offset: int, command: bool) -> bool:
         """Whether this offset and everything before it (for a command: its rollout's events before it) is
-        applied and durable; the caller holds the condition."""
-        if self._applied_next.get(partition, 0) > offset:
-            return True
-        return command and offset in self._applied_ahead.get(partition, ())
-
-    def _is_answered(self, partition: int, offset: int) -> bool:
-        """Whether the freeze at this position was answered from memory; the caller holds the condition."""
-        return (partition, offset) in self._answers
+        applied and durable, read from the checkpoint as written; the caller holds the condition."""
+        durable = self._durable.get(partition)
+        if durable is None:
+            return False
+        return durable.command_applied(offset) if command else durable.next_offset > offset
 
     def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
         """Block until every event up to this offset is applied; return ``False`` on timeout."""
@@ -540,9 +511,9 @@ class Materializer:
 
         With ``command`` (the offset holds a freeze, drop, retire or delete), wait only until the command and
         its own rollout's earlier events are applied: the verdict depends on nothing else, and other rollouts'
-        backlog before it may still be waiting. With ``ahead`` as well, a freeze answered from memory ahead of
-        its block's flush (``take_answer``) is waited for no further. Many trainers' freezes wait at once; a blocking
-        wait per freeze would queue them behind the event loop's few executor threads.
+        backlog before it may still be waiting. With ``ahead`` as well, a command carried out ahead of its
+        block's flush is waited for no further: the projection answers it from memory. Many trainers' freezes
+        wait at once; a blocking wait per freeze would queue them behind the event loop's few executor threads.
         """
         answered = await self._waiters.wait_async(partition, offset, timeout_s, command=command, ahead=ahead)
         if answered:
@@ -750,8 +721,7 @@ class Materializer:
             self._schedule.open(partition, checkpoint.next_offset)
             self._checkpoint_moved[partition] = time.monotonic()
             with self._condition:
-                self._applied_next[partition] = checkpoint.next_offset
-                self._applied_ahead[partition] = set()
+                self._durable[partition] = _copy(checkpoint)
             assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
         assert self._incarnation is not None
         self._incarnation.start()
@@ -867,9 +837,7 @@ class Materializer:
             progress.checkpoint.pending_chunk_offsets = sorted({*open_chunks, *progress.replay_chunks})
             next_offset = progress.checkpoint.next_offset
             progress.checkpoint.commands_applied = sorted(
-                offset
-                for offset in {*self._applied_ahead.get(partition, ()), *self._schedule.ahead(partition)}
-                if offset >= next_offset
+                offset for offset in self._schedule.ahead(partition) if offset >= next_offset
             )
             encoded = progress.checkpoint.encode()
             if encoded != progress.written:
@@ -878,12 +846,9 @@ class Materializer:
         write_checkpoints(self._store.root, changed)
         with self._condition:
             for partition, progress in self._progress.items():
-                progress.written = changed.get(partition, progress.written)
-                applied_next = progress.checkpoint.next_offset
-                self._applied_next[partition] = applied_next
-                ahead = self._applied_ahead.setdefault(partition, set())
-                ahead |= self._schedule.take_ahead(partition)
-                ahead.difference_update([offset for offset in ahead if offset < applied_next])
+                if partition in changed:
+                    progress.written = changed[partition]
+                    self._durable[partition] = _copy(progress.checkpoint)
             answered_at = time.monotonic()
             for event_type, read_at in self._unanswered:
                 observe_command_wait(event_type, read_at, answered_at)
@@ -932,10 +897,12 @@ class Materializer:
             self._incarnation.confirm_since(self._fetched_at, self._stop)
             decision = routed[index]
             assert isinstance(decision, ApplyEvent)
-            if isinstance(decision.event, FreezeEvent) and self._answers_for(decision.event.writer):
+            event = decision.event
+            if isinstance(event, FreezeEvent) and self._schedule.serves(event.writer):
                 progress = self._progress[partition]
                 for step in self._schedule.command(partition, read, index):
                     self._apply(progress, self._settled(step.read, step.index), step.read)
+                self._answered(decision, read.read_at)
 
     def _settled(self, read: Read, index: int) -> Routed:
         """The decision at ``read``/``index``, decoding it first (and its rollout's earlier ones) if deferred."""
@@ -949,40 +916,14 @@ class Materializer:
         """Whether to decode what was read before sweeping: a source here is answered at once, within the bound."""
         if self._router.decoded_ahead_tokens >= _DECODE_FIRST_TOKENS:
             return False
-        with self._condition:
-            return bool(self._answered_writers)
+        return self._schedule.serves_any()
 
-    def _answers_for(self, writer: str) -> bool:
+    def _answered(self, routed: ApplyEvent, read_at: float) -> None:
+        """An in-process source's freeze is carried out: end its wait, the projection answers it from memory."""
         with self._condition:
-            return writer in self._answered_writers
-
-    def _answer(self, routed: ApplyEvent, result: ApplyResult, read_at: float) -> bool:
-        """Answer an in-process source's freeze from the projection's memory, before its block is flushed.
-
-        Whether it was answered (otherwise the source reads its answer once the checkpoint passes it).
-        """
-        event = routed.event
-        if not isinstance(event, FreezeEvent) or not self._answers_for(event.writer):
-            return False
-        try:
-            snapshot = self._projection.snapshot(event.rollout_id, routed.position(self._topic))
-        except TokcapError as exc:
-            # The source reads the same answer from the files once the checkpoint passes the freeze.
-            logger.debug(
-                "freeze at partition %d offset %d answered from the files: %s",
-                routed.partition,
-                routed.offset,
-                exc,
-            )
-            return False
-        with self._condition:
-            self._answers[(routed.partition, routed.offset)] = (result, snapshot)
-            while len(self._answers) > _ANSWERS_KEPT:
-                self._answers.popitem(last=False)
             self._counters.freezes_answered_ahead += 1
-            observe_command_wait(event.type, read_at, time.monotonic())
+            observe_command_wait(routed.event.type, read_at, time.monotonic())
             self._waiters.answered(routed.partition, routed.offset)
-        return True
 
     def _carry_out_commands(self) -> None:
         """Carry out a block of the commands read so far, each after its own rollout's earlier decisions only."""
@@ -1036,21 +977,14 @@ class Materializer:
         count_applied(self._projection.state_of, routed, result)
         if isinstance(routed, ApplyEvent) and isinstance(routed.event, FreezeEvent):
             observe_freeze(read.read_at, time.monotonic())
-        answered = False
         if result is not None and isinstance(routed, ApplyEvent):
-            answered = self._answer(routed, result, read.read_at)
             refused = refused_staging_reason(routed, result)
             if refused is not None:
                 progress.refused[routed.offset] = refused
-        if result is not None and (
-            isinstance(routed, ApplyEvent) or (isinstance(routed, DeadLetter) and not routed.abandoned)
-        ):
-            with self._condition:
-                self._results[(routed.partition, routed.offset)] = result
-                while len(self._results) > _RESULTS_KEPT:
-                    self._results.popitem(last=False)
-        if isinstance(routed, ApplyEvent) and isinstance(routed.event, COMMANDS) and not answered:
-            self._unanswered.append((routed.event.type, read.read_at))
+        if isinstance(routed, ApplyEvent) and isinstance(routed.event, COMMANDS):
+            event = routed.event
+            if not (isinstance(event, FreezeEvent) and self._schedule.serves(event.writer)):
+                self._unanswered.append((event.type, read.read_at))
 
     def _record_dead_letter(self, progress: _PartitionProgress, routed: Routed) -> None:
         """Write the dead-letter line of a decision that failed, in log order whenever its mask was applied."""
@@ -1090,6 +1024,15 @@ class Materializer:
                     routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
                 )
             )
+
+
+def _copy(checkpoint: PartitionCheckpoint) -> PartitionCheckpoint:
+    """A checkpoint as written, kept apart from the one the loop goes on changing."""
+    return replace(
+        checkpoint,
+        pending_chunk_offsets=list(checkpoint.pending_chunk_offsets),
+        commands_applied=list(checkpoint.commands_applied),
+    )
 
 
 def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:

@@ -18,7 +18,7 @@ Two invariants make its order safe, and the unit tests check both:
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -101,7 +101,7 @@ class _Partition:
     commands: deque[tuple[Read, int]] = field(default_factory=deque)
     """Commands read and not carried out yet, in log order."""
     ahead: set[int] = field(default_factory=set)
-    """Offsets of commands carried out ahead since ``take_ahead`` was last asked."""
+    """Offsets of commands carried out ahead and not swept yet."""
 
 
 class Scheduler:
@@ -127,6 +127,28 @@ class Scheduler:
         self.held_bytes = 0
         """Their wire bytes."""
         self.counters = MaterializerCounters()
+        self._served: Counter[str] = Counter()
+        """Writer ids of in-process sources: their freezes are carried out as soon as they are read."""
+
+    # ------------------------------------------------------------- sources served in-process
+
+    def serve(self, writer: str) -> None:
+        """Carry this writer's freezes out as soon as they are read (a source in this process waits on them)."""
+        self._served[writer] += 1
+
+    def stop_serving(self, writer: str) -> None:
+        """Undo one ``serve``; the writer's later freezes wait for their turn among the commands."""
+        self._served[writer] -= 1
+        if self._served[writer] <= 0:
+            del self._served[writer]
+
+    def serves(self, writer: str) -> bool:
+        """Whether this writer's freezes are carried out as soon as they are read."""
+        return writer in self._served
+
+    def serves_any(self) -> bool:
+        """Whether any source in this process waits on its freezes."""
+        return bool(self._served)
 
     # ------------------------------------------------------------- feeding
 
@@ -256,6 +278,7 @@ class Scheduler:
                     yield Step(partition, read, index)
                     read.done[index] = True
                 state.pending.popleft()
+                state.ahead.discard(read.offset)
                 self.held_messages -= 1
                 self.held_bytes -= read.size
                 self.counters.messages_swept += 1
@@ -272,15 +295,25 @@ class Scheduler:
         """The partition's next offset to route."""
         return self._partitions[partition].read_next
 
-    def take_ahead(self, partition: int) -> set[int]:
-        """The offsets of commands carried out ahead since the last call."""
-        state = self._partitions[partition]
-        ahead, state.ahead = state.ahead, set()
-        return ahead
-
     def ahead(self, partition: int) -> set[int]:
-        """The offsets of commands carried out ahead since the last ``take_ahead``."""
+        """The offsets of commands carried out ahead and not swept yet: a checkpoint lists them as applied."""
         return set(self._partitions[partition].ahead)
+
+    def carried(self, partition: int, offset: int) -> bool:
+        """Whether the decisions at this offset were carried out: swept, or a command carried out ahead.
+
+        In memory: durable once a checkpoint passes them. Safe to ask from another thread.
+        """
+        state = self._partitions.get(partition)
+        if state is None:
+            return False
+        if offset in state.ahead:
+            return True
+        try:
+            low_water = state.pending[0].offset
+        except IndexError:
+            low_water = state.read_next
+        return offset < low_water
 
     def pending_messages(self, partition: int) -> int:
         """How many of the partition's messages are not swept yet."""

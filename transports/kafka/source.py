@@ -12,15 +12,16 @@ owner itself if that process goes away. With ``external_materializer=True`` the 
 A following source reads the topic's id after each command is delivered and refuses a checkpoint bound to
 another id: the command then sits in a topic created again under the same name, whose offsets mean nothing to
 that checkpoint.
-Verdicts are then read from the rollout's state, which records the verdict of every drop, retire and delete
-at its log position, as it records each freeze's answer (``rules.recorded_verdict``). Because the decision is
-taken at a log position, every replay of the topic reaches the same answer and the same snapshot id.
+Either way a source gets an answer one way: it waits until the command's position is applied, then asks the
+answers by position (``tokcap.log_answers``): the in-process projection (its memory first) or, following, the
+files. The rollout's state records the verdict of every drop, retire and delete at its log position, as it
+records each freeze's answer (``rules.recorded_verdict``). Because the decision is taken at a log position,
+every replay of the topic reaches the same answer and the same snapshot id.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,10 +30,10 @@ from typing import Any
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, PartitionOwnerMissingError, RolloutRetiredError
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
+from tokcap.log_answers import FileAnswers, LogAnswers
 from tokcap.metrics import source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
-from tokcap.rules import recorded_verdict
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
@@ -169,6 +170,7 @@ class KafkaTokenSource:
         self._store = (
             self._materializer.store if self._materializer is not None else TokenCaptureStore(store_dir)
         )
+        self._files = FileAnswers(self._store)
         self._external: _CheckpointWaiter | None = None
         if self._materializer is None:
             self._external = _CheckpointWaiter(
@@ -202,6 +204,11 @@ class KafkaTokenSource:
         """The materialized store this source answers from."""
         return self._store
 
+    @property
+    def _answers(self) -> LogAnswers:
+        """Who answers a command once it is applied: the in-process projection, else the followed files."""
+        return self._files if self._materializer is None else self._materializer.projection
+
     async def _command(self, event: Event, what: str) -> ApplyResult:
         """Publish one command, wait until it is applied, and return the store's verdict on it."""
         result, _ = await self._command_at(event, what)
@@ -226,17 +233,13 @@ class KafkaTokenSource:
             ahead=isinstance(event, FreezeEvent),
             delivered_at=delivered_at,
         )
-        result = None
-        if self._materializer is not None:
-            result = self._materializer.result_at(delivered.partition, delivered.offset)
         position = LogPosition(self._topic, delivered.partition, delivered.offset)
+        answers = self._answers
+        result = answers.verdict_at(event, position, from_files=False)
         if result is None:
-            if self._materializer is not None:
-                # The verdict was forgotten (or the command was answered ahead of its block): the files hold it
-                # only once its block is flushed, so the state is read after that, never before.
-                await self._wait_applied(delivered.partition, delivered.offset, event.rollout_id, what)
-            state = await asyncio.to_thread(self._store.read_state, event.rollout_id)
-            result = recorded_verdict(state, event, position)
+            # Not in memory: the files hold it (a state leaves the projection's memory only once written).
+            result = await asyncio.to_thread(answers.verdict_at, event, position)
+        assert result is not None, "an applied command has a verdict in the files"
         return result, position
 
     async def _wait_applied(
@@ -293,14 +296,16 @@ class KafkaTokenSource:
                 f"rollout {rollout_id!r} is retired; it cannot be frozen. Delete it before reusing its id",
                 rollout_id=rollout_id,
             )
-        if self._materializer is not None:
-            answer = self._materializer.take_answer(position.partition, position.offset)
-            if answer is not None:
-                return answer
-            # Not answered from memory, or answered and forgotten since: read the snapshot once checkpointed.
-            await self._wait_applied(position.partition, position.offset, rollout_id, "freeze")
-        # The snapshot as of the freeze's position: writes applied after it move the version past it.
-        return await asyncio.to_thread(functools.partial(self._store.snapshot, rollout_id, as_of=position))
+        answers = self._answers
+        answer = answers.snapshot_at(rollout_id, position, from_files=False)
+        if answer is not None:
+            return answer
+        # Not in memory: the files hold the snapshot once the freeze's block is flushed, so they are read after
+        # that, never before. As of the freeze's position: writes applied after it move the version past it.
+        await self._wait_applied(position.partition, position.offset, rollout_id, "freeze")
+        answer = await asyncio.to_thread(answers.snapshot_at, rollout_id, position)
+        assert answer is not None, "a flushed freeze has its snapshot in the files"
+        return answer
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire exactly this snapshot; ``False`` if the rollout changed since it was taken."""
