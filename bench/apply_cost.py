@@ -5,7 +5,7 @@ rounds x 8 turns, 1k-token system prompt) and measures, one call at a time from 
 
 - the apply step, the materializer's own path: ``Projection.apply(event, position)`` over the event stream a
   materializer applies (intent and put per turn, a freeze per rollout, log positions on four partitions), with
-  a ``flush`` per block of the size the measured tree's materializer sweeps (``SWEEP_BLOCK_MESSAGES``), or
+  a ``flush`` per block of the size the measured tree's materializer sweeps (``block_messages``), or
   ``--block``; the whole stream (``projection_us_per_event``), then CPU per event by kind, and each flush
   (lines, state writes and the sync) shared out over the block's events;
 - the file sink: ``begin_call_now`` + ``append`` per turn and ``freeze_now`` per rollout, as ``bench/cpu_cost``;
@@ -283,8 +283,11 @@ def _load_gym() -> Any:
 
 def _materializer_block() -> int:
     """The block size the imported tree's materializer sweeps in."""
-    materializer = importlib.import_module("transports.kafka.materializer")
-    return int(materializer.SWEEP_BLOCK_MESSAGES)
+    try:
+        settings = importlib.import_module("transports.kafka.materializer_settings")
+    except ModuleNotFoundError:  # a tree from before the settings value
+        return int(importlib.import_module("transports.kafka.materializer").SWEEP_BLOCK_MESSAGES)
+    return int(settings.DEFAULT_SETTINGS.block_messages)
 
 
 def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:

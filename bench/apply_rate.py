@@ -19,9 +19,10 @@ from confluent_kafka import Consumer, TopicPartition
 from tokcap.events import Event, LogPosition, PutEvent
 from tokcap.log_projection import Projection
 from tokcap.store import TokenCaptureStore
+from transports.kafka.cli.materializer_process import collect_less_after_start_up
 from transports.kafka.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
 from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.materializer import SWEEP_BLOCK_MESSAGES, collect_less_after_start_up
+from transports.kafka.materializer_settings import DEFAULT_SETTINGS
 
 __all__ = ["ApplyRate", "measure_apply_rate"]
 
@@ -88,8 +89,10 @@ def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directo
     # Wire deltas are restored as the materializer restores them, from the puts decoded before them.
     parents = ParentRestorer()
     started, cpu_started = time.perf_counter(), time.thread_time()
-    for first in range(0, len(messages), SWEEP_BLOCK_MESSAGES):
-        for partition, offset, value, raw_headers, key in messages[first : first + SWEEP_BLOCK_MESSAGES]:
+    for first in range(0, len(messages), DEFAULT_SETTINGS.block_messages):
+        for partition, offset, value, raw_headers, key in messages[
+            first : first + DEFAULT_SETTINGS.block_messages
+        ]:
             headers = headers_to_dict(raw_headers)
             event: Event
             if is_wire_delta(headers):

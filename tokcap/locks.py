@@ -1,6 +1,7 @@
-"""Per-rollout exclusive locks, shared by threads and processes.
+"""Exclusive file locks, shared by threads and processes: per rollout, and held-or-refused ones.
 
-One rollout's writers are serialized; different rollouts proceed concurrently.
+One rollout's writers are serialized; different rollouts proceed concurrently. ``ExclusiveFile`` is the same
+``flock`` taken without waiting, for a lock only one process may hold at all (a partition's owner).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from tokcap.durable_io import open_no_follow
 
-__all__ = ["RolloutLocks"]
+__all__ = ["ExclusiveFile", "RolloutLocks"]
 
 
 class _RolloutLock:
@@ -126,3 +127,47 @@ def _lock_file(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+class ExclusiveFile:
+    """A lock file's ``flock`` taken without waiting, held until ``release`` (or the end of a ``with`` block).
+
+    Another process (or another holder in this one) holding it makes ``acquire`` return ``False`` at once.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = str(path)
+        self._fd = -1
+
+    @property
+    def path(self) -> str:
+        """The lock file."""
+        return self._path
+
+    def acquire(self) -> bool:
+        """Take the lock now; ``False`` when someone else holds it."""
+        if self._fd >= 0:
+            return True
+        fd = open_no_follow(self._path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        """Let the lock go; idempotent."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> ExclusiveFile:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()

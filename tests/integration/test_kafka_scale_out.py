@@ -29,8 +29,7 @@ from tests.topic_replay import replay_topic
 from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer, PartitionedTokenSource
 from transports.kafka.cli.options import parse_partitions
-from transports.kafka.materializer import OWNER_LOCK_PREFIX
-from transports.kafka.ownership import owned_partitions
+from transports.kafka.ownership import OWNER_LOCK_PREFIX, owned_partitions
 from transports.kafka.workers import MaterializerWorkers
 
 pytestmark = pytest.mark.kafka

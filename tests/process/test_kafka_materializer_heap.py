@@ -7,9 +7,9 @@ import sys
 
 _PROBE = """
 import gc
-from transports.kafka import materializer
+from transports.kafka.cli import materializer_process
 before = gc.get_threshold()
-materializer.collect_less_after_start_up()
+materializer_process.collect_less_after_start_up()
 print(gc.get_freeze_count() > 0, gc.get_threshold()[0] > before[0] * 10, gc.get_threshold()[1:] == before[1:])
 """
 

@@ -1,7 +1,7 @@
 """Commands first: a freeze is carried out ahead of other rollouts' backlog, and the store still ends as a
 clean in-order replay leaves it, byte for byte, however the rollouts interleave and wherever a run crashes.
 
-The reference is the same materializer with no read-ahead (``READ_AHEAD_MESSAGES = 1``): it applies every
+The reference is the same materializer with no read-ahead (``read_ahead_messages=1``): it applies every
 message in log order, as the materializer did before commands went first.
 """
 
@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -39,6 +39,7 @@ from tokcap.events import (
 from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.materializer import Materializer
+from transports.kafka.materializer_settings import DEFAULT_SETTINGS
 from transports.kafka.router import ApplyEvent, Routed
 from transports.kafka.source import _CheckpointWaiter
 
@@ -68,15 +69,11 @@ def files(directory: Path) -> dict[str, bytes]:
 @contextmanager
 def loop_sizes(*, batch: int, step: int, read_ahead: int | None = None) -> Iterator[None]:
     """Small loop turns, so a short log still takes many turns and commands jump many messages."""
-    with (
-        mock.patch.object(materializer_module, "SWEEP_BLOCK_MESSAGES", batch),
-        mock.patch.object(materializer_module, "_READ_STEP", step),
-    ):
-        if read_ahead is None:
-            yield
-        else:
-            with mock.patch.object(materializer_module, "READ_AHEAD_MESSAGES", read_ahead):
-                yield
+    sizes = replace(DEFAULT_SETTINGS, block_messages=batch, read_step=step)
+    if read_ahead is not None:
+        sizes = replace(sizes, read_ahead_messages=read_ahead)
+    with mock.patch.object(materializer_module, "DEFAULT_SETTINGS", sizes):
+        yield
 
 
 def in_order(topic: MemoryTopic, directory: Path) -> dict[str, bytes]:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -23,6 +24,7 @@ from test_kafka_freeze_answers import TRAINER
 import transports.kafka.materializer as materializer_module
 from tokcap.events import IntentEvent, PutEvent
 from transports.kafka.materializer import Materializer
+from transports.kafka.materializer_settings import DEFAULT_SETTINGS
 from transports.kafka.router import Routed
 
 TOPIC = "tokcap.decode-first-test"
@@ -107,7 +109,9 @@ def test_a_materializer_no_source_is_answered_from_sweeps_first(tmp_path: Path) 
 
 def test_decoding_first_stops_at_its_bound_on_tokens_held(tmp_path: Path) -> None:
     topic = puts_of_many_rollouts()
-    bound = mock.patch.object(materializer_module, "_DECODE_FIRST_TOKENS", 200)
+    bound = mock.patch.object(
+        materializer_module, "DEFAULT_SETTINGS", replace(DEFAULT_SETTINGS, decode_first_tokens=200)
+    )
     with nothing_applied_until_released() as release, bound:
         materializer = Materializer(
             "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -13,8 +14,13 @@ from store_contract import directory_contents, make_entry
 import tokcap.store as store_module
 from tokcap.errors import InvalidInputError
 from tokcap.events import IntentEvent, PutEvent
-from transports.kafka.materializer import SWEEP_BLOCK_MESSAGES, Materializer, main
+from transports.kafka.cli.materializer_process import main
+from transports.kafka.materializer import Materializer
+from transports.kafka.materializer_settings import DEFAULT_SETTINGS
 from transports.kafka.workers import MaterializerWorkers
+
+OVERRUN = replace(DEFAULT_SETTINGS, sweep_step_s=-1.0)
+"""Every sweep step is past its time bound after its first message."""
 
 TOPIC = "tokcap.sweep-blocks-test"
 ROLLOUTS = 30
@@ -58,7 +64,7 @@ def test_larger_sweep_blocks_write_each_state_once_per_block_and_leave_the_same_
     # intent and put of ten rollouts, so a block of 20 writes ten states.
     assert large == ROLLOUTS
     assert small == (messages // 20) * 10
-    assert SWEEP_BLOCK_MESSAGES >= 1_000
+    assert DEFAULT_SETTINGS.block_messages >= 1_000
 
 
 @pytest.mark.parametrize("block", [0, -5, True, 2.5, "1000"])
@@ -99,7 +105,7 @@ def test_a_sweep_step_past_its_time_bound_stops_after_one_message_and_the_files_
         materialize(interleaved_topic(), tmp_path / "untimed")
         assert max(steps) > 1
         steps.clear()
-        with mock.patch.object(materializer_module, "_SWEEP_STEP_S", -1.0):
+        with mock.patch.object(materializer_module, "DEFAULT_SETTINGS", OVERRUN):
             materialize(interleaved_topic(), tmp_path / "overran")
     assert steps and max(steps) == 1
     assert sum(steps) == ROLLOUTS * CALLS * 2
@@ -127,7 +133,7 @@ def test_sweep_steps_cut_short_by_their_time_bound_take_turns_between_partitions
 
     with (
         mock.patch.object(Materializer, "_sweep", recorded),
-        mock.patch.object(materializer_module, "_SWEEP_STEP_S", -1.0),
+        mock.patch.object(materializer_module, "DEFAULT_SETTINGS", OVERRUN),
     ):
         materialize(topic, tmp_path)
     first_half = order[: len(order) // 2]

@@ -57,11 +57,9 @@ With ``--metrics-port`` it serves ``/metrics`` and ``/healthz`` as ``tokcap mate
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import gc
+import importlib
 import logging
-import signal
 import sys
 import threading
 import time
@@ -69,18 +67,15 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
-from filelock import FileLock, Timeout
 
 from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
     BrokerAuthenticationError,
     BrokerAuthorizationError,
     ConfigError,
-    InvalidInputError,
     MaterializerFailedError,
     MaterializerOwnedElsewhereError,
     OffsetGapError,
@@ -90,7 +85,6 @@ from tokcap.errors import (
 from tokcap.events import EventType, FreezeEvent
 from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
-from tokcap.metrics_http import DEFAULT_METRICS_HOST
 from tokcap.store import TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
 from transports.kafka.checkpoint import (
@@ -120,8 +114,13 @@ from transports.kafka.loop_metrics import (
     observe_flush,
     observe_freeze,
 )
+from transports.kafka.materializer_settings import (
+    DEFAULT_SETTINGS,
+    MaterializerSettings,
+    check_block_messages,
+)
 from transports.kafka.offset_reader import OffsetReader
-from transports.kafka.ownership import check_owner_records, write_owner_records
+from transports.kafka.ownership import check_owner_records, hold_partition, write_owner_records
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
@@ -143,95 +142,20 @@ from transports.kafka.waiters import WaiterRegistry
 __all__ = [
     "CHECKPOINT_PREFIX",
     "DEAD_LETTER_PREFIX",
+    "DEFAULT_SETTINGS",
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
-    "OWNER_LOCK_PREFIX",
-    "READ_AHEAD_BYTES",
-    "READ_AHEAD_MESSAGES",
-    "SWEEP_BLOCK_MESSAGES",
     "DeadLetterLog",
     "Materializer",
     "MaterializerCounters",
+    "MaterializerSettings",
     "PartitionCheckpoint",
     "carry_out",
-    "check_block_messages",
-    "collect_less_after_start_up",
     "logger",
-    "main",
     "remove_stale_temp_files",
 ]
 
 logger = logging.getLogger(__name__)
-
-OWNER_LOCK_PREFIX = "kafka-materializer-p"
-"""Lock file held by the one materializer applying partition N into a directory: ``kafka-materializer-p<N>.lock``."""
-
-READ_AHEAD_MESSAGES = 20_000
-"""Most messages read and routed but not yet applied, over all partitions: how far ahead a command is seen."""
-
-READ_AHEAD_BYTES = 16 * 1024 * 1024
-"""Most wire bytes (keys and values) held read ahead; bounds the memory of a large backlog.
-
-Decoded, an entry's token ids take about ten times their wire size (one Python int each), so this holds
-on the order of 200 MB at most."""
-
-SWEEP_BLOCK_MESSAGES = 1_000
-"""Most messages the in-order sweep applies in one projection block, then one sync and a checkpoint.
-
-Each rollout's state file is replaced once per block it has events in: a file create and a rename, the
-largest cost of the apply step on ext4. Blocks of 1,000 messages instead of 200 cut the store's CPU per
-event on the main workload by about a third (``python -m bench --only apply_cost --baseline DIR``). Nothing urgent
-waits for a block to end: a command read meanwhile ends it at the next step, and in-process freezes are
-carried out when read and answered from memory. A crash inside a block applies at most one block again."""
-
-_SWEEP_STEP = 25
-"""Most messages swept between two reads: how long an in-process source's freeze can sit unread behind the sweep."""
-
-_SWEEP_STEP_S = 0.005
-"""Longest a sweep step runs before the loop reads again, whatever it has swept.
-
-Each message swept makes several system calls, and after each one the thread waits to take the GIL back
-from whichever thread holds it. In a process whose other threads keep the CPU busy (a model server's event
-loop, a trainer), 25 messages measured up to 460 ms, and every freeze read behind them waited that long.
-"""
-
-_SETTLE_STEP_S = 0.005
-"""Time given to decoding messages read ahead (oldest first) between two steps of the sweep.
-
-Reading defers decoding, so a freeze is read without waiting for other rollouts' puts to be decoded; with
-time to spare the loop decodes them anyway, so a trainer's burst of freezes does not pay for its rollouts'
-decoding all at once (a batch of 200 freezes spent about 0.7 s instead of 0.45 s of CPU without this).
-"""
-
-_DECODE_FIRST_TOKENS = 2_000_000
-"""Most tokens decoded ahead of the sweep and not asked for yet while decoding goes first (about 70 MB).
-
-In a process that also runs the load, the loop gets a share of one core. Sweeping first left the decoding
-of a round's puts to the burst of freezes at its end: each answer decoded its rollout's puts first (about
-2 ms of 3), one after another, and the last freeze of 64 waited for all of them. Decoding first moves that
-work before the burst; past this bound the sweep goes first again, so memory stays bounded when the loop
-falls far behind (a replay answers no source and never decodes first).
-"""
-
-_UNKNOWN_TOPIC_WAIT_S = 5.0
-"""How long a materializer starting on a topic its broker does not know yet asks again before failing."""
-
-_METADATA_TIMEOUT_S = 30.0
-"""How long a metadata request may wait for the broker; a refused login ends it within a second."""
-
-_ID_READ_TIMEOUT_S = 3.0
-"""How long one read of the topic's id may wait; a failed read is tried again with a new admin client."""
-
-_READ_STEP = 1_000
-"""Messages read and routed per loop turn, so a burst does not delay the apply of commands already read."""
-
-_COMMAND_BUDGET = 100
-"""Decisions carried out for commands in a first block before their sources are answered."""
-
-_COMMAND_BUDGET_MOST = 3_200
-"""The largest block of a burst of commands: each block of a burst doubles, up to this."""
-
-_POLL_TIMEOUT_S = 0.2
 
 
 @dataclass
@@ -249,15 +173,6 @@ class _PartitionProgress:
     """The offset the next fetched message must have: reading goes on from the resume offset without a gap."""
     refused: dict[int, str] = field(default_factory=dict)
     """Offsets of applied staging events the store refused, with the reason their dead-letter line gives."""
-
-
-def check_block_messages(block_messages: object) -> int:
-    """A durable block bound, refused unless it is a positive whole number of messages."""
-    if isinstance(block_messages, bool) or not isinstance(block_messages, int) or block_messages < 1:
-        raise InvalidInputError(
-            f"block_messages must be a positive number of messages, got {block_messages!r}"
-        )
-    return block_messages
 
 
 class Materializer:
@@ -279,6 +194,7 @@ class Materializer:
         max_event_bytes: int | None = None,
         max_open_chunk_bytes: int | None = None,
         skipped_types: frozenset[str] = frozenset(),
+        settings: MaterializerSettings | None = None,
     ) -> None:
         """``consumer_factory`` builds the consumer from its settings; tests pass an in-memory topic double.
 
@@ -288,9 +204,8 @@ class Materializer:
         ``on_dead_letter`` is called, on the materializer's thread, with each dead-letter line once it is
         written (``tokcap materialize`` prints them); it must not block.
 
-        ``block_messages`` bounds the in-order sweep's projection blocks: smaller blocks checkpoint
-        more often (a resume applies less again), larger ones write each rollout's state fewer times; the
-        default is ``SWEEP_BLOCK_MESSAGES``.
+        ``settings`` holds the loop's tuning (``materializer_settings``; ``DEFAULT_SETTINGS`` by default).
+        ``block_messages``, given, replaces its bound on the in-order sweep's durable blocks.
 
         The topic's limits (``topic_limits``) bound the memory of large events being reassembled (``router``):
         a larger chunk group is dead-lettered and its rollout masked. They are read from the topic when the
@@ -305,9 +220,10 @@ class Materializer:
         projection is partial by design: it starts from an empty directory only, and nothing else may read
         or resume it.
         """
-        self._block_messages = check_block_messages(
-            SWEEP_BLOCK_MESSAGES if block_messages is None else block_messages
-        )
+        settings = DEFAULT_SETTINGS if settings is None else settings
+        if block_messages is not None:
+            settings = replace(settings, block_messages=check_block_messages(block_messages))
+        self._settings = settings
         self._bootstrap = bootstrap_servers
         self._on_dead_letter = on_dead_letter
         self._new_consumer = consumer_factory
@@ -324,7 +240,10 @@ class Materializer:
         self._client = ClientContext(bootstrap_servers, self._consumer_config)
         self._watch = AuthenticationWatch(self._client)
         self._read_topic_id = topic_id_reader or TopicIdReader(
-            bootstrap_servers, self._topic, client_config=self._consumer_config, timeout_s=_ID_READ_TIMEOUT_S
+            bootstrap_servers,
+            self._topic,
+            client_config=self._consumer_config,
+            timeout_s=settings.id_read_timeout_s,
         )
         self._incarnation: IncarnationWatch | None = None
         self._read_limits = limits_reader or (
@@ -333,7 +252,7 @@ class Materializer:
                 self._topic,
                 watch=self._watch,
                 factory=self._new_consumer,
-                timeout_s=_ID_READ_TIMEOUT_S,
+                timeout_s=settings.id_read_timeout_s,
             )
         )
         self._given_limits = {
@@ -353,10 +272,15 @@ class Materializer:
         self._durable: dict[int, PartitionCheckpoint] = {}
         """Per partition, the checkpoint last written: what is applied and durable, as a following source reads it."""
         self._schedule = Scheduler(
-            time.monotonic, first_command_block=_COMMAND_BUDGET, most_command_block=_COMMAND_BUDGET_MOST
+            time.monotonic,
+            first_command_block=settings.first_command_block,
+            most_command_block=settings.most_command_block,
+            decode_first_tokens=settings.decode_first_tokens,
         )
         self._counters = self._schedule.counters
-        self._projection = Projection(self._store)
+        self._projection = Projection(
+            self._store, hot_tokens=settings.hot_tokens, hot_rollouts=settings.hot_rollouts
+        )
         """The store's hot rollouts in memory: what the loop applies goes through it, and it answers the sources'
         commands by position (freezes from memory before their block is flushed)."""
         self._unanswered: list[tuple[EventType, float]] = []
@@ -401,7 +325,12 @@ class Materializer:
     @property
     def block_messages(self) -> int:
         """The most messages the in-order sweep applies per durable block."""
-        return self._block_messages
+        return self._settings.block_messages
+
+    @property
+    def settings(self) -> MaterializerSettings:
+        """The loop's tuning."""
+        return self._settings
 
     def start(self) -> None:
         """Run in a background thread until ``stop``; returns once partitions are assigned."""
@@ -562,7 +491,7 @@ class Materializer:
             return list(self._requested_partitions)
         # Right after a topic is created, a broker other than the controller may not know it yet (seen on a
         # 3-node cluster): an unknown topic is asked about again for a few seconds before it is reported.
-        deadline = time.monotonic() + _UNKNOWN_TOPIC_WAIT_S
+        deadline = time.monotonic() + self._settings.unknown_topic_wait_s
         while True:
             metadata = list_topics(consumer, self._watch, self._client, timeout_s, self._topic).topics.get(
                 self._topic
@@ -610,7 +539,7 @@ class Materializer:
             with ExitStack() as held:
                 partitions = self._partitions(consumer)
                 for partition in partitions:
-                    held.enter_context(self._exclusive(partition))
+                    held.enter_context(hold_partition(self._store.root, self._topic, partition))
                 checkpoints = self._bind(partitions)
                 remove_stale_temp_files(self._store.root)
                 try:
@@ -660,7 +589,7 @@ class Materializer:
 
     def _first_topic_id(self) -> str:
         """The topic's id at start, asked again for a while when the broker does not answer in time."""
-        deadline = time.monotonic() + _METADATA_TIMEOUT_S
+        deadline = time.monotonic() + self._settings.metadata_timeout_s
         while True:
             try:
                 return self._read_topic_id()
@@ -674,7 +603,7 @@ class Materializer:
 
     def _first_limits(self) -> TopicLimits:
         """The topic's limits at start, checked against any given to the constructor; asked again for a while."""
-        deadline = time.monotonic() + _METADATA_TIMEOUT_S
+        deadline = time.monotonic() + self._settings.metadata_timeout_s
         while True:
             try:
                 limits = self._read_limits()
@@ -693,18 +622,6 @@ class Materializer:
     def limits(self) -> TopicLimits:
         """The topic's limits this materializer reads by (the defaults until it has started)."""
         return self._router.limits
-
-    def _exclusive(self, partition: int) -> FileLock:
-        """Hold partition ownership of this directory: two materializers applying one partition would corrupt it."""
-        lock = FileLock(self._store.root / f"{OWNER_LOCK_PREFIX}{partition}.lock", timeout=0)
-        try:
-            lock.acquire()
-        except Timeout as exc:
-            raise MaterializerOwnedElsewhereError(
-                f"partition {partition} of {self._topic!r} is already being materialized into {self._store.root} "
-                "by another process; stop it, or give this materializer other partitions or another directory"
-            ) from exc
-        return lock
 
     def _consume(self, consumer: Consumer, checkpoints: Mapping[int, PartitionCheckpoint]) -> None:
         assignment = []
@@ -731,66 +648,73 @@ class Materializer:
             self._watch,
             self._topic,
             {tp.partition: tp.offset for tp in assignment},
-            _METADATA_TIMEOUT_S,
+            self._settings.metadata_timeout_s,
         )
         logger.info(
             "materializer ready: topic %s, resuming at %s, blocks of up to %d messages",
             self._topic,
             {tp.partition: tp.offset for tp in assignment},
-            self._block_messages,
+            self._settings.block_messages,
         )
         with self._consumer_lock:
             self._consumer = consumer
         self._ready.set()
-        while not self._stop.is_set():
-            for message in self._read(consumer):
+        swept: int | None = None
+        """Messages swept in the open sweep block; ``None`` between blocks."""
+        settle = False
+        while not (self._stop.is_set() and swept is None):
+            for message in self._read(consumer):  # the loop's one read site
                 self._take(message)
-            # Commands first, in a block and a checkpoint of their own: their sources are answered before
-            # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
-            # written only after it is durable.
-            if self._schedule.commands_waiting():
-                self._carry_out_commands()
-                self._checkpoint("commands")
-                if self._schedule.command_block_done():
-                    continue  # a burst: the sweep waits until it is answered
-            self._schedule.end_burst()
-            self._sweep_reading(consumer)
-            self._checkpoint("sweep")
+            if swept is None:
+                # Commands first, in a block and a checkpoint of their own: their sources are answered before
+                # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
+                # written only after it is durable.
+                if self._schedule.commands_waiting():
+                    self._carry_out_commands()
+                    self._checkpoint("commands")
+                    if self._schedule.command_block_done():
+                        continue  # a burst: the sweep waits until it is answered
+                self._schedule.end_burst()
+                swept = 0
+            elif self._schedule.commands_waiting():
+                self._checkpoint("sweep")  # a command read between two steps ends the sweep block
+                swept = None
+                continue
+            elif settle:
+                self._router.settle_oldest(time.monotonic() + self._settings.settle_step_s)
+            swept, settle = self._sweep_turn(swept)
 
-    def _sweep_reading(self, consumer: Consumer) -> None:
-        """Sweep one batch in steps, reading (and answering in-process sources' freezes) between them.
+    def _sweep_turn(self, swept: int) -> tuple[int | None, bool]:
+        """One step of the open sweep block, which has swept ``swept`` messages; then the loop reads again.
 
-        An in-process source's freeze is carried out as soon as it is read, so reading between steps keeps its wait
-        to one step of the sweep rather than a whole batch; a command that must be carried out ends the batch.
-        While an in-process source is answered from memory, what was read is decoded before any of it is swept
-        (``_DECODE_FIRST_TOKENS`` bounds it): a burst of freezes then finds its rollouts decoded.
+        An in-process source's freeze is carried out as soon as it is read, so reading between steps keeps its
+        wait to one step of the sweep rather than a whole block. While the scheduler decodes first, what was
+        read is decoded before any of it is swept: a burst of freezes then finds its rollouts decoded.
+        Returns the block's new count (``None`` once it ended with its checkpoint) and whether decoding ahead
+        gets its time after the next read.
         """
-        swept = 0
-        while swept < self._block_messages:
-            if self._decodes_first():
-                self._router.settle_oldest(time.monotonic() + _SETTLE_STEP_S, _DECODE_FIRST_TOKENS)
-                # Left undecoded: the deadline passed (read, then decode on), or the bound is reached (sweep).
-                if (
-                    not self._router.all_decoded()
-                    and self._router.decoded_ahead_tokens < _DECODE_FIRST_TOKENS
-                ):
-                    for message in self._read(consumer):
-                        self._take(message)
-                    if self._schedule.commands_waiting():
-                        return
-                    continue
-            step = self._sweep(min(_SWEEP_STEP, self._block_messages - swept), _SWEEP_STEP_S)
-            swept += step
-            if not self._schedule.held_messages:
-                self._router.settle_oldest(0.0)  # everything is applied: let go of what it was
-                return
-            if not step:
-                return
-            for message in self._read(consumer):
-                self._take(message)
-            if self._schedule.commands_waiting():
-                return
-            self._router.settle_oldest(time.monotonic() + _SETTLE_STEP_S)
+        settings = self._settings
+        if swept >= settings.block_messages:
+            self._checkpoint("sweep")
+            return None, False
+        if self._schedule.decodes_first(self._router.decoded_ahead_tokens):
+            self._router.settle_oldest(
+                time.monotonic() + settings.settle_step_s, settings.decode_first_tokens
+            )
+            # Left undecoded: the deadline passed (read, then decode on), or the bound is reached (sweep).
+            if not self._router.all_decoded() and not self._schedule.decoded_enough(
+                self._router.decoded_ahead_tokens
+            ):
+                return swept, False
+        step = self._sweep(
+            min(settings.sweep_step_messages, settings.block_messages - swept), settings.sweep_step_s
+        )
+        if not self._schedule.held_messages:
+            self._router.settle_oldest(0.0)  # everything is applied: let go of what it was
+        if not step or not self._schedule.held_messages:
+            self._checkpoint("sweep")
+            return None, False
+        return swept + step, True
 
     def _read(self, consumer: Consumer) -> list[Message]:
         """The next messages to route, as many as the read-ahead has room for (none when it is full).
@@ -798,11 +722,12 @@ class Materializer:
         Wait for one message only when nothing is left to apply; then take what is already fetched:
         consume(n, t) alone blocks until n messages or t, which would delay every freeze by up to t.
         """
-        room = min(_READ_STEP, READ_AHEAD_MESSAGES - self._schedule.held_messages)
-        if room <= 0 or self._schedule.held_bytes >= READ_AHEAD_BYTES:
+        settings = self._settings
+        room = min(settings.read_step, settings.read_ahead_messages - self._schedule.held_messages)
+        if room <= 0 or self._schedule.held_bytes >= settings.read_ahead_bytes:
             return []
         idle = self._schedule.held_messages == 0
-        messages = list(consumer.consume(1, _POLL_TIMEOUT_S if idle else 0))
+        messages = list(consumer.consume(1, settings.poll_timeout_s if idle else 0))
         self._watch.raise_if_failed()
         if messages and room > 1:
             messages.extend(consumer.consume(room - 1, 0))
@@ -911,12 +836,6 @@ class Materializer:
             decision = self._router.settle(decision)
             read.routed[index] = decision
         return decision
-
-    def _decodes_first(self) -> bool:
-        """Whether to decode what was read before sweeping: a source here is answered at once, within the bound."""
-        if self._router.decoded_ahead_tokens >= _DECODE_FIRST_TOKENS:
-            return False
-        return self._schedule.serves_any()
 
     def _answered(self, routed: ApplyEvent, read_at: float) -> None:
         """An in-process source's freeze is carried out: end its wait, the projection answers it from memory."""
@@ -1048,96 +967,7 @@ def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
     return int(high) if high is not None and high >= 0 else None
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, not {port}")
-    return port
-
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m transports.kafka.materializer",
-        description="Apply a tokcap run topic to a local store directory until SIGINT or SIGTERM.",
-    )
-    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers, host:port[,host:port]")
-    parser.add_argument("--topic", required=True, help="the run topic to read")
-    parser.add_argument("--dir", required=True, type=Path, help="the store directory to write")
-    parser.add_argument(
-        "--partitions", default=None, help="comma-separated subset of partitions (default: all)"
-    )
-    parser.add_argument(
-        "--block-messages",
-        type=int,
-        default=SWEEP_BLOCK_MESSAGES,
-        help=f"most messages applied per durable block before a checkpoint (default: {SWEEP_BLOCK_MESSAGES})",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=_port,
-        default=None,
-        help="serve Prometheus /metrics and a /healthz readiness check on this port (0: any free port)",
-    )
-    parser.add_argument(
-        "--metrics-host",
-        default=DEFAULT_METRICS_HOST,
-        help=f"the address --metrics-port listens on (default: {DEFAULT_METRICS_HOST})",
-    )
-    return parser.parse_args(argv)
-
-
-_YOUNG_COLLECTION_THRESHOLD = 20_000
-"""Container allocations between the collector's youngest passes in a materializer's own process (Python: 700)."""
-
-
-def collect_less_after_start_up() -> None:
-    """Leave the start-up heap out of every collection and run the youngest pass less often.
-
-    Each pass walks every young container, and an applied put leaves long lists of token ids behind (its
-    entry, kept hot by the projection): at Python's default a pass ran every 60-odd events and the passes
-    took 15-25% of the apply step's CPU. Garbage cycles are rare here, so fewer passes free them a little later
-    and cost nothing else. Only a process that is a materializer and nothing else sets this; a trainer that
-    hosts one keeps its own settings, and may call this after its own start-up.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(_YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run a materializer process; it stops cleanly, checkpoint written, on SIGINT or SIGTERM."""
-    args = _parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    partitions = None if args.partitions is None else [int(p) for p in args.partitions.split(",") if p]
-    try:
-        materializer = Materializer(
-            args.bootstrap, args.topic, args.dir, partitions, block_messages=args.block_messages
-        )
-    except InvalidInputError as exc:
-        print(f"materializer not started: {exc}", file=sys.stderr)
-        return 2
-
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
-        materializer.request_stop()
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
-    with ExitStack() as serving:
-        if args.metrics_port is not None:
-            # Imported here: readiness imports this module.
-            from transports.kafka.readiness import serve_metrics
-
-            server = serve_metrics(materializer, host=args.metrics_host, port=args.metrics_port)
-            serving.callback(server.close)
-            logger.info("serving /metrics and /healthz on http://%s:%d", server.host, server.port)
-        collect_less_after_start_up()
-        try:
-            materializer.run_until_stopped()
-        except MaterializerFailedError as exc:
-            print(f"materializer failed: {exc}", file=sys.stderr)
-            return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m transports.kafka.materializer``: the command lives with the other Kafka commands.
+    # Found by name at run time: the command imports this module, never the other way round.
+    sys.exit(importlib.import_module("transports.kafka.cli.materializer_process").main())

@@ -18,6 +18,9 @@ Rules:
 - a record naming another id of the topic is refused (``TopicIncarnationError``): the directory holds a
   deleted topic's rollouts. A record without an id (written before records had one) is rewritten with it.
 
+While it runs, a materializer holds each of its partitions' lock file, ``kafka-materializer-p<N>.lock``
+(``hold_partition``): a second one applying the same partition into the directory is refused at start.
+
 Records hold nothing that differs between runs over one topic (its id is the same for all of them), so a
 directory written by any number of workers is byte-identical to a clean replay. This module imports no
 Kafka client.
@@ -33,13 +36,21 @@ from pathlib import Path
 import orjson
 
 from tokcap.durable_io import fsync_directory, replace_atomically
-from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError, StoreCorruptionError
+from tokcap.errors import (
+    MaterializerOwnedElsewhereError,
+    PartitionOwnerMissingError,
+    PartitionOwnershipConflictError,
+    StoreCorruptionError,
+)
+from tokcap.locks import ExclusiveFile
 from transports.kafka.incarnation import check_incarnation
 
 __all__ = [
+    "OWNER_LOCK_PREFIX",
     "OWNER_PREFIX",
     "PartitionOwners",
     "check_owner_records",
+    "hold_partition",
     "owned_partitions",
     "owner_record_files",
     "owner_record_path",
@@ -49,7 +60,24 @@ __all__ = [
 OWNER_PREFIX = "kafka-owner-p"
 """Owner record of partition N: ``kafka-owner-p<N>.json``."""
 
+OWNER_LOCK_PREFIX = "kafka-materializer-p"
+"""Lock file held by the one materializer applying partition N into a directory: ``kafka-materializer-p<N>.lock``."""
+
 _RECORD = re.compile(rf"^{re.escape(OWNER_PREFIX)}(\d+)\.json$")
+
+
+def hold_partition(directory: Path, topic: str, partition: int) -> ExclusiveFile:
+    """Hold the partition's lock in this directory until it is released; refused when another holds it.
+
+    Two materializers applying one partition into one directory would corrupt it.
+    """
+    lock = ExclusiveFile(directory / f"{OWNER_LOCK_PREFIX}{partition}.lock")
+    if not lock.acquire():
+        raise MaterializerOwnedElsewhereError(
+            f"partition {partition} of {topic!r} is already being materialized into {directory} "
+            "by another process; stop it, or give this materializer other partitions or another directory"
+        )
+    return lock
 
 
 def owner_record_path(directory: Path, partition: int) -> Path:

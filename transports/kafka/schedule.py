@@ -108,18 +108,25 @@ class Scheduler:
     """Routed messages not yet carried out, per partition, and the order to carry them out in."""
 
     def __init__(
-        self, clock: Callable[[], float], *, first_command_block: int, most_command_block: int
+        self,
+        clock: Callable[[], float],
+        *,
+        first_command_block: int,
+        most_command_block: int,
+        decode_first_tokens: int = 0,
     ) -> None:
         """``clock`` gives seconds (monotonic); a sweep step's time bound is measured with it.
 
         A burst of commands is carried out in blocks: the first holds ``first_command_block`` decisions, each
         next one twice as many up to ``most_command_block``, so the first commands are answered soon and the
-        last ones share few syncs.
+        last ones share few syncs. While a source in this process waits on freezes, what was read is decoded
+        before it is swept, up to ``decode_first_tokens`` tokens decoded ahead (``decodes_first``; 0: never).
         """
         self._clock = clock
         self._first_block = first_command_block
         self._most_block = most_command_block
         self._command_block = first_command_block
+        self._decode_first_tokens = decode_first_tokens
         self._partitions: dict[int, _Partition] = {}
         self._turn = 0
         self.held_messages = 0
@@ -146,9 +153,20 @@ class Scheduler:
         """Whether this writer's freezes are carried out as soon as they are read."""
         return writer in self._served
 
-    def serves_any(self) -> bool:
-        """Whether any source in this process waits on its freezes."""
-        return bool(self._served)
+    def decodes_first(self, decoded_ahead_tokens: int) -> bool:
+        """Whether to decode what was read before sweeping it, with this many tokens decoded ahead already.
+
+        A source in this process has its freezes carried out as soon as they are read; sweeping first would
+        leave the decoding of its rollouts' puts to the burst of freezes at a round's end, each answer paying
+        for its own rollout one after another. Decoding first moves that work before the burst. Past the bound
+        the sweep goes first again, so memory stays bounded when the loop falls far behind (a replay answers
+        no source and never decodes first).
+        """
+        return bool(self._served) and decoded_ahead_tokens < self._decode_first_tokens
+
+    def decoded_enough(self, decoded_ahead_tokens: int) -> bool:
+        """Whether decoding first has reached its bound, so the sweep goes first."""
+        return decoded_ahead_tokens >= self._decode_first_tokens
 
     # ------------------------------------------------------------- feeding
 
