@@ -57,7 +57,6 @@ With ``--metrics-port`` it serves ``/metrics`` and ``/healthz`` as ``tokcap mate
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import sys
@@ -65,7 +64,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,14 +72,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
-    BrokerAuthenticationError,
-    BrokerAuthorizationError,
     ConfigError,
     MaterializerFailedError,
     MaterializerOwnedElsewhereError,
-    OffsetGapError,
     TopicLimitsMismatchError,
-    TransportError,
 )
 from tokcap.events import EventType, FreezeEvent
 from tokcap.log_projection import Projection
@@ -91,25 +86,22 @@ from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
     PartitionCheckpoint,
     checkpoint_files,
-    checkpoint_path,
     write_checkpoints,
 )
 from transports.kafka.clients import (
     AuthenticationWatch,
     ClientContext,
     assign_reader,
-    list_topics,
     open_reader,
 )
 from transports.kafka.codec import LogMessage, type_header
-from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
+from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import read_failure
 from transports.kafka.incarnation import IncarnationWatch
 from transports.kafka.limits_record import read_topic_limits
 from transports.kafka.loop_metrics import (
     count_applied,
-    count_dead_letter,
     observe_command_wait,
     observe_flush,
     observe_freeze,
@@ -119,13 +111,14 @@ from transports.kafka.materializer_settings import (
     MaterializerSettings,
     check_block_messages,
 )
+from transports.kafka.materializer_start import asked_until, bind_directory, topic_partitions
 from transports.kafka.offset_reader import OffsetReader
-from transports.kafka.ownership import check_owner_records, hold_partition, write_owner_records
+from transports.kafka.ownership import hold_partition
+from transports.kafka.partition_progress import PartitionProgress, durable_copy, out_of_sequence
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
     ApplyEvent,
-    DeadLetter,
     Deferred,
     InboundRouter,
     Routed,
@@ -156,23 +149,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _PartitionProgress:
-    """Runtime state of one partition: its checkpoint, dead letters and replay window (the scheduler holds its
-    read-ahead)."""
-
-    checkpoint: PartitionCheckpoint
-    dead_letters: DeadLetterLog
-    replay_below: int
-    replay_chunks: set[int]
-    """Chunk offsets of the checkpoint's open groups that have not been read again yet."""
-    written: bytes
-    fetch_next: int
-    """The offset the next fetched message must have: reading goes on from the resume offset without a gap."""
-    refused: dict[int, str] = field(default_factory=dict)
-    """Offsets of applied staging events the store refused, with the reason their dead-letter line gives."""
 
 
 class Materializer:
@@ -263,7 +239,7 @@ class Materializer:
             warn_given("Materializer", self._given_limits)
         self._fetched_at = 0.0
         """When the batch being routed was fetched (``time.monotonic``)."""
-        self._progress: dict[int, _PartitionProgress] = {}
+        self._progress: dict[int, PartitionProgress] = {}
         # Wire deltas whose parent the router no longer keeps (a resume past it) read it again from the log.
         self._parent_reader = OffsetReader(
             self._client, self._topic, purpose="materializer", watch=self._watch, factory=self._new_consumer
@@ -489,26 +465,15 @@ class Materializer:
     def _partitions(self, consumer: Consumer, timeout_s: float = 30.0) -> list[int]:
         if self._requested_partitions is not None:
             return list(self._requested_partitions)
-        # Right after a topic is created, a broker other than the controller may not know it yet (seen on a
-        # 3-node cluster): an unknown topic is asked about again for a few seconds before it is reported.
-        deadline = time.monotonic() + self._settings.unknown_topic_wait_s
-        while True:
-            metadata = list_topics(consumer, self._watch, self._client, timeout_s, self._topic).topics.get(
-                self._topic
-            )
-            if metadata is not None and metadata.error is None and metadata.partitions:
-                return sorted(metadata.partitions)
-            unknown = (
-                metadata is None
-                or metadata.error is None
-                or (metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART)
-            )
-            if not unknown or time.monotonic() >= deadline or self._stop.is_set():
-                raise MaterializerFailedError(
-                    f"topic {self._topic!r} has no readable partitions ({metadata and metadata.error}); "
-                    "create it first"
-                )
-            time.sleep(0.2)
+        return topic_partitions(
+            consumer,
+            self._watch,
+            self._client,
+            self._topic,
+            unknown_wait_s=self._settings.unknown_topic_wait_s,
+            stop=self._stop,
+            timeout_s=timeout_s,
+        )
 
     def _raise_if_failed(self) -> None:
         failure = self._waiters.failure
@@ -556,67 +521,19 @@ class Materializer:
             self._parent_reader.close()
 
     def _bind(self, partitions: list[int]) -> dict[int, PartitionCheckpoint]:
-        """Bind the directory to the topic's current incarnation and read the checkpoints to resume from.
-
-        Owner records and checkpoints of another incarnation are refused here, before anything is applied.
-        Those without an id (written before records had one) are rewritten with it now.
-        """
-        topic_id = self._first_topic_id()
-        self._router.limits = self._first_limits()
-        root = self._store.root
-        check_owner_records(root, self._topic, partitions, topic_id)
-        checkpoints = {
-            partition: PartitionCheckpoint.of_directory(root, self._topic, partition, topic_id)
-            for partition in partitions
-        }
-        unbound: dict[int, bytes] = {}
-        for partition, checkpoint in checkpoints.items():
-            with contextlib.suppress(FileNotFoundError):
-                if checkpoint_path(root, partition).read_bytes() != checkpoint.encode():
-                    unbound[partition] = checkpoint.encode()
-        if unbound:
-            logger.info(
-                "binding the checkpoints of partitions %s in %s to topic %s id %s",
-                sorted(unbound),
-                root,
-                self._topic,
-                topic_id,
-            )
-        write_checkpoints(root, unbound)
-        write_owner_records(root, self._topic, partitions, topic_id)
+        """Read the topic's id and limits, bind the directory to that incarnation; the checkpoints to resume from."""
+        timeout_s = self._settings.metadata_timeout_s
+        topic_id = asked_until(
+            self._read_topic_id, f"the id of topic {self._topic}", timeout_s=timeout_s, stop=self._stop
+        )
+        limits = asked_until(
+            self._read_limits, f"the limits of topic {self._topic}", timeout_s=timeout_s, stop=self._stop
+        )
+        check_given("Materializer", self._topic, limits, **self._given_limits)
+        self._router.limits = limits
+        checkpoints = bind_directory(self._store.root, self._topic, partitions, topic_id)
         self._incarnation = IncarnationWatch(self._topic, topic_id, self._read_topic_id)
         return checkpoints
-
-    def _first_topic_id(self) -> str:
-        """The topic's id at start, asked again for a while when the broker does not answer in time."""
-        deadline = time.monotonic() + self._settings.metadata_timeout_s
-        while True:
-            try:
-                return self._read_topic_id()
-            except (BrokerAuthenticationError, BrokerAuthorizationError):
-                raise
-            except TransportError as exc:
-                if time.monotonic() >= deadline or self._stop.is_set():
-                    raise
-                logger.warning("reading the id of topic %s again: %s", self._topic, exc)
-                time.sleep(0.2)
-
-    def _first_limits(self) -> TopicLimits:
-        """The topic's limits at start, checked against any given to the constructor; asked again for a while."""
-        deadline = time.monotonic() + self._settings.metadata_timeout_s
-        while True:
-            try:
-                limits = self._read_limits()
-            except (BrokerAuthenticationError, BrokerAuthorizationError):
-                raise
-            except TransportError as exc:
-                if time.monotonic() >= deadline or self._stop.is_set():
-                    raise
-                logger.warning("reading the limits of topic %s again: %s", self._topic, exc)
-                time.sleep(0.2)
-                continue
-            check_given("Materializer", self._topic, limits, **self._given_limits)
-            return limits
 
     @property
     def limits(self) -> TopicLimits:
@@ -626,19 +543,11 @@ class Materializer:
     def _consume(self, consumer: Consumer, checkpoints: Mapping[int, PartitionCheckpoint]) -> None:
         assignment = []
         for partition, checkpoint in checkpoints.items():
-            progress = _PartitionProgress(
-                checkpoint=checkpoint,
-                dead_letters=DeadLetterLog.of_directory(self._store.root, partition),
-                replay_below=checkpoint.next_offset,
-                replay_chunks=set(checkpoint.pending_chunk_offsets),
-                written=checkpoint.encode(),
-                fetch_next=checkpoint.resume_offset(),
-            )
-            self._progress[partition] = progress
+            self._progress[partition] = PartitionProgress.resuming(self._store.root, partition, checkpoint)
             self._schedule.open(partition, checkpoint.next_offset)
             self._checkpoint_moved[partition] = time.monotonic()
             with self._condition:
-                self._durable[partition] = _copy(checkpoint)
+                self._durable[partition] = durable_copy(checkpoint)
             assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
         assert self._incarnation is not None
         self._incarnation.start()
@@ -749,23 +658,8 @@ class Materializer:
         observe_flush(block, time.monotonic() - flush_started)
         changed: dict[int, bytes] = {}
         for partition, progress in self._progress.items():
-            head = self._schedule.low_water(partition)
-            if head is not None:
-                # The low-water mark: resume re-reads from the first message not fully carried out.
-                progress.checkpoint.next_offset = head.offset
-                open_chunks: Sequence[int] = head.chunks_before
-            else:
-                progress.checkpoint.next_offset = self._schedule.read_next(partition)
-                open_chunks = self._router.open_chunk_offsets(partition)
-            # Chunks of the checkpoint's open groups not re-read yet are still open: a batch that read none
-            # of this partition must not forget them.
-            progress.checkpoint.pending_chunk_offsets = sorted({*open_chunks, *progress.replay_chunks})
-            next_offset = progress.checkpoint.next_offset
-            progress.checkpoint.commands_applied = sorted(
-                offset for offset in self._schedule.ahead(partition) if offset >= next_offset
-            )
-            encoded = progress.checkpoint.encode()
-            if encoded != progress.written:
+            encoded = progress.next_checkpoint(partition, self._schedule, self._router)
+            if encoded is not None:
                 changed[partition] = encoded
                 self._checkpoint_moved[partition] = time.monotonic()
         write_checkpoints(self._store.root, changed)
@@ -773,7 +667,7 @@ class Materializer:
             for partition, progress in self._progress.items():
                 if partition in changed:
                     progress.written = changed[partition]
-                    self._durable[partition] = _copy(progress.checkpoint)
+                    self._durable[partition] = durable_copy(progress.checkpoint)
             answered_at = time.monotonic()
             for event_type, read_at in self._unanswered:
                 observe_command_wait(event_type, read_at, answered_at)
@@ -860,7 +754,7 @@ class Materializer:
             decision = self._settled(step.read, step.index)
             if step.carry:
                 self._apply(progress, decision, step.read)
-            self._record_dead_letter(progress, decision)
+            progress.record_dead_letter(self._topic, decision, self._on_dead_letter)
         return self._counters.messages_swept - swept_before
 
     def _on_consumer_error(self, error: KafkaError) -> None:
@@ -873,24 +767,13 @@ class Materializer:
             raise failure
 
     def _out_of_sequence(self, partition: int, expected: int, offset: int) -> None:
-        """Stop on a fetched offset that is not the next one: applying on would skip or repeat events."""
+        """Stop on a fetched offset that is not the next one, naming a changed incarnation first if it is one."""
         assert self._incarnation is not None
         self._incarnation.check_now()
         self._incarnation.raise_if_changed()
-        if offset > expected:
-            raise OffsetGapError(
-                f"partition {partition} of topic {self._topic!r} jumped from offset {expected} to {offset}: "
-                f"offsets {expected}-{offset - 1} were deleted (by retention or delete-records) before this "
-                f"materializer read them, so {self._store.root} cannot hold every event of the run. Replay a "
-                "complete copy of the topic into a new directory; docs/operations.md says how to recover"
-            )
-        raise MaterializerFailedError(
-            f"partition {partition} of topic {self._topic!r} went back from offset {expected} to {offset} "
-            "under the same topic id: the log was truncated and rewritten (an unclean leader election?), so "
-            f"{self._store.root} may hold events the topic no longer has. Replay the topic into a new directory"
-        )
+        raise out_of_sequence(self._topic, self._store.root, partition, expected, offset)
 
-    def _apply(self, progress: _PartitionProgress, routed: Routed, read: Read) -> None:
+    def _apply(self, progress: PartitionProgress, routed: Routed, read: Read) -> None:
         """Carry one routing decision out through the projection and remember its verdict."""
         result = carry_out(self._projection, self._topic, routed)
         count_applied(self._projection.state_of, routed, result)
@@ -904,54 +787,6 @@ class Materializer:
             event = routed.event
             if not (isinstance(event, FreezeEvent) and self._schedule.serves(event.writer)):
                 self._unanswered.append((event.type, read.read_at))
-
-    def _record_dead_letter(self, progress: _PartitionProgress, routed: Routed) -> None:
-        """Write the dead-letter line of a decision that failed, in log order whenever its mask was applied."""
-        if isinstance(routed, ApplyEvent) and routed.offset in progress.refused:
-            reason = progress.refused.pop(routed.offset)
-            logger.warning(
-                "dead-lettering partition %d offset %d of %s: %s",
-                routed.partition,
-                routed.offset,
-                self._topic,
-                reason,
-            )
-            rollout_id = routed.event.rollout_id
-            written = progress.dead_letters.record(routed.partition, routed.offset, reason, rollout_id)
-            if written:
-                count_dead_letter(routed)
-            if written and self._on_dead_letter is not None:
-                self._on_dead_letter(DeadLetterLine(routed.partition, routed.offset, rollout_id, reason))
-            return
-        if not isinstance(routed, DeadLetter):
-            return
-        logger.warning(
-            "dead-lettering partition %d offset %d of %s: %s",
-            routed.partition,
-            routed.offset,
-            self._topic,
-            routed.reason,
-        )
-        written = progress.dead_letters.record(
-            routed.partition, routed.offset, routed.reason, routed.rollout_id
-        )
-        if written:
-            count_dead_letter(routed)
-        if written and self._on_dead_letter is not None:
-            self._on_dead_letter(
-                DeadLetterLine(
-                    routed.partition, routed.offset, routed.rollout_id, routed.reason[:REASON_LIMIT]
-                )
-            )
-
-
-def _copy(checkpoint: PartitionCheckpoint) -> PartitionCheckpoint:
-    """A checkpoint as written, kept apart from the one the loop goes on changing."""
-    return replace(
-        checkpoint,
-        pending_chunk_offsets=list(checkpoint.pending_chunk_offsets),
-        commands_applied=list(checkpoint.commands_applied),
-    )
 
 
 def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
