@@ -68,7 +68,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
@@ -94,12 +94,11 @@ from transports.kafka.clients import (
     assign_reader,
     open_reader,
 )
-from transports.kafka.codec import LogMessage, type_header
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, DeadLetterLine, DeadLetterLog
 from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.error_map import read_failure
 from transports.kafka.incarnation import IncarnationWatch
 from transports.kafka.limits_record import read_topic_limits
+from transports.kafka.log_reader import LogReader
 from transports.kafka.loop_metrics import (
     count_applied,
     observe_command_wait,
@@ -114,7 +113,7 @@ from transports.kafka.materializer_settings import (
 from transports.kafka.materializer_start import asked_until, bind_directory, topic_partitions
 from transports.kafka.offset_reader import OffsetReader
 from transports.kafka.ownership import hold_partition
-from transports.kafka.partition_progress import PartitionProgress, durable_copy, out_of_sequence
+from transports.kafka.partition_progress import PartitionProgress, durable_copy
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
@@ -237,8 +236,6 @@ class Materializer:
         }
         if max_event_bytes is not None or max_open_chunk_bytes is not None:
             warn_given("Materializer", self._given_limits)
-        self._fetched_at = 0.0
-        """When the batch being routed was fetched (``time.monotonic``)."""
         self._progress: dict[int, PartitionProgress] = {}
         # Wire deltas whose parent the router no longer keeps (a resume past it) read it again from the log.
         self._parent_reader = OffsetReader(
@@ -565,6 +562,19 @@ class Materializer:
             {tp.partition: tp.offset for tp in assignment},
             self._settings.block_messages,
         )
+        reader = LogReader(
+            self._topic,
+            self._store.root,
+            self._settings,
+            self._client,
+            self._watch,
+            self._incarnation,
+            self._router,
+            self._schedule,
+            self._progress,
+            self._skipped_types,
+            self._stop,
+        )
         with self._consumer_lock:
             self._consumer = consumer
         self._ready.set()
@@ -572,8 +582,7 @@ class Materializer:
         """Messages swept in the open sweep block; ``None`` between blocks."""
         settle = False
         while not (self._stop.is_set() and swept is None):
-            for message in self._read(consumer):  # the loop's one read site
-                self._take(message)
+            reader.read(consumer, self._command_read)  # the loop's one read site
             if swept is None:
                 # Commands first, in a block and a checkpoint of their own: their sources are answered before
                 # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
@@ -625,27 +634,6 @@ class Materializer:
             return None, False
         return swept + step, True
 
-    def _read(self, consumer: Consumer) -> list[Message]:
-        """The next messages to route, as many as the read-ahead has room for (none when it is full).
-
-        Wait for one message only when nothing is left to apply; then take what is already fetched:
-        consume(n, t) alone blocks until n messages or t, which would delay every freeze by up to t.
-        """
-        settings = self._settings
-        room = min(settings.read_step, settings.read_ahead_messages - self._schedule.held_messages)
-        if room <= 0 or self._schedule.held_bytes >= settings.read_ahead_bytes:
-            return []
-        idle = self._schedule.held_messages == 0
-        messages = list(consumer.consume(1, settings.poll_timeout_s if idle else 0))
-        self._watch.raise_if_failed()
-        if messages and room > 1:
-            messages.extend(consumer.consume(room - 1, 0))
-        self._fetched_at = time.monotonic()
-        # Checked after the fetch: what was fetched before a change seen now is not routed.
-        assert self._incarnation is not None
-        self._incarnation.raise_if_changed()
-        return messages
-
     def _checkpoint(self, block: str) -> None:
         """Flush the projection's ``block`` (``commands`` or ``sweep``), then write every changed checkpoint
         atomically and tell waiters."""
@@ -674,54 +662,16 @@ class Materializer:
             self._unanswered.clear()
             self._waiters.applied_moved()
 
-    def _take(self, message: Message) -> None:
-        """Take one consumed message: an error, a replayed chunk, a skipped offset or a new message to route."""
-        error = message.error()
-        if error is not None:
-            self._on_consumer_error(error)
-            return
-        partition, offset = int(message.partition() or 0), int(message.offset() or 0)
-        progress = self._progress.get(partition)
-        if progress is None:
-            return
-        if offset != progress.fetch_next:
-            self._out_of_sequence(partition, progress.fetch_next, offset)
-        progress.fetch_next = offset + 1
-        if offset < progress.replay_below:
-            # Processed before the checkpoint; only the chunks of groups open there are needed again.
-            if offset in progress.replay_chunks:
-                progress.replay_chunks.discard(offset)
-                self._router.rebuffer(LogMessage.of(message))
-            return
-        log_message = LogMessage.of(message)
-        chunks_before = tuple(self._router.open_chunk_offsets(partition))
-        routed: list[Routed | Deferred]
-        if self._skipped_types and type_header(log_message.headers) in self._skipped_types:
-            routed = list(self._router.pass_over(log_message))
-        else:
-            routed = self._router.route_deferring(log_message)
-        read = Read(
-            offset,
-            routed,
-            [False] * len(routed),
-            chunks_before,
-            log_message.size,
-            timestamp_ms=log_message.timestamp_ms,
-            read_at=self._fetched_at,
-        )
-        for index in self._schedule.add(partition, read):
-            # No source is answered from a topic created again: prove the incarnation first (one
-            # request per batch read, however many commands it holds).
-            assert self._incarnation is not None
-            self._incarnation.confirm_since(self._fetched_at, self._stop)
-            decision = routed[index]
-            assert isinstance(decision, ApplyEvent)
-            event = decision.event
-            if isinstance(event, FreezeEvent) and self._schedule.serves(event.writer):
-                progress = self._progress[partition]
-                for step in self._schedule.command(partition, read, index):
-                    self._apply(progress, self._settled(step.read, step.index), step.read)
-                self._answered(decision, read.read_at)
+    def _command_read(self, partition: int, read: Read, index: int) -> None:
+        """A command was read: an in-process source's freeze is carried out now (its rollout's events first)."""
+        decision = read.routed[index]
+        assert isinstance(decision, ApplyEvent)
+        event = decision.event
+        if isinstance(event, FreezeEvent) and self._schedule.serves(event.writer):
+            progress = self._progress[partition]
+            for step in self._schedule.command(partition, read, index):
+                self._apply(progress, self._settled(step.read, step.index), step.read)
+            self._answered(decision, read.read_at)
 
     def _settled(self, read: Read, index: int) -> Routed:
         """The decision at ``read``/``index``, decoding it first (and its rollout's earlier ones) if deferred."""
@@ -756,22 +706,6 @@ class Materializer:
                 self._apply(progress, decision, step.read)
             progress.record_dead_letter(self._topic, decision, self._on_dead_letter)
         return self._counters.messages_swept - swept_before
-
-    def _on_consumer_error(self, error: KafkaError) -> None:
-        failure = read_failure(error, self._client, self._topic)
-        if failure is not None:
-            # A topic deleted and created again shows first as an offset out of range: say so if it is.
-            assert self._incarnation is not None
-            self._incarnation.check_now()
-            self._incarnation.raise_if_changed()
-            raise failure
-
-    def _out_of_sequence(self, partition: int, expected: int, offset: int) -> None:
-        """Stop on a fetched offset that is not the next one, naming a changed incarnation first if it is one."""
-        assert self._incarnation is not None
-        self._incarnation.check_now()
-        self._incarnation.raise_if_changed()
-        raise out_of_sequence(self._topic, self._store.root, partition, expected, offset)
 
     def _apply(self, progress: PartitionProgress, routed: Routed, read: Read) -> None:
         """Carry one routing decision out through the projection and remember its verdict."""
