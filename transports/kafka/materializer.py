@@ -73,9 +73,6 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
     ConfigError,
-    MaterializerFailedError,
-    MaterializerOwnedElsewhereError,
-    TopicLimitsMismatchError,
 )
 from tokcap.events import EventType, FreezeEvent
 from tokcap.log_projection import Projection
@@ -105,6 +102,7 @@ from transports.kafka.loop_metrics import (
     observe_flush,
     observe_freeze,
 )
+from transports.kafka.loop_thread import LoopThread
 from transports.kafka.materializer_settings import (
     DEFAULT_SETTINGS,
     MaterializerSettings,
@@ -150,7 +148,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class Materializer:
+class Materializer(LoopThread):
     """Consumes a run topic and projects it into a ``TokenCaptureStore`` directory."""
 
     def __init__(
@@ -259,12 +257,13 @@ class Materializer:
         self._unanswered: list[tuple[EventType, float]] = []
         """Commands carried out since the last checkpoint and not answered from memory: their type and when
         they were read. Their answer is the checkpoint that makes them durable."""
-        self._waiters = WaiterRegistry(self._is_applied, self._schedule.carried)
+        super().__init__(
+            f"tokcap-materializer-{self._topic}",
+            self._topic,
+            WaiterRegistry(self._is_applied, self._schedule.carried),
+        )
         self._condition = self._waiters.condition
         """Guards what the waits read (durable checkpoints, commands carried out ahead) and what other threads read."""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
         self._consumer: Consumer | None = None
         """The loop's consumer while it owns its partitions: a scrape reads its cached end offsets."""
         self._consumer_lock = threading.Lock()
@@ -304,34 +303,6 @@ class Materializer:
     def settings(self) -> MaterializerSettings:
         """The loop's tuning."""
         return self._settings
-
-    def start(self) -> None:
-        """Run in a background thread until ``stop``; returns once partitions are assigned."""
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run_guarded, name=f"tokcap-materializer-{self._topic}", daemon=True
-        )
-        self._thread.start()
-        self._ready.wait()
-        self._raise_if_failed()
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the current batch, write its checkpoint and stop; idempotent."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout_s)
-
-    def run_until_stopped(self) -> None:
-        """Run in the calling thread until ``request_stop`` (or a signal handler calling it)."""
-        self._run_guarded()
-        self._raise_if_failed()
-
-    def request_stop(self) -> None:
-        """Ask the loop to stop after its current batch; safe from a signal handler."""
-        self._stop.set()
 
     def applied_offsets(self) -> dict[int, int]:
         """Per partition, the next offset to apply: every offset below it is applied and checkpointed."""
@@ -471,29 +442,6 @@ class Materializer:
             stop=self._stop,
             timeout_s=timeout_s,
         )
-
-    def _raise_if_failed(self) -> None:
-        failure = self._waiters.failure
-        if isinstance(failure, MaterializerOwnedElsewhereError | TopicLimitsMismatchError):
-            raise failure
-        if failure is not None:
-            # A specific stop (another topic incarnation, an offset gap) keeps its class for the caller.
-            kind = type(failure) if isinstance(failure, MaterializerFailedError) else None
-            raise (kind or MaterializerFailedError)(
-                f"the materializer of topic {self._topic!r} stopped: {failure}"
-            ) from failure
-
-    def _run_guarded(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:
-            if isinstance(exc, MaterializerOwnedElsewhereError):
-                logger.info("%s", exc)
-            else:
-                logger.exception("materializer of topic %s failed", self._topic)
-            self._waiters.fail(exc)
-        finally:
-            self._ready.set()
 
     def _run(self) -> None:
         consumer = self._open_reader()
