@@ -74,16 +74,16 @@ from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
     ConfigError,
 )
-from tokcap.events import EventType, FreezeEvent
+from tokcap.events import FreezeEvent
 from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
 from tokcap.store import TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
+from transports.kafka.block_checkpoints import BlockCheckpoints
 from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
     PartitionCheckpoint,
     checkpoint_files,
-    write_checkpoints,
 )
 from transports.kafka.clients import (
     AuthenticationWatch,
@@ -99,7 +99,6 @@ from transports.kafka.log_reader import LogReader
 from transports.kafka.loop_metrics import (
     count_applied,
     observe_command_wait,
-    observe_flush,
     observe_freeze,
 )
 from transports.kafka.loop_thread import LoopThread
@@ -111,7 +110,7 @@ from transports.kafka.materializer_settings import (
 from transports.kafka.materializer_start import asked_until, bind_directory, topic_partitions
 from transports.kafka.offset_reader import OffsetReader
 from transports.kafka.ownership import hold_partition
-from transports.kafka.partition_progress import PartitionProgress, durable_copy
+from transports.kafka.partition_progress import PartitionProgress
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
@@ -125,7 +124,6 @@ from transports.kafka.router import (
 from transports.kafka.schedule import COMMANDS, MaterializerCounters, Read, Scheduler
 from transports.kafka.topic_limits import TopicLimits, check_given, warn_given
 from transports.kafka.topics import validate_topic_name
-from transports.kafka.waiters import WaiterRegistry
 
 # CHECKPOINT_PREFIX, DEAD_LETTER_PREFIX, MATERIALIZER_WRITER and ORPHAN_AFTER_OFFSETS live in their own
 # modules now; they stay importable from here.
@@ -240,8 +238,6 @@ class Materializer(LoopThread):
             self._client, self._topic, purpose="materializer", watch=self._watch, factory=self._new_consumer
         )
         self._router = InboundRouter(topic=self._topic, parents=ParentRestorer(self._parent_reader.read))
-        self._durable: dict[int, PartitionCheckpoint] = {}
-        """Per partition, the checkpoint last written: what is applied and durable, as a following source reads it."""
         self._schedule = Scheduler(
             time.monotonic,
             first_command_block=settings.first_command_block,
@@ -254,21 +250,15 @@ class Materializer(LoopThread):
         )
         """The store's hot rollouts in memory: what the loop applies goes through it, and it answers the sources'
         commands by position (freezes from memory before their block is flushed)."""
-        self._unanswered: list[tuple[EventType, float]] = []
-        """Commands carried out since the last checkpoint and not answered from memory: their type and when
-        they were read. Their answer is the checkpoint that makes them durable."""
-        super().__init__(
-            f"tokcap-materializer-{self._topic}",
-            self._topic,
-            WaiterRegistry(self._is_applied, self._schedule.carried),
+        self._checkpoints = BlockCheckpoints(
+            self._store.root, self._projection, self._schedule, self._router, self._progress
         )
+        super().__init__(f"tokcap-materializer-{self._topic}", self._topic, self._checkpoints.waiters)
         self._condition = self._waiters.condition
         """Guards what the waits read (durable checkpoints, commands carried out ahead) and what other threads read."""
         self._consumer: Consumer | None = None
         """The loop's consumer while it owns its partitions: a scrape reads its cached end offsets."""
         self._consumer_lock = threading.Lock()
-        self._checkpoint_moved: dict[int, float] = {}
-        """Per partition, when its checkpoint last moved forward (``time.monotonic``)."""
         watch_loop(self)
 
     # ---------------------------------------------------------------- public
@@ -306,8 +296,7 @@ class Materializer(LoopThread):
 
     def applied_offsets(self) -> dict[int, int]:
         """Per partition, the next offset to apply: every offset below it is applied and checkpointed."""
-        with self._condition:
-            return {partition: checkpoint.next_offset for partition, checkpoint in self._durable.items()}
+        return self._checkpoints.applied_offsets()
 
     def answer_freezes_for(self, writer: str) -> None:
         """Carry this writer's freezes out as soon as they are read, so the projection answers them from memory.
@@ -336,8 +325,8 @@ class Materializer(LoopThread):
         with self._consumer_lock:
             consumer = self._consumer
             ends = {p: _cached_end(consumer, self._topic, p) for p in self._progress} if consumer else {}
+        applied = self._checkpoints.applied_offsets()
         with self._condition:
-            applied = {partition: checkpoint.next_offset for partition, checkpoint in self._durable.items()}
             failed = self._waiters.failure
             failure = None if failed is None else str(failed) or type(failed).__name__
         partitions = []
@@ -350,7 +339,7 @@ class Materializer(LoopThread):
                     applied_next=applied.get(partition, progress.checkpoint.next_offset),
                     high_watermark=ends.get(partition),
                     oldest_unapplied_age_s=0.0 if oldest is None else max(0.0, time.time() - oldest / 1000),
-                    checkpoint_age_s=now - self._checkpoint_moved.get(partition, now),
+                    checkpoint_age_s=self._checkpoints.age_s(partition, now),
                 )
             )
         return LoopStatus(
@@ -362,14 +351,6 @@ class Materializer(LoopThread):
             messages_held=self._schedule.held_messages,
             kept_tokens=self._projection.kept_tokens,
         )
-
-    def _is_applied(self, partition: int, offset: int, command: bool) -> bool:
-        """Whether this offset and everything before it (for a command: its rollout's events before it) is
-        applied and durable, read from the checkpoint as written; the caller holds the condition."""
-        durable = self._durable.get(partition)
-        if durable is None:
-            return False
-        return durable.command_applied(offset) if command else durable.next_offset > offset
 
     def wait_for(self, partition: int, offset: int, timeout_s: float) -> bool:
         """Block until every event up to this offset is applied; return ``False`` on timeout."""
@@ -490,9 +471,7 @@ class Materializer(LoopThread):
         for partition, checkpoint in checkpoints.items():
             self._progress[partition] = PartitionProgress.resuming(self._store.root, partition, checkpoint)
             self._schedule.open(partition, checkpoint.next_offset)
-            self._checkpoint_moved[partition] = time.monotonic()
-            with self._condition:
-                self._durable[partition] = durable_copy(checkpoint)
+            self._checkpoints.resume(partition, checkpoint)
             assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
         assert self._incarnation is not None
         self._incarnation.start()
@@ -537,13 +516,13 @@ class Materializer(LoopThread):
                 # written only after it is durable.
                 if self._schedule.commands_waiting():
                     self._carry_out_commands()
-                    self._checkpoint("commands")
+                    self._checkpoints.end_block("commands")
                     if self._schedule.command_block_done():
                         continue  # a burst: the sweep waits until it is answered
                 self._schedule.end_burst()
                 swept = 0
             elif self._schedule.commands_waiting():
-                self._checkpoint("sweep")  # a command read between two steps ends the sweep block
+                self._checkpoints.end_block("sweep")  # a command read between two steps ends the sweep block
                 swept = None
                 continue
             elif settle:
@@ -561,7 +540,7 @@ class Materializer(LoopThread):
         """
         settings = self._settings
         if swept >= settings.block_messages:
-            self._checkpoint("sweep")
+            self._checkpoints.end_block("sweep")
             return None, False
         if self._schedule.decodes_first(self._router.decoded_ahead_tokens):
             self._router.settle_oldest(
@@ -578,37 +557,9 @@ class Materializer(LoopThread):
         if not self._schedule.held_messages:
             self._router.settle_oldest(0.0)  # everything is applied: let go of what it was
         if not step or not self._schedule.held_messages:
-            self._checkpoint("sweep")
+            self._checkpoints.end_block("sweep")
             return None, False
         return swept + step, True
-
-    def _checkpoint(self, block: str) -> None:
-        """Flush the projection's ``block`` (``commands`` or ``sweep``), then write every changed checkpoint
-        atomically and tell waiters."""
-        # A block is flushed (and synced) even when nothing was applied: besides durability, the sync between two
-        # reads leaves the consumer free for a scrape's cached read of its ends, which back-to-back blocking
-        # reads of an idle topic starved for over 5 s.
-        flush_started = time.monotonic()
-        self._projection.begin()
-        self._projection.flush()
-        observe_flush(block, time.monotonic() - flush_started)
-        changed: dict[int, bytes] = {}
-        for partition, progress in self._progress.items():
-            encoded = progress.next_checkpoint(partition, self._schedule, self._router)
-            if encoded is not None:
-                changed[partition] = encoded
-                self._checkpoint_moved[partition] = time.monotonic()
-        write_checkpoints(self._store.root, changed)
-        with self._condition:
-            for partition, progress in self._progress.items():
-                if partition in changed:
-                    progress.written = changed[partition]
-                    self._durable[partition] = durable_copy(progress.checkpoint)
-            answered_at = time.monotonic()
-            for event_type, read_at in self._unanswered:
-                observe_command_wait(event_type, read_at, answered_at)
-            self._unanswered.clear()
-            self._waiters.applied_moved()
 
     def _command_read(self, partition: int, read: Read, index: int) -> None:
         """A command was read: an in-process source's freeze is carried out now (its rollout's events first)."""
@@ -668,7 +619,7 @@ class Materializer(LoopThread):
         if isinstance(routed, ApplyEvent) and isinstance(routed.event, COMMANDS):
             event = routed.event
             if not (isinstance(event, FreezeEvent) and self._schedule.serves(event.writer)):
-                self._unanswered.append((event.type, read.read_at))
+                self._checkpoints.unanswered(event.type, read.read_at)
 
 
 def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
