@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
+import transports.kafka.apply_decisions as apply_module
 import transports.kafka.materializer as materializer_module
 from tokcap.events import (
     CancelEvent,
@@ -178,7 +179,7 @@ def test_a_command_wait_is_answered_while_the_backlog_before_it_is_held_back(tmp
     topic = MemoryTopic(TOPIC)
     freeze_at = busy_log(topic, 400)
     release = threading.Event()
-    real = materializer_module.carry_out
+    real = apply_module.carry_out
 
     def held_for_busy(store: Any, topic_name: str, routed: Routed) -> Any:
         """The other rollout's events wait until the test lets them go."""
@@ -204,7 +205,7 @@ def test_a_command_wait_is_answered_while_the_backlog_before_it_is_held_back(tmp
             release.set()
             materializer.stop()
 
-    with loop_sizes(batch=1, step=1_000), mock.patch.object(materializer_module, "carry_out", held_for_busy):
+    with loop_sizes(batch=1, step=1_000), mock.patch.object(apply_module, "carry_out", held_for_busy):
         frozen, applied_then, whole, applied_after = asyncio.run(waits())
     assert frozen and applied_then <= 2 < freeze_at
     assert whole and applied_after > freeze_at
@@ -257,7 +258,7 @@ class Crash(Exception):
 
 def crashing_after(calls: int) -> Callable[..., Any]:
     """``carry_out`` that dies before its ``calls + 1``-th decision, as a SIGKILL there would."""
-    real = materializer_module.carry_out
+    real = apply_module.carry_out
     done = [0]
 
     def carry_out(store: Any, topic: str, routed: Routed) -> Any:
@@ -296,7 +297,7 @@ def test_a_materializer_killed_before_any_decision_resumes_to_the_bytes_of_an_in
         directory = tmp_path / f"killed-{calls}"
         with (
             loop_sizes(batch=3, step=8),
-            mock.patch.object(materializer_module, "carry_out", crashing_after(calls)),
+            mock.patch.object(apply_module, "carry_out", crashing_after(calls)),
         ):
             finished = _runs_to_the_end(
                 Materializer(

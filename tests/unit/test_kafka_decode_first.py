@@ -21,6 +21,7 @@ from kafka_topic_double import MemoryTopic
 from store_contract import make_entry
 from test_kafka_freeze_answers import TRAINER
 
+import transports.kafka.apply_decisions as apply_module
 import transports.kafka.materializer as materializer_module
 from tokcap.events import IntentEvent, PutEvent
 from transports.kafka.materializer import Materializer
@@ -46,14 +47,14 @@ def puts_of_many_rollouts(rollouts: int = 8, calls: int = 3) -> MemoryTopic:
 def nothing_applied_until_released() -> Iterator[threading.Event]:
     """Hold every apply back until the test sets the event: the sweep blocks at its first one."""
     release = threading.Event()
-    real = materializer_module.carry_out
+    real = apply_module.carry_out
 
     def held(store: Any, topic_name: str, routed: Routed) -> Any:
         assert release.wait(60)
         return real(store, topic_name, routed)
 
     try:
-        with mock.patch.object(materializer_module, "carry_out", held):
+        with mock.patch.object(apply_module, "carry_out", held):
             yield release
     finally:
         release.set()

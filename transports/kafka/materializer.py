@@ -68,17 +68,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from tokcap.durable_io import remove_stale_temp_files
 from tokcap.errors import (
     ConfigError,
 )
-from tokcap.events import FreezeEvent
 from tokcap.log_projection import Projection
-from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
+from tokcap.metrics import LoopStatus, watch_loop
 from tokcap.store import TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
+from transports.kafka.apply_decisions import DecisionApplier
 from transports.kafka.block_checkpoints import BlockCheckpoints
 from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
@@ -96,11 +96,7 @@ from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.incarnation import IncarnationWatch
 from transports.kafka.limits_record import read_topic_limits
 from transports.kafka.log_reader import LogReader
-from transports.kafka.loop_metrics import (
-    count_applied,
-    observe_command_wait,
-    observe_freeze,
-)
+from transports.kafka.loop_status import cached_end, loop_status_of
 from transports.kafka.loop_thread import LoopThread
 from transports.kafka.materializer_settings import (
     DEFAULT_SETTINGS,
@@ -114,14 +110,10 @@ from transports.kafka.partition_progress import PartitionProgress
 from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
-    ApplyEvent,
-    Deferred,
     InboundRouter,
-    Routed,
     carry_out,
-    refused_staging_reason,
 )
-from transports.kafka.schedule import COMMANDS, MaterializerCounters, Read, Scheduler
+from transports.kafka.schedule import MaterializerCounters, Scheduler
 from transports.kafka.topic_limits import TopicLimits, check_given, warn_given
 from transports.kafka.topics import validate_topic_name
 
@@ -195,7 +187,6 @@ class Materializer(LoopThread):
         if block_messages is not None:
             settings = replace(settings, block_messages=check_block_messages(block_messages))
         self._settings = settings
-        self._bootstrap = bootstrap_servers
         self._on_dead_letter = on_dead_letter
         self._new_consumer = consumer_factory
         self._topic = validate_topic_name(topic)
@@ -244,7 +235,6 @@ class Materializer(LoopThread):
             most_command_block=settings.most_command_block,
             decode_first_tokens=settings.decode_first_tokens,
         )
-        self._counters = self._schedule.counters
         self._projection = Projection(
             self._store, hot_tokens=settings.hot_tokens, hot_rollouts=settings.hot_rollouts
         )
@@ -252,6 +242,9 @@ class Materializer(LoopThread):
         commands by position (freezes from memory before their block is flushed)."""
         self._checkpoints = BlockCheckpoints(
             self._store.root, self._projection, self._schedule, self._router, self._progress
+        )
+        self._applier = DecisionApplier(
+            self._topic, self._projection, self._router, self._schedule, self._checkpoints, self._progress
         )
         super().__init__(f"tokcap-materializer-{self._topic}", self._topic, self._checkpoints.waiters)
         self._condition = self._waiters.condition
@@ -317,38 +310,23 @@ class Materializer(LoopThread):
     def counters(self) -> MaterializerCounters:
         """A copy of the loop's counters."""
         with self._condition:
-            return MaterializerCounters(**self._counters.__dict__)
+            return MaterializerCounters(**self._schedule.counters.__dict__)
 
     def loop_status(self) -> LoopStatus:
         """Where the loop stands now, read from another thread (a metrics scrape, a health check)."""
-        now = time.monotonic()
         with self._consumer_lock:
             consumer = self._consumer
-            ends = {p: _cached_end(consumer, self._topic, p) for p in self._progress} if consumer else {}
-        applied = self._checkpoints.applied_offsets()
+            ends = {p: cached_end(consumer, self._topic, p) for p in self._progress} if consumer else {}
         with self._condition:
             failed = self._waiters.failure
-            failure = None if failed is None else str(failed) or type(failed).__name__
-        partitions = []
-        for partition, progress in list(self._progress.items()):
-            oldest = self._schedule.oldest_timestamp_ms(partition)
-            partitions.append(
-                PartitionStatus(
-                    topic=self._topic,
-                    partition=partition,
-                    applied_next=applied.get(partition, progress.checkpoint.next_offset),
-                    high_watermark=ends.get(partition),
-                    oldest_unapplied_age_s=0.0 if oldest is None else max(0.0, time.time() - oldest / 1000),
-                    checkpoint_age_s=self._checkpoints.age_s(partition, now),
-                )
-            )
-        return LoopStatus(
-            topic=self._topic,
-            running=consumer is not None and failure is None,
-            failure=failure,
-            partitions=partitions,
-            rollouts_held=self._schedule.rollouts_held(),
-            messages_held=self._schedule.held_messages,
+        return loop_status_of(
+            self._topic,
+            running=consumer is not None,
+            failed=failed,
+            ends=ends,
+            progress=self._progress,
+            schedule=self._schedule,
+            checkpoints=self._checkpoints,
             kept_tokens=self._projection.kept_tokens,
         )
 
@@ -388,8 +366,6 @@ class Materializer(LoopThread):
 
     def wait_until_caught_up(self, timeout_s: float = 60.0) -> bool:
         """Block until everything in the log at call time is applied; return ``False`` on timeout."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         for partition, high in self.high_watermarks().items():
             if high == 0:
@@ -509,13 +485,13 @@ class Materializer(LoopThread):
         """Messages swept in the open sweep block; ``None`` between blocks."""
         settle = False
         while not (self._stop.is_set() and swept is None):
-            reader.read(consumer, self._command_read)  # the loop's one read site
+            reader.read(consumer, self._applier.command_read)  # the loop's one read site
             if swept is None:
                 # Commands first, in a block and a checkpoint of their own: their sources are answered before
                 # the sweep of other rollouts' events. Each block shares one filesystem sync; the checkpoint is
                 # written only after it is durable.
                 if self._schedule.commands_waiting():
-                    self._carry_out_commands()
+                    self._applier.carry_out_commands()
                     self._checkpoints.end_block("commands")
                     if self._schedule.command_block_done():
                         continue  # a burst: the sweep waits until it is answered
@@ -561,78 +537,19 @@ class Materializer(LoopThread):
             return None, False
         return swept + step, True
 
-    def _command_read(self, partition: int, read: Read, index: int) -> None:
-        """A command was read: an in-process source's freeze is carried out now (its rollout's events first)."""
-        decision = read.routed[index]
-        assert isinstance(decision, ApplyEvent)
-        event = decision.event
-        if isinstance(event, FreezeEvent) and self._schedule.serves(event.writer):
-            progress = self._progress[partition]
-            for step in self._schedule.command(partition, read, index):
-                self._apply(progress, self._settled(step.read, step.index), step.read)
-            self._answered(decision, read.read_at)
-
-    def _settled(self, read: Read, index: int) -> Routed:
-        """The decision at ``read``/``index``, decoding it first (and its rollout's earlier ones) if deferred."""
-        decision = read.routed[index]
-        if isinstance(decision, Deferred):
-            decision = self._router.settle(decision)
-            read.routed[index] = decision
-        return decision
-
-    def _answered(self, routed: ApplyEvent, read_at: float) -> None:
-        """An in-process source's freeze is carried out: end its wait, the projection answers it from memory."""
-        with self._condition:
-            self._counters.freezes_answered_ahead += 1
-            observe_command_wait(routed.event.type, read_at, time.monotonic())
-            self._waiters.answered(routed.partition, routed.offset)
-
-    def _carry_out_commands(self) -> None:
-        """Carry out a block of the commands read so far, each after its own rollout's earlier decisions only."""
-        for step in self._schedule.commands():
-            self._apply(self._progress[step.partition], self._settled(step.read, step.index), step.read)
-
     def _sweep(self, budget: int, step_s: float | None = None) -> int:
         """Finish up to ``budget`` messages in log order, starting none after ``step_s`` seconds but the first.
 
         Return how many were finished.
         """
-        swept_before = self._counters.messages_swept
+        swept_before = self._schedule.counters.messages_swept
         for step in self._schedule.sweep(budget, step_s):
             progress = self._progress[step.partition]
-            decision = self._settled(step.read, step.index)
+            decision = self._applier.settled(step.read, step.index)
             if step.carry:
-                self._apply(progress, decision, step.read)
+                self._applier.apply(progress, decision, step.read)
             progress.record_dead_letter(self._topic, decision, self._on_dead_letter)
-        return self._counters.messages_swept - swept_before
-
-    def _apply(self, progress: PartitionProgress, routed: Routed, read: Read) -> None:
-        """Carry one routing decision out through the projection and remember its verdict."""
-        result = carry_out(self._projection, self._topic, routed)
-        count_applied(self._projection.state_of, routed, result)
-        if isinstance(routed, ApplyEvent) and isinstance(routed.event, FreezeEvent):
-            observe_freeze(read.read_at, time.monotonic())
-        if result is not None and isinstance(routed, ApplyEvent):
-            refused = refused_staging_reason(routed, result)
-            if refused is not None:
-                progress.refused[routed.offset] = refused
-        if isinstance(routed, ApplyEvent) and isinstance(routed.event, COMMANDS):
-            event = routed.event
-            if not (isinstance(event, FreezeEvent) and self._schedule.serves(event.writer)):
-                self._checkpoints.unanswered(event.type, read.read_at)
-
-
-def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
-    """The partition's end as the consumer last saw it in a fetch; ``None`` before any fetch.
-
-    A cached read sends no request, so nothing is translated: a failure (a partition the handle does not know
-    yet, a consumer closing) only means the end is not known now, and the scrape reports no lag.
-    """
-    try:
-        _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), cached=True)
-    except (KafkaException, RuntimeError):
-        return None
-    return int(high) if high is not None and high >= 0 else None
+        return self._schedule.counters.messages_swept - swept_before
 
 
 if __name__ == "__main__":
