@@ -9,6 +9,7 @@ answered from a topic created again).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, Message
 
-from transports.kafka.clients import AuthenticationWatch, ClientContext
+from transports.kafka.clients import AuthenticationWatch, ClientContext, assign_reader
 from transports.kafka.codec import LogMessage, type_header
 from transports.kafka.error_map import read_failure
 from transports.kafka.incarnation import IncarnationWatch
@@ -26,7 +27,10 @@ from transports.kafka.partition_progress import PartitionProgress, out_of_sequen
 from transports.kafka.router import Deferred, InboundRouter, Routed
 from transports.kafka.schedule import Read, Scheduler
 
-__all__ = ["LogReader"]
+__all__ = ["LogReader", "logger"]
+
+logger = logging.getLogger("transports.kafka.materializer")
+"""The materializer's own logger: its start is reported where its operators look."""
 
 
 @dataclass
@@ -47,6 +51,17 @@ class LogReader:
     stop: threading.Event
     fetched_at: float = 0.0
     """When the batch being routed was fetched (``time.monotonic``)."""
+
+    def assign(self, consumer: Consumer) -> None:
+        """Assign the consumer every partition at its resume offset."""
+        resume = {partition: progress.fetch_next for partition, progress in self.progress.items()}
+        assign_reader(consumer, self.client, self.watch, self.topic, resume, self.settings.metadata_timeout_s)
+        logger.info(
+            "materializer ready: topic %s, resuming at %s, blocks of up to %d messages",
+            self.topic,
+            resume,
+            self.settings.block_messages,
+        )
 
     def read(self, consumer: Consumer, on_command: Callable[[int, Read, int], None]) -> None:
         """Read and route the next messages; ``on_command(partition, read, index)`` for each command read."""

@@ -57,6 +57,7 @@ With ``--metrics-port`` it serves ``/metrics`` and ``/healthz`` as ``tokcap mate
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
@@ -71,9 +72,6 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from tokcap.durable_io import remove_stale_temp_files
-from tokcap.errors import (
-    ConfigError,
-)
 from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, watch_loop
 from tokcap.store import TokenCaptureStore
@@ -83,12 +81,10 @@ from transports.kafka.block_checkpoints import BlockCheckpoints
 from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
     PartitionCheckpoint,
-    checkpoint_files,
 )
 from transports.kafka.clients import (
     AuthenticationWatch,
     ClientContext,
-    assign_reader,
     open_reader,
 )
 from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, DeadLetterLine, DeadLetterLog
@@ -103,7 +99,12 @@ from transports.kafka.materializer_settings import (
     MaterializerSettings,
     check_block_messages,
 )
-from transports.kafka.materializer_start import asked_until, bind_directory, topic_partitions
+from transports.kafka.materializer_start import (
+    asked_until,
+    bind_directory,
+    check_skipped_types,
+    topic_partitions,
+)
 from transports.kafka.offset_reader import OffsetReader
 from transports.kafka.ownership import hold_partition
 from transports.kafka.partition_progress import PartitionProgress
@@ -191,11 +192,7 @@ class Materializer(LoopThread):
         self._new_consumer = consumer_factory
         self._topic = validate_topic_name(topic)
         self._skipped_types = frozenset(skipped_types)
-        if self._skipped_types and checkpoint_files(Path(store_dir)):
-            raise ConfigError(
-                f"{store_dir} holds checkpoints already; a projection that skips {sorted(self._skipped_types)} "
-                "events starts from an empty directory only"
-            )
+        check_skipped_types(Path(store_dir), self._skipped_types)
         self._store = TokenCaptureStore(store_dir)
         self._requested_partitions = None if partitions is None else sorted(set(partitions))
         self._consumer_config = dict(consumer_config or {})
@@ -208,14 +205,13 @@ class Materializer(LoopThread):
             timeout_s=settings.id_read_timeout_s,
         )
         self._incarnation: IncarnationWatch | None = None
-        self._read_limits = limits_reader or (
-            lambda: read_topic_limits(
-                self._client,
-                self._topic,
-                watch=self._watch,
-                factory=self._new_consumer,
-                timeout_s=settings.id_read_timeout_s,
-            )
+        self._read_limits = limits_reader or functools.partial(
+            read_topic_limits,
+            self._client,
+            self._topic,
+            watch=self._watch,
+            factory=self._new_consumer,
+            timeout_s=settings.id_read_timeout_s,
         )
         self._given_limits = {
             "max_event_bytes": max_event_bytes,
@@ -443,28 +439,12 @@ class Materializer(LoopThread):
         return self._router.limits
 
     def _consume(self, consumer: Consumer, checkpoints: Mapping[int, PartitionCheckpoint]) -> None:
-        assignment = []
         for partition, checkpoint in checkpoints.items():
             self._progress[partition] = PartitionProgress.resuming(self._store.root, partition, checkpoint)
             self._schedule.open(partition, checkpoint.next_offset)
             self._checkpoints.resume(partition, checkpoint)
-            assignment.append(TopicPartition(self._topic, partition, checkpoint.resume_offset()))
         assert self._incarnation is not None
         self._incarnation.start()
-        assign_reader(
-            consumer,
-            self._client,
-            self._watch,
-            self._topic,
-            {tp.partition: tp.offset for tp in assignment},
-            self._settings.metadata_timeout_s,
-        )
-        logger.info(
-            "materializer ready: topic %s, resuming at %s, blocks of up to %d messages",
-            self._topic,
-            {tp.partition: tp.offset for tp in assignment},
-            self._settings.block_messages,
-        )
         reader = LogReader(
             self._topic,
             self._store.root,
@@ -478,6 +458,7 @@ class Materializer(LoopThread):
             self._skipped_types,
             self._stop,
         )
+        reader.assign(consumer)
         with self._consumer_lock:
             self._consumer = consumer
         self._ready.set()

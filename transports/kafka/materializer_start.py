@@ -21,14 +21,20 @@ from confluent_kafka import Consumer, KafkaError
 from tokcap.errors import (
     BrokerAuthenticationError,
     BrokerAuthorizationError,
+    ConfigError,
     MaterializerFailedError,
     TransportError,
 )
-from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path, write_checkpoints
+from transports.kafka.checkpoint import (
+    PartitionCheckpoint,
+    checkpoint_files,
+    checkpoint_path,
+    write_checkpoints,
+)
 from transports.kafka.clients import AuthenticationWatch, ClientContext, list_topics
 from transports.kafka.ownership import check_owner_records, write_owner_records
 
-__all__ = ["asked_until", "bind_directory", "logger", "topic_partitions"]
+__all__ = ["asked_until", "bind_directory", "check_skipped_types", "logger", "topic_partitions"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +42,18 @@ _ASK_AGAIN_S = 0.2
 """Pause between two questions to a broker that did not answer yet."""
 
 T = TypeVar("T")
+
+
+def check_skipped_types(store_dir: Path, skipped_types: frozenset[str]) -> None:
+    """Refuse a projection that skips event types over a directory that holds checkpoints already.
+
+    Such a projection is partial by design: it starts from an empty directory only.
+    """
+    if skipped_types and checkpoint_files(store_dir):
+        raise ConfigError(
+            f"{store_dir} holds checkpoints already; a projection that skips {sorted(skipped_types)} "
+            "events starts from an empty directory only"
+        )
 
 
 def topic_partitions(
