@@ -27,7 +27,7 @@ from tokcap.staging.journal import REFUSED_STAGE_REASON, JournalCursor, file_cur
 from tokcap.staging.records import StagedCallRecord, staging_key
 from tokcap.store import TokenCaptureStore
 
-__all__ = ["FileStagingSink", "staged_record_from"]
+__all__ = ["FileStagingSink", "attachment_bytes", "staged_record_from"]
 
 
 def staged_record_from(record: Any) -> StagedCallRecord:
@@ -79,8 +79,12 @@ def _validated_record_type(record: Any) -> bool:
     return kind is StagedCallRecord or kind is getattr(staging_records_module(), "StagedCallRecord", None)
 
 
-def _attachment_bytes(rollout_id: str, call_id: str, attachments: Mapping[str, Any]) -> dict[str, bytes]:
-    """Attachments as bytes; anything else is refused, since it could not be returned as given."""
+def attachment_bytes(rollout_id: str, call_id: str, attachments: Mapping[str, Any]) -> dict[str, bytes]:
+    """A staged call's attachments as bytes; anything else is refused, since it could not be returned as given.
+
+    Every staging sink checks attachments this way (the file sink here, the Kafka sink before it sends), so
+    both refuse the same input with the same message.
+    """
     if not isinstance(attachments, Mapping):
         raise InvalidInputError(f"attachments must be a mapping, got {type(attachments).__name__}")
     out: dict[str, bytes] = {}
@@ -126,7 +130,7 @@ class FileStagingSink:
         """
         staged = staged_record_from(record)
         rollout_id, call_id = staged.rollout_id, staged.model_call_id
-        blobs = _attachment_bytes(rollout_id, call_id, attachments or {})
+        blobs = attachment_bytes(rollout_id, call_id, attachments or {})
         key = staging_key(rollout_id, call_id)
         created: list[Path] = []
         try:

@@ -26,7 +26,7 @@ the puts after it: its cost follows what was appended since, not the rollout's l
 
 Nameable in the config block as ``lineage_store: transports.kafka.lineage:KafkaLineageResolver`` with
 ``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``). It is Gym's ``CaptureLedger``
-for engine-side staging too (``transports.kafka.staging.KafkaCaptureLedger``): ledger rows are events on the
+for engine-side staging too (``transports.kafka.ledger.KafkaCaptureLedger``): ledger rows are events on the
 topic, read back from a materializer's projection, and a continuation no put resolves is looked up among the
 committed ledger rows, as the file resolver does. The projection lives in ``store_dir`` when given; without
 it, in a ledger-only projection in a directory the process makes for itself (``private_projection``), so the
@@ -85,10 +85,10 @@ from transports.kafka.codec import (
 )
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
+from transports.kafka.ledger import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
 from transports.kafka.limits_record import read_topic_limits
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
 from transports.kafka.router import ApplyEvent, InboundRouter
-from transports.kafka.staging import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
 from transports.kafka.topic_limits import TopicLimits
 from transports.kafka.topics import resolve_topic
 

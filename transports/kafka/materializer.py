@@ -96,6 +96,7 @@ from tokcap.metrics_http import DEFAULT_METRICS_HOST
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
+from transports.kafka.apply import carry_out, refused_staging_reason
 from transports.kafka.checkpoint import (
     CHECKPOINT_PREFIX,
     PartitionCheckpoint,
@@ -133,8 +134,6 @@ from transports.kafka.router import (
     Deferred,
     InboundRouter,
     Routed,
-    carry_out,
-    refused_staging_reason,
 )
 from transports.kafka.schedule import COMMANDS, MaterializerCounters, Read, Scheduler
 from transports.kafka.topic_limits import TopicLimits, check_given, warn_given
