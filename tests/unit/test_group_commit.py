@@ -172,10 +172,10 @@ def test_a_failed_sync_fails_the_put_that_depended_on_it(tmp_path: Path) -> None
         store.append(make_entry("r", "c1"))
 
 
-def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_once_per_batch_not_once_per_freeze(
+def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_per_batch_not_per_freeze(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first freeze's sync is held until the other 99 are queued; they then share their batch's sync."""
+    """The first freeze's sync is held until the other 99 are queued; they then share their batch's syncs."""
     store = TokenCaptureStore(tmp_path)
     for n in range(100):
         store.append(make_entry(f"r{n}", "c0"))
@@ -193,7 +193,8 @@ def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_once_per_batch_not_o
         return [len(snapshot.entries) for snapshot in snapshots]
 
     assert asyncio.run(main()) == [1] * 100
-    assert store.commit_stats["syncs"] == 1 + math.ceil(99 / MAX_BATCH)
+    # Two per batch: one before the batch's state files are renamed (they and what they cover), one after.
+    assert store.commit_stats["syncs"] == 2 * (1 + math.ceil(99 / MAX_BATCH))
 
 
 def test_libc_is_looked_up_once_per_process_not_once_per_store(
@@ -206,3 +207,30 @@ def test_libc_is_looked_up_once_per_process_not_once_per_store(
     for _ in range(3):
         filesystem_sync_for(tmp_path)()
     assert lookups == []
+
+
+def test_a_batch_retiring_more_rollouts_than_the_open_file_limit_holds_no_descriptor_per_rollout(
+    tmp_path: Path,
+) -> None:
+    """A batch keeps each unrenamed state's lock until its rename, but only so many: a retire of many rollouts
+    renames its fences in groups instead of running out of descriptors."""
+    import os
+    import resource
+
+    store = TokenCaptureStore(tmp_path)
+    rollouts = [f"r{index}" for index in range(200)]
+    for rollout_id in rollouts:
+        store.append(make_entry(rollout_id, "c0"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    async def main() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 100, hard))
+        try:
+            await store.retire(rollouts)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        await store.close()
+
+    asyncio.run(main())
+    assert all(store.read_state(rollout_id).retired for rollout_id in rollouts)
+    assert all(store.read_entries(rollout_id) == [] for rollout_id in rollouts)
