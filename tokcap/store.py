@@ -757,13 +757,13 @@ class TokenCaptureStore:
 
         For ``tokcap.log_projection`` applying a rollout it holds no state of: bytes no state covers (a tail
         appended before a crash) are cut, so its appends start where the state says. A rollout with no file
-        yet starts empty without its lock being taken: every writer of the format creates a rollout's lock file
-        before any of its record files and removes it last, so a missing lock file means no record file (only
-        a tokcap 0.1 fence is looked for besides), and creating the lock file, the costliest step of a new
-        rollout's first event on ext4, is left to the flush.
+        yet starts empty without its lock being taken, so creating the lock file, the costliest step of a new
+        rollout's first event on ext4, is left to the flush. Every file is looked for, not the lock file alone:
+        writers create it before any record file, but a power loss may keep a record file and lose the lock
+        file's creation, which was never synced.
         """
         paths = self._paths_of(rollout_id)
-        if not (os.path.lexists(paths.lock) or os.path.lexists(paths.fence)):
+        if not any(os.path.lexists(path) for path in (paths.lock, paths.state, *paths.records, paths.fence)):
             return RolloutState(rollout_id=rollout_id)
         with self._locked(rollout_id) as paths:
             try:

@@ -11,22 +11,42 @@ A SIGKILL test cannot see these states: the page cache survives a killed process
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from crash_states import CrashState, count_checked, crash_states, recording
 from factories import make_entry
+from staging_calls import commit_for, conversation
+from store_contract import directory_contents
 from tmpfs import mounted_tmpfs
 
 import tokcap.store
 from tokcap.errors import RolloutRetiredError
+from tokcap.events import (
+    DeleteEvent,
+    DropEvent,
+    Event,
+    FreezeEvent,
+    IncompleteEvent,
+    IntentEvent,
+    LogPosition,
+    PutEvent,
+    RetireEvent,
+    StagedBlob,
+    StageEvent,
+)
+from tokcap.ledger import ledger_event
+from tokcap.log_projection import Projection
 from tokcap.records import TokenEntry
 from tokcap.state import IntentOp
 from tokcap.store import TokenCaptureStore
+from transports.kafka.checkpoint import checkpoint_path, write_checkpoints
 
 SEED = 36
 STATES_PER_STEP = 24
@@ -291,4 +311,118 @@ def test_a_power_loss_never_loses_what_the_file_store_acknowledged(
     for state in states:
         check_store_state(state, state.write_into(disk / "crash"), ["a", "b", "c", "d", "e"])
     count_checked("file store", len(states))
+    record_property("power_loss_crash_states", len(states))
+
+
+# ------------------------------------------------------------------ the projection's flush
+
+TOPIC = "tokcap.power-loss"
+BLOCK = 4
+"""Events per projection block: each block ends with a flush and a checkpoint, as the materializer's sweep does."""
+
+
+def carried_stage(rollout_id: str, turn_index: int) -> StageEvent:
+    """A stage as the Kafka sink sends it: the row, and its extras and one attachment carried as blob bytes."""
+    call = conversation(rollout_id, turn_index + 1, extras=True)[turn_index].call
+    carried: dict[str, bytes] = {}
+
+    def blob(data: bytes) -> StagedBlob:
+        sha256 = hashlib.sha256(data).hexdigest()
+        carried[sha256] = data
+        return StagedBlob(sha256=sha256, size=len(data))
+
+    assert call.extras is not None
+    return StageEvent(
+        rollout_id=rollout_id,
+        staging_key=f"{rollout_id}/{call.model_call_id}",
+        model_call_id=call.model_call_id,
+        row=call.model_dump(mode="json", exclude={"extras"}),
+        extras=blob(orjson.dumps(call.extras)),
+        attachments={"image": blob(bytes(range(256)) * 20)},
+    ).with_blob_bytes(carried)
+
+
+def projected_events(drop_answer: tuple[str, int] | None) -> list[Event]:
+    """Every kind the materializer applies, interleaved over rollouts; the drop needs the freeze's answer."""
+
+    def put(rollout_id: str, call_id: str, tokens: int = 40) -> PutEvent:
+        return PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, call_id, prompt=range(tokens)))
+
+    turns = conversation("s", 2, extras=True)
+    events: list[Event] = [
+        IntentEvent(rollout_id="p", model_call_id="c1"),
+        put("p", "c1", 1500),
+        IntentEvent(rollout_id="q", model_call_id="c1"),
+        carried_stage("s", 0),
+        put("q", "c1"),
+        put("t", "c1"),
+        IntentEvent(rollout_id="p", model_call_id="c2"),
+        ledger_event(commit_for(turns[0])),
+        put("p", "c2", 1500),
+        FreezeEvent(rollout_id="q"),
+        IntentEvent(rollout_id="u", model_call_id="c1"),
+        put("t", "c2"),
+        carried_stage("s", 1),
+        IncompleteEvent(rollout_id="p", model_call_id="c3", reason="lost in the test"),
+        put("u", "c1"),
+        DeleteEvent(rollout_id="t"),
+        FreezeEvent(rollout_id="p"),
+        ledger_event(commit_for(turns[1])),
+        RetireEvent(rollout_id="u"),
+        put("t", "c3"),
+    ]
+    if drop_answer is not None:
+        events.append(DropEvent(rollout_id="q", snapshot_id=drop_answer[0], version=drop_answer[1]))
+    return events
+
+
+def position(offset: int) -> LogPosition:
+    return LogPosition(TOPIC, 0, offset)
+
+
+def project(directory: Path, events: list[Event], ack: Callable[[Any], None] = lambda _: None) -> Projection:
+    """Apply the events past the directory's checkpoint in blocks; each flush is followed by its checkpoint."""
+    projection = Projection(TokenCaptureStore(directory))
+    checkpoint = checkpoint_path(directory, 0)
+    start = int(checkpoint.read_bytes()) if checkpoint.exists() else 0
+    for offset in range(start, len(events)):
+        projection.apply(events[offset], position(offset))
+        if (offset + 1) % BLOCK == 0 or offset + 1 == len(events):
+            projection.flush()
+            write_checkpoints(directory, {0: str(offset + 1).encode()})
+            ack(offset + 1)
+    return projection
+
+
+def projected_files(directory: Path) -> dict[str, bytes]:
+    """The files a projection leaves, but its locks, its checkpoint and temporary files no process owns."""
+    return {
+        name: data
+        for name, data in directory_contents(directory).items()
+        if not name.endswith(".lock") and ".tmp-" not in name and name != checkpoint_path(directory, 0).name
+    }
+
+
+def test_a_power_loss_during_a_projections_flush_restarts_to_exactly_the_files_of_a_run_without_one(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, record_property: Callable[[str, object], None]
+) -> None:
+    """A restart applies the events past its checkpoint again and must reach the same bytes, answers included."""
+    first = project(disk / "answer", projected_events(None))
+    answer = first.snapshot("q", position(9))
+    events = projected_events((answer.snapshot_id, answer.version))
+    project(disk / "reference", events)
+    reference = projected_files(disk / "reference")
+    live = disk / "live"
+    live.mkdir()
+    with recording(live, monkeypatch) as recorder:
+        project(live, events, recorder.ack)
+    assert projected_files(live) == reference
+    states = crash_states(recorder.steps, seed=SEED, per_step=STATES_PER_STEP, cap=STATE_CAP)
+    for state in states:
+        directory = state.write_into(disk / "crash")
+        project(directory, events)
+        assert projected_files(directory) == reference, (
+            f"a crash at step {state.step} restarted to other files"
+        )
+    count_checked("projection", len(states))
     record_property("power_loss_crash_states", len(states))
