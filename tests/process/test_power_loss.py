@@ -27,7 +27,7 @@ from store_contract import directory_contents
 from tmpfs import mounted_tmpfs
 
 import tokcap.store
-from tokcap.errors import RolloutRetiredError
+from tokcap.errors import RolloutRetiredError, StagingKeyNotFoundError
 from tokcap.events import (
     DeleteEvent,
     DropEvent,
@@ -41,9 +41,10 @@ from tokcap.events import (
     StagedBlob,
     StageEvent,
 )
-from tokcap.ledger import ledger_event
+from tokcap.ledger import FileCaptureLedger, ledger_event
 from tokcap.log_projection import Projection
 from tokcap.records import TokenEntry
+from tokcap.staging import FileStagingSink, FileStagingSource
 from tokcap.state import IntentOp
 from tokcap.store import TokenCaptureStore
 from transports.kafka.checkpoint import checkpoint_path, write_checkpoints
@@ -425,4 +426,128 @@ def test_a_power_loss_during_a_projections_flush_restarts_to_exactly_the_files_o
             f"a crash at step {state.step} restarted to other files"
         )
     count_checked("projection", len(states))
+    record_property("power_loss_crash_states", len(states))
+
+
+# ------------------------------------------------------------------ staging blobs and the ledger
+
+
+@dataclass(frozen=True)
+class StagingOp:
+    """One staging call of the workload: a stage, a ledger row or failure, or a retire of the rollout."""
+
+    rollout_id: str
+    kind: str
+    turn: Any = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.rollout_id}/{self.turn.call.model_call_id}"
+
+
+def staging_operations() -> list[StagingOp]:
+    """Two rollouts staged turn by turn (extras and an image each), their ledger rows, a failure and a retire."""
+    first, second = conversation("s1", 3, extras=True), conversation("s2", 2, extras=True)
+    return [
+        StagingOp("s1", "stage", first[0]),
+        StagingOp("s2", "stage", second[0]),
+        StagingOp("s1", "record", first[0]),
+        StagingOp("s1", "stage", first[1]),
+        StagingOp("s2", "record", second[0]),
+        StagingOp("s1", "record", first[1]),
+        StagingOp("s2", "stage", second[1]),
+        StagingOp("s2", "failure", second[1]),
+        StagingOp("s1", "stage", first[2]),
+        StagingOp("s2", "retire"),
+        StagingOp("s1", "record", first[2]),
+    ]
+
+
+def image_of(op: StagingOp) -> bytes:
+    """An attachment of more than a page, different per call."""
+    return op.key.encode() * 700
+
+
+def run_staging(directory: Path, op: StagingOp) -> None:
+    if op.kind == "stage":
+        result = FileStagingSink(directory).stage(op.turn.call, attachments={"image": image_of(op)})
+        assert result.ok, result.error
+    elif op.kind == "record":
+        FileCaptureLedger(directory).record_now(commit_for(op.turn))
+    elif op.kind == "failure":
+        FileCaptureLedger(directory).record_failure_now(
+            op.rollout_id, op.turn.call.model_call_id, "timed out"
+        )
+    elif op.kind == "retire":
+        asyncio.run(FileCaptureLedger(directory).retire([op.rollout_id]))
+
+
+def fetched(source: FileStagingSource, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+    """A staged call as a restarted trainer reads it, extras and attachments included; ``None`` when absent."""
+    try:
+        snapshot = source.fetch_full([key])[0]
+    except StagingKeyNotFoundError:
+        return None
+    return snapshot.model_dump(mode="json"), source.fetch_attachments(key)
+
+
+def manifest_of(ledger: FileCaptureLedger, rollout_id: str) -> tuple[set[str], set[str]]:
+    manifest = ledger.manifest_now(rollout_id)
+    return (
+        {record["model_call_id"] for record in manifest["records"]},
+        {failure["model_call_id"] for failure in manifest["failures"]},
+    )
+
+
+def check_staging_state(state: CrashState, directory: Path, reference: dict[str, Any]) -> None:
+    """Every acknowledged stage reads back exactly (blobs included), every acknowledged ledger line is in the
+    manifest, a retired rollout shows nothing, and a stage cut short can be staged again."""
+    source, ledger = FileStagingSource(directory), FileCaptureLedger(directory)
+    for rollout_id in ("s1", "s2"):
+        acked = [op for op in state.acked if op.rollout_id == rollout_id]
+        pending = [op for op in state.not_acked if op.rollout_id == rollout_id][:1]
+        if any(op.kind == "retire" for op in acked):
+            assert manifest_of(ledger, rollout_id) == (set(), set())
+            stages = [op for op in staging_operations() if op.rollout_id == rollout_id and op.kind == "stage"]
+            assert all(fetched(source, op.key) is None for op in stages)
+            continue
+        retiring = any(op.kind == "retire" for op in pending)
+        for op in staging_operations():
+            if op.rollout_id != rollout_id or op.kind != "stage":
+                continue
+            found = fetched(source, op.key)
+            if op in acked and not retiring:
+                assert found == reference[op.key], (
+                    f"stage {op.key} acknowledged before step {state.step} is lost"
+                )
+            else:
+                assert found in (None, reference[op.key]), f"stage {op.key} reads back wrong at {state.step}"
+        records, failures = manifest_of(ledger, rollout_id)
+        if not retiring:
+            assert {op.turn.call.model_call_id for op in acked if op.kind == "record"} <= records
+            assert {op.turn.call.model_call_id for op in acked if op.kind == "failure"} <= failures
+        owed = {op.turn.call.model_call_id for op in [*acked, *pending] if op.kind in ("record", "failure")}
+        assert records | failures <= owed
+        for op in pending:
+            if op.kind == "stage" and not retiring:
+                run_staging(directory, op)
+                assert fetched(source, op.key) == reference[op.key]
+
+
+def test_a_power_loss_never_loses_a_staged_call_its_blobs_or_a_ledger_row_that_returned_ok(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, record_property: Callable[[str, object], None]
+) -> None:
+    live = disk / "live"
+    live.mkdir()
+    with recording(live, monkeypatch) as recorder:
+        reference: dict[str, Any] = {}
+        for op in staging_operations():
+            run_staging(live, op)
+            if op.kind == "stage":
+                reference[op.key] = fetched(FileStagingSource(live), op.key)
+            recorder.ack(op)
+    states = crash_states(recorder.steps, seed=SEED, per_step=STATES_PER_STEP, cap=STATE_CAP)
+    for state in states:
+        check_staging_state(state, state.write_into(disk / "crash"), reference)
+    count_checked("staging", len(states))
     record_property("power_loss_crash_states", len(states))
