@@ -374,7 +374,7 @@ class TokenCaptureStore:
         """The file holding a staged call's extras or attachment with this SHA-256 (``tokcap.layout``)."""
         return self._paths_of(rollout_id).blob(sha256)
 
-    def write_blobs(self, rollout_id: str, blobs: Mapping[str, bytes]) -> list[Path]:
+    def write_blobs(self, rollout_id: str, blobs: Mapping[str, bytes], *, wait: bool = True) -> list[Path]:
         """Write blobs (bytes by their SHA-256) and return once every one is durable; return the files created.
 
         The files are written without syncs of their own and become durable in one filesystem sync shared with
@@ -382,6 +382,8 @@ class TokenCaptureStore:
         already on disk is kept only if it holds exactly these bytes (a crash before the sync may have left a
         file of the right name and size with other contents). It may be another writer's still in flight, so the
         sync is waited for even when nothing was written, and a row naming the blob is never durable before it.
+        Without ``wait`` the sync is left to the caller: a stage accepted next syncs them with its row before
+        its state is renamed; any other outcome must ``sync`` itself.
         """
         created: list[Path] = []
         if not blobs:
@@ -394,7 +396,8 @@ class TokenCaptureStore:
             replace_atomically(path, data, durable=False)
             created.append(path)
         self._commit.note_write()
-        self._barrier()
+        if wait:
+            self._barrier()
         return created
 
     def lock_path_for(self, rollout_id: str) -> Path:
