@@ -89,6 +89,8 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
     parser.add_argument("--staging-threads", type=int, default=16, help="staging: stager threads")
     parser.add_argument("--senders", type=int, default=64, help="sends_ab: concurrent senders")
     parser.add_argument("--sends", type=int, default=60, help="sends_ab: sends per sender")
+    parser.add_argument("--crash-kills", type=int, default=4, help="journal_crash: SIGKILLs per transport")
+    parser.add_argument("--crash-steps", type=int, default=12, help="journal_crash: trainer steps")
     parser.add_argument(
         "--dir", "--work-dir", dest="dir", type=Path, default=None, help="parent of trial dirs"
     )
@@ -135,6 +137,8 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
         staging_threads=args.staging_threads,
         senders=args.senders,
         sends=args.sends,
+        crash_kills=args.crash_kills,
+        crash_steps=args.crash_steps,
     )
     if args.quick:
         options = replace(
@@ -159,6 +163,8 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[BenchOptions, bool
             long_build_trials=2,
             intent_pairs=(200, 400),
             metrics_puts=100,
+            crash_kills=min(options.crash_kills, 3),
+            crash_steps=min(options.crash_steps, 6),
         )
     wanted = args.bootstrap is not None or any(by_name(name).starts_broker for name in options.only)
     return options, wanted and not args.no_kafka

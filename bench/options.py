@@ -76,6 +76,10 @@ class BenchOptions:
     long_build_trials: int = 5
     intent_pairs: tuple[int, ...] = (1000, 2000, 4000)
     metrics_puts: int = 1000
+    crash_kills: int = 4
+    """journal_crash: trainer SIGKILLs per transport."""
+    crash_steps: int = 12
+    """journal_crash: trainer steps of the run the kills interrupt."""
 
     def growth_shapes(self) -> list[WorkloadShape]:
         """The growth grid: every turn count with every prompt size, fewer rollouts so long ones fit in memory."""

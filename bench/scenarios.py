@@ -122,6 +122,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         starts_broker=False,
     ),
     Scenario(
+        "journal_crash",
+        "NeMo RL's loop (4 rollouts a step, 3 staged calls each, a snapshot every 2 steps) SIGKILLed 4 times at "
+        "seeded points (mid-stage, between cursor and snapshot, mid-restage) and restored; generation-seconds "
+        "lost per crash, then the cost of one stage beside the floors",
+        ("memory", "file", "kafka", "file_floor", "kafka_floor"),
+        anchor="memory",
+    ),
+    Scenario(
         "file_floor",
         "the main load; the file work alone (append, hash, state rename, one syncfs per 6 puts) beside the stores "
         "and the load's driver with only the hop to a writer thread",

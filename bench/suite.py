@@ -19,12 +19,14 @@ from typing import Any
 
 from bench.batch_freeze import BatchShape, load_gym_store, run_batch_freeze
 from bench.cpu_cost import measure_call_costs
+from bench.crash_workload import WorkloadPlan
 from bench.file_floor import floor_variants
 from bench.file_store_trial import run_file_store_trial
 from bench.growth import corner_figures, measure_growth
 from bench.growth import wire_sizes as wire_sizes_per_call
 from bench.harness import REPO, Progress, Trials, Variant, alternate, in_fresh_process, machine_description
 from bench.intents import measure_intents
+from bench.journal_crash import run_journal_crash
 from bench.kafka_external import run_with_materializer_process
 from bench.kafka_split import run_with_trainer_process
 from bench.kafka_trial import run_kafka_trial, warm_up_broker
@@ -363,6 +365,18 @@ def _staging(
     return figures
 
 
+def _journal_crash(
+    options: BenchOptions, bootstrap: str | None, work_dir: Path, progress: Progress
+) -> dict[str, Any]:
+    """Generation-seconds lost per trainer crash, the in-memory store alone and with the journal, side by side."""
+    plan = WorkloadPlan(seed=options.shape.seed, steps=options.crash_steps)
+    measured = run_journal_crash(
+        work_dir, plan, kills=options.crash_kills, bootstrap=bootstrap, trials=options.repeats, say=progress
+    )
+    print(measured["table"], flush=True)
+    return measured
+
+
 def _scenario(
     name: str, options: BenchOptions, bootstrap: str | None, work_dir: Path, progress: Progress
 ) -> dict[str, Any] | None:
@@ -392,6 +406,8 @@ def _scenario(
         return _staging(options, bootstrap, work_dir, progress)
     if name == "file_floor":
         return _file_floor(options, work_dir, progress)
+    if name == "journal_crash":
+        return _journal_crash(options, bootstrap, work_dir, progress)
     if name == "resolve_long":
         progress(f"long rollouts of {', '.join(map(str, options.long_rollouts))} calls")
         return {

@@ -22,14 +22,25 @@ it is found on a topic instead. The writers of side-file lines check their call 
 
 from __future__ import annotations
 
-import array
 import math
 import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
+import orjson
+
 from tokcap.errors import InvalidInputError, RecordValidationError
-from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent, event_from_mapping
+from tokcap.events import (
+    CancelEvent,
+    Event,
+    IncompleteEvent,
+    IntentEvent,
+    LedgerEvent,
+    LedgerFailureEvent,
+    PutEvent,
+    StageEvent,
+    event_from_mapping,
+)
 from tokcap.records import REQUIRED_TOKEN_FIELDS, TokenEntry, as_token_entry
 from tokcap.rollout_ids import validate_rollout_id
 
@@ -129,7 +140,8 @@ def check_event(event: Event, *, token_ids_checked: bool = False) -> Event:
 
     Each event type is checked for what it carries: a put its entry (``check_storable``), an intent or a
     cancel its call id, an incomplete marker its call id, which may be empty (its marker id was checked
-    against ``MARKER_ID_PATTERN`` when it was validated), every event its rollout id.
+    against ``MARKER_ID_PATTERN`` when it was validated), a stage, ledger row or ledger failure its call
+    id, key, columns and reason (``tokcap.staging.row_rules``), every event its rollout id.
     """
     if isinstance(event, PutEvent):
         check_storable(event.entry, token_ids_checked=token_ids_checked)
@@ -137,9 +149,31 @@ def check_event(event: Event, *, token_ids_checked: bool = False) -> Event:
         check_call_id(event.rollout_id, event.model_call_id)
     elif isinstance(event, IncompleteEvent):
         check_call_id(event.rollout_id, event.model_call_id, may_be_empty=True)
+    elif isinstance(event, StageEvent | LedgerEvent | LedgerFailureEvent):
+        _check_staging_event(event)
     else:
         validate_rollout_id(event.rollout_id)
     return event
+
+
+def _check_staging_event(event: StageEvent | LedgerEvent | LedgerFailureEvent) -> None:
+    """The checks of ``stage``, ``record`` and ``record_failure``: the call id and token ids here, the columns
+    in ``tokcap.staging.row_rules``.
+
+    Imported here, not at the top: the staging package's sinks import these rules themselves.
+    """
+    from tokcap.staging import row_rules
+
+    check_call_id(event.rollout_id, event.model_call_id)
+    if isinstance(event, StageEvent):
+        ids = event.row.get("token_ids_delta")
+        if isinstance(ids, list):
+            _check_token_ids(event.rollout_id, event.model_call_id, "token_ids_delta", ids)
+        row_rules.check_stage_event(event)
+    elif isinstance(event, LedgerEvent):
+        row_rules.check_ledger_event(event)
+    else:
+        row_rules.check_ledger_failure_event(event)
 
 
 def check_entry_fields(raw: Mapping[str, Any]) -> None:
@@ -223,18 +257,22 @@ def _refuse(rollout_id: str, call_id: str, field: str, why: str) -> None:
 
 
 def _check_token_ids(rollout_id: str, call_id: str, field: str, ids: list[int]) -> None:
-    """Refuse an id that is not an int, or is outside [0, 2**64).
+    """Refuse an id that is not an int (a bool included), or is outside [0, 2**64).
 
-    Packing the ids as unsigned 64-bit numbers checks the range in one pass in C, five times faster than a
-    ``min`` and a ``max``; only when that refuses (a value out of range, or not an int) are the ids scanned
-    in Python to name the one at fault.
+    orjson encodes the ids in one pass in C, measured no slower than packing them as unsigned 64-bit numbers
+    (which takes a bool as 1). It refuses an int of 2**64 or more and a value that is no JSON type. It writes
+    a negative id with a ``-``, a float with a ``.`` or an ``e``, a bool as ``true`` or ``false``, None as
+    ``null`` and a string in quotes. So ids that encode to digits, commas and brackets only are ints in range
+    (an ``IntEnum`` member is written as its number, as the canonical line writes it). Only when that fails
+    are the ids scanned in Python to name the one at fault.
     """
     try:
-        array.array("Q", ids)
-    except (OverflowError, TypeError):
+        encoded = orjson.dumps(ids)
+    except orjson.JSONEncodeError:
         pass
     else:
-        return
+        if not encoded.translate(None, _ID_ARRAY_BYTES):
+            return
     for token in ids:
         if type(token) is not int:
             _refuse(
@@ -244,6 +282,9 @@ def _check_token_ids(rollout_id: str, call_id: str, field: str, ids: list[int]) 
         bad = next(token for token in ids if not 0 <= token <= MAX_TOKEN_ID)
         _refuse(rollout_id, call_id, field, f"holds token id {bad}, outside [0, 2**64)")
 
+
+_ID_ARRAY_BYTES = b"0123456789,[]"
+"""The only bytes orjson writes for a list of ints in [0, 2**64)."""
 
 _JSON_LEAVES = frozenset({str, int, bool, type(None)})
 """Types of JSON values that hold no float: the walk skips them without the slower abstract checks."""

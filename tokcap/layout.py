@@ -35,6 +35,7 @@ __all__ = [
     "FENCE_SUFFIX",
     "INCOMPLETE_SUFFIX",
     "INTENTS_SUFFIX",
+    "JOURNAL_CURSORS_NAME",
     "LEDGER_SUFFIX",
     "LOCK_SUFFIX",
     "RECORD_SUFFIXES",
@@ -54,6 +55,9 @@ FENCE_SUFFIX = ".tokens.fence"
 STAGED_SUFFIX = ".tokens.staged"
 LEDGER_SUFFIX = ".tokens.ledger"
 BLOBS_SUFFIX = ".tokens.blobs"
+
+JOURNAL_CURSORS_NAME = "tokcap-journal-cursors.jsonl"
+"""The store directory's list of journal cursors taken (``tokcap.staging.journal``); no rollout file."""
 
 RECORD_SUFFIXES = (ENTRIES_SUFFIX, INTENTS_SUFFIX, INCOMPLETE_SUFFIX, STAGED_SUFFIX, LEDGER_SUFFIX)
 """The files a retire removes: everything the rollout recorded, not its state, fence or lock."""

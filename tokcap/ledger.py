@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from pydantic import ValidationError
 
-from tokcap.errors import ConflictingEntryError, InvalidInputError, RolloutRetiredError
+from tokcap.errors import ConflictingEntryError, InvalidInputError, RolloutRetiredError, StoreCorruptionError
 from tokcap.events import LedgerEvent, LedgerFailureEvent
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from tokcap.input_rules import check_call_id, check_finite_values
@@ -29,12 +31,43 @@ from tokcap.metrics import source_timed
 from tokcap.records import ParentResolutionStatus
 from tokcap.rules import ApplyOutcome, ApplyResult
 from tokcap.staging.records import CallRecord, CaptureLedgerCommit, ManifestFailure, RolloutManifest
+from tokcap.staging.row_rules import call_record_of, ledger_row_problem
+from tokcap.state import RolloutState
 from tokcap.store import TokenCaptureStore
 
 if TYPE_CHECKING:
     from tokcap.protocols import LineageResolution
 
-__all__ = ["FileCaptureLedger", "ledger_event", "ledger_failure_event", "ledger_row"]
+__all__ = [
+    "UNNAMED_CALL",
+    "FileCaptureLedger",
+    "PendingRollout",
+    "ledger_event",
+    "ledger_failure_event",
+    "ledger_row",
+    "pending_in",
+]
+
+
+@dataclass(frozen=True)
+class PendingRollout:
+    """A rollout with committed ledger rows, not retired or deleted: a restored trainer trains on it, not again.
+
+    ``has_failures``: it also has failure rows, so some call did not commit and the rollout is poisoned.
+    """
+
+    rollout_id: str
+    has_failures: bool
+
+
+def pending_in(store: TokenCaptureStore) -> list[PendingRollout]:
+    """The pending rollouts of a store directory, by rollout id."""
+    pending = []
+    for rollout_id in store.rollout_ids():
+        state = store.read_state(rollout_id)
+        if not state.retired and state.ledger:
+            pending.append(PendingRollout(rollout_id, has_failures=bool(state.ledger_failures)))
+    return pending
 
 
 def _commit_from(commit: Any) -> CaptureLedgerCommit:
@@ -98,26 +131,50 @@ def ledger_failure_event(rollout_id: str, model_call_id: str, reason: str) -> Le
     return LedgerFailureEvent(rollout_id=rollout_id, model_call_id=model_call_id, reason=reason)
 
 
-def _call_record(row: dict[str, Any]) -> CallRecord:
-    return CallRecord(
-        model_call_id=row["model_call_id"],
-        parent_call_id=row["parent_call_id"],
-        prev_len=row["prev_len"],
-        delta_len=row["delta_len"],
-        cum_len=row["cum_len"],
-        weight_version=row["weight_version"],
-        digest=row["staging_digest"],
-        extras_digest=row["extras_digest"],
-        staging_key=row["staging_key"],
-        mode=row["mode"],
-        chain_hash=row["chain_hash"],
-        cumulative_hash=row["cumulative_hash"],
-        response_id=row["response_id"],
-        admitted_at=row["admitted_at"],
-        output_fingerprint=row["output_fingerprint"],
-        continuation_fingerprint=row["continuation_fingerprint"],
-        fingerprint_version=row["fingerprint_version"],
-    )
+UNNAMED_CALL = "(no call)"
+"""The call a manifest failure names when what masks the rollout names none (a mark of the whole rollout, a
+ledger line too damaged to name its call)."""
+
+
+def _manifest_row(number: int, line: bytes) -> CallRecord | ManifestFailure:
+    """A ledger line as a manifest row; a line no reader can take is a failure that says so, masking the rollout."""
+    call_id: object = None
+    try:
+        row = orjson.loads(line)
+        if not isinstance(row, dict):
+            raise ValueError(f"it is a JSON {type(row).__name__}, not an object")
+        call_id = row.get("model_call_id")
+        if not isinstance(call_id, str):
+            raise ValueError(f"its model_call_id is {call_id!r}, not a str")
+        if "failure_reason" in row:
+            return ManifestFailure(model_call_id=call_id, reason=row["failure_reason"])
+        return call_record_of(call_id, row)
+    except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+        named = call_id if isinstance(call_id, str) and call_id else UNNAMED_CALL
+        reason = f"ledger line {number} cannot be read as a manifest row ({_first_line(exc)}); the rollout is masked"
+        return ManifestFailure(model_call_id=named, reason=reason)
+
+
+def _first_line(exc: Exception) -> str:
+    """What was wrong with a ledger line, in one line that names the column."""
+    if isinstance(exc, ValidationError):
+        return ledger_row_problem(exc)
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _mask_failures(state: RolloutState) -> list[ManifestFailure]:
+    """Why the store masked the rollout (a dead-lettered or conflicting event, a lost call), as failure rows."""
+    failures = [
+        ManifestFailure(
+            model_call_id=mark.model_call_id or UNNAMED_CALL,
+            reason=mark.reason or "the rollout was marked incomplete",
+        )
+        for mark in state.incomplete_marks
+    ]
+    if state.incomplete and not failures:
+        reason = "the rollout was marked incomplete (a call was dispatched and never captured)"
+        failures.append(ManifestFailure(model_call_id=UNNAMED_CALL, reason=reason))
+    return failures
 
 
 class FileCaptureLedger:
@@ -155,18 +212,39 @@ class FileCaptureLedger:
         )
 
     def _rows(self, rollout_id: str) -> list[dict[str, Any]]:
-        return [orjson.loads(line) for line in self._store.read_ledger_lines(rollout_id)]
+        """The ledger's lines that are JSON objects; a damaged line (the manifest reports it) resolves nothing."""
+        rows = []
+        for line in self._store.read_ledger_lines(rollout_id):
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
 
     def manifest_now(self, rollout_id: str) -> dict[str, Any]:
-        """The blocking form of ``manifest``."""
-        records, failures = [], []
-        for row in self._rows(rollout_id):
-            if "failure_reason" in row:
-                failures.append(
-                    ManifestFailure(model_call_id=row["model_call_id"], reason=row["failure_reason"])
-                )
-            else:
-                records.append(_call_record(row))
+        """The blocking form of ``manifest``.
+
+        It answers for every rollout: a ledger line it cannot read, a ledger that no longer matches its
+        state, and every reason the store masked the rollout for, are failure rows that say why, so the
+        trainer gets a masked rollout rather than an error.
+        """
+        records: list[CallRecord] = []
+        failures: list[ManifestFailure] = []
+        try:
+            lines = self._store.read_ledger_lines(rollout_id)
+            state = self._store.read_state(rollout_id)
+        except StoreCorruptionError as exc:
+            failures.append(ManifestFailure(model_call_id=UNNAMED_CALL, reason=str(exc)))
+        else:
+            for number, line in enumerate(lines, 1):
+                row = _manifest_row(number, line)
+                if isinstance(row, ManifestFailure):
+                    failures.append(row)
+                else:
+                    records.append(row)
+            failures.extend(_mask_failures(state))
         return RolloutManifest(rollout_id=rollout_id, records=records, failures=failures).model_dump(
             mode="json"
         )
@@ -195,19 +273,23 @@ class FileCaptureLedger:
         if len(rows) != 1:
             return None
         row = rows[0]
-        context_len = int(row["context_len"])
-        if len(request_items) < context_len:
+        try:
+            context_len = int(row["context_len"])
+            if len(request_items) < context_len:
+                return None
+            if conversation_digest(list(request_items[:context_len])) != row["context_digest"]:
+                return None
+            match = LineageMatch(
+                model_call_id=row["model_call_id"],
+                cumulative_token_ids=(),
+                digest=row["digest"],
+                staging_chain=tuple(row["staging_chain"]),
+                prev_len=int(row["cum_len"]),
+                chain_hash=row["chain_hash"],
+            )
+        except (KeyError, TypeError, ValueError):
+            # A damaged row resolves nothing (the manifest masks its rollout); unresolved is always safe.
             return None
-        if conversation_digest(list(request_items[:context_len])) != row["context_digest"]:
-            return None
-        match = LineageMatch(
-            model_call_id=row["model_call_id"],
-            cumulative_token_ids=(),
-            digest=row["digest"],
-            staging_chain=tuple(row["staging_chain"]),
-            prev_len=int(row["cum_len"]),
-            chain_hash=row["chain_hash"],
-        )
         return LineageResolution(ParentResolutionStatus.RESOLVED, match=match)
 
     @source_timed("file", "record")
@@ -226,6 +308,10 @@ class FileCaptureLedger:
     async def has_rows(self, rollout_id: str) -> bool:
         """Whether any ledger row, committed or failed, exists for the rollout."""
         return await asyncio.to_thread(self.has_rows_now, rollout_id)
+
+    async def pending_rollouts(self) -> list[PendingRollout]:
+        """The rollouts with at least one committed row, not retired or deleted, each saying if it has failures."""
+        return await asyncio.to_thread(pending_in, self._store)
 
     async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
         """Remove the rollouts' staged rows, ledger rows and records, keeping the fence (Gym main's names).

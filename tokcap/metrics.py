@@ -29,14 +29,21 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 __all__ = [
+    "BLOCK_KINDS",
+    "COMMAND_KINDS",
+    "COMMAND_WAIT_SECONDS",
     "DEAD_LETTERS",
     "DEAD_LETTER_KINDS",
     "EVENTS_APPLIED",
+    "FLUSH_SECONDS",
     "FREEZE_SECONDS",
+    "HTTP_DROPPED",
+    "HTTP_DROP_KINDS",
     "LATENCY_BUCKETS",
     "MARKERS_FORWARDED",
     "MARKERS_SPILLED",
     "MASK_KINDS",
+    "PAUSE_BUCKETS",
     "REGISTRY",
     "ROLLOUTS_MASKED",
     "SENT_BYTES",
@@ -80,6 +87,9 @@ LATENCY_BUCKETS = (
     30.0,
 )
 """From a tmpfs put (about 100 µs) to a delivery timeout (30 s)."""
+
+PAUSE_BUCKETS = (*LATENCY_BUCKETS[LATENCY_BUCKETS.index(0.001) :], 60.0, 120.0)
+"""From a flush of a few files (about 1 ms) to a pause longer than a source's default timeout (30 s)."""
 
 # ------------------------------------------------------------------------------------------ sinks
 
@@ -169,10 +179,52 @@ FREEZE_SECONDS = Histogram(
     registry=REGISTRY,
 )
 
+COMMAND_KINDS = ("freeze", "drop", "retire", "delete")
+"""The source commands (their event types, the ``type`` label): the events a trainer waits on."""
+
+COMMAND_WAIT_SECONDS = Histogram(
+    "tokcap_materializer_command_wait_seconds",
+    "Time from reading a source command off the log to its answer: applied and durable (its checkpoint written), "
+    "or a freeze answered from memory to an in-process source.",
+    ["type"],
+    buckets=PAUSE_BUCKETS,
+    registry=REGISTRY,
+)
+BLOCK_KINDS = ("commands", "sweep")
+"""Which block a flush closed (the ``kind`` label): the commands carried out ahead, or the sweep in log order."""
+
+FLUSH_SECONDS = Histogram(
+    "tokcap_materializer_flush_seconds",
+    "Time the materializer took to write and sync its projection's block before a checkpoint.",
+    ["kind"],
+    buckets=PAUSE_BUCKETS,
+    registry=REGISTRY,
+)
+
+# ------------------------------------------------------------------------------ the metrics server
+
+HTTP_DROP_KINDS = ("refused", "shed", "idle_timeout", "header_timeout", "send_timeout", "busy", "bad_request")
+"""Why the metrics server let a connection go unserved: at its connection limit (``refused``), closed to make
+room for a new one (``shed``), too slow (the three timeouts), no thread free (``busy``), or not a request it
+serves (``bad_request``)."""
+
+HTTP_DROPPED = Counter(
+    "tokcap_metrics_http_dropped",
+    "Connections the /metrics and /healthz server refused or closed without an answer, by why.",
+    ["reason"],
+    registry=REGISTRY,
+)
+
 for _kind in DEAD_LETTER_KINDS:
     DEAD_LETTERS.labels(_kind)
 for _kind in MASK_KINDS:
     ROLLOUTS_MASKED.labels(_kind)
+for _kind in COMMAND_KINDS:
+    COMMAND_WAIT_SECONDS.labels(_kind)
+for _kind in BLOCK_KINDS:
+    FLUSH_SECONDS.labels(_kind)
+for _kind in HTTP_DROP_KINDS:
+    HTTP_DROPPED.labels(_kind)
 
 
 def failure_kind(exc: BaseException) -> str:

@@ -669,7 +669,7 @@ def recorded_verdict(state: RolloutState, event: Event, position: LogPosition) -
 
     A drop, retire or delete finds its own record, however many events came after it; one without a record
     (applied by a tokcap that recorded none) dropped and removed nothing. A freeze's answer is its snapshot,
-    which ``snapshot_of`` reads.
+    which ``snapshot_of`` reads; a freeze with no answer of a retired rollout was refused by its fence.
     """
     recorded = state.verdict_at(position)
     if isinstance(event, DropEvent):
@@ -682,6 +682,8 @@ def recorded_verdict(state: RolloutState, event: Event, position: LogPosition) -
         return ApplyResult(
             ApplyOutcome.NOOP, event.type, event.rollout_id, removed=removed, detail="recorded verdict"
         )
+    if isinstance(event, FreezeEvent) and state.retired and state.answer_at(position) is None:
+        return _refused_by_fence(state, event.type, "")
     return ApplyResult(ApplyOutcome.NOOP, event.type, event.rollout_id, detail="recorded in the state")
 
 
@@ -751,6 +753,7 @@ def _staging(
             length=len(line),
             digest=digest,
             record_digest=record_digest if isinstance(record_digest, str) else None,
+            offset=None if position is None else position.offset,
         )
         state = state.evolve(staged=state.staged.set(key, slot), staged_size=state.staged_size + len(line))
     else:

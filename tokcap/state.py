@@ -60,7 +60,7 @@ __all__ = [
     "StagedSlot",
 ]
 
-STATE_SCHEMA_VERSION = 4
+STATE_SCHEMA_VERSION = 5
 """The newest schema of the ``tokcap`` part of a state file this reader understands.
 
 Version 3 records whether tokcap made the freeze (``covers_freeze``) and adds the staging keys (``staged``,
@@ -69,7 +69,12 @@ every version-3 state with the upgrade message instead of misreading it.
 Version 4 adds ``command_verdicts``. A state is written with the oldest version that holds it: 4 only once a
 command's verdict is recorded, so every other state keeps its bytes and a reader of version 3 refuses only the
 states it could not read.
+Version 5 adds the log offset of each staged row (``offset`` in a ``staged`` slot), which only a state applied
+from a log has; it is written only then.
 """
+
+_SCHEMA_WITH_VERDICTS = 4
+_SCHEMA_WITH_STAGED_OFFSETS = 5
 
 _SCHEMA_BEFORE_VERDICTS = 3
 
@@ -168,7 +173,9 @@ class StagedSlot(BaseModel):
     """Where one staged row or ledger row sits in its file, and the digest of its line.
 
     A staged row's slot also keeps the staged record's own digest (Gym's ``StagedCallRecord.digest``), which a
-    ledger row names as ``staging_digest``: the rules compare the two without reading the row back.
+    ledger row names as ``staging_digest``: the rules compare the two without reading the row back. Applied from a
+    log, a staged row's slot keeps the offset of its stage in the rollout's partition too: the journal's order,
+    which ``tokcap.staging.journal`` restages from.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -177,12 +184,15 @@ class StagedSlot(BaseModel):
     length: StrictInt
     digest: str
     record_digest: str | None = None
+    offset: StrictInt | None = None
 
     def dumped(self) -> dict[str, Any]:
-        """The slot as the state file holds it; ``record_digest`` only where there is one."""
+        """The slot as the state file holds it; ``record_digest`` and ``offset`` only where there is one."""
         out: dict[str, Any] = {"start": self.start, "length": self.length, "digest": self.digest}
         if self.record_digest is not None:
             out["record_digest"] = self.record_digest
+        if self.offset is not None:
+            out["offset"] = self.offset
         return out
 
 
@@ -400,11 +410,13 @@ class RolloutState:
         }
         if self.command_verdicts:
             tokcap_part["command_verdicts"] = [verdict.dumped() for verdict in self.command_verdicts]
-            tokcap_part["schema_version"] = STATE_SCHEMA_VERSION
+            tokcap_part["schema_version"] = _SCHEMA_WITH_VERDICTS
         # Staging keys are written only once a rollout has staged or ledger rows.
         if self.staged or self.staged_size:
-            tokcap_part["staged"] = {key: slot.dumped() for key, slot in self.staged.items()}
+            tokcap_part["staged"] = staged = {key: slot.dumped() for key, slot in self.staged.items()}
             tokcap_part["staged_size"] = self.staged_size
+            if any("offset" in slot for slot in staged.values()):
+                tokcap_part["schema_version"] = _SCHEMA_WITH_STAGED_OFFSETS
         if self.ledger or self.ledger_failures or self.ledger_size:
             tokcap_part["ledger"] = {key: slot.dumped() for key, slot in self.ledger.items()}
             tokcap_part["ledger_failures"] = dict(self.ledger_failures)

@@ -370,6 +370,10 @@ class TokenCaptureStore:
         """Marker that at least one call of this rollout failed to capture."""
         return self._paths_of(rollout_id).incomplete
 
+    def staged_path_for(self, rollout_id: str) -> Path:
+        """The staged rows of this rollout (engine-side staging), one line per staged call."""
+        return self._paths_of(rollout_id).staged
+
     def blob_path_for(self, rollout_id: str, sha256: str) -> Path:
         """The file holding a staged call's extras or attachment with this SHA-256 (``tokcap.layout``)."""
         return self._paths_of(rollout_id).blob(sha256)

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import Producer
@@ -34,7 +35,7 @@ from tokcap.errors import MaterializerOwnedElsewhereError
 from tokcap.events import FreezeEvent, PutEvent
 from tokcap.metrics import REGISTRY
 from tokcap.metrics_http import MetricsServer
-from transports.kafka import KafkaTokenSink
+from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.materializer import Materializer
 from transports.kafka.readiness import serve_metrics
@@ -300,3 +301,77 @@ def test_a_sink_counts_bytes_it_sent_and_a_marker_it_spilled_that_a_later_sink_f
     put = PutEvent(rollout_id="r-sent", entry=make_entry("r-sent", "c1"))
     put_messages = encode_event_messages(put, next_chunk_group=lambda: "unused:0")
     assert sent > sum(len(message.value) for message in put_messages) // 2
+
+
+def _count(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(f"{name}_count", labels) or 0.0
+
+
+def _until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_each_answered_command_observes_its_wait_and_each_checkpoint_its_flush_time(
+    kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
+) -> None:
+    wait, flush = "tokcap_materializer_command_wait_seconds", "tokcap_materializer_flush_seconds"
+    before = {kind: _count(wait, type=kind) for kind in ("freeze", "drop", "retire", "delete")} | {
+        kind: _count(flush, kind=kind) for kind in ("commands", "sweep")
+    }
+
+    # A materializer answering a source in another process: its commands are answered by their checkpoint.
+    external_topic = kafka_topic_factory("external")
+    materializer = Materializer(kafka_bootstrap, external_topic, tmp_path / "external")
+    materializer.start()
+
+    async def external_run() -> None:
+        sink = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=external_topic)
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap,
+            topic=external_topic,
+            store_dir=tmp_path / "external",
+            external_materializer=True,
+            timeout_s=30,
+        )
+        try:
+            await sink.put(make_entry("r-wait", "c1"))
+            snapshot = await source.freeze("r-wait")
+            assert await source.drop("r-wait", snapshot.snapshot_id, snapshot.version)
+            await sink.put(make_entry("r-gone", "c1"))
+            await source.retire(["r-gone"])
+            await source.delete(["r-gone"])
+        finally:
+            await sink.close()
+            await source.close()
+
+    try:
+        asyncio.run(external_run())
+        for kind in ("freeze", "drop", "retire", "delete"):
+            _until(f"a {kind} wait observed", lambda kind=kind: _count(wait, type=kind) == before[kind] + 1)
+    finally:
+        materializer.stop()
+    assert _count(flush, kind="commands") >= before["commands"] + 1
+    assert _count(flush, kind="sweep") >= before["sweep"] + 1
+    assert (REGISTRY.get_sample_value(f"{wait}_sum", {"type": "freeze"}) or 0.0) > 0
+
+    # An in-process source's freeze is answered from memory, before its block is flushed: observed once too.
+    in_process_topic = kafka_topic_factory("in-process")
+    freezes = _count(wait, type="freeze")
+
+    async def in_process_run() -> None:
+        sink = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=in_process_topic)
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap, topic=in_process_topic, store_dir=tmp_path / "in-process"
+        )
+        try:
+            await sink.put(make_entry("r-ahead", "c1"))
+            await source.freeze("r-ahead")
+            assert _count(wait, type="freeze") == freezes + 1
+        finally:
+            await sink.close()
+            await source.close()
+
+    asyncio.run(in_process_run())

@@ -10,16 +10,29 @@ import orjson
 import pytest
 from cli_helpers import tokcap
 from confluent_kafka import Producer
+from staging_calls import commit_for, conversation, staged_call
 from store_contract import make_entry
 
 from tokcap.delivery import finalize_rollout_token_capture
-from tokcap.events import EVENT_SCHEMA_VERSION, FreezeEvent, IntentEvent, PutEvent, encode_event
+from tokcap.events import (
+    EVENT_SCHEMA_VERSION,
+    FreezeEvent,
+    IntentEvent,
+    LedgerEvent,
+    LedgerFailureEvent,
+    PutEvent,
+    StageEvent,
+    encode_event,
+)
+from tokcap.ledger import ledger_event
 from tokcap.lineage import stamp_continuation
 from tokcap.records import TokenEntry
+from tokcap.staging import finalize_rollout
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.codec import encode_event_messages
 from transports.kafka.lineage import KafkaLineageResolver
+from transports.kafka.staging import KafkaCaptureLedger, KafkaStagingSink, KafkaStagingSource
 
 pytestmark = pytest.mark.kafka
 
@@ -301,7 +314,8 @@ def test_the_timeline_and_the_lineage_resolver_are_not_fooled_by_events_the_sink
 ) -> None:
     produce_raw(kafka_bootstrap, kafka_topic, [message for _, message, _ in REFUSED_ON_THE_TOPIC])
     produce_raw(kafka_bootstrap, kafka_topic, [crafted_put("r-healthy", "packed")])
-    for rollout_id, _, fragments in REFUSED_ON_THE_TOPIC:
+    produce_raw(kafka_bootstrap, kafka_topic, [message for _, message, _ in REFUSED_STAGING_EVENTS])
+    for rollout_id, _, fragments in REFUSED_ON_THE_TOPIC + REFUSED_STAGING_EVENTS:
         completed = tokcap(
             "log", "--bootstrap", kafka_bootstrap, "--topic", kafka_topic, "--rollout", rollout_id, "--json"
         )  # fmt: skip
@@ -325,3 +339,127 @@ def test_the_timeline_and_the_lineage_resolver_are_not_fooled_by_events_the_sink
         "r-healthy": "resolved",
         **dict.fromkeys(REFUSED_PUTS, "unresolved"),
     }
+
+
+# Engine-side staging events a sink or ledger would have refused to send, produced by hand. Each rollout first
+# has a call staged and recorded through the API; the crafted message must be dead-lettered naming the field,
+# and both Kafka ledgers' manifest must answer (never raise) with a failure that masks the rollout and says why.
+def crafted_json(event: Any) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    headers = [("tokcap.type", event.type.value.encode()), ("tokcap.schema_version", b"1")]
+    return event.rollout_id.encode(), encode_event(event), headers
+
+
+def crafted_ledger(
+    rollout_id: str, call_id: str = "call-9", *, without: str = "", **row: Any
+) -> tuple[bytes, bytes, Any]:
+    """The ledger row of the rollout's call-0 under ``call_id``, ``row``'s columns replaced, ``without`` left out."""
+    [turn] = conversation(rollout_id, 1)
+    event = ledger_event(commit_for(turn))
+    columns = {name: value for name, value in {**event.row, **row}.items() if name != without}
+    return crafted_json(event.model_copy(update={"model_call_id": call_id, "row": columns}))
+
+
+def crafted_failure(rollout_id: str, call_id: str, reason: str) -> tuple[bytes, bytes, Any]:
+    return crafted_json(LedgerFailureEvent(rollout_id=rollout_id, model_call_id=call_id, reason=reason))
+
+
+def crafted_stage(
+    rollout: str, *, key: str | None = None, without: str = "", **row: Any
+) -> tuple[bytes, bytes, Any]:
+    """A stage of call-9 of the rollout with ``row``'s columns replaced and ``without`` left out."""
+    call = staged_call(rollout, "call-9", [1, 2], [3, 4])
+    columns = {
+        name: value
+        for name, value in {**call.model_dump(mode="json", exclude={"extras"}), **row}.items()
+        if name != without
+    }
+    event = StageEvent(
+        rollout_id=rollout,
+        staging_key=key or f"{rollout}/call-9",
+        model_call_id="call-9",
+        row=columns,
+    )
+    (message,) = encode_event_messages(event, next_chunk_group=lambda: "unused:0")
+    return message.key, message.value, list(message.headers)
+
+
+REFUSED_STAGING_EVENTS = [
+    ("r-ledger-empty-row", crafted_json(LedgerEvent(
+        rollout_id="r-ledger-empty-row", model_call_id="call-9", commit_digest="0" * 64, row={}
+    )), ("input rules", "column")),
+    ("r-ledger-missing-column", crafted_ledger("r-ledger-missing-column", without="cum_len"), (
+        "input rules", "cum_len"
+    )),
+    ("r-ledger-digest-shape", crafted_ledger("r-ledger-digest-shape", staging_digest="xyz"), (
+        "input rules", "staging_digest"
+    )),
+    ("r-ledger-extra-column", crafted_ledger("r-ledger-extra-column", failure_reason="x"), (
+        "input rules", "failure_reason"
+    )),
+    ("r-ledger-newline-call", crafted_ledger("r-ledger-newline-call", "a\nb"), ("input rules", "model_call_id")),
+    ("r-ledger-nul-call", crafted_ledger("r-ledger-nul-call", "c9\x00"), ("input rules", "model_call_id")),
+    ("r-ledger-empty-call", crafted_ledger("r-ledger-empty-call", ""), ("input rules", "model_call_id")),
+    ("r-failure-empty-reason", crafted_failure("r-failure-empty-reason", "call-9", ""), ("input rules", "reason")),
+    ("r-failure-newline-call", crafted_failure("r-failure-newline-call", "a\nb", "lost"), (
+        "input rules", "model_call_id"
+    )),
+    ("r-stage-missing-column", crafted_stage("r-stage-missing-column", without="digest"), ("input rules", "digest")),
+    ("r-stage-other-rollout-row", crafted_stage("r-stage-other-rollout-row", rollout_id="r-other"), (
+        "input rules", "rollout_id"
+    )),
+    ("r-stage-foreign-key", crafted_stage("r-stage-foreign-key", key="r-other/call-9"), (
+        "input rules", "staging_key"
+    )),
+]  # fmt: skip
+
+
+def test_staging_events_the_api_would_refuse_are_dead_lettered_naming_the_field_and_the_manifest_says_why(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    rollouts = [rollout_id for rollout_id, _, _ in REFUSED_STAGING_EVENTS]
+
+    async def scenario() -> dict[str, list[dict[str, Any]]]:
+        sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+        capture_ledger = KafkaCaptureLedger(
+            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "ledger"
+        )
+        resolver = KafkaLineageResolver(
+            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "resolver"
+        )
+        source = KafkaStagingSource(
+            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "ledger"
+        )
+        try:
+            for rollout_id in ["r-healthy", *rollouts]:
+                [turn] = conversation(rollout_id, 1)
+                assert sink.stage(turn.call).ok
+                await capture_ledger.record(commit_for(turn))
+            produce_raw(kafka_bootstrap, kafka_topic, [message for _, message, _ in REFUSED_STAGING_EVENTS])
+            answers: dict[str, list[dict[str, Any]]] = {}
+            for rollout_id in ["r-healthy", *rollouts]:
+                manifests = [await capture_ledger.manifest(rollout_id), await resolver.manifest(rollout_id)]
+                assert manifests[0] == manifests[1], rollout_id
+                done = finalize_rollout(manifests[0], source)
+                assert done.masked is (rollout_id != "r-healthy"), (rollout_id, done)
+                answers[rollout_id] = manifests[0]["failures"]
+            return answers
+        finally:
+            sink.close()
+            source.close()
+            await capture_ledger.close()
+            await resolver.close()
+
+    failures = asyncio.run(scenario())
+    assert failures["r-healthy"] == []
+    for store_dir in ("ledger", "resolver"):
+        lines = [
+            orjson.loads(line)
+            for line in (tmp_path / store_dir / "kafka-dead-letter-p0.jsonl").read_bytes().splitlines()
+        ]
+        reasons = {line["rollout_id"]: line["reason"] for line in lines}
+        assert sorted(reasons) == sorted(rollouts)
+        for rollout_id, _, fragments in REFUSED_STAGING_EVENTS:
+            assert all(fragment in reasons[rollout_id] for fragment in fragments), reasons[rollout_id]
+    for rollout_id, _, fragments in REFUSED_STAGING_EVENTS:
+        said = " ".join(failure["reason"] for failure in failures[rollout_id])
+        assert "dead-lettered" in said and fragments[1] in said, (rollout_id, failures[rollout_id])

@@ -109,7 +109,7 @@ def test_no_side_file_line_writer_accepts_a_call_id_that_would_not_stay_one_line
     assert (intent_line("c1"), cancel_line("c1"), mark_line("")) == (b"c1\n", b"\x00c1\n", b"\n")
 
 
-@pytest.mark.parametrize("bad", [5.0, None, "5"])
+@pytest.mark.parametrize("bad", [5.0, None, "5", True, False])
 def test_a_token_id_that_is_no_int_appended_after_the_entry_was_built_is_refused_and_nothing_is_stored(
     tmp_path: Any, bad: object
 ) -> None:

@@ -8,19 +8,20 @@ from array import array
 
 import orjson
 import pytest
+from staging_calls import commit_for, conversation, staged_call
 
 from tokcap.errors import EventDecodeError, NewerSchemaError, RecordValidationError
 from tokcap.events import (
     EVENT_SCHEMA_VERSION,
     Event,
     FreezeEvent,
-    LedgerEvent,
     LedgerFailureEvent,
     PutEvent,
     StagedBlob,
     StageEvent,
     encode_event,
 )
+from tokcap.ledger import ledger_event
 from tokcap.records import TokenEntry
 from transports.kafka.codec import (
     HEADER_ENCODING,
@@ -236,9 +237,7 @@ def test_an_event_whose_call_id_a_side_file_line_could_not_hold_is_refused(kind:
     "event",
     [
         LedgerFailureEvent(rollout_id="r1", model_call_id="c1", reason="worker_capture_failed"),
-        LedgerEvent(
-            rollout_id="r1", model_call_id="c1", commit_digest="0" * 64, row={"staging_key": "r1/c1"}
-        ),
+        ledger_event(commit_for(conversation("r1", 1)[0])),
     ],
 )
 def test_a_ledger_event_crosses_the_wire_unchanged(event: Event) -> None:
@@ -254,7 +253,7 @@ def _stage_with_blobs(blobs: dict[str, bytes], extras: bytes | None = None) -> S
         rollout_id="r1",
         model_call_id="c1",
         staging_key="r1/c1",
-        row={"token_ids_delta": [1, 2]},
+        row=staged_call("r1", "c1", [1], [2]).model_dump(mode="json", exclude={"extras"}),
         extras=None if extras is None else ref(extras),
         attachments={name: ref(data) for name, data in blobs.items()},
     )

@@ -19,7 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from staging_calls import staged_call
 
 from tokcap.errors import ConflictingEntryError
-from tokcap.metrics import DEAD_LETTER_KINDS, MASK_KINDS, REGISTRY
+from tokcap.metrics import (
+    BLOCK_KINDS,
+    COMMAND_KINDS,
+    DEAD_LETTER_KINDS,
+    HTTP_DROP_KINDS,
+    MASK_KINDS,
+    REGISTRY,
+)
 from tokcap.metrics_http import Health, MetricsServer
 from tokcap.staging import FileStagingSink
 from tokcap.store import TokenCaptureStore
@@ -63,6 +70,9 @@ def test_every_family_is_named_and_labelled_in_prometheus_style_with_no_per_roll
         "tokcap_materializer_dead_letters",
         "tokcap_materializer_rollouts_masked",
         "tokcap_materializer_freeze_seconds",
+        "tokcap_materializer_command_wait_seconds",
+        "tokcap_materializer_flush_seconds",
+        "tokcap_metrics_http_dropped",
         "tokcap_materializer_lag_messages",
         "tokcap_materializer_lag_seconds",
         "tokcap_materializer_checkpoint_age_seconds",
@@ -81,6 +91,17 @@ def test_reason_kinds_are_exported_at_zero_before_anything_happens() -> None:
         assert (
             REGISTRY.get_sample_value("tokcap_materializer_rollouts_masked_total", {"reason": kind})
             is not None
+        )
+    for kind in HTTP_DROP_KINDS:
+        assert REGISTRY.get_sample_value("tokcap_metrics_http_dropped_total", {"reason": kind}) is not None
+    for kind in COMMAND_KINDS:
+        assert (
+            REGISTRY.get_sample_value("tokcap_materializer_command_wait_seconds_count", {"type": kind})
+            is not None
+        )
+    for kind in BLOCK_KINDS:
+        assert (
+            REGISTRY.get_sample_value("tokcap_materializer_flush_seconds_count", {"kind": kind}) is not None
         )
 
 

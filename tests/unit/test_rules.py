@@ -310,6 +310,18 @@ def test_each_command_reads_its_own_verdict_back_however_many_events_followed_it
     assert recorded_verdict(state, RetireEvent(rollout_id=RID), _at(99)).removed is False
 
 
+def test_a_freeze_refused_by_a_retired_rollouts_fence_reads_back_as_refused_and_an_answered_one_as_answered() -> (
+    None
+):
+    state, _ = _run(
+        [_put("a"), FreezeEvent(rollout_id=RID), RetireEvent(rollout_id=RID), FreezeEvent(rollout_id=RID)]
+    )
+    answered = recorded_verdict(state, FreezeEvent(rollout_id=RID), _at(1))
+    refused = recorded_verdict(state, FreezeEvent(rollout_id=RID), _at(3))
+    assert answered.outcome is ApplyOutcome.NOOP
+    assert refused.outcome is ApplyOutcome.REJECTED_RETIRED
+
+
 def test_without_a_log_no_verdict_is_recorded() -> None:
     state, _ = _run([_put("a"), RetireEvent(rollout_id=RID), DeleteEvent(rollout_id=RID)], logged=False)
     assert state.command_verdicts == ()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from tokcap.events import DeleteEvent, LogPosition
+from tokcap.events import DeleteEvent, LogPosition, StageEvent
 from tokcap.rules import SnapshotAnswer, decide, snapshot_of
 from tokcap.state import STATE_SCHEMA_VERSION, RolloutState
 
@@ -44,13 +44,30 @@ def test_a_position_past_index_0_is_written_with_its_index_and_read_back() -> No
     )
 
 
-def test_only_a_state_holding_a_commands_verdict_is_written_with_the_newest_schema() -> None:
+def test_only_a_state_holding_a_commands_verdict_is_written_with_the_verdicts_schema() -> None:
     state = RolloutState.decode(WRITTEN_BEFORE_INDEX, "r.tokens.state.json", "r")
-    assert orjson.loads(state.encode())["tokcap"]["schema_version"] == STATE_SCHEMA_VERSION - 1
+    assert orjson.loads(state.encode())["tokcap"]["schema_version"] == 3
     deleted = decide(state, DeleteEvent(rollout_id="r"), LogPosition("run", 3, 14)).state
     document = orjson.loads(deleted.encode())["tokcap"]
-    assert document["schema_version"] == STATE_SCHEMA_VERSION
+    assert document["schema_version"] == 4
     assert document["command_verdicts"] == [
         {"event_type": "delete", "position": {"offset": 14, "partition": 3, "topic": "run"}, "removed": True}
     ]
     assert RolloutState.decode(deleted.encode(), "r.tokens.state.json", "r") == deleted
+
+
+def test_a_staged_row_applied_from_a_log_keeps_its_offset_and_only_such_a_state_has_the_newest_schema() -> (
+    None
+):
+    event = StageEvent(
+        rollout_id="r", staging_key="r/c", model_call_id="c", row={"rollout_id": "r", "model_call_id": "c"}
+    )
+    fresh = RolloutState(rollout_id="r")
+    from_log = decide(fresh, event, LogPosition("run", 3, 20)).state
+    from_file = decide(fresh, event, None).state
+    assert from_log.staged["r/c"].offset == 20 and from_file.staged["r/c"].offset is None
+    logged = orjson.loads(from_log.encode())["tokcap"]
+    assert logged["schema_version"] == STATE_SCHEMA_VERSION and logged["staged"]["r/c"]["offset"] == 20
+    filed = orjson.loads(from_file.encode())["tokcap"]
+    assert filed["schema_version"] == 3 and "offset" not in filed["staged"]["r/c"]
+    assert RolloutState.decode(from_log.encode(), "r.tokens.state.json", "r") == from_log

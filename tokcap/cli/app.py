@@ -1,4 +1,5 @@
-"""The ``tokcap`` command: run the demo and inspect a store; a mounted transport adds its own commands.
+"""The ``tokcap`` command: run the demo, inspect a store and its staging journal; a mounted transport adds its own
+commands.
 
 The core commands import no transport. ``_mount_kafka`` is the one place this package reaches into
 ``transports``: it registers the Kafka commands (``materialize``, ``replay``, ``log``, ``topic``) and keeps
@@ -25,7 +26,7 @@ from tokcap.cli.transport import MountedTransport
 from tokcap.cli.views import render_demo, render_rollout, render_store
 from tokcap.errors import ConfigError, InvalidInputError
 
-__all__ = ["app", "demo", "inspect"]
+__all__ = ["app", "demo", "inspect", "staging_app", "staging_status"]
 
 app = typer.Typer(
     name="tokcap",
@@ -173,6 +174,72 @@ def inspect(
         render_rollout(detail, console)
         for path in drawn:
             console.print(f"picture: {path}")
+
+
+# ------------------------------------------------------------------- staging
+
+staging_app = typer.Typer(
+    help="The staging journal: what is staged and not yet retired.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+app.add_typer(staging_app, name="staging")
+
+
+@staging_app.command("status")
+def staging_status(
+    directory: Annotated[Path | None, typer.Argument(help="A file store directory.")] = None,
+    bootstrap: Annotated[
+        str | None,
+        typer.Option("--bootstrap", "-b", help="Read the run topic at HOST:PORT instead of a directory."),
+    ] = None,
+    run: Annotated[str | None, typer.Option("--run", help="The run id; its topic is tokcap.RUN.")] = None,
+    topic: Annotated[
+        str | None, typer.Option("--topic", help="An explicit topic name instead of --run.")
+    ] = None,
+    kafka_option: Annotated[
+        list[str] | None,
+        typer.Option("--kafka-option", "-X", help="A librdkafka setting KEY=VALUE (repeatable)."),
+    ] = None,
+    cursor_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--cursor-dir",
+            help="Where the trainer's JournaledStagingSink recorded its cursors (default: DIR; over Kafka, its "
+            "sink's store_dir or cursor_dir).",
+        ),
+    ] = None,
+    timeout: Timeout = 10.0,
+    as_json: JsonFlag = False,
+) -> None:
+    """Staged calls not retired, per rollout (bytes, age, ledger rows), pending rollouts and cursors taken."""
+    from tokcap.cli.staging_status import listed_cursors, render_staging_status
+    from tokcap.cli.staging_status import staging_status as file_status
+
+    if (directory is None) == (bootstrap is None):
+        raise InvalidInputError("give a store directory, or --bootstrap HOST:PORT with --run RUN (not both)")
+    if directory is not None and (run is not None or topic is not None or kafka_option):
+        raise InvalidInputError(
+            "--run, --topic and -X read a run topic: give them with --bootstrap, not a directory"
+        )
+    cursors = None if cursor_dir is None else listed_cursors(cursor_dir)
+    if bootstrap is not None:
+        status = _kafka("--bootstrap").staging_status(
+            bootstrap,
+            run_id=run,
+            topic=topic,
+            client_options=kafka_option or [],
+            timeout_s=timeout,
+            cursors=cursors or [],
+        )
+    else:
+        assert directory is not None
+        status = file_status(directory, cursors)
+    if as_json:
+        emit_json(status)
+    else:
+        render_staging_status(status, stdout_console())
 
 
 # ----------------------------------------------------------- the Kafka mount

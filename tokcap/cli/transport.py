@@ -2,13 +2,14 @@
 
 The core commands import no transport. A transport registers its own commands on the app (Kafka:
 ``materialize``, ``replay``, ``log``, ``topic``) and returns this object, through which the two core
-commands with a transport part reach it: ``demo --bootstrap`` runs the workload over the transport, and
-``inspect`` shows the files the transport's readers keep in a store directory.
+commands with a transport part reach it: ``demo --bootstrap`` runs the workload over the transport,
+``inspect`` shows the files the transport's readers keep in a store directory, and ``staging status
+--bootstrap`` reads the staging journal of a run topic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,4 +50,17 @@ class MountedTransport(Protocol):
 
     def render_side_files(self, description: Mapping[str, Any], console: Console) -> None:
         """Print what ``describe_side_files`` found, under the table of rollouts."""
+        ...
+
+    def staging_status(
+        self,
+        bootstrap: str,
+        *,
+        run_id: str | None,
+        topic: str | None,
+        client_options: Sequence[str],
+        timeout_s: float,
+        cursors: Sequence[Mapping[str, Any]] = (),
+    ) -> dict[str, Any]:
+        """``tokcap staging status --bootstrap``: the staging status of a run topic, as the file store's."""
         ...

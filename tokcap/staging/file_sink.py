@@ -19,11 +19,12 @@ from typing import Any
 import orjson
 
 from tokcap.errors import InvalidInputError, RecordValidationError, StoreWriteError
-from tokcap.events import StagedBlob, StageEvent
+from tokcap.events import LedgerFailureEvent, StagedBlob, StageEvent
 from tokcap.input_rules import check_call_id, check_finite_values, check_token_ids
 from tokcap.metrics import stage_timed
 from tokcap.rules import ApplyOutcome
 from tokcap.staging.gym_types import build, staging_records_module
+from tokcap.staging.journal import REFUSED_STAGE_REASON, JournalCursor, file_cursor
 from tokcap.staging.records import StagedCallRecord, staging_key
 from tokcap.store import TokenCaptureStore
 
@@ -158,6 +159,27 @@ class FileStagingSink:
         else:
             error = f"{key!r} was already staged with a different payload; the first one stands"
         return build("StageResult", {"ok": False, "error": error})
+
+    def journal_cursor(self, label: str) -> JournalCursor:
+        """Where each rollout's staged rows end now (``tokcap.staging.journal``); it writes nothing."""
+        return file_cursor(self._store, label)
+
+    def record_refusal(self, rollout_id: str, model_call_id: str) -> None:
+        """Record that a stage journaled here was not ok, as the failure row Gym's model server records for it.
+
+        Raises ``StoreWriteError`` when the row cannot be written; another failure row already recorded for the
+        call stands (the call is poisoned either way).
+        """
+        check_call_id(rollout_id, model_call_id)
+        self._store.apply(
+            LedgerFailureEvent(
+                rollout_id=rollout_id, model_call_id=model_call_id, reason=REFUSED_STAGE_REASON
+            )
+        )
+
+    def journal_dir(self) -> Path:
+        """The store directory, where the cursors taken on this journal are recorded."""
+        return self._store.root
 
 
 def _blob(data: bytes, contents: dict[str, bytes]) -> StagedBlob:

@@ -8,18 +8,17 @@ size their row recorded, so a damaged blob is reported, never returned.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from tokcap.durable_io import read_no_follow
-from tokcap.errors import StagingKeyNotFoundError, StoreCorruptionError
+from tokcap.errors import StagingKeyNotFoundError
 from tokcap.metrics import source_timed
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.staging.gym_types import build
+from tokcap.staging.journal import read_blob
 from tokcap.store import TokenCaptureStore
 
 __all__ = ["FileStagingSource"]
@@ -84,12 +83,12 @@ class FileStagingSource:
         return {name: self._blob(rollout_id, ref) for name, ref in stored["attachments"].items()}
 
     def _blob(self, rollout_id: str, ref: dict[str, Any]) -> bytes:
-        path = self._store.blob_path_for(rollout_id, ref["sha256"])
-        data = read_no_follow(path)
-        if data is None or len(data) != ref["size"] or hashlib.sha256(data).hexdigest() != ref["sha256"]:
-            raise StoreCorruptionError(
-                f"{path} is missing or does not hold the {ref['size']} bytes its staged row names; the staged "
-                "call's extras or attachment are damaged, so the rollout must be masked",
-                rollout_id=rollout_id,
-            )
-        return data
+        return read_blob(self._store, rollout_id, ref)
+
+    def journal_store(self) -> TokenCaptureStore:
+        """The store a restage reads (``tokcap.staging.journal``); the file store is its own projection."""
+        return self._store
+
+    def journal_topic(self) -> None:
+        """None: the file store's journal has no topic."""
+        return None

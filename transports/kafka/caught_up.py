@@ -28,7 +28,22 @@ from transports.kafka.materializer import Materializer
 from transports.kafka.partitioner import DEFAULT_PARTITIONER, partition_of_rollout
 from transports.kafka.shared_materializers import shared_materializers
 
-__all__ = ["CaughtUpStore"]
+__all__ = ["CaughtUpStore", "end_offsets"]
+
+
+def end_offsets(
+    asker: Consumer, watch: AuthenticationWatch, context: ClientContext, topic: str, timeout_s: float
+) -> dict[int, int]:
+    """The end offset (the next offset to be written) of every partition of ``topic``, asked now."""
+    partitions = partition_count(asker, watch, context, timeout_s, topic)
+    ends = {}
+    with translated(context, Request(f"read the end of {topic!r}", timeout_s)):
+        for partition in range(partitions):
+            _, end = asker.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=timeout_s, cached=False
+            )
+            ends[partition] = int(end)
+    return ends
 
 
 class CaughtUpStore:
@@ -94,6 +109,18 @@ class CaughtUpStore:
                 "is running and keeping up",
                 rollout_id=rollout_id,
             )
+
+    def catch_up_all(self) -> None:
+        """Block until the store holds every event of every partition acknowledged before this call."""
+        materializer = self._materializer_now()
+        ends = end_offsets(self._asker, self._watch, self._context, self._topic, self._timeout_s)
+        for partition, end in sorted(ends.items()):
+            if end > 0 and not materializer.wait_for(partition, end - 1, self._timeout_s):
+                raise DeliveryTimeoutError(
+                    f"the materializer of {self._topic!r} did not apply partition {partition} up to offset "
+                    f"{end - 1} within {self._timeout_s} s, so the whole run cannot be read current; check that it "
+                    "is running and keeping up"
+                )
 
     def wait_applied(self, partition: int, offset: int, rollout_id: str) -> None:
         """Block until the store holds the event the broker acknowledged at this position, and all before it."""

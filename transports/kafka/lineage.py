@@ -51,6 +51,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, Message, Topic
 from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, TransportError
 from tokcap.events import PutEvent
 from tokcap.fingerprint import assistant_fingerprint
+from tokcap.ledger import PendingRollout
 from tokcap.lineage import (
     KeptParents,
     LineageIndex,
@@ -372,6 +373,10 @@ class KafkaLineageResolver:
     async def has_rows(self, rollout_id: str) -> bool:
         """Gym's ``CaptureLedger.has_rows``; failure rows count."""
         return await self._capture_ledger().has_rows(rollout_id)
+
+    async def pending_rollouts(self) -> list[PendingRollout]:
+        """The rollouts with committed rows, not retired or deleted, each saying if it has failure rows."""
+        return await self._capture_ledger().pending_rollouts()
 
     async def retire(self, rollout_ids: Sequence[str]) -> dict[str, list[str]]:
         """Gym main's ``CaptureLedger.retire``: remove the rollouts' rows and keep their fences."""

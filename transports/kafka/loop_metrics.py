@@ -1,4 +1,5 @@
-"""What the materializer loop counts as it goes: events applied, dead letters and masked rollouts by kind.
+"""What the materializer loop counts as it goes: events applied, dead letters and masked rollouts by kind, and
+how long commands wait for their answer and blocks take to flush (what explains a long freeze pause).
 
 The families live in ``tokcap.metrics``; this module turns the loop's routing decisions and verdicts into
 their bounded labels. A dead letter's reason is free text (it names offsets and groups), so its kind is read
@@ -10,15 +11,34 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tokcap.events import EventType, FreezeEvent
-from tokcap.metrics import DEAD_LETTERS, EVENTS_APPLIED, FREEZE_SECONDS, ROLLOUTS_MASKED
+from tokcap.metrics import (
+    BLOCK_KINDS,
+    COMMAND_KINDS,
+    COMMAND_WAIT_SECONDS,
+    DEAD_LETTERS,
+    EVENTS_APPLIED,
+    FLUSH_SECONDS,
+    FREEZE_SECONDS,
+    ROLLOUTS_MASKED,
+)
 from tokcap.rules import ApplyOutcome, ApplyResult
 from tokcap.state import RolloutState
 from transports.kafka.router import ApplyEvent, DeadLetter, Routed
 
-__all__ = ["count_applied", "count_dead_letter", "dead_letter_kind", "observe_freeze"]
+__all__ = [
+    "count_applied",
+    "count_dead_letter",
+    "dead_letter_kind",
+    "observe_command_wait",
+    "observe_flush",
+    "observe_freeze",
+]
 
 _APPLIED = {event_type: EVENTS_APPLIED.labels(event_type.value) for event_type in EventType}
 """One bound child per event type: counting an event is one increment, no label lookup."""
+
+_COMMAND_WAITS = {kind: COMMAND_WAIT_SECONDS.labels(kind) for kind in COMMAND_KINDS}
+_FLUSHES = {kind: FLUSH_SECONDS.labels(kind) for kind in BLOCK_KINDS}
 
 
 _DEAD_LETTER_MARKS = ("dead-lettered event at ", "orphaned chunk group ")
@@ -72,3 +92,13 @@ def count_applied(
 def observe_freeze(read_at: float, now: float) -> None:
     """Observe one freeze answered ``now``, read at ``read_at`` (both ``time.monotonic``)."""
     FREEZE_SECONDS.observe(max(0.0, now - read_at))
+
+
+def observe_command_wait(event_type: EventType, read_at: float, now: float) -> None:
+    """Observe one source command answered ``now``, read at ``read_at`` (both ``time.monotonic``)."""
+    _COMMAND_WAITS[event_type.value].observe(max(0.0, now - read_at))
+
+
+def observe_flush(kind: str, seconds: float) -> None:
+    """Observe one flush of a block of ``kind`` (one of ``tokcap.metrics.BLOCK_KINDS``)."""
+    _FLUSHES[kind].observe(seconds)

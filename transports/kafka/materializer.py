@@ -50,7 +50,9 @@ rewritten under the same id) with ``MaterializerFailedError``.
 
 Run it in a thread (``start``/``stop``) or as a process::
 
-    python -m transports.kafka.materializer --bootstrap HOST:PORT --topic TOPIC --dir STORE_DIR
+    python -m transports.kafka.materializer --bootstrap HOST:PORT --topic TOPIC --dir STORE_DIR [--metrics-port PORT]
+
+With ``--metrics-port`` it serves ``/metrics`` and ``/healthz`` as ``tokcap materialize`` does (``readiness``).
 """
 
 from __future__ import annotations
@@ -84,9 +86,10 @@ from tokcap.errors import (
     TokcapError,
     TransportError,
 )
-from tokcap.events import FreezeEvent
+from tokcap.events import EventType, FreezeEvent
 from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
+from tokcap.metrics_http import DEFAULT_METRICS_HOST
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
@@ -108,7 +111,13 @@ from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, Dead
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import read_failure
 from transports.kafka.incarnation import IncarnationWatch
-from transports.kafka.loop_metrics import count_applied, count_dead_letter, observe_freeze
+from transports.kafka.loop_metrics import (
+    count_applied,
+    count_dead_letter,
+    observe_command_wait,
+    observe_flush,
+    observe_freeze,
+)
 from transports.kafka.offset_reader import OffsetReader
 from transports.kafka.ownership import check_owner_records, write_owner_records
 from transports.kafka.router import (
@@ -123,7 +132,7 @@ from transports.kafka.router import (
     carry_out,
     refused_staging_reason,
 )
-from transports.kafka.schedule import MaterializerCounters, Read, Scheduler
+from transports.kafka.schedule import COMMANDS, MaterializerCounters, Read, Scheduler
 from transports.kafka.topics import validate_topic_name
 from transports.kafka.waiters import WaiterRegistry
 
@@ -326,6 +335,9 @@ class Materializer:
         from it before their block is flushed."""
         self._answers: OrderedDict[tuple[int, int], tuple[ApplyResult, TokenCaptureSnapshot]] = OrderedDict()
         """Freezes of in-process sources answered from memory, by position: the verdict and snapshot, taken once."""
+        self._unanswered: list[tuple[EventType, float]] = []
+        """Commands carried out since the last checkpoint and not answered from memory: their type and when
+        they were read. Their answer is the checkpoint that makes them durable."""
         self._answered_writers: Counter[str] = Counter()
         """Writer ids of the in-process sources whose freezes are answered from memory as soon as applied."""
         self._waiters = WaiterRegistry(self._is_applied, self._is_answered)
@@ -706,12 +718,12 @@ class Materializer:
             # written only after it is durable.
             if self._schedule.commands_waiting():
                 self._carry_out_commands()
-                self._checkpoint()
+                self._checkpoint("commands")
                 if self._schedule.command_block_done():
                     continue  # a burst: the sweep waits until it is answered
             self._schedule.end_burst()
             self._sweep_reading(consumer)
-            self._checkpoint()
+            self._checkpoint("sweep")
 
     def _sweep_reading(self, consumer: Consumer) -> None:
         """Sweep one batch in steps, reading (and answering in-process sources' freezes) between them.
@@ -768,13 +780,16 @@ class Materializer:
         self._incarnation.raise_if_changed()
         return messages
 
-    def _checkpoint(self) -> None:
-        """Flush the projection's block, then write every changed checkpoint atomically and tell waiters."""
+    def _checkpoint(self, block: str) -> None:
+        """Flush the projection's ``block`` (``commands`` or ``sweep``), then write every changed checkpoint
+        atomically and tell waiters."""
         # A block is flushed (and synced) even when nothing was applied: besides durability, the sync between two
         # reads leaves the consumer free for a scrape's cached read of its ends, which back-to-back blocking
         # reads of an idle topic starved for over 5 s.
+        flush_started = time.monotonic()
         self._projection.begin()
         self._projection.flush()
+        observe_flush(block, time.monotonic() - flush_started)
         changed: dict[int, bytes] = {}
         for partition, progress in self._progress.items():
             head = self._schedule.low_water(partition)
@@ -807,6 +822,10 @@ class Materializer:
                 ahead = self._applied_ahead.setdefault(partition, set())
                 ahead |= self._schedule.take_ahead(partition)
                 ahead.difference_update([offset for offset in ahead if offset < applied_next])
+            answered_at = time.monotonic()
+            for event_type, read_at in self._unanswered:
+                observe_command_wait(event_type, read_at, answered_at)
+            self._unanswered.clear()
             self._waiters.applied_moved()
 
     def _take(self, message: Message) -> None:
@@ -871,11 +890,14 @@ class Materializer:
         with self._condition:
             return writer in self._answered_writers
 
-    def _answer(self, routed: ApplyEvent, result: ApplyResult) -> None:
-        """Answer an in-process source's freeze from the projection's memory, before its block is flushed."""
+    def _answer(self, routed: ApplyEvent, result: ApplyResult, read_at: float) -> bool:
+        """Answer an in-process source's freeze from the projection's memory, before its block is flushed.
+
+        Whether it was answered (otherwise the source reads its answer once the checkpoint passes it).
+        """
         event = routed.event
         if not isinstance(event, FreezeEvent) or not self._answers_for(event.writer):
-            return
+            return False
         try:
             snapshot = self._projection.snapshot(event.rollout_id, routed.position(self._topic))
         except TokcapError as exc:
@@ -886,13 +908,15 @@ class Materializer:
                 routed.offset,
                 exc,
             )
-            return
+            return False
         with self._condition:
             self._answers[(routed.partition, routed.offset)] = (result, snapshot)
             while len(self._answers) > _ANSWERS_KEPT:
                 self._answers.popitem(last=False)
             self._counters.freezes_answered_ahead += 1
+            observe_command_wait(event.type, read_at, time.monotonic())
             self._waiters.answered(routed.partition, routed.offset)
+        return True
 
     def _carry_out_commands(self) -> None:
         """Carry out a block of the commands read so far, each after its own rollout's earlier decisions only."""
@@ -946,8 +970,9 @@ class Materializer:
         count_applied(self._projection.state_of, routed, result)
         if isinstance(routed, ApplyEvent) and isinstance(routed.event, FreezeEvent):
             observe_freeze(read.read_at, time.monotonic())
+        answered = False
         if result is not None and isinstance(routed, ApplyEvent):
-            self._answer(routed, result)
+            answered = self._answer(routed, result, read.read_at)
             refused = refused_staging_reason(routed, result)
             if refused is not None:
                 progress.refused[routed.offset] = refused
@@ -958,6 +983,8 @@ class Materializer:
                 self._results[(routed.partition, routed.offset)] = result
                 while len(self._results) > _RESULTS_KEPT:
                     self._results.popitem(last=False)
+        if isinstance(routed, ApplyEvent) and isinstance(routed.event, COMMANDS) and not answered:
+            self._unanswered.append((routed.event.type, read.read_at))
 
     def _record_dead_letter(self, progress: _PartitionProgress, routed: Routed) -> None:
         """Write the dead-letter line of a decision that failed, in log order whenever its mask was applied."""
@@ -1012,6 +1039,13 @@ def _cached_end(consumer: Consumer, topic: str, partition: int) -> int | None:
     return int(high) if high is not None and high >= 0 else None
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, not {port}")
+    return port
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m transports.kafka.materializer",
@@ -1028,6 +1062,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=SWEEP_BLOCK_MESSAGES,
         help=f"most messages applied per durable block before a checkpoint (default: {SWEEP_BLOCK_MESSAGES})",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve Prometheus /metrics and a /healthz readiness check on this port (0: any free port)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        help=f"the address --metrics-port listens on (default: {DEFAULT_METRICS_HOST})",
     )
     return parser.parse_args(argv)
 
@@ -1050,11 +1095,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    try:
-        materializer.run_until_stopped()
-    except MaterializerFailedError as exc:
-        print(f"materializer failed: {exc}", file=sys.stderr)
-        return 1
+    with ExitStack() as serving:
+        if args.metrics_port is not None:
+            # Imported here: readiness imports this module.
+            from transports.kafka.readiness import serve_metrics
+
+            server = serve_metrics(materializer, host=args.metrics_host, port=args.metrics_port)
+            serving.callback(server.close)
+            logger.info("serving /metrics and /healthz on http://%s:%d", server.host, server.port)
+        try:
+            materializer.run_until_stopped()
+        except MaterializerFailedError as exc:
+            print(f"materializer failed: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
+from tokcap.metrics import LoopStatus
 from tokcap.metrics_http import DEFAULT_METRICS_HOST, Health, MetricsServer
-from transports.kafka.materializer import Materializer
 
-__all__ = ["MaterializerReadiness", "logger", "serve_metrics"]
+__all__ = ["MaterializerReadiness", "ReadinessSubject", "logger", "serve_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +26,21 @@ _POLL_S = 0.1
 """How often the watcher looks whether the loop owns its partitions yet."""
 
 
+class ReadinessSubject(Protocol):
+    """What readiness reads of a materializer (``transports.kafka.materializer.Materializer`` is one)."""
+
+    @property
+    def topic(self) -> str: ...
+
+    def loop_status(self) -> LoopStatus: ...
+
+    def high_watermarks(self, timeout_s: float = 10.0) -> dict[int, int]: ...
+
+
 class MaterializerReadiness:
     """The health check of one materializer; call it (``/healthz`` does) to get its ``Health`` now."""
 
-    def __init__(self, materializer: Materializer, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, materializer: ReadinessSubject, *, timeout_s: float = 10.0) -> None:
         """Start watching; ``timeout_s`` bounds the one request for the partitions' ends."""
         self._materializer = materializer
         self._timeout_s = timeout_s
@@ -101,7 +113,7 @@ class MaterializerReadiness:
 
 
 def serve_metrics(
-    materializer: Materializer, *, host: str = DEFAULT_METRICS_HOST, port: int = 0
+    materializer: ReadinessSubject, *, host: str = DEFAULT_METRICS_HOST, port: int = 0
 ) -> MetricsServer:
     """Serve ``/metrics`` and this materializer's ``/healthz`` from a daemon thread; close the server to stop."""
     readiness = MaterializerReadiness(materializer)

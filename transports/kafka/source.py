@@ -217,6 +217,10 @@ class KafkaTokenSource:
             result = self._materializer.result_at(delivered.partition, delivered.offset)
         position = LogPosition(self._topic, delivered.partition, delivered.offset)
         if result is None:
+            if self._materializer is not None:
+                # The verdict was forgotten (or the command was answered ahead of its block): the files hold it
+                # only once its block is flushed, so the state is read after that, never before.
+                await self._wait_applied(delivered.partition, delivered.offset, event.rollout_id, what)
             state = await asyncio.to_thread(self._store.read_state, event.rollout_id)
             result = recorded_verdict(state, event, position)
         return result, position

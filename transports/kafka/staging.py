@@ -14,7 +14,8 @@ dead-letters the refused stage and masks the rollout, so it is never trained on.
 the call commits: the ledger row Gym's model server writes next waits for the store's verdict, and the rules
 refuse a row that commits a staged digest other than the one kept, or any row of a retired rollout. A sink
 given a ``store_dir`` learns it at ``stage`` already. Within one process the sink refuses a different
-payload under a key it already staged at once.
+payload under a key it already staged at once; before refusing it asks its projection, or else the log after
+the row it remembers (``removals``), so a delete frees the key and a retire refuses as the fence does.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
+from confluent_kafka import Consumer
 
 from tokcap.errors import (
     ConfigError,
@@ -43,14 +46,17 @@ from tokcap.errors import (
 )
 from tokcap.events import Event, StagedBlob, StageEvent
 from tokcap.hashing import sha256_hex
-from tokcap.ledger import FileCaptureLedger, ledger_event, ledger_failure_event
+from tokcap.ledger import FileCaptureLedger, PendingRollout, ledger_event, ledger_failure_event, pending_in
 from tokcap.metrics import SENT_BYTES, source_timed, stage_timed
 from tokcap.staging.file_sink import _attachment_bytes, staged_record_from
 from tokcap.staging.file_source import FileStagingSource
 from tokcap.staging.gym_types import build
+from tokcap.staging.journal import REFUSED_STAGE_REASON, JournalCursor, kafka_cursor
 from tokcap.staging.records import staging_key
 from tokcap.state import IncompleteMark
-from transports.kafka.caught_up import CaughtUpStore
+from tokcap.store import TokenCaptureStore
+from transports.kafka.caught_up import CaughtUpStore, end_offsets
+from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_EVENT_BYTES,
@@ -58,6 +64,7 @@ from transports.kafka.codec import (
     encode_event_messages,
 )
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
+from transports.kafka.removals import Removal, removal_after
 from transports.kafka.sink import default_writer_id
 from transports.kafka.source import KafkaTokenSource
 from transports.kafka.topics import resolve_topic
@@ -75,6 +82,13 @@ _REMEMBERED_KEYS = 200_000
 """Staged keys whose row digest a process remembers, to refuse a different payload under one at once."""
 
 _T = TypeVar("_T")
+
+_CONNECTION_PREFIXES = ("security.", "sasl.", "ssl.", "socket.", "client.", "broker.")
+
+
+def _connection_settings(producer_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of ``producer_config`` that say how to reach and log in to the broker, for a reader."""
+    return {name: value for name, value in producer_config.items() if name.startswith(_CONNECTION_PREFIXES)}
 
 
 _SENT = SENT_BYTES.labels("kafka")
@@ -107,28 +121,56 @@ async def _awaited(awaitable: Awaitable[_T]) -> _T:
     return await awaitable
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """A row this process staged under a key: its digest, and where it landed (``None`` while in flight)."""
+
+    digest: str
+    landed: Delivered | None = None
+
+
 class _StagedDigests:
-    """Per topic and staging key, the digest of the row staged ok in this process (bounded, oldest forgotten)."""
+    """Per topic and staging key, the row staged ok in this process (bounded, oldest forgotten).
+
+    It lets a sink refuse a different payload under a key at once. It is a memory, not the truth: a delete
+    frees the key and a retire fences it, so a sink asks the log (or its projection) before it refuses.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._digests: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._rows: OrderedDict[tuple[str, str], _Staged] = OrderedDict()
 
-    def reserve(self, topic: str, key: str, digest: str) -> bool | None:
-        """``True`` if this call reserved the key, ``False`` if it already holds the digest, ``None`` if another."""
+    def claim(self, topic: str, key: str, digest: str) -> _Staged | None:
+        """Claim the key for this digest and return ``None``; if a row is remembered there, return it instead."""
         with self._lock:
-            known = self._digests.get((topic, key))
+            known = self._rows.get((topic, key))
             if known is not None:
-                return False if known == digest else None
-            self._digests[(topic, key)] = digest
-            while len(self._digests) > _REMEMBERED_KEYS:
-                self._digests.popitem(last=False)
+                return known
+            self._rows[(topic, key)] = _Staged(digest)
+            while len(self._rows) > _REMEMBERED_KEYS:
+                self._rows.popitem(last=False)
+            return None
+
+    def replace(self, topic: str, key: str, stale: _Staged, digest: str) -> bool:
+        """Claim a key whose remembered row ``stale`` was removed from the log; ``False`` if it changed since."""
+        with self._lock:
+            if self._rows.get((topic, key)) is not stale:
+                return False
+            self._rows[(topic, key)] = _Staged(digest)
             return True
+
+    def settle(self, topic: str, key: str, digest: str, landed: Delivered) -> None:
+        """Remember where the row with this digest landed, the position a later check reads the log from."""
+        with self._lock:
+            known = self._rows.get((topic, key))
+            if known is not None and known.digest == digest:
+                self._rows[(topic, key)] = _Staged(digest, landed)
 
     def forget(self, topic: str, key: str, digest: str) -> None:
         with self._lock:
-            if self._digests.get((topic, key)) == digest:
-                del self._digests[(topic, key)]
+            known = self._rows.get((topic, key))
+            if known is not None and known.digest == digest:
+                del self._rows[(topic, key)]
 
 
 _staged_digests = _StagedDigests()
@@ -175,6 +217,12 @@ class KafkaStagingSink:
             bootstrap_servers, delivery_timeout_s=delivery_timeout_s, producer_config=producer_config
         )
         self._delivery_timeout_s = delivery_timeout_s
+        self._bootstrap_servers = bootstrap_servers
+        self._reader_config = (
+            dict(consumer_config)
+            if consumer_config is not None
+            else _connection_settings(producer_config or {})
+        )
         self._loop = _LoopThread("tokcap-staging-sink")
         self._projection: CaughtUpStore | None = None
         if store_dir is not None:
@@ -184,6 +232,10 @@ class KafkaStagingSink:
                 store_dir=store_dir,
                 consumer_config=consumer_config,
             )
+        self._store_dir = None if store_dir is None else Path(store_dir)
+        self._asker_context = ClientContext(bootstrap_servers, dict(consumer_config or {}))
+        self._asker: tuple[Consumer, AuthenticationWatch] | None = None
+        self._asker_lock = threading.Lock()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -222,22 +274,67 @@ class KafkaStagingSink:
             attachments={name: blob(data) for name, data in blobs.items()},
         ).with_blob_bytes(carried)
         digest = sha256_hex(event.stored_line)
-        reserved = _staged_digests.reserve(self._topic, key, digest)
-        if reserved is None:
-            error = f"{key!r} was already staged with a different payload; the first one stands"
-            return build("StageResult", {"ok": False, "error": error})
+        known = _staged_digests.claim(self._topic, key, digest)
+        claimed = known is None
         try:
+            if known is not None and known.digest != digest:
+                refused = self._refusal_from_memory(event, digest, known)
+                if refused is not None:
+                    return build("StageResult", {"ok": False, "error": refused})
+                # The remembered row was removed by a delete: the key is free again, unless another thread of
+                # this process staged under it meanwhile.
+                claimed = _staged_digests.replace(self._topic, key, known, digest)
+                newer = None if claimed else _staged_digests.claim(self._topic, key, digest)
+                claimed = claimed or newer is None
+                if newer is not None and newer.digest != digest:
+                    error = f"{key!r} was already staged with a different payload; the first one stands"
+                    return build("StageResult", {"ok": False, "error": error})
             last = self._send(event, f"stage of {key!r}")
             refused = None if self._projection is None else self._verdict(event, digest, last)
-        except (TransportError, FutureTimeoutError, EventTooLargeError) as exc:
-            if reserved:
+        except (TransportError, ConfigError, FutureTimeoutError, EventTooLargeError) as exc:
+            if claimed:
                 _staged_digests.forget(self._topic, key, digest)
             return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
         if refused is not None:
-            if reserved:
+            if claimed:
                 _staged_digests.forget(self._topic, key, digest)
             return build("StageResult", {"ok": False, "error": refused})
+        _staged_digests.settle(self._topic, key, digest, last)
         return build("StageResult", {"ok": True, "staging_key": key})
+
+    def _refusal_from_memory(self, event: StageEvent, digest: str, known: _Staged) -> str | None:
+        """Why a key this process staged another payload under refuses the stage now, or ``None`` if it is free.
+
+        The memory answers only while it is true: the projection, or else the log after the remembered row,
+        says whether the rollout was deleted (the key is free) or retired (its fence refuses) since. An
+        identical repeat is sent without asking: it is a no-op where the row stands and restores it where a
+        delete removed it.
+        """
+        key, rollout_id = event.staging_key, event.rollout_id
+        different = f"{key!r} was already staged with a different payload; the first one stands"
+        retired = f"rollout {rollout_id!r} is retired; its fence refused the stage of {key!r}"
+        if known.landed is None:
+            # Still being sent by another thread of this process: nothing can have removed it yet.
+            return different
+        if self._projection is not None:
+            self._projection.catch_up(rollout_id)
+            state = self._projection.store.read_state(rollout_id)
+            slot = state.staged.get(key)
+            if slot is not None:
+                return None if slot.digest == digest else different
+            return retired if state.retired else None
+        removal = removal_after(
+            self._bootstrap_servers,
+            self._topic,
+            rollout_id,
+            known.landed.partition,
+            known.landed.offset,
+            client_config=self._reader_config,
+            timeout_s=self._delivery_timeout_s,
+        )
+        if removal is Removal.RETIRED:
+            return retired
+        return None if removal is Removal.DELETED else different
 
     def _send(self, event: Event, what: str) -> Delivered:
         """Send the event's messages; return where the last one (the one the store applies) landed."""
@@ -268,15 +365,49 @@ class KafkaStagingSink:
             return f"rollout {event.rollout_id!r} is retired; its fence refused the stage of {event.staging_key!r}"
         return f"{event.staging_key!r} was already staged with a different payload; the first one stands"
 
+    def journal_cursor(self, label: str) -> JournalCursor:
+        """The end offset of every partition of the topic now (``tokcap.staging.journal``); it writes nothing.
+
+        It asks the broker with ``consumer_config``'s settings (a secured broker needs them).
+        """
+        with self._asker_lock:
+            if self._closed:
+                raise TransportError(f"{self!r} is closed; no cursor was taken")
+            if self._asker is None:
+                watch = AuthenticationWatch(self._asker_context)
+                reader = open_reader(self._asker_context, self._topic, purpose="staging-cursor", watch=watch)
+                self._asker = (reader, watch)
+            reader, watch = self._asker
+            ends = end_offsets(reader, watch, self._asker_context, self._topic, self._delivery_timeout_s)
+        return kafka_cursor(self._topic, label, ends)
+
+    def record_refusal(self, rollout_id: str, model_call_id: str) -> None:
+        """Record that a stage journaled here was not ok, as the failure row Gym's model server records for it.
+
+        Returns once the broker acknowledged the row; raises ``TransportError`` when it did not.
+        """
+        event = ledger_failure_event(rollout_id, model_call_id, REFUSED_STAGE_REASON).model_copy(
+            update={"writer": self._writer_id}
+        )
+        self._send(event, f"refusal of the stage of call {model_call_id!r}")
+
+    def journal_dir(self) -> Path | None:
+        """The ``store_dir`` this sink was given, where cursors taken on it are recorded; else ``None``."""
+        return self._store_dir
+
     def close(self) -> None:
         """Flush what is in flight and close the producer; calling it again is a no-op."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._asker_lock:
+            if self._closed:
+                return
+            self._closed = True
+            asker, self._asker = self._asker, None
         self._bridge.close()
         self._loop.close()
         if self._projection is not None:
             self._projection.close()
+        if asker is not None:
+            asker[0].close()
 
 
 class KafkaStagingSource:
@@ -333,6 +464,15 @@ class KafkaStagingSource:
     def fetch_attachments(self, staging_key: str) -> dict[str, bytes]:
         """The attachments staged with the call, by name, as the bytes given (``{}`` when none)."""
         return self._current(lambda keys: self._files.fetch_attachments(keys[0]), [staging_key])
+
+    def journal_store(self) -> TokenCaptureStore:
+        """The projection a restage reads (``tokcap.staging.journal``), once it holds every partition up to its end."""
+        self._projection.catch_up_all()
+        return self._projection.store
+
+    def journal_topic(self) -> str:
+        """The run topic: a cursor taken on another topic is refused."""
+        return self._topic
 
     def close(self) -> None:
         """Hand the materializer back; calling it again is a no-op."""
@@ -463,6 +603,14 @@ class KafkaCaptureLedger:
     def is_process_shared(self) -> bool:
         """True: every worker reads the same topic."""
         return True
+
+    async def pending_rollouts(self) -> list[PendingRollout]:
+        """The rollouts with at least one committed row, not retired or deleted, each saying if it has failures.
+
+        Read once the projection holds every partition up to its end as of the call.
+        """
+        await asyncio.to_thread(self._projection.catch_up_all)
+        return await asyncio.to_thread(pending_in, self._projection.store)
 
     def _commands(self) -> KafkaTokenSource:
         """The source whose retire and delete commands this ledger publishes (built on first use)."""

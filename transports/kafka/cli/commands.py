@@ -1,4 +1,5 @@
-"""The Kafka commands of ``tokcap``, and the Kafka part of ``demo`` and ``inspect``, mounted on the core app.
+"""The Kafka commands of ``tokcap``, and the Kafka part of ``demo``, ``inspect`` and ``staging status``, mounted on
+the core app.
 
 ``mount`` registers ``materialize``, ``replay``, ``log`` and ``topic`` on the ``tokcap`` app and returns the
 ``MountedTransport`` the core ``demo`` and ``inspect`` reach Kafka through. Each command imports its module,
@@ -8,7 +9,7 @@ a command run without the ``kafka`` extra fails with the line naming the extra (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -64,7 +65,8 @@ _ClientOptions = Annotated[
 
 @dataclass(frozen=True)
 class KafkaCommandLine:
-    """Kafka's part of the core commands: ``demo --bootstrap`` and the side files ``inspect`` shows."""
+    """Kafka's part of the core commands: ``demo --bootstrap``, the side files ``inspect`` shows and
+    ``staging status --bootstrap``."""
 
     logger_name: str = "transports.kafka"
 
@@ -103,6 +105,28 @@ class KafkaCommandLine:
     def render_side_files(self, description: Mapping[str, Any], console: Console) -> None:
         """One line per side file, under the table of rollouts."""
         render_side_files(description, console)
+
+    def staging_status(
+        self,
+        bootstrap: str,
+        *,
+        run_id: str | None,
+        topic: str | None,
+        client_options: Sequence[str],
+        timeout_s: float,
+        cursors: Sequence[Mapping[str, Any]] = (),
+    ) -> dict[str, Any]:
+        """The run topic applied to a scratch store, then the file store's staging status of it."""
+        from transports.kafka.cli.staging_status import topic_staging_status
+
+        return topic_staging_status(
+            bootstrap,
+            run_id=run_id,
+            topic=topic,
+            client_options=client_options,
+            timeout_s=timeout_s,
+            cursors=cursors,
+        )
 
 
 def mount(app: typer.Typer) -> KafkaCommandLine:
