@@ -481,9 +481,17 @@ def _page_cache(durable: bytes, current: bytes) -> int:
     return len(current)
 
 
+def _acks_after(steps: list[Step], upto: int) -> int:
+    """The latest crash with the disk as ``upto`` steps left it: after the acknowledgements that follow them."""
+    while upto < len(steps) and isinstance(steps[upto], Ack):
+        upto += 1
+    return upto
+
+
 def crash_states(steps: list[Step], *, seed: int, per_step: int, cap: int) -> list[CrashState]:
     """Distinct crash states after each step of the log, at most ``per_step`` random ones per step and ``cap`` in all.
 
+    A crash after a step is taken just before the next one, so every acknowledgement between them counts.
     Per step, the two extremes come first: only what was synced (every unsynced byte and name change lost),
     then the page cache (a SIGKILL's state); then states where the name changes survive but the bytes do not
     (the rename-before-data case), then random mixes.
@@ -491,7 +499,7 @@ def crash_states(steps: list[Step], *, seed: int, per_step: int, cap: int) -> li
     chooser = random.Random(seed)
     seen: set[tuple[tuple[str, bytes | None], ...]] = set()
     found: list[CrashState] = []
-    points = [index for index, step in enumerate(steps, 1) if not isinstance(step, Ack)]
+    points = [_acks_after(steps, index) for index, step in enumerate(steps, 1) if not isinstance(step, Ack)]
     for upto in points:
         replay = _Replay(steps, upto)
         not_acked = [step.what for step in steps[upto:] if isinstance(step, Ack)]
