@@ -746,11 +746,13 @@ class TokenCaptureStore:
         so a resumed projection never applies anything twice.
         Rejections are returned, never raised; the file store's methods raise them to their callers.
         A failed write or sync raises ``StoreWriteError`` naming the operation, the rollout and the file.
+        A verdict that changes nothing (an identical repeat, a refusal) still waits for a sync: it was decided
+        from files another process's writer may not have synced yet, and a power loss must not undo it.
         """
         with self._locked(event.rollout_id) as paths:
             try:
                 decision = self._apply_locked(paths, event, position)
-                self._end_of_operation(forced=decision.sync_even_if_unchanged)
+                self._end_of_operation(forced=decision.sync_even_if_unchanged or not decision.changed)
             except StoreWriteError:
                 raise
             except OSError as exc:
@@ -1060,10 +1062,11 @@ class TokenCaptureStore:
         event = FreezeEvent(rollout_id=validate_rollout_id(rollout_id))
         with self._locked(rollout_id) as paths, _write_errors_named(event):
             decision = self._apply_locked(paths, event, None)
-            self._raise_for(decision.verdict)
             # On the writer thread the batch's one barrier makes it durable before the caller is answered, so
-            # a batch of freezes (a trainer freezing its batch) shares one sync instead of one sync each.
-            self._end_of_operation()
+            # a batch of freezes (a trainer freezing its batch) shares one sync instead of one sync each. A
+            # freeze answered again waits for a sync too, as a repeat does (``apply``).
+            self._end_of_operation(forced=not decision.changed)
+            self._raise_for(decision.verdict)
             state = decision.state
             return self._snapshot_from(
                 rollout_id,

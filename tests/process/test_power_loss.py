@@ -561,3 +561,43 @@ def test_a_power_loss_never_loses_a_staged_call_its_blobs_or_a_ledger_row_that_r
         check_staging_state(state, state.write_into(disk / "crash"), reference)
     count_checked("staging", len(states))
     record_property("power_loss_crash_states", len(states))
+
+
+# ------------------------------------------------------------------ a repeat of another writer's operation
+
+
+def test_a_repeat_told_ok_from_another_writers_unsynced_write_is_never_lost(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, record_property: Callable[[str, object], None]
+) -> None:
+    """An identical repeat changes nothing, but its ok is a promise too: what it repeats must be durable first.
+
+    Writer A (another process's writer thread, mid-batch: its writes are made durable at its batch's end) has
+    appended an intent and a put whose index write was not due, so it holds no lock; writer B repeats each and
+    is told ok. After any crash from then on, each must be there.
+    """
+    live = disk / "live"
+    live.mkdir()
+    entry = make_entry("r", "c1")
+    with recording(live, monkeypatch) as recorder:
+        first = TokenCaptureStore(live)
+        first.append(make_entry("r", "c0"))
+        first._batch.running = True  # as on A's writer thread: no barrier of its own
+        first.begin_call_now("r", "c1")
+        first.append(entry)
+        first._batch.running = False
+        assert not first._batch.pending, "A's index writes were due; it would hold the rollout's lock"
+        repeat = TokenCaptureStore(live)
+        repeat.begin_call_now("r", "c1")
+        recorder.ack("intent")
+        repeat.append(entry)
+        recorder.ack("put")
+    states = crash_states(recorder.steps, seed=SEED, per_step=STATES_PER_STEP, cap=STATE_CAP)
+    for state in states:
+        store = TokenCaptureStore(state.write_into(disk / "crash"))
+        if "intent" in state.acked:
+            assert store.read_intents("r") == {"c1": IntentOp.INTENT}, f"a crash at step {state.step} lost it"
+        if "put" in state.acked:
+            found = {found.model_call_id: found.canonical_json() for found in store.read_entries("r")}
+            assert found.get("c1") == entry.canonical_json(), f"a crash at step {state.step} lost it"
+    count_checked("repeats", len(states))
+    record_property("power_loss_crash_states", len(states))
