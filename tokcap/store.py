@@ -386,8 +386,8 @@ class TokenCaptureStore:
         already on disk is kept only if it holds exactly these bytes (a crash before the sync may have left a
         file of the right name and size with other contents). It may be another writer's still in flight, so the
         sync is waited for even when nothing was written, and a row naming the blob is never durable before it.
-        Without ``wait`` the sync is left to the caller: a stage accepted next syncs them with its row before
-        its state is renamed; any other outcome must ``sync`` itself.
+        Without ``wait`` the sync is left to the stage applied next: an accepted one syncs them with its row
+        before its state is renamed, any other verdict syncs before it is answered (``apply``).
         """
         created: list[Path] = []
         if not blobs:

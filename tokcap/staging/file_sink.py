@@ -134,7 +134,8 @@ class FileStagingSink:
             contents: dict[str, bytes] = {}
             extras = None if staged.extras is None else _blob(orjson.dumps(staged.extras), contents)
             refs = {name: _blob(data, contents) for name, data in blobs.items()}
-            # The accepted stage's state is renamed only after a sync of it, its row and these blobs.
+            # The stage's apply syncs them: an accepted one before its state is renamed, any other before its
+            # verdict is answered.
             created = self._store.write_blobs(rollout_id, contents, wait=False)
             event = StageEvent(
                 rollout_id=rollout_id,
@@ -145,9 +146,6 @@ class FileStagingSink:
                 attachments=refs,
             )
             verdict = self._store.apply(event)
-            if verdict.outcome is ApplyOutcome.NOOP:
-                # An identical repeat: the row and blobs it repeats may be another writer's still in flight.
-                self._store.sync()
         except (OSError, StoreWriteError) as exc:
             return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
         if verdict.outcome in (ApplyOutcome.ACCEPTED, ApplyOutcome.NOOP):
