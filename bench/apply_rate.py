@@ -1,12 +1,14 @@
 """The materializer's apply step alone: decode each message and apply it to an empty store, in log order.
 
 Messages are read from the topic into memory first, so the figure excludes the consumer and the broker;
-they are applied through the materializer's ``Projection``, flushed after each block of the materializer's size.
+they are applied through the materializer's ``Projection``, flushed after each block of the materializer's size,
+with the garbage collector set as a materializer's own process sets it (``collect_less_after_start_up``).
 Replay time (in ``kafka_trial``) is the end-to-end figure with the consumer.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from tokcap.log_projection import Projection
 from tokcap.store import TokenCaptureStore
 from transports.kafka.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
 from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.materializer import SWEEP_BLOCK_MESSAGES
+from transports.kafka.materializer import SWEEP_BLOCK_MESSAGES, collect_less_after_start_up
 
 __all__ = ["ApplyRate", "measure_apply_rate"]
 
@@ -79,6 +81,9 @@ def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directo
     """Read the topic, then time decoding and applying every message to a fresh store."""
     messages = _read_topic(bootstrap, topic, ends)
     projection = Projection(TokenCaptureStore(directory))
+    # The collector set as a materializer's own process sets it after start-up; restored after the pass.
+    threshold = gc.get_threshold()
+    collect_less_after_start_up()
     tokens = 0
     # Wire deltas are restored as the materializer restores them, from the puts decoded before them.
     parents = ParentRestorer()
@@ -98,4 +103,6 @@ def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directo
                 tokens += len(event.entry.prompt_token_ids) + len(event.entry.generation_token_ids)
         projection.flush()
     seconds, cpu_seconds = time.perf_counter() - started, time.thread_time() - cpu_started
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
     return ApplyRate(len(messages), tokens, seconds, cpu_seconds)

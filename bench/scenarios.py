@@ -184,7 +184,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         kafka=True,
         trial="apply_rate",
         baseline=True,
-        shown=("events_per_s", "tokens_per_s", "us_per_put", "events"),
+        shown=("events_per_s", "tokens_per_s", "us_per_put", "cpu_us_per_event", "events"),
     ),
     Scenario(
         "apply_cost",
@@ -202,6 +202,7 @@ SCENARIOS: tuple[Scenario, ...] = (
             "apply.freeze_us",
             "apply.block_end_us_per_event",
             "apply.projection_us_per_event",
+            "sink.put_us",
             "sink.intent_put_us",
             "sink.freeze_us",
             "load.cpu_us_per_put",

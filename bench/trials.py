@@ -121,6 +121,7 @@ async def apply_rate(directory: Path, bootstrap: str, rollouts: int = 64, **_: A
         "events_per_s": apply.events_per_s,
         "tokens_per_s": apply.tokens_per_s,
         "us_per_put": apply.seconds / workload.puts * 1e6,
+        "cpu_us_per_event": apply.cpu_seconds / apply.events * 1e6,
         "events": float(apply.events),
     }
 

@@ -1,6 +1,8 @@
 """Root conftest: loads the Kafka broker fixtures (kafka_bootstrap, kafka_topic, ...) for every test."""
 
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,3 +28,21 @@ def _private_marker_spill(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
     Without it, a marker one test left spilled on a topic name would be forwarded by a later test's sink.
     """
     monkeypatch.setenv("TOKCAP_SPILL_DIR", str(tmp_path_factory.mktemp("marker-spill")))
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """A command run in-process configures logging (``tokcap`` at CRITICAL); later tests must see their logs."""
+    root = logging.getLogger()
+    handlers, root_level = list(root.handlers), root.level
+    levels = {
+        name: logger.level
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if isinstance(logger, logging.Logger)
+    }
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(root_level)
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger):
+            logger.setLevel(levels.get(name, logging.NOTSET))

@@ -21,7 +21,8 @@ Error tree::
     ├── ConfigError (ValueError)
     │   ├── SinkConfigError
     │   ├── CanonicalEncodingError
-    │   └── PartitionOwnershipConflictError
+    │   ├── PartitionOwnershipConflictError
+    │   └── TopicLimitsMismatchError
     ├── RolloutClosedError (RuntimeError)
     │   ├── RolloutFrozenError
     │   └── RolloutRetiredError
@@ -100,6 +101,7 @@ __all__ = [
     "TokcapError",
     "TokenExtractionError",
     "TopicIncarnationError",
+    "TopicLimitsMismatchError",
     "TopicMismatchError",
     "TopicNotFoundError",
     "TrajectoryBuildError",
@@ -241,6 +243,13 @@ class DeliveryTimeoutError(TransportError):
 
 class TopicMismatchError(TransportError):
     """An existing topic has settings other than the ones requested."""
+
+
+class TopicLimitsMismatchError(ConfigError):
+    """Size limits given to a sink or reader, or asked of an existing topic, differ from the topic's own.
+
+    A topic's limits are decided once, when it is made; every writer and reader uses them.
+    """
 
 
 class UndeliverableBuilderError(InvalidInputError):

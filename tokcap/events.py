@@ -36,6 +36,7 @@ from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry, entry_
 
 __all__ = [
     "EVENT_SCHEMA_VERSION",
+    "LOG_READER_WRITER",
     "MARKER_ID_PATTERN",
     "CancelEvent",
     "DeleteEvent",
@@ -136,6 +137,10 @@ class PutEvent(_EventBase):
 
 MARKER_ID_PATTERN = r"^[A-Za-z0-9._:-]{0,128}$"
 """A marker id: short, printable and safe in a file name."""
+
+
+LOG_READER_WRITER = "tokcap-materializer"
+"""Writer id of the masks a log reader decides itself: a dead-lettered message's, an abandoned chunk group's."""
 
 
 class IncompleteEvent(_EventBase):

@@ -52,6 +52,7 @@ from immutables import Map
 
 from tokcap.errors import InvalidInputError, RolloutRetiredError
 from tokcap.events import (
+    LOG_READER_WRITER,
     CancelEvent,
     DeleteEvent,
     DropEvent,
@@ -288,7 +289,7 @@ def decide(
     ``new_snapshot_id`` names the snapshot a freeze without a log position creates; the caller draws it,
     so this function stays free of randomness.
     """
-    if state.already_applied(position):
+    if state.already_applied(position) or _applied_before_indexes(state, event, position):
         return Decision(
             state, ApplyResult(ApplyOutcome.ALREADY_APPLIED, event.type, state.rollout_id), changed=False
         )
@@ -312,6 +313,27 @@ def decide(
     if isinstance(event, StageEvent | LedgerEvent | LedgerFailureEvent):
         return _staging(new, event, position)
     raise InvalidInputError(f"no rule applies events of type {type(event).__name__}")
+
+
+def _applied_before_indexes(state: RolloutState, event: Event, position: LogPosition | None) -> bool:
+    """Whether a state written before positions had indexes already holds this event's decision.
+
+    Such a state recorded every decision about a rollout that routing one message took at index 0, and a log
+    reader's masks without a position, so a reader resumed over it cannot tell them applied by position alone.
+    A freeze of a message whose answer the rollout holds was applied: a message freezes a rollout once.
+    A log reader's mask identical to one the rollout holds was applied: its reason names the message or the
+    chunk group it masks for, and masking again would add nothing but a second line.
+    """
+    if position is None:
+        return False
+    if isinstance(event, FreezeEvent):
+        return state.answer_at(position) is not None
+    if isinstance(event, IncompleteEvent) and event.writer == LOG_READER_WRITER and not event.marker_id:
+        return any(
+            not mark.marker_id and mark.model_call_id == event.model_call_id and mark.reason == event.reason
+            for mark in state.incomplete_marks
+        )
+    return False
 
 
 def _unchanged(state: RolloutState, verdict: ApplyResult, position: LogPosition | None) -> Decision:

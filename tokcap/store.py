@@ -36,6 +36,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
+from tokcap.checked_puts import accept_put
 from tokcap.durable_io import (
     append_durably,
     fsync_directory,
@@ -69,7 +70,7 @@ from tokcap.events import (
     StageEvent,
 )
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
-from tokcap.input_rules import accept_entry, check_call_id
+from tokcap.input_rules import check_call_id
 from tokcap.kept_entries import KEPT_ENTRY_TOKENS, KeptEntries
 from tokcap.layout import (
     ENTRIES_SUFFIX,
@@ -1035,8 +1036,7 @@ class TokenCaptureStore:
 
     def append(self, entry: TokenEntry) -> None:
         """Idempotently append one entry and sync it before returning; a Gym entry is taken as is."""
-        entry = accept_entry(entry)
-        self._raise_for(self.apply(PutEvent(rollout_id=entry.rollout_id, entry=entry)))
+        self._raise_for(self.apply(accept_put(entry)))
 
     def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record that a call is about to be dispatched; a lost entry then masks the rollout."""

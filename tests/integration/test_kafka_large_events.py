@@ -1,4 +1,4 @@
-"""Large events over a real broker with default settings (1 MiB messages) and tokcap's default limits.
+"""Large events over a real broker with default settings (1 MiB messages) and tokcap's default topic limits.
 
 A legitimate stage of a 4 MiB attachment with several MiB of routed experts is chunked, reassembled by the
 router, digest-checked and fetched exactly. A stage or put over the maximum event size is refused by its
@@ -30,10 +30,12 @@ from tokcap.staging.records import RolloutReceipt
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink
 from transports.kafka.admin import watermarks
-from transports.kafka.codec import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_EVENT_BYTES
+from transports.kafka.codec import DEFAULT_CHUNK_BYTES
 from transports.kafka.dead_letters import dead_letter_files
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
+from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
+from transports.kafka.topics import ensure_topic
 
 pytestmark = pytest.mark.kafka
 
@@ -105,29 +107,32 @@ def test_a_4_mib_attachment_and_several_mib_of_routed_experts_are_reassembled_ve
 
 
 def test_a_stage_or_put_over_the_maximum_event_size_is_refused_by_its_sink_and_nothing_reaches_the_topic(
-    kafka_bootstrap: str, kafka_topic: str
+    kafka_bootstrap: str, kafka_topic_factory: Any
 ) -> None:
     limit = 2 * 1024 * 1024
-    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, max_event_bytes=limit)
+    kafka_topic = f"tokcap-test-small-limits-{os.urandom(5).hex()}"
+    kafka_topic_factory.created.append(kafka_topic)
+    ensure_topic(kafka_bootstrap, kafka_topic, limits=TopicLimits(max_event_bytes=limit))
+    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
     try:
         call = staged_call("huge-r", "call-0", [1, 2], [3])
         result = sink.stage(call, attachments={"video": os.urandom(3 * 1024 * 1024)})
         assert result.ok is False
-        assert f"over the maximum event size of {limit:,} bytes (max_event_bytes)" in result.error
+        assert f"over the topic's maximum event size of {limit:,} bytes (max_event_bytes)" in result.error
         assert "nothing was sent" in result.error and "huge-r/call-0" in result.error
     finally:
         sink.close()
 
     async def put_too_large() -> None:
-        puts = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, max_event_bytes=1_000_000)
+        puts = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
         try:
             with pytest.raises(EventTooLargeError, match="max_event_bytes"):
-                await puts.put(make_entry("huge-r", "c1", tokens=300_000))
+                await puts.put(make_entry("huge-r", "c1", tokens=600_000))
         finally:
             await puts.close()
 
     asyncio.run(put_too_large())
-    assert _messages_on(kafka_bootstrap, kafka_topic) == 0
+    assert _messages_on(kafka_bootstrap, kafka_topic) == 1  # the topic's limits record alone
 
 
 def test_a_crafted_chunk_group_over_the_event_limit_is_dead_lettered_and_masked_while_other_rollouts_apply(
@@ -135,7 +140,7 @@ def test_a_crafted_chunk_group_over_the_event_limit_is_dead_lettered_and_masked_
 ) -> None:
     count = 300
     piece = b"\x00" * DEFAULT_CHUNK_BYTES
-    assert (count - 1) * len(piece) + 1 > DEFAULT_MAX_EVENT_BYTES
+    assert (count - 1) * len(piece) + 1 > TOPIC_DEFAULTS.max_event_bytes
 
     def crafted(index: int) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
         headers = [

@@ -20,6 +20,7 @@ from confluent_kafka import TopicPartition
 from tokcap.events import Event
 from transports.kafka.codec import LogMessage, encode_event_messages
 from transports.kafka.materializer import Materializer
+from transports.kafka.topic_limits import TopicLimits
 
 Headers = list[tuple[str, bytes]]
 
@@ -169,11 +170,11 @@ def materialize(
     *,
     block_messages: int | None = None,
     partitions: Sequence[int] | None = None,
-    **chunk_limits: int,
+    limits: TopicLimits | None = None,
 ) -> Materializer:
     """Run a materializer over everything in the double's topic (or ``partitions``) into ``directory``, then stop it.
 
-    ``chunk_limits`` are the router's ``max_event_bytes`` and ``max_open_chunk_bytes``.
+    ``limits`` stand for the topic's limits record; without, the materializer reads the double's log for it.
     """
     materializer = Materializer(
         "memory",
@@ -183,7 +184,7 @@ def materialize(
         topic_id_reader=topic.topic_id,
         block_messages=block_messages,
         partitions=partitions,
-        **chunk_limits,
+        limits_reader=None if limits is None else (lambda: limits),
     )
     materializer.start()
     try:

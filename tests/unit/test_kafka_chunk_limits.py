@@ -9,32 +9,26 @@ reading one rollout.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import socket
-import time
 from pathlib import Path
 
 import orjson
 import pytest
 from kafka_topic_double import MemoryTopic, materialize
-from staging_calls import staged_call
 from store_contract import make_entry
 
-from tokcap.errors import ConfigError, DeliveryTimeoutError, EventTooLargeError
+from tokcap.errors import ConfigError, EventTooLargeError
 from tokcap.events import FreezeEvent, PutEvent
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_EVENT_BYTES,
     OutgoingMessage,
     encode_event_messages,
     encode_event_value,
 )
 from transports.kafka.dead_letters import dead_letter_path
 from transports.kafka.router import (
-    DEFAULT_MAX_OPEN_CHUNK_BYTES,
     ApplyEvent,
     Buffered,
     DeadLetter,
@@ -43,11 +37,13 @@ from transports.kafka.router import (
 )
 from transports.kafka.staging import KafkaStagingSink
 from transports.kafka.timeline import LogApplier
+from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 TOPIC = "tokcap.chunk-limits-test"
 CHUNK = 2048
 EVENT_LIMIT = 4 * CHUNK
 """Room for a three-chunk put, not for a seven-chunk one."""
+LIMITS = TopicLimits(max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
 
 
 def put_of(rollout_id: str, tokens: int = 1200) -> PutEvent:
@@ -105,7 +101,7 @@ def rollout_files(directory: Path, rollout_id: str | None = None) -> dict[str, b
 def test_a_group_whose_first_chunk_declares_more_than_the_event_limit_is_dead_lettered_and_nothing_is_buffered() -> (
     None
 ):
-    router = InboundRouter(max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    router = InboundRouter(limits=LIMITS)
     oversized = chunks(put_of("r-big", tokens=3000), "w")
     assert (len(oversized) - 1) * CHUNK + 1 > EVENT_LIMIT
     first, *rest = log_messages(oversized)
@@ -121,7 +117,7 @@ def test_a_group_whose_first_chunk_declares_more_than_the_event_limit_is_dead_le
 
 
 def test_a_group_whose_chunks_grow_past_the_event_limit_is_abandoned_at_the_chunk_that_crosses_it() -> None:
-    router = InboundRouter(max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    router = InboundRouter(limits=LIMITS)
     # The first chunk declares little (3 chunks of 100 bytes); the others are larger than it said.
     first, second, third = log_messages(crafted("r-liar", [100, 5000, 5000]))
     assert isinstance(router.route(first)[0], Buffered)
@@ -138,10 +134,10 @@ def test_a_group_of_exactly_the_event_limit_is_applied_and_one_byte_less_of_limi
     event = put_of("r-edge")
     size = len(encode_event_value(event)[1])
     messages = log_messages(chunks(event, "w"))
-    exact = InboundRouter(max_event_bytes=size)
+    exact = InboundRouter(limits=TopicLimits(size))
     decided = [routed for message in messages for routed in exact.route(message)]
     assert isinstance(decided[-1], ApplyEvent) and decided[-1].event == event
-    short = InboundRouter(max_event_bytes=size - 1)
+    short = InboundRouter(limits=TopicLimits(size - 1))
     decided = [routed for message in messages for routed in short.route(message)]
     assert not any(isinstance(routed, ApplyEvent) for routed in decided)
     assert any(isinstance(routed, DeadLetter) and routed.rollout_id == "r-edge" for routed in decided)
@@ -156,7 +152,7 @@ def test_an_oversized_group_is_dead_lettered_and_masked_by_the_materializer_whil
         topic.produce(message.key, message.value, message.headers)
     for message in chunks(put_of("r-after"), "v"):
         topic.produce(message.key, message.value, message.headers)
-    materialize(topic, tmp_path, max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    materialize(topic, tmp_path, limits=LIMITS)
     store = TokenCaptureStore(tmp_path)
     assert store.is_incomplete("r-big") and store.read_entries("r-big") == []
     assert store.is_incomplete("r-liar") and store.read_entries("r-liar") == []
@@ -186,7 +182,7 @@ def budget_log() -> tuple[MemoryTopic, dict[str, PutEvent]]:
 
 def test_a_chunk_over_the_open_bytes_budget_abandons_the_oldest_open_group_and_the_others_complete() -> None:
     topic, events = budget_log()
-    router = InboundRouter(max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    router = InboundRouter(limits=LIMITS)
     decided = []
     for message in topic.messages():
         decided.extend(router.route(message.as_log_message()))
@@ -199,7 +195,7 @@ def test_a_chunk_over_the_open_bytes_budget_abandons_the_oldest_open_group_and_t
         (8, "r-a", True),
     ]
     assert "over the budget of 8,192 bytes (max_open_chunk_bytes)" in letters[0].reason
-    assert "Raise max_open_chunk_bytes" in letters[0].reason
+    assert "--max-open-chunk-bytes" in letters[0].reason
     assert "orphaned chunk 2/3" in letters[1].reason
     assert router.open_groups() == [] and router.open_chunk_bytes(0) == 0
 
@@ -209,7 +205,7 @@ def test_the_materializer_masks_the_rollout_whose_group_the_budget_abandoned_and
 ) -> None:
     topic, events = budget_log()
     with caplog.at_level("WARNING", logger="transports.kafka.router"):
-        materialize(topic, tmp_path, max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+        materialize(topic, tmp_path, limits=LIMITS)
     store = TokenCaptureStore(tmp_path)
     assert store.is_incomplete("r-a") and store.read_entries("r-a") == []
     for rollout_id in ("r-b", "r-c"):
@@ -220,7 +216,7 @@ def test_the_materializer_masks_the_rollout_whose_group_the_budget_abandoned_and
 
 def test_the_budget_is_per_partition_so_groups_in_different_partitions_do_not_evict_each_other() -> None:
     topic, events = budget_log()
-    router = InboundRouter(max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    router = InboundRouter(limits=LIMITS)
     decided = []
     for message in topic.messages():
         log_message = message.as_log_message()
@@ -236,9 +232,9 @@ def test_the_timeline_reading_one_rollout_takes_the_budget_decision_the_material
 ) -> None:
     topic, _ = budget_log()
     materialized = tmp_path / "materialized"
-    materialize(topic, materialized, max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    materialize(topic, materialized, limits=LIMITS)
     for rollout_id in ("r-a", "r-b", "r-c"):
-        router = InboundRouter(max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+        router = InboundRouter(limits=LIMITS)
         one = LogApplier(TokenCaptureStore(tmp_path / rollout_id), TOPIC, router)
         for message in topic.messages():
             if message.key() == rollout_id.encode():
@@ -262,9 +258,9 @@ def test_a_freeze_of_another_rollout_frees_its_groups_bytes_for_a_timeline_readi
     for message in [b[0], b[1], b[2], c[1], c[2]]:
         topic.produce(message.key, message.value, message.headers)
     materialized = tmp_path / "materialized"
-    materialize(topic, materialized, max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    materialize(topic, materialized, limits=LIMITS)
     assert TokenCaptureStore(materialized).read_entries("r-c") == [events["r-c"].entry]
-    router = InboundRouter(max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    router = InboundRouter(limits=LIMITS)
     one = LogApplier(TokenCaptureStore(tmp_path / "r-c"), TOPIC, router)
     for message in topic.messages():
         if message.key() == b"r-c":
@@ -279,16 +275,16 @@ def test_a_materializer_resumed_with_open_groups_counts_their_bytes_and_ends_as_
 ) -> None:
     topic, _ = budget_log()
     clean = tmp_path / "clean"
-    materialize(topic, clean, max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    materialize(topic, clean, limits=LIMITS)
 
     resumed = tmp_path / "resumed"
     head = MemoryTopic(TOPIC)
     for message in topic.messages()[:4]:  # a0 b0 c0 a1: three groups open, at the budget
         head.produce(message.key(), message.value(), message.headers())
-    materialize(head, resumed, max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    materialize(head, resumed, limits=LIMITS)
     for message in topic.messages()[4:]:
         head.produce(message.key(), message.value(), message.headers())
-    materialize(head, resumed, max_event_bytes=EVENT_LIMIT, max_open_chunk_bytes=EVENT_LIMIT)
+    materialize(head, resumed, limits=LIMITS)
     assert rollout_files(resumed) == rollout_files(clean)
     assert TokenCaptureStore(resumed).is_incomplete("r-a")
 
@@ -298,79 +294,24 @@ def test_a_materializer_resumed_with_open_groups_counts_their_bytes_and_ends_as_
 
 def test_limits_that_could_never_reassemble_an_event_of_the_largest_size_are_refused() -> None:
     with pytest.raises(ConfigError, match="max_open_chunk_bytes"):
-        InboundRouter(max_event_bytes=10_000, max_open_chunk_bytes=9_999)
+        TopicLimits(max_event_bytes=10_000, max_open_chunk_bytes=9_999)
     with pytest.raises(ConfigError, match="max_event_bytes"):
         KafkaStagingSink(bootstrap_servers="127.0.0.1:1", run_id="r", chunk_bytes=4096, max_event_bytes=4095)
     with pytest.raises(ConfigError, match="max_event_bytes"):
         KafkaTokenSink(bootstrap_servers="127.0.0.1:1", topic="t", chunk_bytes=4096, max_event_bytes=4095)
-    assert DEFAULT_MAX_EVENT_BYTES >= 256 * 1024 * 1024 > DEFAULT_CHUNK_BYTES
-    assert DEFAULT_MAX_OPEN_CHUNK_BYTES >= DEFAULT_MAX_EVENT_BYTES
+    assert TOPIC_DEFAULTS.max_event_bytes >= 256 * 1024 * 1024 > DEFAULT_CHUNK_BYTES
+    assert TOPIC_DEFAULTS.max_open_chunk_bytes >= TOPIC_DEFAULTS.max_event_bytes
 
 
 def test_encoding_an_event_over_the_limit_raises_with_its_size_and_the_limit() -> None:
     event = put_of("r-big", tokens=3000)
     size = len(encode_event_value(event)[1])
     assert (
-        len(encode_event_messages(event, chunk_bytes=CHUNK, max_event_bytes=size, next_chunk_group=str)) > 1
+        len(encode_event_messages(event, chunk_bytes=CHUNK, limits=TopicLimits(size), next_chunk_group=str))
+        > 1
     )
     with pytest.raises(EventTooLargeError) as raised:
-        encode_event_messages(event, chunk_bytes=CHUNK, max_event_bytes=size - 1, next_chunk_group=str)
+        encode_event_messages(event, chunk_bytes=CHUNK, limits=TopicLimits(size - 1), next_chunk_group=str)
     assert f"is {size:,} bytes encoded" in str(raised.value)
     assert f"maximum event size of {size - 1:,} bytes" in str(raised.value)
     assert (raised.value.rollout_id, raised.value.model_call_id) == ("r-big", "c1")
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def test_the_staging_sink_refuses_a_stage_over_the_limit_at_once_naming_the_size_and_the_limit() -> None:
-    # No broker answers: a refusal that tried to send would take the delivery timeout and say so instead.
-    sink = KafkaStagingSink(
-        bootstrap_servers=f"127.0.0.1:{_closed_port()}",
-        run_id="nobody",
-        delivery_timeout_s=1.0,
-        chunk_bytes=1024,
-        max_event_bytes=8192,
-    )
-    try:
-        record = staged_call("r-media", "call-0", [1, 2], [3])
-        began = time.monotonic()
-        result = sink.stage(record, attachments={"image": b"\x89" * 10_000})
-        took = time.monotonic() - began
-        assert result.ok is False and took < 1.0, (result, took)
-        assert "r-media/call-0" in result.error
-        assert "over the maximum event size of 8,192 bytes (max_event_bytes)" in result.error
-        assert "nothing was sent" in result.error
-        # The refused payload left no claim on the key: a smaller stage of it is tried, not called a conflict.
-        retried = sink.stage(record, attachments={"image": b"\x89" * 100})
-        assert retried.ok is False and "different payload" not in retried.error
-        assert "max_event_bytes" not in retried.error
-    finally:
-        sink.close()
-
-
-def test_the_put_sink_raises_event_too_large_before_sending_and_frees_the_call_id() -> None:
-    async def scenario() -> None:
-        sink = KafkaTokenSink(
-            bootstrap_servers="127.0.0.1:1",
-            topic="t",
-            delivery_timeout_s=1.0,
-            chunk_bytes=1024,
-            max_event_bytes=8192,
-        )
-        try:
-            began = time.monotonic()
-            with pytest.raises(EventTooLargeError) as raised:
-                await sink.put(make_entry("r-big", "c1", tokens=3000))
-            assert time.monotonic() - began < 1.0
-            assert raised.value.rollout_id == "r-big" and "max_event_bytes" in str(raised.value)
-            # The call id is free again: a different, small payload for it reaches the (absent) broker.
-            with pytest.raises(DeliveryTimeoutError):
-                await sink.put(make_entry("r-big", "c1", tokens=3))
-        finally:
-            await sink.close()
-
-    asyncio.run(scenario())

@@ -30,6 +30,7 @@ from transports.kafka.dead_letters import DeadLetterLine, dead_letter_path
 from transports.kafka.materializer import Materializer
 from transports.kafka.router import ApplyEvent, DeadLetter, InboundRouter
 from transports.kafka.timeline import BUFFERED, DEAD_LETTERED, LogApplier
+from transports.kafka.topic_limits import TOPIC_DEFAULTS
 
 TOPIC = "tokcap.routing-test"
 
@@ -96,7 +97,12 @@ def test_a_batch_that_reads_nothing_of_a_partition_keeps_that_partitions_open_ch
     topic.publish(IntentEvent(rollout_id="r0", model_call_id="c0"), partition=0)
     topic.allowance = 1
     materializer = Materializer(
-        "memory", TOPIC, tmp_path, consumer_factory=topic.consumer, topic_id_reader=topic.topic_id
+        "memory",
+        TOPIC,
+        tmp_path,
+        consumer_factory=topic.consumer,
+        topic_id_reader=topic.topic_id,
+        limits_reader=lambda: TOPIC_DEFAULTS,  # reading the limits would spend the allowed message
     )
     materializer.start()
     try:

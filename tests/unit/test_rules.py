@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tokcap.errors import InvalidInputError, RolloutRetiredError
 from tokcap.events import (
+    LOG_READER_WRITER,
     CancelEvent,
     DeleteEvent,
     DropEvent,
@@ -325,3 +326,29 @@ def test_a_freeze_refused_by_a_retired_rollouts_fence_reads_back_as_refused_and_
 def test_without_a_log_no_verdict_is_recorded() -> None:
     state, _ = _run([_put("a"), RetireEvent(rollout_id=RID), DeleteEvent(rollout_id=RID)], logged=False)
     assert state.command_verdicts == ()
+
+
+def test_a_freeze_whose_message_a_state_from_before_indexes_answered_at_index_0_is_not_answered_twice() -> (
+    None
+):
+    state, _ = _run([_put("a")])
+    frozen = decide(state, FreezeEvent(rollout_id=RID), LogPosition("t", 0, 5)).state
+    again = decide(frozen, FreezeEvent(rollout_id=RID), LogPosition("t", 0, 5, 1))
+    assert again.verdict.outcome is ApplyOutcome.ALREADY_APPLIED
+    assert again.state.freeze_answers == frozen.freeze_answers and len(frozen.freeze_answers) == 1
+
+
+def test_a_log_readers_mask_a_state_from_before_indexes_applied_without_a_position_is_not_applied_twice() -> (
+    None
+):
+    state, _ = _run([_put("a")])
+    mask = IncompleteEvent(
+        rollout_id=RID, writer=LOG_READER_WRITER, reason="orphaned chunk group g7 at offsets [3]"
+    )
+    masked = decide(state, mask, None).state
+    again = decide(masked, mask, LogPosition("t", 0, 9))
+    assert again.verdict.outcome is ApplyOutcome.ALREADY_APPLIED
+    assert (again.state.version, again.state.incomplete_size) == (masked.version, masked.incomplete_size)
+    assert not again.effects
+    other_writer = decide(masked, mask.model_copy(update={"writer": "sink-1"}), LogPosition("t", 0, 9))
+    assert other_writer.state.version == masked.version + 1

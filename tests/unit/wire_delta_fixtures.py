@@ -15,7 +15,9 @@ from kafka_topic_double import MemoryTopic
 
 from tokcap.errors import DeliveryError
 from transports.kafka import KafkaTokenSink
+from transports.kafka.clients import ClientContext
 from transports.kafka.codec import HEADER_ENCODING, OutgoingMessage
+from transports.kafka.limits_record import read_topic_limits
 from transports.kafka.producer_bridge import Delivered
 
 __all__ = ["TopicBridge", "conversation", "delta_offsets", "memory_sink", "store_files"]
@@ -62,6 +64,10 @@ def memory_sink(topic: MemoryTopic, spill_dir: Path, **kwargs: object) -> tuple[
     sink._bridge.close(0)
     bridge = TopicBridge(topic)
     sink._bridge = bridge  # type: ignore[assignment]
+    # The sink reads the topic's limits from the double's log, as it would from the broker's.
+    sink._limits._read = lambda: read_topic_limits(  # type: ignore[assignment]
+        ClientContext("memory", {}), topic.name, factory=topic.consumer
+    )
     return sink, bridge
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from transports.kafka.partitioned_source import PartitionedTokenSource
     from transports.kafka.sink import KafkaTokenSink
     from transports.kafka.source import KafkaTokenSource
+    from transports.kafka.topic_limits import TopicLimits
     from transports.kafka.topics import (
         MAX_TOPIC_NAME_LENGTH,
         TOPIC_PREFIX,
@@ -34,6 +35,7 @@ __all__ = [
     "KafkaTokenSource",
     "Materializer",
     "PartitionedTokenSource",
+    "TopicLimits",
     "TopicSettings",
     "ensure_topic",
     "resolve_topic",
@@ -46,6 +48,7 @@ _MODULE_OF = {
     "KafkaTokenSink": "sink",
     "KafkaTokenSource": "source",
     "PartitionedTokenSource": "partitioned_source",
+    "TopicLimits": "topic_limits",
 }
 """Where each public name lives; the others are the topic helpers of ``topics``."""
 

@@ -24,6 +24,8 @@ from transports.kafka.clients import (
     open_reader,
 )
 from transports.kafka.error_map import Request, kafka_error_of, translated
+from transports.kafka.limits_record import read_topic_limits
+from transports.kafka.topic_limits import TopicLimits
 from transports.kafka.topics import KEEP_WHOLE_RUN, validate_topic_name
 
 __all__ = [
@@ -127,6 +129,8 @@ class TopicDescription:
     configs: dict[str, str | None] = field(default_factory=dict)
     topic_id: str | None = None
     """The id the broker gave the topic when it was created: store directories are bound to it."""
+    limits: TopicLimits | None = None
+    """The size limits every sink and reader of the topic uses (``topic_limits``)."""
 
     @property
     def messages(self) -> int:
@@ -157,6 +161,7 @@ class TopicDescription:
         return {
             "topic": self.topic,
             "topic_id": self.topic_id,
+            "limits": None if self.limits is None else self.limits.to_dict(),
             "messages": self.messages,
             "replayable_from_start": self.replayable_from_start,
             "warnings": self.warnings,
@@ -234,7 +239,10 @@ def describe_topic(
         for number, meta in sorted(metadata.partitions.items())
     )
     topic_id = TopicIdReader(bootstrap_servers, topic, client_config=client_config, timeout_s=timeout_s)()
-    return TopicDescription(topic=topic, partitions=partitions, configs=configs, topic_id=topic_id)
+    limits = read_topic_limits(context, topic, watch=watch, timeout_s=timeout_s)
+    return TopicDescription(
+        topic=topic, partitions=partitions, configs=configs, topic_id=topic_id, limits=limits
+    )
 
 
 def delete_topic(

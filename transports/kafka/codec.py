@@ -22,8 +22,8 @@ an integer dtype and hold no negative value; that is checked on its bytes, befor
 
 A value larger than the chunk size is split into chunk messages that carry
 ``(group id, index, count, sha256 of the whole value)`` headers; the inbound router reassembles them.
-No value larger than ``DEFAULT_MAX_EVENT_BYTES`` (or the sink's ``max_event_bytes``) is sent: the router
-refuses to reassemble one, so a sink that sent it would have reported ok for an event no reader applies.
+No value larger than the topic's ``max_event_bytes`` (``topic_limits``) is sent: the router refuses to
+reassemble one, so a sink that sent it would have reported ok for an event no reader applies.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from tokcap.checked_puts import accept_put_or_event
 from tokcap.errors import (
     ConfigError,
     EventDecodeError,
@@ -49,16 +50,16 @@ from tokcap.errors import (
 )
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, StageEvent, encode_event
 from tokcap.hashing import sha256_hex
-from tokcap.input_rules import accept_event, check_entry_fields
+from tokcap.input_rules import check_entry_fields
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
+from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
-    "DEFAULT_MAX_EVENT_BYTES",
     "ENCODING_DELTA",
     "ENCODING_JSON",
     "ENCODING_PACKED",
@@ -94,14 +95,6 @@ __all__ = [
 
 DEFAULT_CHUNK_BYTES = 900_000
 """Largest value sent in one message; below the producer's and broker's default 1 MB limits."""
-
-DEFAULT_MAX_EVENT_BYTES = 256 * 1024 * 1024
-"""Largest event value, whole or reassembled from chunks, a sink sends and a reader reassembles.
-
-One number for both sides: a sink refuses a larger event before sending anything, and the inbound router
-abandons a chunk group that declares or reaches more, so a runaway or crafted writer cannot make a reader
-buffer without bound. Routed experts of a large MoE at long context and media attachments are a few to
-tens of MiB; 256 MiB leaves room for both while bounding what one event can cost a reader."""
 
 HEADER_TYPE = "tokcap.type"
 HEADER_SCHEMA = "tokcap.schema_version"
@@ -422,9 +415,9 @@ def _refused(exc: InvalidInputError) -> EventDecodeError:
 
 
 def _accepted(raw: object, *, token_ids_checked: bool) -> Event:
-    """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_event``)."""
+    """The event decoded JSON stands for, if it passes the sinks' input rules (``accept_put_or_event``)."""
     try:
-        return accept_event(raw, token_ids_checked=token_ids_checked)
+        return accept_put_or_event(raw, token_ids_checked=token_ids_checked)
     except (EventDecodeError, NewerSchemaError):
         raise
     except InvalidInputError as exc:
@@ -677,14 +670,14 @@ def encode_event_value(event: Event) -> tuple[str, bytes]:
     return ENCODING_JSON, encode_event(event)
 
 
-def check_size_settings(chunk_bytes: int, max_event_bytes: int) -> None:
+def check_size_settings(chunk_bytes: int, max_event_bytes: int | None) -> None:
     """Refuse a sink's size settings that would send messages the broker or the readers refuse."""
     if chunk_bytes < 1024:
         raise ConfigError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
-    if max_event_bytes < chunk_bytes:
+    if max_event_bytes is not None and max_event_bytes < chunk_bytes:
         raise ConfigError(
             f"max_event_bytes ({max_event_bytes}) must be at least chunk_bytes ({chunk_bytes}): "
-            "an event that fits one message must also fit the event limit"
+            "an event that fits one message must also fit the event limit; lower chunk_bytes"
         )
 
 
@@ -699,9 +692,10 @@ def _check_event_size(event: Event, size: int, max_event_bytes: int) -> None:
     if call_id:
         what += f" call {call_id!r}"
     raise EventTooLargeError(
-        f"{what} is {size:,} bytes encoded, over the maximum event size of {max_event_bytes:,} bytes "
+        f"{what} is {size:,} bytes encoded, over the topic's maximum event size of {max_event_bytes:,} bytes "
         "(max_event_bytes); nothing was sent. Keep media of that size out of the capture (stage a reference "
-        "to it), or raise max_event_bytes on every sink and every reader of the topic together",
+        "to it), or run on a topic made with a larger limit (`tokcap topic create --max-event-bytes N`, "
+        "docs/operations.md): every sink and reader uses the limits the topic was made with",
         rollout_id=event.rollout_id,
         model_call_id=call_id or None,
     )
@@ -711,16 +705,18 @@ def encode_event_messages(
     event: Event,
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    limits: TopicLimits = TOPIC_DEFAULTS,
     next_chunk_group: Callable[[], str],
 ) -> list[OutgoingMessage]:
     """The message, or chunk messages, that carry one event.
 
     ``next_chunk_group`` names a chunk group ``<session>:<sequence>``; it is called only when chunking.
-    An event whose value is larger than ``max_event_bytes`` raises ``EventTooLargeError``.
+    An event whose value is larger than the topic's ``limits.max_event_bytes`` raises ``EventTooLargeError``.
+    A writer passes the limits of the topic it writes (``limits_record``); messages that are never chunked
+    (commands, ledger rows) are far below any limit a topic can usefully have.
     """
     encoding, value = encode_event_value(event)
-    _check_event_size(event, len(value), max_event_bytes)
+    _check_event_size(event, len(value), limits.max_event_bytes)
     key = event.rollout_id.encode()
     base_headers = [
         (HEADER_TYPE, event.type.value.encode()),

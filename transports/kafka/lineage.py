@@ -82,9 +82,11 @@ from transports.kafka.codec import (
 )
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
+from transports.kafka.limits_record import read_topic_limits
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
 from transports.kafka.router import ApplyEvent, InboundRouter
 from transports.kafka.staging import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
+from transports.kafka.topic_limits import TopicLimits
 from transports.kafka.topics import resolve_topic
 
 __all__ = ["KafkaLineageResolver"]
@@ -240,8 +242,10 @@ class KafkaLineageResolver:
         self._rollouts: dict[str, _RolloutLog] = {}
         self._parents = KeptParents(max_kept_tokens)
         """Each rollout's last materialized parent, kept with the log it was read from."""
-        self._chunk_router = InboundRouter()
-        """Reassembles chunk groups, the one way every reader does (bounded by its default memory limits)."""
+        self._chunk_router = InboundRouter(topic=self._topic)
+        """Reassembles chunk groups, the one way every reader does, by the topic's limits (read before the first
+        partition is assigned)."""
+        self._limits: TopicLimits | None = None
         # Restoring is CPU work on one rollout; striped by rollout so concurrent calls do not queue on one lock,
         # with the kept tokens still bounded overall.
         self._restorers = [
@@ -396,7 +400,7 @@ class KafkaLineageResolver:
             await self._ledger.close()
         with self._lock:
             self._rollouts.clear()
-            self._chunk_router = InboundRouter()
+            self._chunk_router = InboundRouter(topic=self._topic, limits=self._chunk_router.limits)
             self._parents.clear()
             self._read.notify_all()
         await asyncio.to_thread(self._stop_reading)
@@ -429,11 +433,17 @@ class KafkaLineageResolver:
             with self._lock:
                 if partition in self._next:
                     return
+            if self._limits is None:
+                limits = read_topic_limits(
+                    self._context, self._topic, watch=self._watch, timeout_s=self._timeout_s
+                )
             where = TopicPartition(self._topic, partition)
             with translated(self._context, self._end_request):
                 low, _ = self._asker.get_watermark_offsets(where, timeout=self._timeout_s, cached=False)
             with self._lock:
                 self._raise_if_closed()
+                if self._limits is None:
+                    self._limits = self._chunk_router.limits = limits
                 self._next[partition] = int(low)
                 self._unassigned[partition] = int(low)
 

@@ -26,7 +26,8 @@ before the freeze that abandoned it, and a resumed reader that decides again fin
 The index counts per rollout, so a reader of some rollouts, which passes over the others' messages, gives each
 of its decisions the position the materializer gives it.
 
-Memory is bounded. A group larger than ``max_event_bytes`` (the sinks' limit, ``DEFAULT_MAX_EVENT_BYTES``)
+Memory is bounded, by the topic's limits (``topic_limits``), which every writer and reader of a topic share.
+A group larger than ``max_event_bytes``
 is dead-lettered and its rollout masked as soon as its first chunk declares it (``count - 1`` chunks of the
 first chunk's length and at least one byte more) or its chunks so far exceed it; nothing more of it is
 buffered, and its later chunks are orphans. The open groups of one partition hold at most
@@ -45,6 +46,9 @@ time to spare (``settle_oldest``). A rollout's messages are always decoded in th
 asks first, so wire deltas meet the same parents and every deferred message settles to the decision routing
 it at once would have given. Commands, chunks, messages without a type header and keys that name no rollout
 are never deferred.
+
+The topic's limits record (offset 0 of partition 0) is no decision: routing it gives none. A reader that
+started before the record was written and used other limits stops there (``check_recorded``).
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
-from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError
+from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.events import (
+    LOG_READER_WRITER,
     DeleteEvent,
     Event,
     FreezeEvent,
@@ -73,7 +78,6 @@ from tokcap.hashing import sha256_hex
 from tokcap.records import token_count
 from tokcap.store import ApplyOutcome, ApplyResult
 from transports.kafka.codec import (
-    DEFAULT_MAX_EVENT_BYTES,
     HEADER_TYPE,
     ChunkHeader,
     LogMessage,
@@ -86,9 +90,16 @@ from transports.kafka.codec import (
 )
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
+from transports.kafka.topic_limits import (
+    LIMITS_PARTITION,
+    TOPIC_DEFAULTS,
+    TopicLimits,
+    check_recorded,
+    decode_limits_record,
+    is_limits_record,
+)
 
 __all__ = [
-    "DEFAULT_MAX_OPEN_CHUNK_BYTES",
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
     "Applier",
@@ -106,18 +117,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MATERIALIZER_WRITER = "tokcap-materializer"
+MATERIALIZER_WRITER = LOG_READER_WRITER
 """Writer id of the incomplete markers the materializer itself applies."""
 
 ORPHAN_AFTER_OFFSETS = 100_000
 """A chunk group still open this many offsets after its first chunk will never complete."""
-
-DEFAULT_MAX_OPEN_CHUNK_BYTES = 2 * DEFAULT_MAX_EVENT_BYTES
-"""Value bytes the open chunk groups of one partition may hold together.
-
-Twice the event limit: one event of the largest size can be reassembled while other writers' groups are
-open beside it. Legitimate groups are short-lived (a sink sends a group's chunks back to back), so only many
-writers sending events of hundreds of MiB at once, or groups that will never complete, come near it."""
 
 _DEFERRABLE_TYPES = frozenset({"intent", "cancel", "put", "incomplete"})
 """Type headers of the messages whose decoding may wait: a rollout's capture, never a command a source waits on."""
@@ -226,15 +230,15 @@ class _OpenGroup:
 class InboundRouter:
     """Routes messages partition by partition, holding the chunk groups still open in each.
 
-    ``max_event_bytes`` and ``max_open_chunk_bytes`` bound the memory chunks take (module docstring); every
-    reader of a topic must use the same values, or they may decide differently about a large group.
+    ``limits`` bound the memory chunks take (module docstring); every reader of a topic must use the topic's
+    own (``limits_record``), or they may decide differently about a large group.
     """
 
     orphan_after_offsets: int = ORPHAN_AFTER_OFFSETS
-    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
-    """The largest reassembled value; set it at least as large as the sinks' ``max_event_bytes``."""
-    max_open_chunk_bytes: int = DEFAULT_MAX_OPEN_CHUNK_BYTES
-    """Value bytes the open groups of one partition may hold together; at least ``max_event_bytes``."""
+    limits: TopicLimits = TOPIC_DEFAULTS
+    """The topic's limits: the largest reassembled value and the open groups' budget per partition."""
+    topic: str = ""
+    """The topic read, for messages."""
     parents: ParentRestorer = field(default_factory=ParentRestorer)
     """Restores wire deltas; give it a way to read the log (``OffsetReader``) where parents may be forgotten."""
     _groups: dict[int, dict[str, _OpenGroup]] = field(default_factory=dict)
@@ -247,15 +251,6 @@ class InboundRouter:
     decoded_ahead_tokens: int = 0
     """Tokens of the puts ``settle_oldest`` decoded that nobody has asked for yet: memory a reader that
     decodes ahead holds on top of the messages' bytes, which it may bound."""
-
-    def __post_init__(self) -> None:
-        if self.max_event_bytes < 1:
-            raise ConfigError(f"max_event_bytes must be positive, got {self.max_event_bytes}")
-        if self.max_open_chunk_bytes < self.max_event_bytes:
-            raise ConfigError(
-                f"max_open_chunk_bytes ({self.max_open_chunk_bytes}) must be at least max_event_bytes "
-                f"({self.max_event_bytes}), or an event of the largest size could never be reassembled"
-            )
 
     # ------------------------------------------------------------ what is open
 
@@ -360,11 +355,19 @@ class InboundRouter:
         except EventDecodeError as exc:
             routed = [self._dead_letter(message, {}, message.size, f"undecodable headers: {exc}")]
         else:
-            if chunk is None:
+            if chunk is None and is_limits_record(headers):
+                self._check_limits_record(message, headers)
+                routed = []
+            elif chunk is None:
                 routed = [self._whole(message, headers, defer=defer)]
             else:
                 routed = [*self._take_chunk(message, headers, chunk)]
         return _indexed([*self._abandon_before_freeze(message, routed), *self._abandon_stale(message)])
+
+    def _check_limits_record(self, message: LogMessage, headers: Mapping[str, str]) -> None:
+        """The record at offset 0 of partition 0 must hold the limits this router uses; any other is passed over."""
+        if message.partition == LIMITS_PARTITION and message.offset == 0:
+            check_recorded(self.topic, decode_limits_record(message.value, headers), self.limits)
 
     def pass_over(self, message: LogMessage) -> list[Routed]:
         """A message read but not routed (another rollout's): it can still make open groups abandoned.
@@ -388,6 +391,8 @@ class InboundRouter:
             ]
         elif headers.get(HEADER_TYPE) == "freeze":
             self._close_frozen_ghosts(message, headers)
+        elif is_limits_record(headers):
+            self._check_limits_record(message, headers)
         return _indexed(routed + self._abandon_stale(message))
 
     def _close_frozen_ghosts(self, message: LogMessage, headers: Mapping[str, str]) -> None:
@@ -485,10 +490,10 @@ class InboundRouter:
             # The same session's older group, the same group id included, can no longer complete.
             abandoned = self._abandon_session(message, chunk)
             declared = (chunk.count - 1) * len(value) + 1
-            if declared > self.max_event_bytes:
+            if declared > self.limits.max_event_bytes:
                 why = (
                     f"chunk group {chunk.group} declares at least {declared:,} bytes ({chunk.count} chunks of "
-                    f"{len(value):,}), over the maximum event size of {self.max_event_bytes:,} bytes "
+                    f"{len(value):,}), over the maximum event size of {self.limits.max_event_bytes:,} bytes "
                     "(max_event_bytes); none of it is buffered"
                 )
                 return [*abandoned, self._too_large(message, headers, size, why, ghost)]
@@ -519,10 +524,10 @@ class InboundRouter:
                 ),
             ]
         received = group.held + len(value)
-        if received > self.max_event_bytes:
+        if received > self.limits.max_event_bytes:
             why = (
                 f"its chunks reach {received:,} bytes at chunk {chunk.index} (offset {message.offset}), over the "
-                f"maximum event size of {self.max_event_bytes:,} bytes (max_event_bytes)"
+                f"maximum event size of {self.limits.max_event_bytes:,} bytes (max_event_bytes)"
             )
             too_large = self._abandon(message, group, why)
             self._log_abandoned(too_large)
@@ -533,7 +538,7 @@ class InboundRouter:
                 ),
             ]
         evicted = []
-        if self._held[partition] + len(value) > self.max_open_chunk_bytes:
+        if self._held[partition] + len(value) > self.limits.max_open_chunk_bytes:
             evicted = self._make_room(message, len(value), group)
         self._add(partition, group, message.offset, value, size)
         if len(group.pieces) < group.header.count:
@@ -578,18 +583,19 @@ class InboundRouter:
         """
         partition = message.partition
         held = self._held.get(partition, 0)
-        if held + incoming <= self.max_open_chunk_bytes:
+        if held + incoming <= self.limits.max_open_chunk_bytes:
             return []
         why = (
             f"the open chunk groups of partition {partition} would hold {held + incoming:,} bytes, over the "
-            f"budget of {self.max_open_chunk_bytes:,} bytes (max_open_chunk_bytes); the oldest open group is "
-            "abandoned first. Raise max_open_chunk_bytes on every reader if writers send many large events at once"
+            f"budget of {self.limits.max_open_chunk_bytes:,} bytes (max_open_chunk_bytes); the oldest open group is "
+            "abandoned first. If writers send many large events at once, run on a topic made with a larger "
+            "max_open_chunk_bytes (`tokcap topic create --max-open-chunk-bytes N`)"
         )
         evicted: list[Routed] = []
         for group in sorted(
             self._groups.get(partition, {}).values(), key=lambda open_group: open_group.offsets[0]
         ):
-            if self._held[partition] + incoming <= self.max_open_chunk_bytes:
+            if self._held[partition] + incoming <= self.limits.max_open_chunk_bytes:
                 break
             if group is not keep:
                 evicted.extend(self._abandon(message, group, why))

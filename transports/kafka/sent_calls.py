@@ -19,12 +19,12 @@ from tokcap.events import PutEvent
 from tokcap.records import TokenEntry
 from transports.kafka.codec import (
     DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_EVENT_BYTES,
     OutgoingMessage,
     ParentLink,
     encode_delta_message,
     encode_event_messages,
 )
+from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 __all__ = [
     "DEFAULT_CALLS_PER_ROLLOUT",
@@ -135,7 +135,7 @@ def encode_put(
     *,
     next_chunk_group: Callable[[], str],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    limits: TopicLimits = TOPIC_DEFAULTS,
     entry_digest: str | None = None,
 ) -> list[OutgoingMessage]:
     """The messages a sink sends for a put: one wire delta when ``sent`` proves a parent and it fits one
@@ -148,5 +148,5 @@ def encode_put(
             if len(message.value) <= chunk_bytes:
                 return [message]
     return encode_event_messages(
-        event, chunk_bytes=chunk_bytes, max_event_bytes=max_event_bytes, next_chunk_group=next_chunk_group
+        event, chunk_bytes=chunk_bytes, limits=limits, next_chunk_group=next_chunk_group
     )

@@ -28,19 +28,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tokcap.checked_puts import accept_put
 from tokcap.errors import ConfigError, ConflictingEntryError, DeliveryError, TransportError
 from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
-from tokcap.input_rules import accept_entry, check_call_id
+from tokcap.input_rules import check_call_id
 from tokcap.metrics import MARKERS_SPILLED, SENT_BYTES, sink_timed
 from tokcap.records import TokenEntry, token_count
 from tokcap.rollout_ids import validate_rollout_id
-from transports.kafka.codec import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_EVENT_BYTES,
-    OutgoingMessage,
-    check_size_settings,
-    encode_event_messages,
-)
+from transports.kafka.codec import DEFAULT_CHUNK_BYTES, OutgoingMessage, encode_event_messages
+from transports.kafka.limits_record import WriterLimits
 from transports.kafka.marker_forwarder import MarkerForwarder
 from transports.kafka.marker_spill import MarkerSpill, MarkerSpillError, SpilledMarker, default_spill_dir
 from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
@@ -83,7 +79,7 @@ class KafkaTokenSink:
         delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
         producer_config: Mapping[str, Any] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_event_bytes: int | None = None,
         remembered_calls: int = DEFAULT_REMEMBERED_CALLS,
         spill_dir: str | Path | None = None,
         wire_deltas: bool = True,
@@ -97,12 +93,12 @@ class KafkaTokenSink:
         (parent link, suffix); readers restore the exact entry (docs/events.md). Readers must be upgraded
         first: older ones dead-letter such messages. ``wire_delta_tokens`` bounds the tokens remembered for it.
 
-        ``max_event_bytes`` is the largest encoded put sent (``codec.DEFAULT_MAX_EVENT_BYTES``); a larger one
-        raises ``EventTooLargeError`` and nothing is sent. Readers must allow at least as much.
+        The largest encoded put sent is the topic's ``max_event_bytes`` (``topic_limits``), read for the first
+        event that needs chunks; a larger one raises ``EventTooLargeError`` and nothing is sent. ``max_event_bytes`` is
+        deprecated: given, it is only checked against the topic's (``TopicLimitsMismatchError`` on a difference).
         """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
-        check_size_settings(chunk_bytes, max_event_bytes)
         if remembered_calls < 1:
             raise ConfigError(f"remembered_calls must be at least 1, got {remembered_calls}")
         if wire_delta_tokens < 0:
@@ -111,7 +107,15 @@ class KafkaTokenSink:
         self._topic = resolve_topic(run_id, topic)
         self._writer_id = writer_id or default_writer_id()
         self._chunk_bytes = chunk_bytes
-        self._max_event_bytes = max_event_bytes
+        self._limits = WriterLimits(
+            "KafkaTokenSink",
+            bootstrap_servers,
+            self._topic,
+            client_config=producer_config,
+            chunk_bytes=chunk_bytes,
+            max_event_bytes=max_event_bytes,
+            timeout_s=delivery_timeout_s,
+        )
         self._session = uuid.uuid4().hex
         self._chunk_sequence = itertools.count()
         self._digests: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -154,6 +158,8 @@ class KafkaTokenSink:
         self, event: Event, *, what: str, large: bool = False, entry_digest: str | None = None
     ) -> list[Delivered]:
         """Encode, send and await the acknowledgement of one event; a put may bring its entry's digest."""
+        if self._limits.check_first:
+            await asyncio.to_thread(self._limits.get)
         if large:
             messages = await asyncio.to_thread(self._encode, event, entry_digest)
         else:
@@ -163,21 +169,26 @@ class KafkaTokenSink:
         return delivered
 
     def _encode(self, event: Event, entry_digest: str | None = None) -> list[OutgoingMessage]:
-        """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is."""
+        """A put continuing a call this sink sent goes as one wire delta when it fits; all else as it is.
+
+        The topic's limits are read for the first event that needs chunks (``WriterLimits``).
+        """
         if isinstance(event, PutEvent):
-            return encode_put(
-                event,
-                self._sent,
-                chunk_bytes=self._chunk_bytes,
-                max_event_bytes=self._max_event_bytes,
-                next_chunk_group=self._next_chunk_group,
-                entry_digest=entry_digest,
+            sent = self._sent
+            return self._limits.encode(
+                lambda limits: encode_put(
+                    event,
+                    sent,
+                    chunk_bytes=self._chunk_bytes,
+                    limits=limits,
+                    next_chunk_group=self._next_chunk_group,
+                    entry_digest=entry_digest,
+                )
             )
-        return encode_event_messages(
-            event,
-            chunk_bytes=self._chunk_bytes,
-            max_event_bytes=self._max_event_bytes,
-            next_chunk_group=self._next_chunk_group,
+        return self._limits.encode(
+            lambda limits: encode_event_messages(
+                event, chunk_bytes=self._chunk_bytes, limits=limits, next_chunk_group=self._next_chunk_group
+            )
         )
 
     def _reserve_digest(self, rollout_id: str, call_id: str, digest: str) -> bool:
@@ -212,12 +223,12 @@ class KafkaTokenSink:
         An entry whose encoded put is larger than ``max_event_bytes`` raises ``EventTooLargeError`` with
         nothing sent: the caller marks the rollout incomplete, as after any failed put.
         """
-        entry = accept_entry(entry)
+        event = accept_put(entry, self._writer_id)
+        entry = event.entry
         rollout_id = validate_rollout_id(entry.rollout_id)
         call_id = entry.model_call_id
-        digest = entry.payload_digest()
+        digest = event.payload_digest
         added = self._reserve_digest(rollout_id, call_id, digest)
-        event = PutEvent(rollout_id=rollout_id, writer=self._writer_id, entry=entry)
         tokens = token_count(entry)
         try:
             delivered = await self._publish(

@@ -57,12 +57,8 @@ from tokcap.state import IncompleteMark
 from tokcap.store import TokenCaptureStore
 from transports.kafka.caught_up import CaughtUpStore, end_offsets
 from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
-from transports.kafka.codec import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_EVENT_BYTES,
-    check_size_settings,
-    encode_event_messages,
-)
+from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.limits_record import WriterLimits
 from transports.kafka.producer_bridge import Delivered, ProducerBridge
 from transports.kafka.removals import Removal, removal_after
 from transports.kafka.sink import default_writer_id
@@ -194,10 +190,11 @@ class KafkaStagingSink:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         store_dir: str | Path | None = None,
         consumer_config: Mapping[str, Any] | None = None,
-        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_event_bytes: int | None = None,
     ) -> None:
-        """``max_event_bytes`` bounds a stage's encoded size, row, extras and attachments together
-        (``codec.DEFAULT_MAX_EVENT_BYTES``): a larger stage fails at once and sends nothing.
+        """The topic's ``max_event_bytes`` (``topic_limits``, read for the first stage that needs chunks) bounds
+        a stage's encoded size, row, extras and attachments together: a larger stage fails at once, naming both
+        sizes, and sends nothing. ``max_event_bytes`` is deprecated: given, it is only checked against the topic's.
 
         ``store_dir`` (a directory of this process's own) makes ``stage`` also wait until the materializer
         applied the stage and answer with the store's verdict: a different payload already staged under the
@@ -206,11 +203,18 @@ class KafkaStagingSink:
         """
         if not bootstrap_servers:
             raise ConfigError("bootstrap_servers must name at least one broker")
-        check_size_settings(chunk_bytes, max_event_bytes)
         self._topic = resolve_topic(run_id, topic)
         self._writer_id = writer_id or default_writer_id()
         self._chunk_bytes = chunk_bytes
-        self._max_event_bytes = max_event_bytes
+        self._limits = WriterLimits(
+            "KafkaStagingSink",
+            bootstrap_servers,
+            self._topic,
+            client_config=consumer_config or producer_config,
+            chunk_bytes=chunk_bytes,
+            max_event_bytes=max_event_bytes,
+            timeout_s=delivery_timeout_s,
+        )
         self._session = uuid.uuid4().hex
         self._chunk_sequence = itertools.count()
         self._bridge = ProducerBridge(
@@ -273,6 +277,11 @@ class KafkaStagingSink:
             extras=extras,
             attachments={name: blob(data) for name, data in blobs.items()},
         ).with_blob_bytes(carried)
+        if self._limits.check_first:
+            try:
+                self._limits.get()
+            except TransportError as exc:
+                return build("StageResult", {"ok": False, "error": f"staging {key!r} failed: {exc}"})
         digest = sha256_hex(event.stored_line)
         known = _staged_digests.claim(self._topic, key, digest)
         claimed = known is None
@@ -340,11 +349,10 @@ class KafkaStagingSink:
         """Send the event's messages; return where the last one (the one the store applies) landed."""
         if self._closed:
             raise TransportError(f"{self!r} is closed; {what} was not sent")
-        messages = encode_event_messages(
-            event,
-            chunk_bytes=self._chunk_bytes,
-            max_event_bytes=self._max_event_bytes,
-            next_chunk_group=self._next_chunk_group,
+        messages = self._limits.encode(
+            lambda limits: encode_event_messages(
+                event, chunk_bytes=self._chunk_bytes, limits=limits, next_chunk_group=self._next_chunk_group
+            )
         )
         # The bridge fails the send within the delivery timeout; the margin only guards a stuck loop.
         sent = self._loop.run(

@@ -29,10 +29,11 @@ from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, 
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import watermarks
 from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
-from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage
+from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage, headers_to_dict
 from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
+from transports.kafka.limits_record import read_topic_limits
 from transports.kafka.offset_reader import OffsetReader
 from transports.kafka.router import (
     ApplyEvent,
@@ -42,10 +43,13 @@ from transports.kafka.router import (
     Routed,
     carry_out,
 )
+from transports.kafka.topic_limits import LIMITS_PARTITION, LIMITS_RECORD_TYPE
 
 __all__ = [
     "BUFFERED",
     "DEAD_LETTERED",
+    "LIMITS_PASSED_OVER",
+    "LIMITS_RECORDED",
     "LogApplier",
     "LogMessage",
     "TimelineEntry",
@@ -57,6 +61,12 @@ DEAD_LETTERED = "dead-lettered"
 
 BUFFERED = "buffered"
 """The verdict of a chunk that waits for the rest of its event."""
+
+LIMITS_RECORDED = "recorded"
+"""The verdict of the topic's limits record: the limits every writer and reader uses."""
+
+LIMITS_PASSED_OVER = "passed-over"
+"""The verdict of a limits record anywhere but offset 0 of partition 0, which counts for nothing."""
 
 _BATCH = 500
 _POLL_S = 0.5
@@ -211,10 +221,13 @@ class LogApplier:
         client_config: Mapping[str, Any] | None = None,
         timeout_s: float = 10.0,
     ) -> LogApplier:
-        """An applier that reads a forgotten wire-delta parent again from the topic; ``close`` it after use."""
+        """An applier by the topic's limits that reads a forgotten wire-delta parent again from the topic;
+        ``close`` it after use."""
         context = ClientContext(bootstrap_servers, dict(client_config or {}))
+        limits = read_topic_limits(context, topic, timeout_s=max(timeout_s, 30.0))
         reader = OffsetReader(context, topic, timeout_s=max(timeout_s, 30.0))
-        return cls(store, topic, InboundRouter(parents=ParentRestorer(reader.read)), reader=reader)
+        router = InboundRouter(limits=limits, topic=topic, parents=ParentRestorer(reader.read))
+        return cls(store, topic, router, reader=reader)
 
     def close(self) -> None:
         """Close the parent reader, if any; idempotent."""
@@ -239,9 +252,27 @@ class LogApplier:
 
     def _take(self, message: LogMessage) -> list[tuple[TimelineEntry, bool]]:
         """Each decision's entry, and whether it is the message's own (the others are abandoned groups)."""
-        return [
+        taken = [
             (self._carry_out(message, routed), not _abandons(routed)) for routed in self.router.route(message)
         ]
+        if not taken:
+            # Only the topic's limits record routes to no decision: it is no event, and applies nothing.
+            taken = [(self._limits_entry(message), True)]
+        return taken
+
+    def _limits_entry(self, message: LogMessage) -> TimelineEntry:
+        recorded = message.partition == LIMITS_PARTITION and message.offset == 0
+        return TimelineEntry(
+            partition=message.partition,
+            offset=message.offset,
+            timestamp_ms=message.timestamp_ms,
+            event_type=LIMITS_RECORD_TYPE,
+            model_call_id="",
+            writer=headers_to_dict(message.headers).get(HEADER_WRITER, ""),
+            size=message.size,
+            decision=LIMITS_RECORDED if recorded else LIMITS_PASSED_OVER,
+            detail=self.router.limits.describe() if recorded else "not at offset 0 of partition 0: no effect",
+        )
 
     def _carry_out(self, message: LogMessage, routed: Routed) -> TimelineEntry:
         result = carry_out(self.store, self.topic, routed)

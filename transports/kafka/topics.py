@@ -10,6 +10,9 @@ because silently writing to a differently configured topic could lose durability
 A run topic is the only complete record of the run, so two settings are decided here: compaction is
 refused (it keeps only the last message per key, and every event of a rollout shares its key), and the
 topic keeps every message (``retention.ms=-1``) unless the caller gives a retention.
+
+The topic's size limits (``TopicLimits``) are decided here too: the broker takes no custom topic settings, so
+``ensure_topic`` writes them as the topic's first message (``topic_limits``), before any sink can send.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
 
-from tokcap.errors import ConfigError, TopicMismatchError, TransportError
+from tokcap.errors import ConfigError, TopicLimitsMismatchError, TopicMismatchError, TransportError
 from transports.kafka.clients import ClientContext, build_client
 from transports.kafka.error_map import Request, kafka_error_of, translated
+from transports.kafka.limits_record import partition_marks, read_topic_limits, write_limits_record
+from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 __all__ = [
     "KEEP_WHOLE_RUN",
@@ -175,10 +180,13 @@ def ensure_topic(
     *,
     admin_config: Mapping[str, Any] | None = None,
     timeout_s: float = 30.0,
+    limits: TopicLimits | None = None,
 ) -> bool:
-    """Create the topic if it is missing; return whether this call created it.
+    """Create the topic if it is missing, with its limits record first; return whether this call created it.
 
-    An existing topic with other settings raises ``TopicMismatchError`` naming each difference.
+    An existing topic with other settings raises ``TopicMismatchError`` naming each difference, and one whose
+    limits differ from ``limits`` (when given) ``TopicLimitsMismatchError``. An existing topic still empty
+    gets its limits record now, so a topic made by another tool is made complete here.
     """
     validate_topic_name(topic)
     wanted = settings or TopicSettings()
@@ -196,12 +204,14 @@ def ensure_topic(
         ]
         try:
             future.result(timeout=timeout_s)
-            return True
         except KafkaException as exc:
             error = kafka_error_of(exc)
             if error is None or error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
             existing = exc
+        else:
+            _record_limits(context, topic, limits or TOPIC_DEFAULTS, timeout_s)
+            return True
     with translated(context, Request(f"check the settings of topic {topic!r}", timeout_s)):
         problems = _existing_mismatches(admin, topic, wanted, timeout_s)
     if problems:
@@ -209,4 +219,35 @@ def ensure_topic(
             f"topic {topic!r} already exists with different settings: {'; '.join(problems)}. "
             "Use a new run id, or delete the topic and create it again"
         ) from existing
+    _check_existing_limits(context, topic, wanted.partitions, limits, timeout_s)
     return False
+
+
+def _record_limits(context: ClientContext, topic: str, limits: TopicLimits, timeout_s: float) -> None:
+    """Write the limits record, then read offset 0 back: a record another process wrote first wins."""
+    write_limits_record(context, topic, limits, timeout_s)
+    _compare_limits(topic, _recorded_limits(context, topic, timeout_s), limits)
+
+
+def _recorded_limits(context: ClientContext, topic: str, timeout_s: float) -> TopicLimits:
+    return read_topic_limits(context, topic, timeout_s=timeout_s)
+
+
+def _check_existing_limits(
+    context: ClientContext, topic: str, partitions: int, limits: TopicLimits | None, timeout_s: float
+) -> None:
+    """Give a still-empty topic its limits record; refuse asked-for limits that differ from an existing topic's."""
+    marks = partition_marks(context, topic, range(partitions), timeout_s=timeout_s)
+    if all(high == 0 for _, high in marks.values()):
+        _record_limits(context, topic, limits or TOPIC_DEFAULTS, timeout_s)
+    elif limits is not None:
+        _compare_limits(topic, _recorded_limits(context, topic, timeout_s), limits)
+
+
+def _compare_limits(topic: str, actual: TopicLimits, wanted: TopicLimits) -> None:
+    if actual != wanted:
+        raise TopicLimitsMismatchError(
+            f"topic {topic!r} already has limits {actual.describe()}, not the {wanted.describe()} asked for: a "
+            "topic's limits are decided once, when it is made (a topic made before limits were recorded has the "
+            "defaults). Use a new run id to get other limits"
+        )

@@ -269,8 +269,21 @@ def topic_create(
     kafka_option: _ClientOptions = None,
     timeout: Timeout = 10.0,
     as_json: JsonFlag = False,
+    max_event_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="Largest event, in bytes, every sink and reader of the topic takes (default 256 MiB).", min=1
+        ),
+    ] = None,
+    max_open_chunk_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="Bytes of open chunk groups a reader holds per partition (default twice the event limit).",
+            min=1,
+        ),
+    ] = None,
 ) -> None:
-    """Create the run topic; an existing topic with the same settings is fine, one with others is an error."""
+    """Create the run topic with its limits; an existing topic with the same settings is fine, others are an error."""
     from transports.kafka.cli.topic import create_topic
 
     result = create_topic(
@@ -282,12 +295,16 @@ def topic_create(
         config=config or [],
         client_options=kafka_option or [],
         timeout_s=timeout,
+        max_event_bytes=max_event_bytes,
+        max_open_chunk_bytes=max_open_chunk_bytes,
     )
     if as_json:
         emit_json(result)
     else:
         stdout_console().print(
-            f"topic {result['topic']}: {'created' if result['created'] else 'already exists'}"
+            f"topic {result['topic']}: {'created' if result['created'] else 'already exists'}, limits "
+            f"max_event_bytes={result['limits']['max_event_bytes']}, "
+            f"max_open_chunk_bytes={result['limits']['max_open_chunk_bytes']}"
         )
 
 

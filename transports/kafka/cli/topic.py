@@ -11,6 +11,9 @@ from rich.table import Table
 from tokcap.errors import InvalidInputError
 from transports.kafka.admin import delete_topic, describe_topic, probe_broker
 from transports.kafka.cli.options import parse_key_values, resolve_run_topic
+from transports.kafka.clients import ClientContext
+from transports.kafka.limits_record import read_topic_limits
+from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
 from transports.kafka.topics import TopicSettings, ensure_topic
 
 __all__ = ["create_topic", "delete", "describe", "render_description"]
@@ -26,22 +29,37 @@ def create_topic(
     config: Sequence[str],
     client_options: Sequence[str],
     timeout_s: float,
+    max_event_bytes: int | None = None,
+    max_open_chunk_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """Create the topic, or accept an identical existing one; a differently configured one is an error."""
+    """Create the topic with its limits record, or accept an identical existing one; a different one is an error.
+
+    Limits not given are the defaults; an existing topic is checked against the limits given.
+    """
     name = resolve_run_topic(run_id, topic)
     topic_config = parse_key_values(config, "--config")
     client_config = parse_key_values(client_options, "-X")
     settings = TopicSettings(
         partitions=partitions, replication_factor=replication_factor, config=topic_config
     )
+    limits = None
+    if max_event_bytes is not None or max_open_chunk_bytes is not None:
+        limits = TopicLimits(
+            max_event_bytes=TOPIC_DEFAULTS.max_event_bytes if max_event_bytes is None else max_event_bytes,
+            max_open_chunk_bytes=max_open_chunk_bytes or 0,
+        )
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
-    created = ensure_topic(bootstrap, name, settings, admin_config=client_config, timeout_s=timeout_s)
+    created = ensure_topic(
+        bootstrap, name, settings, admin_config=client_config, timeout_s=max(timeout_s, 30.0), limits=limits
+    )
+    recorded = read_topic_limits(ClientContext(bootstrap, client_config), name, timeout_s=timeout_s)
     return {
         "topic": name,
         "created": created,
         "partitions": partitions,
         "replication_factor": replication_factor,
         "config": settings.topic_config,
+        "limits": recorded.to_dict(),
     }
 
 
@@ -105,6 +123,8 @@ def render_description(description: dict[str, Any], console: Console) -> None:
             str(partition["high_offset"]),
         )
     console.print(table)
+    for key, value in (description.get("limits") or {}).items():
+        console.print(f"{key} = {value} (the topic's limit: every sink and reader uses it)")
     for key, value in description["configs"].items():
         console.print(f"{key} = {value if value is not None else '(not reported)'}")
     for warning in description["warnings"]:
