@@ -8,9 +8,10 @@ and written at the flush, one write per file and rollout. An event that removes 
 ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the store
 carries out the decision made here (``TokenCaptureStore.carry_out_decided``; a fence is synced before the
 removals it guards). A freeze is answered from memory as soon as it is applied.
-``flush`` ends the block: queued lines and changed states are written once per rollout and synced together;
-the caller writes its checkpoint only after that. The store never reads a rollout's state while this object
-holds it: between flushes the files may be behind memory, never ahead of it.
+``flush`` ends the block: queued lines and changed states are written once per rollout, synced together, the
+states renamed into place and synced again; the caller writes its checkpoint only after that. The store never
+reads a rollout's state while this object holds it: between flushes the files may be behind memory, never
+ahead of it.
 
 Why an answer given before the flush is safe. A rollout's decisions are a pure function of its own events and
 their log positions: the state after an event depends only on the events before it, and a freeze's snapshot id
@@ -129,8 +130,11 @@ class Projection:
     def flush(self) -> None:
         """Write the block's lines and states and sync them; then let go of the coldest states past the bound."""
         if self._open:
-            for rollout_id in sorted(self._dirty):
-                self._write(rollout_id, with_state=True)
+            # The states are renamed after one sync of them and of the lines they cover, never before: a power
+            # loss may keep a rename and lose unsynced bytes, leaving a state that names lines that are gone.
+            with self._store.deferred_state_files():
+                for rollout_id in sorted(self._dirty):
+                    self._write(rollout_id, with_state=True)
             self._dirty.clear()
             self._open = False
             self._store.sync()

@@ -2,10 +2,11 @@
 
 An inference worker calls ``stage`` from its completion threads before it answers Gym. Each call becomes
 one ``stage`` event applied by the store like every other event: the extras and attachments are written
-as blobs and made durable first (one filesystem sync shared by concurrent stagers), then the row naming them
-is appended and the state written, and the store's next shared sync makes them durable before ``stage``
-returns ok. A crash before that leaves at most blobs no row names; a crash after leaves a row whose every
-byte is on disk. So ok is never followed by a loss.
+as blobs, then the row naming them is appended and the new state written beside the state file; one
+filesystem sync (shared by concurrent stagers) makes all of it durable before the state is renamed into
+place, and the next makes the rename durable before ``stage`` returns ok. A crash before the rename leaves at
+most blobs and a row no state names; a crash after leaves a row whose every byte is on disk. So ok is never
+followed by a loss.
 """
 
 from __future__ import annotations
@@ -137,7 +138,9 @@ class FileStagingSink:
             contents: dict[str, bytes] = {}
             extras = None if staged.extras is None else _blob(orjson.dumps(staged.extras), contents)
             refs = {name: _blob(data, contents) for name, data in blobs.items()}
-            created = self._store.write_blobs(rollout_id, contents)
+            # The stage's apply syncs them: an accepted one before its state is renamed, any other before its
+            # verdict is answered.
+            created = self._store.write_blobs(rollout_id, contents, wait=False)
             event = StageEvent(
                 rollout_id=rollout_id,
                 staging_key=key,
