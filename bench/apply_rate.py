@@ -23,6 +23,7 @@ from transports.kafka.cli.materializer_process import collect_less_after_start_u
 from transports.kafka.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
 from transports.kafka.delta_parents import ParentRestorer
 from transports.kafka.materializer_settings import DEFAULT_SETTINGS
+from transports.kafka.topic_limits import is_limits_record
 
 __all__ = ["ApplyRate", "measure_apply_rate"]
 
@@ -80,7 +81,8 @@ def _read_topic(bootstrap: str, topic: str, ends: dict[int, int]) -> list[tuple[
 
 def measure_apply_rate(bootstrap: str, topic: str, ends: dict[int, int], directory: Path) -> ApplyRate:
     """Read the topic, then time decoding and applying every message to a fresh store."""
-    messages = _read_topic(bootstrap, topic, ends)
+    # The topic's limits record (its first message) is read by a materializer at start, not applied.
+    messages = [m for m in _read_topic(bootstrap, topic, ends) if not is_limits_record(headers_to_dict(m[3]))]
     projection = Projection(TokenCaptureStore(directory))
     # The collector set as a materializer's own process sets it after start-up; restored after the pass.
     threshold = gc.get_threshold()

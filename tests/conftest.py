@@ -12,7 +12,13 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-pytest_plugins = ["kafka_broker_fixture", "gym_wheel", "secure_kafka_fixture", "session_children"]
+pytest_plugins = [
+    "kafka_broker_fixture",
+    "gym_wheel",
+    "secure_kafka_fixture",
+    "session_children",
+    "crash_states",
+]
 
 
 @pytest.fixture(autouse=True)

@@ -167,12 +167,12 @@ def run_until_killed(root: Path, block: int, events_before_kill: int, state_writ
         write_state_file = store._replace_state_file
         closing_writes = [0]
 
-        def dying_write(paths: RolloutPaths, state: RolloutState) -> bytes:
+        def dying_write(paths: RolloutPaths, state: RolloutState, **options: bool) -> bytes:
             if flushing[0]:
                 if closing_writes[0] == state_writes_before_kill:
                     _kill_self()
                 closing_writes[0] += 1
-            return write_state_file(paths, state)
+            return write_state_file(paths, state, **options)
 
         store._replace_state_file = dying_write  # type: ignore[method-assign]
     for index, event in enumerate(events):

@@ -15,6 +15,7 @@ import errno
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tokcap.errors import StoreCorruptionError
@@ -28,9 +29,11 @@ __all__ = [
     "read_no_follow",
     "remove_if_exists",
     "remove_stale_temp_files",
+    "rename_over",
     "replace_atomically",
     "temp_path_for",
     "truncate_no_follow",
+    "write_temp_sibling",
 ]
 
 _READ_CHUNK = 1 << 16
@@ -119,12 +122,33 @@ def temp_path_for(path: Path) -> Path:
     return path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
 
 
-def replace_atomically(path: Path, data: bytes, *, durable: bool) -> None:
+def replace_atomically(
+    path: Path, data: bytes, *, durable: bool, before_rename: Callable[[], None] | None = None
+) -> None:
     """Write a whole file through a temporary sibling and rename it over the target.
 
     Readers see the old or the new content, never a mix. A failed write removes the temporary file.
     With ``durable`` the content is fsynced before the rename; the directory is synced by the caller.
+    ``before_rename`` runs between the write and the rename: a caller that makes the content durable with a
+    sync of the whole filesystem passes it here, since a power loss may keep a rename whose file's bytes were
+    never written (a state file found empty) unless they were synced before it.
     Renaming over a symbolic link replaces the link, never the file it points to.
+    """
+    tmp = write_temp_sibling(path, data, durable=durable)
+    try:
+        if before_rename is not None:
+            before_rename()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    rename_over(tmp, path)
+
+
+def write_temp_sibling(path: Path, data: bytes, *, durable: bool) -> Path:
+    """Write ``data`` to a new temporary sibling of ``path`` (fsynced with ``durable``) and return it.
+
+    The first half of ``replace_atomically``, for a caller that syncs many files at once before renaming
+    them with ``rename_over``. A failed write removes the temporary file.
     """
     tmp = temp_path_for(path)
     fd = open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -138,6 +162,16 @@ def replace_atomically(path: Path, data: bytes, *, durable: bool) -> None:
                 os.fsync(fd)
         finally:
             os.close(fd)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        exc.filename = exc.filename or str(path)
+        raise
+    return tmp
+
+
+def rename_over(tmp: Path, path: Path) -> None:
+    """Rename a temporary sibling over ``path``; a failed rename removes the temporary file."""
+    try:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

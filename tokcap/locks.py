@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokcap.durable_io import open_no_follow
 
-__all__ = ["ExclusiveFile", "RolloutLocks"]
+__all__ = ["ExclusiveFile", "RolloutHold", "RolloutLocks"]
 
 
 class _RolloutLock:
@@ -45,13 +45,13 @@ class RolloutLocks:
         self._guard = threading.Lock()
         self._locks: dict[str, _RolloutLock] = {}
 
-    def hold(self, path: Path) -> _Hold:
+    def hold(self, path: Path) -> RolloutHold:
         """Hold the lock of ``path`` for the duration of a ``with`` block.
 
         A small class rather than a generator context manager: every event of the apply step takes one,
         and a generator's enter and exit cost several times the ``flock`` itself.
         """
-        return _Hold(self, str(path))
+        return RolloutHold(self, str(path))
 
     def _acquire(self, key: str) -> _RolloutLock:
         with self._guard:
@@ -96,7 +96,7 @@ class RolloutLocks:
                 del self._locks[key]
 
 
-class _Hold:
+class RolloutHold:
     """One ``with`` block holding a rollout's lock."""
 
     __slots__ = ("_key", "_lock", "_locks")

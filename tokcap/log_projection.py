@@ -7,9 +7,10 @@ What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out 
 and written at the flush, one write per file and rollout. An event that removes files or writes a staged or
 ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the store
 carries out the decision made here (``TokenCaptureStore.carry_out_decided``; a fence is synced before the
-removals it guards). ``flush`` ends the block: queued lines and changed states are written once per rollout
-and synced together; the caller writes its checkpoint only after that. The store never reads a rollout's state
-while this object holds it: between flushes the files may be behind memory, never ahead of it.
+removals it guards). ``flush`` ends the block: queued lines and changed states are written once per rollout,
+synced together, the states renamed into place and synced again; the caller writes its checkpoint only after
+that. The store never reads a rollout's state while this object holds it: between flushes the files may be
+behind memory, never ahead of it.
 
 It owns the answers by log position (``tokcap.log_answers``): ``verdict_at`` and ``snapshot_at`` answer a
 command it applied from memory, and from the files only once they hold that position (its block flushed);
@@ -140,12 +141,15 @@ class Projection:
     def flush(self) -> None:
         """Write the block's lines and states and sync them; then let go of the coldest states past the bound."""
         if self._open:
-            for rollout_id in sorted(self._dirty):
-                self._write(rollout_id, with_state=True)
+            # The states are renamed after one sync of them and of the lines they cover, never before: a power
+            # loss may keep a rename and lose unsynced bytes, leaving a state that names lines that are gone.
+            with self._store.deferred_state_files():
+                for rollout_id in sorted(self._dirty):
+                    self._write(rollout_id, with_state=True)
+            self._dirty.clear()
             self._open = False
             self._store.sync()
         with self._guard:
-            self._dirty.clear()
             while len(self._states) > self._hot_rollouts:
                 self._forget(next(iter(self._states)))
 

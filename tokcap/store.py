@@ -44,8 +44,10 @@ from tokcap.durable_io import (
     read_no_follow,
     remove_if_exists,
     remove_stale_temp_files,
+    rename_over,
     replace_atomically,
     truncate_no_follow,
+    write_temp_sibling,
 )
 from tokcap.errors import (
     ConflictingEntryError,
@@ -79,7 +81,7 @@ from tokcap.layout import (
     RolloutPaths,
     rollout_ids_in,
 )
-from tokcap.locks import RolloutLocks
+from tokcap.locks import RolloutHold, RolloutLocks
 from tokcap.metrics import sink_timed, source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.records import TokenEntry
@@ -146,11 +148,51 @@ _REMEMBERED_LINES = 65_536
 """How many appended lines' call ids a store remembers to re-index its lagging tails without parsing them."""
 
 
+_PENDING_STATE_LOCKS = 64
+"""Most rollout locks a writer thread's batch holds for states it has not renamed yet; past it (a retire of many
+rollouts), the states written so far are synced and renamed, so a batch never needs a descriptor per rollout."""
+
+
 class _WriterBatch(threading.local):
     """Whether this thread is running an operation of the writer thread's batch, whose one barrier makes it
-    durable before its caller is answered."""
+    durable before its caller is answered; and the state files this thread wrote but has not renamed yet.
+
+    ``deferring`` says a single writer's block (``TokenCaptureStore.deferred_state_files``) is running, whose
+    states are renamed together at its end. ``pending`` maps a rollout id to its new state file's temporary
+    path, its files, in a batch the hold on its lock (kept until the rename so no other thread or process writes
+    the rollout in between), and whether its rename must be durable before the caller is answered. A single
+    writer's block owns its rollouts, so it keeps no descriptor per rollout and takes each lock again for the
+    rename.
+    """
 
     running: bool = False
+    deferring: bool = False
+    holding: bool = False
+    failure: BaseException | None = None
+
+    def __init__(self) -> None:
+        self.pending: dict[str, _PendingState] = {}
+
+
+@dataclass
+class _PendingState:
+    """A state file written beside its target and not renamed yet (``_WriterBatch.pending``).
+
+    ``durable``: its rename must be durable before the caller is answered. ``index_only``: it only indexes
+    lines already in the files, so it may be dropped instead of renamed, as if its write had been skipped.
+    """
+
+    tmp: Path
+    paths: RolloutPaths
+    hold: RolloutHold | None
+    durable: bool
+    index_only: bool
+
+    def drop(self) -> None:
+        """Remove the temporary file and let go of the lock."""
+        self.tmp.unlink(missing_ok=True)
+        if self.hold is not None:
+            self.hold.__exit__()
 
 
 @dataclass(frozen=True)
@@ -239,13 +281,54 @@ class TokenCaptureStore:
     # ------------------------------------------------------------ durability
 
     def _barrier(self) -> None:
-        """Wait until every write noted so far is durable, sharing one sync with concurrent writers."""
+        """Wait until every write noted so far is durable, sharing one sync with concurrent writers.
+
+        State files this thread left to rename are renamed first, after a sync of them and what they cover.
+        """
+        if self._batch.pending:
+            self._rename_pending_states()
+        failure = self._batch.failure
+        if failure is not None and not self._batch.running:
+            self._batch.failure = None
+            raise failure
         self._commit.wait_durable()
+
+    def _rename_pending_states(self) -> None:
+        """Sync the state files this thread wrote and every line they cover, then rename them into place.
+
+        One sync for all of them keeps a batch of freezes (or a single writer's block) at two syncs, where
+        syncing before each rename would cost one per state; a batch whose states are all index-only (puts and
+        intents) stays at one, its renames made durable by a later sync. A durable state's rename is noted for
+        the next barrier. A failed sync or rename removes the temporary files left; the old states stand.
+        """
+        pending, self._batch.pending = self._batch.pending, {}
+        try:
+            self._commit.note_write()
+            self._commit.wait_durable()
+            for rollout_id in list(pending):
+                state = pending[rollout_id]
+                if state.hold is None:
+                    with self._rollout_locks.hold(state.paths.lock):
+                        rename_over(state.tmp, state.paths.state)
+                else:
+                    rename_over(state.tmp, state.paths.state)
+                    state.hold.__exit__()
+                del pending[rollout_id]
+                if state.durable:
+                    self._commit.note_write()
+        except BaseException as exc:
+            # Every operation of the batch that left a state here must fail, not only the one that noticed.
+            if self._batch.running:
+                self._batch.failure = exc
+            raise
+        finally:
+            for state in pending.values():
+                state.drop()
 
     def _forced_barrier(self) -> None:
         """Sync even if this instance wrote nothing: another process may have removed files without syncing yet."""
         self._commit.note_write()
-        self._commit.wait_durable()
+        self._barrier()
 
     def _end_of_operation(self, *, forced: bool = False) -> None:
         """Make the operation durable now, unless the writer thread's batch does it before answering its caller."""
@@ -296,7 +379,7 @@ class TokenCaptureStore:
         """The file holding a staged call's extras or attachment with this SHA-256 (``tokcap.layout``)."""
         return self._paths_of(rollout_id).blob(sha256)
 
-    def write_blobs(self, rollout_id: str, blobs: Mapping[str, bytes]) -> list[Path]:
+    def write_blobs(self, rollout_id: str, blobs: Mapping[str, bytes], *, wait: bool = True) -> list[Path]:
         """Write blobs (bytes by their SHA-256) and return once every one is durable; return the files created.
 
         The files are written without syncs of their own and become durable in one filesystem sync shared with
@@ -304,6 +387,8 @@ class TokenCaptureStore:
         already on disk is kept only if it holds exactly these bytes (a crash before the sync may have left a
         file of the right name and size with other contents). It may be another writer's still in flight, so the
         sync is waited for even when nothing was written, and a row naming the blob is never durable before it.
+        Without ``wait`` the sync is left to the stage applied next: an accepted one syncs them with its row
+        before its state is renamed, any other verdict syncs before it is answered (``apply``).
         """
         created: list[Path] = []
         if not blobs:
@@ -316,7 +401,8 @@ class TokenCaptureStore:
             replace_atomically(path, data, durable=False)
             created.append(path)
         self._commit.note_write()
-        self._barrier()
+        if wait:
+            self._barrier()
         return created
 
     def lock_path_for(self, rollout_id: str) -> Path:
@@ -325,10 +411,46 @@ class TokenCaptureStore:
 
     @contextmanager
     def _locked(self, rollout_id: str) -> Iterator[RolloutPaths]:
-        """Hold the rollout's exclusive file lock; it serializes threads and processes alike."""
+        """Hold the rollout's exclusive file lock; it serializes threads and processes alike.
+
+        A state file of the rollout this thread has not renamed yet is renamed first (or dropped when it only
+        indexes lines, as an index write the store skips), so the files are the rollout's truth again.
+        """
         paths = self._paths_of(rollout_id)
         with self._rollout_locks.hold(paths.lock):
+            pending = self._batch.pending.get(rollout_id)
+            if pending is not None and pending.index_only:
+                self._batch.pending.pop(rollout_id).drop()
+            elif pending is not None:
+                self._rename_pending_states()
             yield paths
+
+    @contextmanager
+    def deferred_state_files(self, *, hold_locks: bool = False) -> Iterator[None]:
+        """Leave the state files written in the block unrenamed until its end, then sync once and rename them.
+
+        For a single writer's flush (``tokcap.log_projection``), which replaces many rollouts' states at once:
+        a state may only be renamed once it and the lines it covers are durable, and one sync for the whole
+        block is much cheaper than one per state. The caller syncs after the block to make the renames durable.
+        ``hold_locks`` keeps each rollout's lock until its rename, for a writer that does not own its rollouts.
+        Inside a writer thread's batch or another such block, the renames are left to it. A block that fails
+        on its own renames nothing.
+        """
+        deferring, holding = self._batch.deferring, self._batch.holding
+        outermost = not (deferring or self._batch.running)
+        self._batch.deferring, self._batch.holding = True, holding or hold_locks
+        try:
+            yield
+        except BaseException:
+            if outermost:
+                pending, self._batch.pending = self._batch.pending, {}
+                for state in pending.values():
+                    state.drop()
+            raise
+        finally:
+            self._batch.deferring, self._batch.holding = deferring, holding
+        if outermost and self._batch.pending:
+            self._rename_pending_states()
 
     # -------------------------------------------------------------- recovery
 
@@ -469,15 +591,17 @@ class TokenCaptureStore:
             elif isinstance(effect, AppendStagedLine | AppendLedgerLine):
                 self._append_line(paths, effect)
             elif isinstance(effect, WriteState) and effect.state is not None:
-                self._replace_state_file(paths, effect.state)
-                self._commit.note_write()
+                self._replace_state_file(paths, effect.state, durable=True)
                 exact = False
             elif isinstance(effect, WriteState):
                 if effect.durable or state.last_position is not None or self._index_write_due(recovered):
-                    known_state = self._replace_state_file(paths, state)
+                    known_state = self._replace_state_file(
+                        paths,
+                        state,
+                        durable=effect.durable,
+                        index_only=not effect.durable and state.last_position is None,
+                    )
                     state_written = True
-                    if effect.durable:
-                        self._commit.note_write()
             elif isinstance(effect, Barrier):
                 if fence_only:
                     return state_written, None
@@ -543,10 +667,43 @@ class TokenCaptureStore:
             )
         return start + len(line)
 
-    def _replace_state_file(self, paths: RolloutPaths, state: RolloutState) -> bytes:
-        """Replace the state file atomically; return the bytes it now holds."""
+    def _replace_state_file(
+        self, paths: RolloutPaths, state: RolloutState, *, durable: bool, index_only: bool = False
+    ) -> bytes:
+        """Replace the state file atomically; return the bytes it now holds.
+
+        The rename waits for a filesystem sync (shared with concurrent writers) of the new file and of every
+        line it covers. A power loss may keep a rename and lose bytes written before it that were not synced:
+        the state file would be found empty, or naming lines that are gone, and recovery would call a rollout
+        corrupt whose operations had returned ok. A ``durable`` state is synced again at the operation's
+        barrier; an ``index_only`` one need not be (its lines are the record, folded in while it lags).
+        A writer thread's batch (and a single writer's block) renames its states together at its end, under
+        their locks (``_rename_pending_states``).
+        """
         data = state.encode()
-        replace_atomically(paths.state, data, durable=False)
+        if not (self._batch.running or self._batch.deferring):
+            replace_atomically(paths.state, data, durable=False, before_rename=self._forced_barrier)
+            if durable:
+                self._commit.note_write()
+            return data
+        pending = self._batch.pending.pop(paths.rollout_id, None)
+        hold: RolloutHold | None = None
+        if pending is not None:
+            pending.tmp.unlink(missing_ok=True)
+            hold, durable = pending.hold, durable or pending.durable
+            index_only = index_only and pending.index_only
+        elif self._batch.running or self._batch.holding:
+            if len(self._batch.pending) >= _PENDING_STATE_LOCKS:
+                self._rename_pending_states()
+            hold = self._rollout_locks.hold(paths.lock)
+            hold.__enter__()
+        try:
+            tmp = write_temp_sibling(paths.state, data, durable=False)
+        except BaseException:
+            if hold is not None:
+                hold.__exit__()
+            raise
+        self._batch.pending[paths.rollout_id] = _PendingState(tmp, paths, hold, durable, index_only)
         return data
 
     def _remove(self, path: Path) -> None:
@@ -590,12 +747,13 @@ class TokenCaptureStore:
         so a resumed projection never applies anything twice.
         Rejections are returned, never raised; the file store's methods raise them to their callers.
         A failed write or sync raises ``StoreWriteError`` naming the operation, the rollout and the file.
+        A verdict that changes nothing (an identical repeat, a refusal) still waits for a sync: it was decided
+        from files another process's writer may not have synced yet, and a power loss must not undo it.
         """
-        paths = self._paths_of(event.rollout_id)
-        with self._rollout_locks.hold(paths.lock):
+        with self._locked(event.rollout_id) as paths:
             try:
                 decision = self._apply_locked(paths, event, position)
-                self._end_of_operation(forced=decision.sync_even_if_unchanged)
+                self._end_of_operation(forced=decision.sync_even_if_unchanged or not decision.changed)
             except StoreWriteError:
                 raise
             except OSError as exc:
@@ -609,13 +767,13 @@ class TokenCaptureStore:
 
         For ``tokcap.log_projection`` applying a rollout it holds no state of: bytes no state covers (a tail
         appended before a crash) are cut, so its appends start where the state says. A rollout with no file
-        yet starts empty without its lock being taken: every writer of the format creates a rollout's lock file
-        before any of its record files and removes it last, so a missing lock file means no record file (only
-        a tokcap 0.1 fence is looked for besides), and creating the lock file, the costliest step of a new
-        rollout's first event on ext4, is left to the flush.
+        yet starts empty without its lock being taken, so creating the lock file, the costliest step of a new
+        rollout's first event on ext4, is left to the flush. Every file is looked for, not the lock file alone:
+        writers create it before any record file, but a power loss may keep a record file and lose the lock
+        file's creation, which was never synced.
         """
         paths = self._paths_of(rollout_id)
-        if not (os.path.lexists(paths.lock) or os.path.lexists(paths.fence)):
+        if not any(os.path.lexists(path) for path in (paths.lock, paths.state, *paths.records, paths.fence)):
             return RolloutState(rollout_id=rollout_id)
         with self._locked(rollout_id) as paths:
             try:
@@ -657,8 +815,7 @@ class TokenCaptureStore:
                 for path, (start, lines) in by_file.items():
                     self._append(path, b"".join(lines), start, rollout_id)
                 if state is not None:
-                    self._replace_state_file(paths, state)
-                    self._commit.note_write()
+                    self._replace_state_file(paths, state, durable=True)
             except StoreWriteError:
                 raise
             except OSError as exc:
@@ -686,12 +843,10 @@ class TokenCaptureStore:
                     if isinstance(effect, WriteState) and effect.state is None:
                         state_due = True
                     elif isinstance(effect, WriteState):
-                        self._replace_state_file(paths, effect.state or state)
-                        self._commit.note_write()
+                        self._replace_state_file(paths, effect.state or state, durable=True)
                     elif isinstance(effect, Barrier):
                         if state_due:
-                            self._replace_state_file(paths, state)
-                            self._commit.note_write()
+                            self._replace_state_file(paths, state, durable=True)
                             state_due = False
                         self._barrier()
                     elif isinstance(effect, RemoveRecords):
@@ -907,10 +1062,11 @@ class TokenCaptureStore:
         event = FreezeEvent(rollout_id=validate_rollout_id(rollout_id))
         with self._locked(rollout_id) as paths, _write_errors_named(event):
             decision = self._apply_locked(paths, event, None)
-            self._raise_for(decision.verdict)
             # On the writer thread the batch's one barrier makes it durable before the caller is answered, so
-            # a batch of freezes (a trainer freezing its batch) shares one sync instead of one sync each.
-            self._end_of_operation()
+            # a batch of freezes (a trainer freezing its batch) shares one sync instead of one sync each. A
+            # freeze answered again waits for a sync too, as a repeat does (``apply``).
+            self._end_of_operation(forced=not decision.changed)
+            self._raise_for(decision.verdict)
             state = decision.state
             return self._snapshot_from(
                 rollout_id,
@@ -936,12 +1092,13 @@ class TokenCaptureStore:
         if not ids:
             return RolloutRemovalPayload()
         removed: dict[str, bool] = {}
-        for rollout_id in ids:
-            with self._locked(rollout_id) as paths:
-                decision = self._apply_locked(
-                    paths, RetireEvent(rollout_id=rollout_id), None, fence_only=True
-                )
-                removed[rollout_id] = bool(decision.verdict.removed)
+        with self.deferred_state_files(hold_locks=True):
+            for rollout_id in ids:
+                with self._locked(rollout_id) as paths:
+                    decision = self._apply_locked(
+                        paths, RetireEvent(rollout_id=rollout_id), None, fence_only=True
+                    )
+                    removed[rollout_id] = bool(decision.verdict.removed)
         self._forced_barrier()
         for rollout_id in ids:
             with self._locked(rollout_id) as paths:

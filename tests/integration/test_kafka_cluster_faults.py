@@ -31,6 +31,7 @@ from tokcap.protocols import TokenCaptureSnapshot
 from transports.kafka import KafkaTokenSource, TopicSettings, ensure_topic, topic_for_run
 from transports.kafka.codec import decode_event_value, headers_to_dict
 from transports.kafka.timeline import read_log
+from transports.kafka.topic_limits import is_limits_record
 
 pytestmark = pytest.mark.kafka
 
@@ -261,8 +262,8 @@ def test_losing_the_leader_and_then_a_quorum_loses_no_acknowledged_put(
     outcome = asyncio.run(scenario())
     puts = Counter()
     for message in read_log(kafka_cluster.bootstrap, topic, timeout_s=30):
-        if message.value is not None:
-            headers = headers_to_dict(list(message.headers))
+        headers = headers_to_dict(list(message.headers))
+        if message.value is not None and not is_limits_record(headers):
             event = decode_event_value(message.value, headers)
             if isinstance(event, PutEvent):
                 puts[(event.rollout_id, event.entry.model_call_id)] += 1

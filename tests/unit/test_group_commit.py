@@ -14,6 +14,7 @@ import pytest
 
 import tokcap.store
 from tests.factories import make_entry
+from tokcap.errors import StoreWriteError
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.store import TokenCaptureStore
 from tokcap.write_queue import MAX_BATCH
@@ -172,10 +173,10 @@ def test_a_failed_sync_fails_the_put_that_depended_on_it(tmp_path: Path) -> None
         store.append(make_entry("r", "c1"))
 
 
-def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_once_per_batch_not_once_per_freeze(
+def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_per_batch_not_per_freeze(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first freeze's sync is held until the other 99 are queued; they then share their batch's sync."""
+    """The first freeze's sync is held until the other 99 are queued; they then share their batch's syncs."""
     store = TokenCaptureStore(tmp_path)
     for n in range(100):
         store.append(make_entry(f"r{n}", "c0"))
@@ -193,7 +194,8 @@ def test_a_store_freezing_a_batch_of_rollouts_at_once_syncs_once_per_batch_not_o
         return [len(snapshot.entries) for snapshot in snapshots]
 
     assert asyncio.run(main()) == [1] * 100
-    assert store.commit_stats["syncs"] == 1 + math.ceil(99 / MAX_BATCH)
+    # Two per batch: one before the batch's state files are renamed (they and what they cover), one after.
+    assert store.commit_stats["syncs"] == 2 * (1 + math.ceil(99 / MAX_BATCH))
 
 
 def test_libc_is_looked_up_once_per_process_not_once_per_store(
@@ -206,3 +208,91 @@ def test_libc_is_looked_up_once_per_process_not_once_per_store(
     for _ in range(3):
         filesystem_sync_for(tmp_path)()
     assert lookups == []
+
+
+def test_a_batch_retiring_more_rollouts_than_the_open_file_limit_holds_no_descriptor_per_rollout(
+    tmp_path: Path,
+) -> None:
+    """A batch keeps each unrenamed state's lock until its rename, but only so many: a retire of many rollouts
+    renames its fences in groups instead of running out of descriptors."""
+    import os
+    import resource
+
+    store = TokenCaptureStore(tmp_path)
+    rollouts = [f"r{index}" for index in range(200)]
+    for rollout_id in rollouts:
+        store.append(make_entry(rollout_id, "c0"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    async def main() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 100, hard))
+        try:
+            await store.retire(rollouts)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        await store.close()
+
+    asyncio.run(main())
+    assert all(store.read_state(rollout_id).retired for rollout_id in rollouts)
+    assert all(store.read_entries(rollout_id) == [] for rollout_id in rollouts)
+
+
+def _state_files(directory: Path) -> dict[str, bytes]:
+    """Every state file and temporary file of a store directory, by name."""
+    return {path.name: path.read_bytes() for path in directory.iterdir() if ".state.json" in path.name}
+
+
+def test_a_failed_sync_before_a_freeze_renames_its_state_leaves_the_old_state_and_no_temporary_file(
+    tmp_path: Path,
+) -> None:
+    store = TokenCaptureStore(tmp_path)
+    store.append(make_entry("r", "c1"))
+    before = _state_files(tmp_path)
+
+    def broken_sync() -> None:
+        raise OSError(28, "no space left")
+
+    store._commit = GroupCommitter(broken_sync)
+    with pytest.raises(StoreWriteError, match="no space"):
+        store.freeze_now("r")
+    assert _state_files(tmp_path) == before
+
+
+def test_a_failed_sync_before_a_batchs_renames_fails_every_operation_of_the_batch_and_renames_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch's freezes share the sync before their renames: none of them may be answered, none renamed."""
+    store = TokenCaptureStore(tmp_path)
+    for n in range(4):
+        store.append(make_entry(f"r{n}", "c1"))
+    before = _state_files(tmp_path)
+    entered, gate = _gate_syncs(monkeypatch)
+    store = TokenCaptureStore(tmp_path)
+    broken = [False]
+    sync = store._commit._sync
+
+    def breakable_sync() -> None:
+        if broken[0]:
+            raise OSError(28, "no space left")
+        sync()
+
+    store._commit = GroupCommitter(breakable_sync)
+
+    async def main() -> list[BaseException | object]:
+        held = asyncio.ensure_future(store.put(make_entry("r0", "c2")))
+        assert await asyncio.to_thread(entered.wait, 30)
+        freezes = [asyncio.ensure_future(store.freeze(f"r{n}")) for n in range(1, 4)]
+        await asyncio.sleep(0)  # every freeze above has queued its operation behind the held put
+        broken[0] = True
+        gate.set()
+        results = await asyncio.gather(held, *freezes, return_exceptions=True)
+        await store.close()
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(result, OSError) for result in results[1:]), results
+    after = _state_files(tmp_path)
+    assert {name: after[name] for name in before if name != "r0.tokens.state.json"} == {
+        name: data for name, data in before.items() if name != "r0.tokens.state.json"
+    }
+    assert not [name for name in after if ".tmp-" in name]

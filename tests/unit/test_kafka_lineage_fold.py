@@ -15,7 +15,16 @@ from kafka_topic_double import MemoryTopic
 
 import transports.kafka.lineage as kafka_lineage
 from tokcap.errors import EventDecodeError, LineageLookupError
-from tokcap.events import DeleteEvent, Event, FreezeEvent, PutEvent, RetireEvent, encode_event
+from tokcap.events import (
+    DeleteEvent,
+    DropEvent,
+    Event,
+    FreezeEvent,
+    IncompleteEvent,
+    PutEvent,
+    RetireEvent,
+    encode_event,
+)
 from tokcap.lineage import stamp_continuation
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from transports.kafka.codec import (
@@ -376,3 +385,79 @@ def test_the_chunks_of_a_large_stage_are_counted_but_never_kept_by_the_resolver(
     assert router.open_chunk_bytes(0) == sum(len(m.value) for m in messages[:-1])
     assert router.open_groups() == []
     assert all(piece == b"" for group in router._groups[0].values() for piece in group.pieces)
+
+
+def _feed_at(resolver: KafkaLineageResolver, *events: Event, first_offset: int = 0) -> None:
+    """Fold events as the messages at consecutive offsets of partition 0, as the consumer hands them over."""
+    for offset, event in enumerate(events, start=first_offset):
+        encoding, value = encode_event_value(event)
+        headers = {HEADER_TYPE: event.type.value, HEADER_ENCODING: encoding}
+        resolver._fold(event.rollout_id, value, headers, 0, offset)
+
+
+def test_a_drop_of_a_stale_version_does_not_make_the_resolver_forget_the_rollouts_calls(
+    resolver: KafkaLineageResolver,
+) -> None:
+    # put (version 1), freeze at offset 1 (version 2, snapshot fold:0:1), a late marker (version 3): a drop of
+    # version 2 is stale, so the rules keep the rollout, and so must the resolver.
+    late_marker = IncompleteEvent(rollout_id="r", reason="late")
+    _feed_at(resolver, _put("c1", "one", [1]), FreezeEvent(rollout_id="r"), late_marker)
+    _feed_at(resolver, DropEvent(rollout_id="r", snapshot_id="fold:0:1", version=2), first_offset=3)
+    assert _status(resolver, "one") == ("resolved", "c1")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        DropEvent(rollout_id="r", snapshot_id="fold:0:1", version=2),
+        RetireEvent(rollout_id="r"),
+        DeleteEvent(rollout_id="r"),
+    ],
+    ids=["drop-of-the-frozen-version", "retire", "delete"],
+)
+def test_a_drop_of_the_frozen_version_a_retire_and_a_delete_make_the_resolver_forget_the_calls(
+    resolver: KafkaLineageResolver, command: Event
+) -> None:
+    _feed_at(resolver, _put("c1", "one", [1]), FreezeEvent(rollout_id="r"), command)
+    assert _status(resolver, "one") == ("unresolved", None)
+
+
+def test_a_drop_after_a_put_the_rules_refuse_as_late_is_judged_at_the_version_that_put_moved(
+    resolver: KafkaLineageResolver,
+) -> None:
+    # A put after the freeze is refused but moves the version (2 -> 3), as the materializer counts it.
+    _feed_at(resolver, _put("c1", "one", [1]), FreezeEvent(rollout_id="r"), _put("c2", "two", [1]))
+    _feed_at(resolver, DropEvent(rollout_id="r", snapshot_id="fold:0:1", version=2), first_offset=3)
+    assert _status(resolver, "one") == ("resolved", "c1")
+    _feed_at(resolver, DropEvent(rollout_id="r", snapshot_id="fold:0:1", version=3), first_offset=4)
+    assert _status(resolver, "one") == ("unresolved", None)
+
+
+def test_the_same_put_read_whole_and_again_as_a_wire_delta_is_one_candidate(
+    resolver: KafkaLineageResolver,
+) -> None:
+    # A resend of the same call as a wire delta is a no-op for the rules (one payload digest), so the resolver
+    # must not take it for a second payload under the call id.
+    first = _put("c1", "one", list(range(100)))
+    second_entry = TokenEntry(
+        rollout_id="r",
+        model_call_id="c2",
+        prompt_token_ids=[*range(100), 7, 8, 500],
+        generation_token_ids=[9],
+        generation_log_probs=[-0.5],
+        output_items=[{"role": "assistant", "content": "two"}],
+    )
+    stamp_lineage(second_entry, "c1", parent_resolution=ParentResolutionStatus.RESOLVED)
+    stamp_continuation(second_entry, _next_request("one"))
+    second = PutEvent(rollout_id="r", entry=second_entry)
+    _feed_at(resolver, first, second)
+    delta = encode_delta_message(second, ParentLink(0, 0, "c1", 102))
+    resolver._fold("r", delta.value, headers_to_dict(delta.headers), 0, 2)
+    request = [
+        *_next_request("one"),
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "go"},
+    ]
+    resolution = resolver._answer("r", request)
+    assert resolution.match is not None
+    assert resolution.match.model_call_id == "c2"

@@ -40,15 +40,24 @@ def interleaved_topic() -> MemoryTopic:
 
 def state_writes_of(topic: MemoryTopic, directory: Path, block_messages: int) -> tuple[int, dict[str, bytes]]:
     """How many state files a catch-up replaced, and every file it left but the locks."""
-    real = store_module.replace_atomically
+    real_replace, real_temp = store_module.replace_atomically, store_module.write_temp_sibling
     writes = []
 
-    def counted(path: Path, data: bytes, *, durable: bool) -> None:
+    def counted(path: Path, data: bytes, **options: Any) -> None:
         if path.name.endswith(".state.json"):
             writes.append(path.name)
-        real(path, data, durable=durable)
+        real_replace(path, data, **options)
 
-    with mock.patch.object(store_module, "replace_atomically", counted):
+    def counted_temp(path: Path, data: bytes, *, durable: bool) -> Path:
+        """A block's states are written beside their files and renamed together at its end."""
+        if path.name.endswith(".state.json"):
+            writes.append(path.name)
+        return real_temp(path, data, durable=durable)
+
+    with (
+        mock.patch.object(store_module, "replace_atomically", counted),
+        mock.patch.object(store_module, "write_temp_sibling", counted_temp),
+    ):
         materialize(topic, directory, block_messages=block_messages)
     files = {name: data for name, data in directory_contents(directory).items() if not name.endswith(".lock")}
     return len(writes), files

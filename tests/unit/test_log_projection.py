@@ -229,3 +229,31 @@ def test_every_write_of_the_store_leaves_a_rollouts_lock_file_beside_its_record_
     store.mark_incomplete_now("third", "c0")
     names = {path.name for path in tmp_path.iterdir()}
     assert {"other.tokens.lock", "third.tokens.lock"} <= names
+
+
+def test_a_flush_whose_sync_fails_renames_no_state_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """The block's states are renamed only after the sync of them and their lines; a failed one renames none."""
+    from tokcap.group_commit import GroupCommitter
+
+    store = TokenCaptureStore(tmp_path)
+    projection = Projection(store)
+    for offset, rollout_id in enumerate(("a", "b")):
+        projection.apply(
+            IntentEvent(rollout_id=rollout_id, model_call_id="c1"), LogPosition(TOPIC, 0, offset)
+        )
+    projection.flush()
+    before = {name: data for name, data in files(tmp_path).items() if name.endswith(".state.json")}
+    for offset, rollout_id in enumerate(("a", "b"), start=2):
+        projection.apply(
+            PutEvent(rollout_id=rollout_id, entry=make_entry(rollout_id, "c1")), LogPosition(TOPIC, 0, offset)
+        )
+
+    def broken_sync() -> None:
+        raise OSError(28, "no space left")
+
+    store._commit = GroupCommitter(broken_sync)
+    with pytest.raises(OSError, match="no space"):
+        projection.flush()
+    after = files(tmp_path)
+    assert {name: data for name, data in after.items() if name.endswith(".state.json")} == before
+    assert not [name for name in after if ".tmp-" in name]

@@ -13,6 +13,7 @@ import orjson
 import pytest
 from staging_calls import Turn, commit_for, conversation, cumulative_tokens, staged_call
 
+from tokcap import durable_io
 from tokcap.errors import (
     ConflictingEntryError,
     InvalidInputError,
@@ -149,19 +150,26 @@ def test_a_blob_file_of_the_right_name_and_size_but_other_bytes_is_rewritten_bef
     assert FileStagingSource(tmp_path).fetch_attachments("r1/c0") == {"image": image}
 
 
-def test_stage_makes_its_blobs_durable_before_it_appends_the_row_naming_them(
+def test_stage_makes_its_blobs_and_row_durable_before_the_state_naming_them_is_renamed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The state file is the commit record: a power loss may keep its rename and lose any unsynced byte, so the
+    blobs and the row it names are synced first, and the rename is synced before ``stage`` returns ok."""
     sink = FileStagingSink(tmp_path)
     store = sink._store
     events: list[str] = []
     sync = store._commit._sync
     monkeypatch.setattr(store._commit, "_sync", lambda: (events.append("sync"), sync())[1])
-    apply = store.apply
-    monkeypatch.setattr(store, "apply", lambda event: (events.append("row"), apply(event))[1])
+    rename = durable_io.rename_over
+
+    def logged_rename(tmp: Path, path: Path) -> None:
+        events.append("state" if path.name.endswith(".state.json") else "blob")
+        rename(tmp, path)
+
+    monkeypatch.setattr(durable_io, "rename_over", logged_rename)
     call = staged_call("r1", "c0", [1], [2], extras={"routed_experts": "nrlre1:abc"})
     assert sink.stage(call, attachments={"image": b"x"}).ok
-    assert events[:2] == ["sync", "row"] and events[-1] == "sync"
+    assert events == ["blob", "blob", "sync", "state", "sync"]
 
 
 def test_a_retried_stage_repairs_the_blobs_a_crash_before_its_sync_lost(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 from memory_staging_store import AsyncMemoryStagingStore, MemoryStagingStore
 from staging_calls import commit_for, conversation, staged_call
 
+import tokcap.staging.journal
 import tokcap.store
 from tokcap.errors import InvalidInputError, StoreCorruptionError
 from tokcap.events import LogPosition
@@ -30,7 +31,7 @@ from tokcap.staging import (
     restage,
     staged_rollouts,
 )
-from tokcap.staging.journal import REFUSED_STAGE_REASON, RolloutMark
+from tokcap.staging.journal import REFUSED_STAGE_REASON, RolloutMark, record_cursor
 from tokcap.state import RolloutState, StagedSlot
 from tokcap.store import TokenCaptureStore
 
@@ -475,3 +476,14 @@ def test_the_operations_guides_ten_lines_restore_a_crashed_trainers_store_to_eve
     assert restored.stored == before_crash.stored and len(restored.stored) == 4
     assert len(restored.given) == 2
     assert asyncio.run(ledger.pending_rollouts()) == [PendingRollout("r1", has_failures=False)]
+
+
+def test_the_cursors_file_a_cursor_creates_is_made_durable_with_its_directory_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[Path] = []
+    monkeypatch.setattr(tokcap.staging.journal, "fsync_directory", synced.append)
+    for step in range(3):
+        record_cursor(tmp_path, JournalCursor(f"step-{step}", "file", 1.0))
+    assert synced == [tmp_path]
+    assert [cursor.label for cursor in cursors_taken(tmp_path)] == ["step-0", "step-1", "step-2"]

@@ -46,9 +46,9 @@ def test_a_projection_writes_each_rollouts_index_once_at_its_flush(tmp_path: Pat
     state_writes = []
     write_state_file = store._replace_state_file
 
-    def counted(paths: RolloutPaths, state: RolloutState) -> bytes:
+    def counted(paths: RolloutPaths, state: RolloutState, **options: bool) -> bytes:
         state_writes.append(state.indexed_size)
-        return write_state_file(paths, state)
+        return write_state_file(paths, state, **options)
 
     store._replace_state_file = counted  # type: ignore[method-assign]
     for offset in range(1, 6):

@@ -2,10 +2,11 @@
 
 An inference worker calls ``stage`` from its completion threads before it answers Gym. Each call becomes
 one ``stage`` event applied by the store like every other event: the extras and attachments are written
-as blobs and made durable first (one filesystem sync shared by concurrent stagers), then the row naming them
-is appended and the state written, and the store's next shared sync makes them durable before ``stage``
-returns ok. A crash before that leaves at most blobs no row names; a crash after leaves a row whose every
-byte is on disk. So ok is never followed by a loss.
+as blobs, then the row naming them is appended and the new state written beside the state file; one
+filesystem sync (shared by concurrent stagers) makes all of it durable before the state is renamed into
+place, and the next makes the rename durable before ``stage`` returns ok. A crash before the rename leaves at
+most blobs and a row no state names; a crash after leaves a row whose every byte is on disk. So ok is never
+followed by a loss.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tokcap.staging.journal import REFUSED_STAGE_REASON, JournalCursor, file_cur
 from tokcap.staging.records import StagedCallRecord, staging_key
 from tokcap.store import TokenCaptureStore
 
-__all__ = ["FileStagingSink", "staged_record_from"]
+__all__ = ["FileStagingSink", "attachment_bytes", "staged_record_from"]
 
 
 def staged_record_from(record: Any) -> StagedCallRecord:
@@ -79,8 +80,12 @@ def _validated_record_type(record: Any) -> bool:
     return kind is StagedCallRecord or kind is getattr(staging_records_module(), "StagedCallRecord", None)
 
 
-def _attachment_bytes(rollout_id: str, call_id: str, attachments: Mapping[str, Any]) -> dict[str, bytes]:
-    """Attachments as bytes; anything else is refused, since it could not be returned as given."""
+def attachment_bytes(rollout_id: str, call_id: str, attachments: Mapping[str, Any]) -> dict[str, bytes]:
+    """A staged call's attachments as bytes; anything else is refused, since it could not be returned as given.
+
+    Every staging sink checks attachments this way (the file sink here, the Kafka sink before it sends), so
+    both refuse the same input with the same message.
+    """
     if not isinstance(attachments, Mapping):
         raise InvalidInputError(f"attachments must be a mapping, got {type(attachments).__name__}")
     out: dict[str, bytes] = {}
@@ -126,14 +131,16 @@ class FileStagingSink:
         """
         staged = staged_record_from(record)
         rollout_id, call_id = staged.rollout_id, staged.model_call_id
-        blobs = _attachment_bytes(rollout_id, call_id, attachments or {})
+        blobs = attachment_bytes(rollout_id, call_id, attachments or {})
         key = staging_key(rollout_id, call_id)
         created: list[Path] = []
         try:
             contents: dict[str, bytes] = {}
             extras = None if staged.extras is None else _blob(orjson.dumps(staged.extras), contents)
             refs = {name: _blob(data, contents) for name, data in blobs.items()}
-            created = self._store.write_blobs(rollout_id, contents)
+            # The stage's apply syncs them: an accepted one before its state is renamed, any other before its
+            # verdict is answered.
+            created = self._store.write_blobs(rollout_id, contents, wait=False)
             event = StageEvent(
                 rollout_id=rollout_id,
                 staging_key=key,

@@ -50,7 +50,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from tokcap.durable_io import read_no_follow
+from tokcap.durable_io import fsync_directory, read_no_follow
 from tokcap.errors import InvalidInputError, StoreCorruptionError
 from tokcap.layout import JOURNAL_CURSORS_NAME
 from tokcap.staging.gym_types import build
@@ -206,14 +206,21 @@ def file_cursor(store: TokenCaptureStore, label: str) -> JournalCursor:
 
 
 def record_cursor(directory: Path, cursor: JournalCursor) -> None:
-    """Append the cursor to the directory's list of cursors taken, durably (one fsync, once per snapshot)."""
+    """Append the cursor to the directory's list of cursors taken, durably (once per snapshot).
+
+    The file is synced, and the directory too when this append created the file: a new name survives a power
+    loss only once its directory is synced.
+    """
     path = directory / JOURNAL_CURSORS_NAME
+    created = not path.exists()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, cursor.to_json().encode() + b"\n")
         os.fsync(fd)
     finally:
         os.close(fd)
+    if created:
+        fsync_directory(directory)
 
 
 def cursors_taken(directory: str | Path) -> list[JournalCursor]:

@@ -14,17 +14,11 @@ from collections.abc import Mapping
 
 from tokcap.events import FreezeEvent
 from tokcap.log_projection import Projection
+from transports.kafka.apply import carry_out, refused_staging_reason
 from transports.kafka.block_checkpoints import BlockCheckpoints
 from transports.kafka.loop_metrics import count_applied, observe_command_wait, observe_freeze
 from transports.kafka.partition_progress import PartitionProgress
-from transports.kafka.router import (
-    ApplyEvent,
-    Deferred,
-    InboundRouter,
-    Routed,
-    carry_out,
-    refused_staging_reason,
-)
+from transports.kafka.router import ApplyEvent, Deferred, InboundRouter, Routed
 from transports.kafka.schedule import COMMANDS, Read, Scheduler
 
 __all__ = ["DecisionApplier"]

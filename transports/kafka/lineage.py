@@ -5,28 +5,34 @@ Before answering, ``resolve`` reads that partition up to its end as of the call 
 asked of the broker each time), so any ``put`` acknowledged before the call is seen: read-your-writes
 per rollout, on any node, including a resolver built after the put.
 
-Only the JSON head of each packed put is parsed (call id, fingerprint, context digest, lengths, digest,
-parent link); the token arrays are kept as the undecoded bytes that arrived and are decoded for the one
-proven parent's chain only. Kafka has no partial fetch, so the bytes do cross the wire. A put too large for
-one message is reassembled by the inbound router (``router``), with its digest check and memory limits, and
-decoded whole there; the chunks of other large events are counted towards those limits but not kept.
+Each put is indexed by its JSON head (call id, fingerprint, context digest, lengths, digest, parent link) and
+its payload digest, the one every store compares (``PutEvent.payload_digest``; a wire delta carries it); the
+token arrays are kept as the bytes that arrived and are decoded again for the one proven parent's chain only.
+Kafka has no partial fetch, so the bytes do cross the wire. A put too large for one message is reassembled by
+the inbound router (``router``), with its digest check and memory limits, and decoded whole there; the chunks
+of other large events are counted towards those limits but not kept.
 
 Every put is checked by the sinks' input rules as it is read: its head by the rules on the entry's fields,
-its ids on their packed bytes (``codec.read_packed_head``); a put refused is no candidate. The rules that
-need decoded arrays apply when the chain is decoded (``codec.decode_event_value``); a refusal there leaves
+its ids on their packed bytes (``codec.read_packed_head``); a put refused is no candidate. A put whose decoded
+arrays fail the rules has no payload digest and is told apart by its bytes; the rules that need decoded arrays
+apply again when the chain is decoded (``codec.decode_event_value``); a refusal there leaves
 the request unresolved (``LineageLookupError``). So a put the materializer dead-letters never resolves a
 parent.
 
-The log is folded the way the materializer applies it, as far as lineage needs: puts after a freeze
-are ignored (the store refuses them), a drop or retire forgets the rollout's calls (a later continuation
-is unresolved, which is always safe), and a delete starts the rollout afresh.
+The log is folded through the rules the materializer applies (``tokcap.rules.decide``), so the resolver's
+verdicts on a rollout's lifecycle are the store's: puts after a freeze are no candidates (the store refuses
+them), a drop of the snapshot and version frozen or a retire forgets the rollout's calls (a later continuation
+is unresolved, which is always safe), a drop the rules refuse as stale forgets nothing, and a delete starts
+the rollout afresh. Only a command changes the lifecycle, so the other events of a rollout are kept as read
+and decided at its next command; an event the materializer dead-letters is decided as the mask it applies.
+Like the ledger-only projection, the resolver passes over staged calls unread.
 State is kept for every rollout seen and not retired, so memory follows the live rollouts. The last parent
 materialized for each rollout is kept too (``max_kept_tokens`` overall), so a resolve decodes and packs only
 the puts after it: its cost follows what was appended since, not the rollout's length.
 
 Nameable in the config block as ``lineage_store: transports.kafka.lineage:KafkaLineageResolver`` with
 ``lineage_store_kwargs: {bootstrap_servers: ..., topic: ...}`` (or ``run_id``). It is Gym's ``CaptureLedger``
-for engine-side staging too (``transports.kafka.staging.KafkaCaptureLedger``): ledger rows are events on the
+for engine-side staging too (``transports.kafka.ledger.KafkaCaptureLedger``): ledger rows are events on the
 topic, read back from a materializer's projection, and a continuation no put resolves is looked up among the
 committed ledger rows, as the file resolver does. The projection lives in ``store_dir`` when given; without
 it, in a ledger-only projection in a directory the process makes for itself (``private_projection``), so the
@@ -37,7 +43,6 @@ at the first continuation whose rollout has ledger rows on the topic: a resolver
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 import time
 import zlib
@@ -51,9 +56,21 @@ from typing import Any
 import orjson
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, Message, TopicPartition
 
-from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, TransportError
-from tokcap.events import PutEvent
+from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, NewerSchemaError, TransportError
+from tokcap.events import (
+    LOG_READER_WRITER,
+    DeleteEvent,
+    DropEvent,
+    Event,
+    FreezeEvent,
+    IncompleteEvent,
+    LedgerEvent,
+    LogPosition,
+    PutEvent,
+    RetireEvent,
+)
 from tokcap.fingerprint import assistant_fingerprint
+from tokcap.hashing import sha256_hex
 from tokcap.ledger import PendingRollout
 from tokcap.lineage import (
     KeptParents,
@@ -65,6 +82,8 @@ from tokcap.lineage import (
 )
 from tokcap.metrics import source_timed
 from tokcap.records import ParentResolutionStatus, TokenEntry
+from tokcap.rules import decide
+from tokcap.state import RolloutState
 from transports.kafka.admin import partition_count
 from transports.kafka.clients import AuthenticationWatch, ClientContext, assign_reader, open_reader
 from transports.kafka.codec import (
@@ -83,23 +102,35 @@ from transports.kafka.codec import (
     read_packed_head,
     rollout_of_key,
 )
+from transports.kafka.dead_letters import REASON_LIMIT
 from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
 from transports.kafka.error_map import Request, read_failure, translated
+from transports.kafka.ledger import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
 from transports.kafka.limits_record import read_topic_limits
 from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
-from transports.kafka.router import ApplyEvent, InboundRouter
-from transports.kafka.staging import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
+from transports.kafka.router import ApplyEvent, DeadLetter, InboundRouter
 from transports.kafka.topic_limits import TopicLimits
 from transports.kafka.topics import resolve_topic
 
 __all__ = ["KafkaLineageResolver"]
 
 _ARRAYS = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
-_FORGETTING_EVENTS = frozenset({"drop", "retire"})
+_COMMANDS = (FreezeEvent, DropEvent, RetireEvent, DeleteEvent)
+"""The events that change a rollout's lifecycle: the rules decide each over every event before it."""
+_PASSED_OVER = frozenset({"stage"})
+"""Event types never read, as the ledger-only projection passes them over: a staged call holds no tokens."""
 _FOLD_STEP = 16
 """Messages folded per hold of the lock."""
 _RESTORE_STRIPES = 8
 """Wire-delta restorers, each with its own lock, serving a share of the rollouts."""
+
+
+def _put_digest(event: Event) -> str:
+    """A put's payload digest (``PutEvent.payload_digest``, the one every store compares); a packed value
+    decodes to a put or is refused."""
+    if not isinstance(event, PutEvent):
+        raise EventDecodeError(f"a packed value must be a put event, got {event.type.value}")
+    return event.payload_digest
 
 
 class _SharedQuestion:
@@ -176,16 +207,34 @@ class _StoredPut:
 
 @dataclass
 class _RolloutLog:
-    """What the log says about one rollout's calls so far."""
+    """What the log says about one rollout's calls so far.
 
+    ``state`` is the rollout as the rules (``tokcap.rules.decide``) left it at its last lifecycle command;
+    ``undecided`` holds every event read since, in log order, for the rules to decide at the next one. Only a
+    command changes the lifecycle, so whether a put is a candidate is known from ``state`` alone, and the
+    arrays of a put are decoded for the rules only when a command of its rollout is read.
+    """
+
+    state: RolloutState
     index: LineageIndex = field(default_factory=LineageIndex)
     puts: dict[str, _StoredPut] = field(default_factory=dict)
-    frozen: bool = False
-    retired: bool = False
+    undecided: list[tuple[LogPosition | None, Event | _StoredPut]] = field(default_factory=list)
     ledger_rows: bool = False
     """Whether a ledger row of the rollout was read: a continuation no put resolves may continue one."""
     at: dict[int, _StoredPut] = field(default_factory=dict)
     """Whole put messages by offset: the parents a wire delta of this rollout may link."""
+
+    @classmethod
+    def of(cls, rollout_id: str) -> _RolloutLog:
+        """A rollout nothing was read of yet."""
+        return cls(RolloutState(rollout_id=rollout_id))
+
+    def keep(self, position: LogPosition | None, event: Event | _StoredPut) -> bool:
+        """Keep an event for the rules to decide at the next command; a retired rollout's fence refuses it."""
+        if self.state.retired:
+            return False
+        self.undecided.append((position, event))
+        return True
 
 
 class KafkaLineageResolver:
@@ -347,7 +396,7 @@ class KafkaLineageResolver:
     ) -> LineageResolution:
         """The decision over what has been read of the log so far."""
         with self._lock:
-            log = self._rollouts.get(rollout_id) or _RolloutLog()
+            log = self._rollouts.get(rollout_id) or _RolloutLog.of(rollout_id)
         # Hashing the request's context needs no lock either: the reader only adds to this log's index (one
         # read and folded up to this call's end already holds every call the decision may need).
         status, node, reason = log.index.decide(request_items, fingerprint)
@@ -569,16 +618,25 @@ class KafkaLineageResolver:
                     self._chunk_router.pass_over(LogMessage.of(message))
                 return None
             self._fold(rollout_id, value, headers, partition, offset)
-        except (EventDecodeError, orjson.JSONDecodeError, ValueError, KeyError, TypeError):
-            # The materializer dead-letters what it cannot decode; for lineage it is simply not a candidate.
-            pass
+        except (
+            EventDecodeError,
+            NewerSchemaError,
+            orjson.JSONDecodeError,
+            ValueError,
+            KeyError,
+            TypeError,
+        ) as exc:
+            # The materializer dead-letters what it cannot decode and masks the rollout; for lineage it is no
+            # candidate, and the mask moves the version a later drop is judged by.
+            where = f"partition {partition} offset {offset}"
+            self._mask(rollout_id, LogPosition(self._topic, partition, offset), f"{where}: {exc}")
         return None
 
     def _take_chunk(self, message: LogMessage) -> None:
         """Reassemble through the inbound router, with its checks and memory limits; fold a completed event.
 
-        A group the router dead-letters is simply no candidate. A completed put is folded as its packed value,
-        which the router already decoded and checked whole.
+        A group the router dead-letters is no candidate; its mask is decided as the materializer decides it. A
+        completed put is folded as its packed value, which the router already decoded and checked whole.
         """
         for decided in self._chunk_router.route(message):
             if isinstance(decided, ApplyEvent):
@@ -587,26 +645,94 @@ class KafkaLineageResolver:
                     encode_event_value(event) if isinstance(event, PutEvent) else (ENCODING_JSON, b"")
                 )
                 headers = {**decided.headers, HEADER_ENCODING: encoding}
-                self._fold(event.rollout_id, value, headers, decided.partition, -1)
+                position = decided.position(self._topic)
+                self._fold(event.rollout_id, value, headers, decided.partition, -1, position)
+            elif isinstance(decided, DeadLetter) and decided.mask is not None:
+                self._log_of(decided.mask.rollout_id).keep(decided.position(self._topic), decided.mask)
+
+    def _log_of(self, rollout_id: str) -> _RolloutLog:
+        """The rollout's log, begun empty the first time one of its events is read."""
+        log = self._rollouts.get(rollout_id)
+        if log is None:
+            log = self._rollouts[rollout_id] = _RolloutLog.of(rollout_id)
+        return log
+
+    def _mask(self, rollout_id: str, position: LogPosition, why: str) -> None:
+        """Keep the mask the materializer applies for an event it dead-letters, for the rules to decide."""
+        reason = f"dead-lettered event at {why}"[:REASON_LIMIT]
+        mask = IncompleteEvent(rollout_id=rollout_id, writer=LOG_READER_WRITER, reason=reason)
+        self._log_of(rollout_id).keep(position, mask)
 
     def _fold(
-        self, rollout_id: str, value: bytes, headers: dict[str, str], partition: int = 0, offset: int = -1
+        self,
+        rollout_id: str,
+        value: bytes,
+        headers: dict[str, str],
+        partition: int = 0,
+        offset: int = -1,
+        position: LogPosition | None = None,
     ) -> None:
+        """Fold one event read at ``offset`` (-1: reassembled from chunks, or handed over without a position).
+
+        A put is indexed while its rollout is open and kept, as every other event, for the rules to decide at
+        the rollout's next lifecycle command (``_decide``), which is decided at once.
+        """
         kind = headers.get(HEADER_TYPE, "")
-        if kind == "delete":
+        if kind in _PASSED_OVER:
+            return
+        if position is None and offset >= 0:
+            position = LogPosition(self._topic, partition, offset)
+        log = self._log_of(rollout_id)
+        if kind == "put":
+            stored = self._index_put(log, rollout_id, value, headers, partition, offset)
+            if log.keep(position, stored) and offset >= 0:
+                log.at[offset] = stored
+            return
+        event = decode_event_value(value, headers)
+        if event.rollout_id != rollout_id:
+            raise EventDecodeError(f"the key names rollout {rollout_id!r}, the event {event.rollout_id!r}")
+        if isinstance(event, _COMMANDS):
+            self._decide(log, event, position)
+            return
+        if isinstance(event, LedgerEvent):
+            log.ledger_rows = True
+        log.keep(position, event)
+
+    def _decide(self, log: _RolloutLog, command: Event, position: LogPosition | None) -> None:
+        """Decide a lifecycle command by the rules, over every event of the rollout read before it.
+
+        The verdicts are the materializer's: a drop retires only the snapshot and version frozen, a retire
+        always, a delete starts the rollout afresh; a retired rollout's calls are forgotten.
+        """
+        rollout_id = log.state.rollout_id
+        state = log.state
+        for at, item in log.undecided:
+            event = item if not isinstance(item, _StoredPut) else self._put_or_mask(log, item, at)
+            state = decide(state, event, at).state
+        log.undecided.clear()
+        # A command handed over without a position (never by the consumer) names its snapshot by the topic.
+        state = decide(state, command, position, new_snapshot_id=f"{self._topic}:unpositioned").state
+        if isinstance(command, DeleteEvent):
             self._rollouts.pop(rollout_id, None)
             self._parents.forget(rollout_id)
-            return
-        log = self._rollouts.setdefault(rollout_id, _RolloutLog())
-        if kind in _FORGETTING_EVENTS:
-            self._rollouts[rollout_id] = _RolloutLog(frozen=True, retired=True)
+        elif state.retired:
+            self._rollouts[rollout_id] = _RolloutLog(state)
             self._parents.forget(rollout_id)
-        elif kind == "freeze":
-            log.frozen = True
-        elif kind == "ledger":
-            log.ledger_rows = True
-        elif kind == "put" and not log.frozen:
-            self._index_put(log, rollout_id, value, headers, partition, offset)
+        else:
+            log.state = state
+
+    def _put_or_mask(self, log: _RolloutLog, stored: _StoredPut, position: LogPosition | None) -> Event:
+        """A kept put decoded whole for the rules, or the mask the materializer applies when it cannot be."""
+        try:
+            return self._put_of(log, stored)
+        except LineageLookupError as exc:
+            where = (
+                "a reassembled put"
+                if position is None
+                else f"partition {position.partition} offset {position.offset}"
+            )
+            reason = f"dead-lettered event at {where}: {exc}"[:REASON_LIMIT]
+            return IncompleteEvent(rollout_id=log.state.rollout_id, writer=LOG_READER_WRITER, reason=reason)
 
     def _index_put(
         self,
@@ -616,7 +742,11 @@ class KafkaLineageResolver:
         headers: dict[str, str],
         partition: int,
         offset: int,
-    ) -> None:
+    ) -> _StoredPut:
+        """Keep a put as read and, while its rollout is open and its head proves a call, index it as a candidate."""
+        stored = _StoredPut(value, headers, rollout_id.encode(), partition, offset)
+        if not log.state.is_open:
+            return stored
         encoding = headers.get(HEADER_ENCODING, ENCODING_JSON)
         if encoding == ENCODING_DELTA:
             delta = decode_wire_delta(rollout_id.encode(), value, headers)
@@ -626,35 +756,36 @@ class KafkaLineageResolver:
             if link.partition != partition or parent is None or parent.call_id != link.model_call_id:
                 # Not provable from what this resolver read of the rollout (a parent from before a delete,
                 # say): not a candidate, which is always safe.
-                return
+                return stored
             entry = {k: v for k, v in delta.mapping["entry"].items() if k not in _ARRAYS}
             generation = delta.mapping["entry"].get("generation_token_ids") or []
             token_count = delta.prompt_count + len(generation)
-            payload = hashlib.sha256(
-                orjson.dumps(entry, option=orjson.OPT_SORT_KEYS)
-                + delta.entry_digest.encode()
-                + orjson.dumps([generation, delta.mapping["entry"].get("generation_log_probs")])
-            )
+            # The sink's ``PutEvent.payload_digest`` of the whole entry, which restoring it proves.
+            payload = delta.entry_digest
         elif encoding == ENCODING_PACKED:
-            entry, token_count, head_end = read_packed_head(value)
-            payload = hashlib.sha256(orjson.dumps(entry, option=orjson.OPT_SORT_KEYS) + value[head_end:])
+            entry, token_count, _ = read_packed_head(value)
+            try:
+                payload = _put_digest(decode_event_value(value, headers))
+            except EventDecodeError:
+                # Its arrays fail the input rules once decoded, so it has no canonical line: its bytes tell it
+                # apart, and a request continuing it fails when its arrays are decoded for the answer.
+                payload = sha256_hex(value)
         else:
             event = decode_event_value(value, headers)
             if not isinstance(event, PutEvent):
-                return
+                return stored
             entry = dict(event.entry.__dict__)
             token_count = len(event.entry.prompt_token_ids) + len(event.entry.generation_token_ids)
-            payload = hashlib.sha256(event.entry.canonical_json())
+            payload = event.payload_digest
         if entry.get("rollout_id") != rollout_id:
-            return
-        node = LineageNode.from_fields(entry, token_count=token_count, payload=payload.hexdigest())
+            return stored
+        node = LineageNode.from_fields(entry, token_count=token_count, payload=payload)
         if node is None:
-            return
+            return stored
         log.index.add(node)
-        stored = _StoredPut(value, headers, rollout_id.encode(), partition, offset, node.call_id)
+        stored.call_id = node.call_id
         log.puts.setdefault(node.call_id, stored)
-        if offset >= 0:
-            log.at[offset] = stored
+        return stored
 
     def _restored(self, log: _RolloutLog, stored: _StoredPut) -> PutEvent:
         """A wire delta's exact put, rebuilt from the rollout's whole puts read so far; its digest is checked.
@@ -672,7 +803,7 @@ class KafkaLineageResolver:
             try:
                 delta = decode_wire_delta(stored.key, stored.value, stored.headers)
                 return restorer.restore(stored.key, stored.partition, stored.offset, delta, read=read)
-            except EventDecodeError as exc:
+            except (EventDecodeError, NewerSchemaError) as exc:
                 raise LineageLookupError(
                     f"call {stored.call_id}'s wire delta cannot be restored: {exc}"
                 ) from exc
@@ -681,12 +812,17 @@ class KafkaLineageResolver:
         stored = log.puts.get(call_id)
         if stored is None:
             raise LineageLookupError(f"call {call_id} is indexed but its record was not kept")
+        return self._put_of(log, stored).entry
+
+    def _put_of(self, log: _RolloutLog, stored: _StoredPut) -> PutEvent:
+        """A kept put decoded whole, its wire delta restored; ``LineageLookupError`` when it cannot be."""
+        what = f"call {stored.call_id}" if stored.call_id else "a put"
         if stored.headers.get(HEADER_ENCODING) == ENCODING_DELTA:
-            return self._restored(log, stored).entry
+            return self._restored(log, stored)
         try:
             event = decode_event_value(stored.value, stored.headers)
-        except EventDecodeError as exc:
-            raise LineageLookupError(f"the record kept for call {call_id} cannot be decoded: {exc}") from exc
+        except (EventDecodeError, NewerSchemaError) as exc:
+            raise LineageLookupError(f"the record kept for {what} cannot be decoded: {exc}") from exc
         if not isinstance(event, PutEvent):
-            raise LineageLookupError(f"the record kept for call {call_id} is not a put")
-        return event.entry
+            raise LineageLookupError(f"the record kept for {what} is not a put")
+        return event

@@ -76,6 +76,7 @@ from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, watch_loop
 from tokcap.store import TokenCaptureStore
 from transports.kafka.admin import TopicIdReader
+from transports.kafka.apply import carry_out
 from transports.kafka.apply_decisions import DecisionApplier
 from transports.kafka.block_checkpoints import BlockCheckpoints
 from transports.kafka.checkpoint import (
@@ -112,7 +113,6 @@ from transports.kafka.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
     InboundRouter,
-    carry_out,
 )
 from transports.kafka.schedule import MaterializerCounters, Scheduler
 from transports.kafka.topic_limits import TopicLimits, check_given, warn_given

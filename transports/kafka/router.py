@@ -18,7 +18,8 @@ chunks of one group are contiguous in its output), when a chunk does not continu
 frozen first, or when it is still open ``ORPHAN_AFTER_OFFSETS`` offsets after its first chunk. A freeze
 abandons its rollout's open groups before it applies: whatever completes after the cut is never part of
 the snapshot, so a snapshot taken while a group is open must be masked, not returned complete. The router
-only decides; ``carry_out`` applies a decision to a store, and only the materializer writes dead-letter lines.
+only decides: the readers that keep a store carry its decisions out (``apply``), and only the materializer
+writes dead-letter lines.
 
 Every decision has a log position: the offset of the message whose routing took it, and its ``index`` among the
 decisions about the same rollout routing that message took, in their order. An abandoned group's mask thus sits
@@ -58,7 +59,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.events import (
@@ -67,16 +68,12 @@ from tokcap.events import (
     Event,
     FreezeEvent,
     IncompleteEvent,
-    LedgerEvent,
-    LedgerFailureEvent,
     LogPosition,
     PutEvent,
     RetireEvent,
-    StageEvent,
 )
 from tokcap.hashing import sha256_hex
 from tokcap.records import token_count
-from tokcap.store import ApplyOutcome, ApplyResult
 from transports.kafka.codec import (
     HEADER_TYPE,
     ChunkHeader,
@@ -102,16 +99,13 @@ from transports.kafka.topic_limits import (
 __all__ = [
     "MATERIALIZER_WRITER",
     "ORPHAN_AFTER_OFFSETS",
-    "Applier",
     "ApplyEvent",
     "Buffered",
     "DeadLetter",
     "Deferred",
     "InboundRouter",
     "Routed",
-    "carry_out",
     "logger",
-    "refused_staging_reason",
     "rollout_of",
 ]
 
@@ -732,42 +726,6 @@ def _check_named_type(headers: Mapping[str, str], event: Event) -> None:
     named = headers.get(HEADER_TYPE)
     if named is not None and named != event.type.value:
         raise EventDecodeError(f"type header {named!r} does not name the event's type {event.type.value!r}")
-
-
-class Applier(Protocol):
-    """What carries a routed event out: a store, or the materializer's projection in front of one."""
-
-    def apply(self, event: Event, position: LogPosition) -> ApplyResult: ...
-
-
-def carry_out(store: Applier, topic: str, routed: Routed) -> ApplyResult | None:
-    """Apply a routing decision to a store: the event, or the dead letter's mask; a buffered chunk is nothing yet.
-
-    Return the store's verdict, ``None`` when nothing was applied.
-    """
-    if isinstance(routed, ApplyEvent):
-        return store.apply(routed.event, routed.position(topic))
-    if isinstance(routed, Deferred):
-        raise TypeError("a deferred decision is settled by its router before it is carried out")
-    if isinstance(routed, Buffered) or routed.mask is None:
-        return None
-    return store.apply(routed.mask, routed.position(topic))
-
-
-def refused_staging_reason(routed: Routed, result: ApplyResult | None) -> str | None:
-    """Why a staging event read from the log is a dead letter once applied, or ``None`` when it is not.
-
-    Its writer was told ok when the broker acknowledged it, before anyone could see that the store refuses
-    it: a different payload under a key already kept (the rules mask the rollout), or a rollout retired
-    before it. Either way the event is lost to its writer, so it is dead-lettered like an undecodable one.
-    """
-    if not isinstance(routed, ApplyEvent) or result is None:
-        return None
-    if not isinstance(routed.event, StageEvent | LedgerEvent | LedgerFailureEvent):
-        return None
-    if result.outcome not in (ApplyOutcome.CONFLICT, ApplyOutcome.REJECTED_RETIRED):
-        return None
-    return f"refused {routed.event.type.value} event: {result.detail}"[:REASON_LIMIT]
 
 
 def _indexed(routed: list[_Decided]) -> list[_Decided]:

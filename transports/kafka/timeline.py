@@ -28,6 +28,7 @@ from tokcap.errors import TransportError
 from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, LedgerFailureEvent, StageEvent
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.admin import watermarks
+from transports.kafka.apply import carry_out
 from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage, headers_to_dict
 from transports.kafka.dead_letters import REASON_LIMIT
@@ -41,7 +42,6 @@ from transports.kafka.router import (
     DeadLetter,
     InboundRouter,
     Routed,
-    carry_out,
 )
 from transports.kafka.topic_limits import LIMITS_PARTITION, LIMITS_RECORD_TYPE
 
