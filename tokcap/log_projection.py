@@ -5,13 +5,13 @@ two flushes nothing but this object changes the rollouts it applies. It keeps ea
 accepted entries in memory (one cache) and decides each event with ``tokcap.rules.decide`` against that state.
 What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out in memory: its lines are queued
 and written at the flush, one write per file and rollout. An event that removes files or writes a staged or
-ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the store
-carries out the decision made here (``TokenCaptureStore.carry_out_decided``; a fence is synced before the
-removals it guards). A freeze is answered from memory as soon as it is applied.
+ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the decision made
+here is carried out (``tokcap.rollout_files``, the interpreter the shared store uses too; a fence is synced
+before the removals it guards). A freeze is answered from memory as soon as it is applied.
 ``flush`` ends the block: queued lines and changed states are written once per rollout, synced together, the
 states renamed into place and synced again; the caller writes its checkpoint only after that. The store never
 reads a rollout's state while this object holds it: between flushes the files may be behind memory, never
-ahead of it.
+ahead of it. This module writes files only through ``tokcap.rollout_files``; it calls nothing of the store.
 
 Why an answer given before the flush is safe. A rollout's decisions are a pure function of its own events and
 their log positions: the state after an event depends only on the events before it, and a freeze's snapshot id
@@ -34,23 +34,30 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokcap.entry_copies import fresh_read_copy
-from tokcap.events import Event, LogPosition, PutEvent
+from tokcap.errors import StoreWriteError
+from tokcap.events import Event, LogPosition, PutEvent, StageEvent
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry, token_count
+from tokcap.rollout_files import RolloutFiles, snapshot_from
 from tokcap.rules import (
     AppendEntry,
     AppendIncompleteMark,
     AppendIntent,
+    ApplyOutcome,
     ApplyResult,
+    Decision,
     RemoveRecords,
     RemoveState,
     WriteState,
     decide,
 )
 from tokcap.state import RolloutState
-from tokcap.store import TokenCaptureStore
+
+if TYPE_CHECKING:
+    from tokcap.store import TokenCaptureStore
 
 _Append = AppendEntry | AppendIntent | AppendIncompleteMark
 
@@ -90,6 +97,7 @@ class Projection:
                 f"hot bounds must be 0 or more, got {hot_tokens} tokens and {hot_rollouts} rollouts"
             )
         self._store = store
+        self._files: RolloutFiles = store.files
         self._hot_tokens = hot_tokens
         self._hot_rollouts = hot_rollouts
         self._states: OrderedDict[str, RolloutState] = OrderedDict()
@@ -132,12 +140,12 @@ class Projection:
         if self._open:
             # The states are renamed after one sync of them and of the lines they cover, never before: a power
             # loss may keep a rename and lose unsynced bytes, leaving a state that names lines that are gone.
-            with self._store.deferred_state_files():
+            with self._files.deferred_state_files():
                 for rollout_id in sorted(self._dirty):
                     self._write(rollout_id, with_state=True)
             self._dirty.clear()
             self._open = False
-            self._store.sync()
+            self._files.forced_barrier()
         while len(self._states) > self._hot_rollouts:
             self._forget(next(iter(self._states)))
 
@@ -167,7 +175,7 @@ class Projection:
         rollout_id = event.rollout_id
         state = self._states.get(rollout_id)
         if state is None:
-            state = self._states[rollout_id] = self._store.recovered_for_block(rollout_id)
+            state = self._states[rollout_id] = self._resumed_state(rollout_id)
         decision = decide(state, event, position)
         if not decision.changed:
             self._states.move_to_end(rollout_id)
@@ -178,7 +186,7 @@ class Projection:
                 self._forget_entries(rollout_id)
             self._states[rollout_id] = decision.state
             self._states.move_to_end(rollout_id)
-            if self._store.carry_out_decided(event, decision):
+            if self._carry_out_now(event, decision):
                 self._dirty.add(rollout_id)
             else:
                 self._dirty.discard(rollout_id)
@@ -200,9 +208,60 @@ class Projection:
             self._write(rollout_id, with_state=False)
 
     def _write(self, rollout_id: str, *, with_state: bool) -> None:
-        appends = self._queued.pop(rollout_id, [])
-        state = self._states[rollout_id] if with_state else None
-        self._store.write_block_appends(rollout_id, appends, state)
+        """Write a rollout's queued lines, one write per file, then (``with_state``) its state in memory."""
+        appends: list[_Append | WriteState] = list(self._queued.pop(rollout_id, []))
+        state = self._states.get(rollout_id) or RolloutState(rollout_id=rollout_id)
+        if with_state:
+            appends.append(WriteState(durable=True, state=self._states[rollout_id]))
+        with self._files.locked(rollout_id) as paths:
+            try:
+                self._files.carry_out(paths, appends, state)
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+
+    def _carry_out_now(self, event: Event, decision: Decision) -> bool:
+        """Carry out what is not kept in memory until the flush (a drop, retire or delete, a staged or ledger row).
+
+        The decided state is written where a barrier needs it on disk first (the fence before the removals it
+        guards) and synced there; otherwise it is left for the flush. Return whether it is left for the flush.
+        """
+        rollout_id = event.rollout_id
+        with self._files.locked(rollout_id) as paths:
+            try:
+                if (
+                    isinstance(event, StageEvent)
+                    and event.blob_bytes
+                    and decision.verdict.outcome is ApplyOutcome.ACCEPTED
+                ):
+                    self._files.write_carried_blobs(paths, event)
+                carried = self._files.carry_out(paths, decision.effects, decision.state, defer_state=True)
+                if decision.sync_even_if_unchanged:
+                    self._files.note_write()
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+        return carried.state_due
+
+    def _resumed_state(self, rollout_id: str) -> RolloutState:
+        """A rollout's state as this writer resumes it, its files repaired first.
+
+        Bytes no state covers (a tail appended before a crash) are cut, so its appends start where the state
+        says. A rollout with no file yet starts empty without its lock being taken, so creating the lock file,
+        the costliest step of a new rollout's first event on ext4, is left to the flush.
+        """
+        if not self._files.has_files(rollout_id):
+            return RolloutState(rollout_id=rollout_id)
+        with self._files.locked(rollout_id) as paths:
+            try:
+                recovered = self._files.recover(paths, replaying=True)
+                return self._files.repaired(paths, recovered).state
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
 
     def _appended(self, rollout_id: str, entry: TokenEntry, start: int, length: int) -> None:
         """Keep an entry whose line now sits at byte ``start``; a line anywhere but next forgets the rollout."""
@@ -228,7 +287,7 @@ class Projection:
         """The rollout's state as decided so far: memory for a hot rollout, which is ahead of its files until the
         flush; the files for any other."""
         state = self._states.get(rollout_id)
-        return self._store.read_state(rollout_id) if state is None else state
+        return self._files.read_state(rollout_id) if state is None else state
 
     def snapshot(self, rollout_id: str, as_of: LogPosition) -> TokenCaptureSnapshot:
         """The snapshot the freeze applied at ``as_of`` answered, from memory; the same one the files give.
@@ -241,8 +300,9 @@ class Projection:
         entries = self._copies(rollout_id, state)
         if entries is None:
             self.write_queued(rollout_id)
-            entries = self._store.read_entries_of(state)
-        return self._store._snapshot_from(rollout_id, state, entries, as_of)
+            with self._files.locked(rollout_id) as paths:
+                entries = self._files.entries_of(paths, state)
+        return snapshot_from(rollout_id, state, entries, as_of)
 
     def _copies(self, rollout_id: str, state: RolloutState) -> list[TokenEntry] | None:
         """Copies of the kept entries when they are every entry ``state`` accepts; else ``None``.
@@ -280,3 +340,15 @@ def _carried_in_memory(effect: object) -> bool:
     if isinstance(effect, WriteState):
         return effect.state is None
     return isinstance(effect, _Append)
+
+
+def _block_write_error(rollout_id: str, exc: OSError) -> StoreWriteError:
+    """The tokcap error for an operating-system error while this writer's block writes a rollout."""
+    error = StoreWriteError(
+        f"writing the projected block of rollout {rollout_id!r} failed at {exc.filename or 'a sync'}: "
+        f"{exc.strerror or exc}; nothing past the last checkpoint was acknowledged to other processes, and the "
+        "projection applies those events again when restarted. Free space or fix the device, then restart it",
+        rollout_id=rollout_id,
+    )
+    error.errno, error.filename = exc.errno, exc.filename
+    return error
