@@ -20,12 +20,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tokcap.durable_io import (
     append_durably,
@@ -34,16 +32,12 @@ from tokcap.durable_io import (
     read_no_follow,
     remove_if_exists,
     remove_stale_temp_files,
-    rename_over,
     replace_atomically,
     truncate_no_follow,
-    write_temp_sibling,
 )
 from tokcap.errors import StoreCorruptionError
 from tokcap.events import LogPosition, StageEvent
-from tokcap.group_commit import GroupCommitter, filesystem_sync_for
 from tokcap.layout import RolloutPaths
-from tokcap.locks import RolloutHold, RolloutLocks
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry
 from tokcap.recovery import CutTail, FinishRetire, Recovered, recover
@@ -61,6 +55,7 @@ from tokcap.rules import (
     snapshot_of,
 )
 from tokcap.state import RolloutState
+from tokcap.write_batches import WriteBatches
 
 __all__ = ["Carried", "FilesIdentity", "RolloutFiles", "files_identity", "logger", "snapshot_from"]
 
@@ -72,10 +67,6 @@ _REMEMBERED_PATHS = 65_536
 _REMEMBERED_LINES = 65_536
 """How many appended lines' call ids are remembered to re-index lagging tails without parsing them."""
 
-_PENDING_STATE_LOCKS = 64
-"""Most rollout locks a writer thread's batch holds for states it has not renamed yet; past it (a retire of many
-rollouts), the states written so far are synced and renamed, so a batch never needs a descriptor per rollout."""
-
 _Append = AppendEntry | AppendIntent | AppendIncompleteMark | AppendStagedLine | AppendLedgerLine
 
 FilesIdentity = tuple[bytes | None, int, int, int]
@@ -84,48 +75,6 @@ FilesIdentity = tuple[bytes | None, int, int, int]
 The bytes, not the inode and times: a rename can reuse an inode within one timestamp tick, and comparing a
 few kilobytes costs far less than parsing them.
 """
-
-
-class _WriterBatch(threading.local):
-    """Whether this thread is running an operation of a batch whose one barrier makes it durable before its
-    caller is answered; and the state files this thread wrote but has not renamed yet.
-
-    ``deferring`` says a block of deferred state files (``RolloutFiles.deferred_state_files``) is running, whose
-    states are renamed together at its end. ``pending`` maps a rollout id to its new state file's temporary
-    path, its files, in a batch the hold on its lock (kept until the rename so no other thread or process writes
-    the rollout in between), and whether its rename must be durable before the caller is answered. A single
-    writer's block owns its rollouts, so it keeps no descriptor per rollout and takes each lock again for the
-    rename.
-    """
-
-    running: bool = False
-    deferring: bool = False
-    holding: bool = False
-    failure: BaseException | None = None
-
-    def __init__(self) -> None:
-        self.pending: dict[str, _PendingState] = {}
-
-
-@dataclass
-class _PendingState:
-    """A state file written beside its target and not renamed yet (``_WriterBatch.pending``).
-
-    ``durable``: its rename must be durable before the caller is answered. ``index_only``: it only indexes
-    lines already in the files, so it may be dropped instead of renamed, as if its write had been skipped.
-    """
-
-    tmp: Path
-    paths: RolloutPaths
-    hold: RolloutHold | None
-    durable: bool
-    index_only: bool
-
-    def drop(self) -> None:
-        """Remove the temporary file and let go of the lock."""
-        self.tmp.unlink(missing_ok=True)
-        if self.hold is not None:
-            self.hold.__exit__()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +92,11 @@ class Carried:
     state_due: bool
 
 
-class RolloutFiles:
-    """Every rollout's files in one directory: locks, appends, states, blobs, removals, syncs, identities."""
+class RolloutFiles(WriteBatches):
+    """Every rollout's files in one directory: locks, appends, states, blobs, removals, syncs, identities.
+
+    The batches, syncs and state renames every write goes through are ``WriteBatches``'s.
+    """
 
     def __init__(self, root: Path, *, on_records_removed: Callable[[str], None] | None = None) -> None:
         """Open (or create) the directory; ``on_records_removed`` hears of every rollout whose records go."""
@@ -152,9 +104,7 @@ class RolloutFiles:
         self._on_records_removed = on_records_removed
         self._root.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(self._root)
-        self._commit = GroupCommitter(filesystem_sync_for(self._root))
-        self._batch = _WriterBatch()
-        self._rollout_locks = RolloutLocks()
+        super().__init__(self._root)
         self._call_ids_of_written_lines: dict[str, str] = {}
         self._paths: dict[str, RolloutPaths] = {}
 
@@ -162,82 +112,6 @@ class RolloutFiles:
     def root(self) -> Path:
         """The directory holding every rollout's files."""
         return self._root
-
-    @property
-    def syncs(self) -> int:
-        """How many filesystem syncs these files have cost; benchmarks report it."""
-        return self._commit.syncs
-
-    # ------------------------------------------------------------ durability
-
-    def run_in_batch(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """Run one operation of a batch; its writes become durable at the batch's ``barrier``."""
-        self._batch.running = True
-        try:
-            return function(*args)
-        finally:
-            self._batch.running = False
-
-    def note_write(self) -> None:
-        """Note a change the next barrier must make durable, even one made by another process."""
-        self._commit.note_write()
-
-    def barrier(self) -> None:
-        """Wait until every write noted so far is durable, sharing one sync with concurrent writers.
-
-        State files this thread left to rename are renamed first, after a sync of them and what they cover.
-        """
-        if self._batch.pending:
-            self._rename_pending_states()
-        failure = self._batch.failure
-        if failure is not None and not self._batch.running:
-            self._batch.failure = None
-            raise failure
-        self._commit.wait_durable()
-
-    def _rename_pending_states(self) -> None:
-        """Sync the state files this thread wrote and every line they cover, then rename them into place.
-
-        One sync for all of them keeps a batch of freezes (or a single writer's block) at two syncs, where
-        syncing before each rename would cost one per state; a batch whose states are all index-only (puts and
-        intents) stays at one, its renames made durable by a later sync. A durable state's rename is noted for
-        the next barrier. A failed sync or rename removes the temporary files left; the old states stand.
-        """
-        pending, self._batch.pending = self._batch.pending, {}
-        try:
-            self._commit.note_write()
-            self._commit.wait_durable()
-            for rollout_id in list(pending):
-                state = pending[rollout_id]
-                if state.hold is None:
-                    with self._rollout_locks.hold(state.paths.lock):
-                        rename_over(state.tmp, state.paths.state)
-                else:
-                    rename_over(state.tmp, state.paths.state)
-                    state.hold.__exit__()
-                del pending[rollout_id]
-                if state.durable:
-                    self._commit.note_write()
-        except BaseException as exc:
-            # Every operation of the batch that left a state here must fail, not only the one that noticed.
-            if self._batch.running:
-                self._batch.failure = exc
-            raise
-        finally:
-            for state in pending.values():
-                state.drop()
-
-    def forced_barrier(self) -> None:
-        """Sync even if nothing was written here: another process may have removed files without syncing yet."""
-        self._commit.note_write()
-        self.barrier()
-
-    def end_of_operation(self, *, forced: bool = False) -> None:
-        """Make the operation durable now, unless the batch running it does so before answering its caller."""
-        if forced:
-            self._commit.note_write()
-        if not self._batch.running:
-            self.barrier()
 
     # ----------------------------------------------------------------- paths
 
@@ -259,47 +133,9 @@ class RolloutFiles:
         paths = self.paths_of(rollout_id)
         return any(os.path.lexists(path) for path in (paths.lock, paths.state, *paths.records, paths.fence))
 
-    @contextmanager
-    def locked(self, rollout_id: str) -> Iterator[RolloutPaths]:
-        """Hold the rollout's exclusive file lock; it serializes threads and processes alike.
-
-        A state file of the rollout this thread has not renamed yet is renamed first (or dropped when it only
-        indexes lines, as an index write that is skipped), so the files are the rollout's truth again.
-        """
-        paths = self.paths_of(rollout_id)
-        with self._rollout_locks.hold(paths.lock):
-            pending = self._batch.pending.get(rollout_id)
-            if pending is not None and pending.index_only:
-                self._batch.pending.pop(rollout_id).drop()
-            elif pending is not None:
-                self._rename_pending_states()
-            yield paths
-
-    @contextmanager
-    def deferred_state_files(self, *, hold_locks: bool = False) -> Iterator[None]:
-        """Leave the state files written in the block unrenamed until its end, then sync once and rename them.
-
-        A state may only be renamed once it and the lines it covers are durable, and one sync for many states is
-        much cheaper than one per state. The caller syncs after the block to make the renames durable.
-        ``hold_locks`` keeps each rollout's lock until its rename, for a writer that does not own its rollouts.
-        Inside a batch or another such block, the renames are left to it. A block that fails on its own renames
-        nothing.
-        """
-        deferring, holding = self._batch.deferring, self._batch.holding
-        outermost = not (deferring or self._batch.running)
-        self._batch.deferring, self._batch.holding = True, holding or hold_locks
-        try:
-            yield
-        except BaseException:
-            if outermost:
-                pending, self._batch.pending = self._batch.pending, {}
-                for state in pending.values():
-                    state.drop()
-            raise
-        finally:
-            self._batch.deferring, self._batch.holding = deferring, holding
-        if outermost and self._batch.pending:
-            self._rename_pending_states()
+    def locked(self, rollout_id: str) -> AbstractContextManager[RolloutPaths]:
+        """Hold the rollout's exclusive file lock (``WriteBatches.holding``) and give its files."""
+        return self.holding(self.paths_of(rollout_id))
 
     # -------------------------------------------------------------- recovery
 
@@ -496,44 +332,6 @@ class RolloutFiles:
                 rollout_id=rollout_id,
             )
         return start + len(line)
-
-    def replace_state_file(
-        self, paths: RolloutPaths, state: RolloutState, *, durable: bool, index_only: bool = False
-    ) -> bytes:
-        """Replace the state file atomically; return the bytes it now holds.
-
-        The rename waits for a filesystem sync (shared with concurrent writers) of the new file and of every
-        line it covers. A power loss may keep a rename and lose bytes written before it that were not synced:
-        the state file would be found empty, or naming lines that are gone, and recovery would call a rollout
-        corrupt whose operations had returned ok. A ``durable`` state is synced again at the operation's
-        barrier; an ``index_only`` one need not be (its lines are the record, folded in while it lags).
-        A batch (and a block of deferred state files) renames its states together at its end, under their locks.
-        """
-        data = state.encode()
-        if not (self._batch.running or self._batch.deferring):
-            replace_atomically(paths.state, data, durable=False, before_rename=self.forced_barrier)
-            if durable:
-                self._commit.note_write()
-            return data
-        pending = self._batch.pending.pop(paths.rollout_id, None)
-        hold: RolloutHold | None = None
-        if pending is not None:
-            pending.tmp.unlink(missing_ok=True)
-            hold, durable = pending.hold, durable or pending.durable
-            index_only = index_only and pending.index_only
-        elif self._batch.running or self._batch.holding:
-            if len(self._batch.pending) >= _PENDING_STATE_LOCKS:
-                self._rename_pending_states()
-            hold = self._rollout_locks.hold(paths.lock)
-            hold.__enter__()
-        try:
-            tmp = write_temp_sibling(paths.state, data, durable=False)
-        except BaseException:
-            if hold is not None:
-                hold.__exit__()
-            raise
-        self._batch.pending[paths.rollout_id] = _PendingState(tmp, paths, hold, durable, index_only)
-        return data
 
     def remove(self, path: Path) -> None:
         """Remove a file if it exists; the removal becomes durable at the next barrier."""

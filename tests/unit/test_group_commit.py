@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import tokcap.rollout_files
+import tokcap.write_batches
 from tests.factories import make_entry
 from tokcap.errors import StoreWriteError
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
@@ -137,7 +137,7 @@ def _gate_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threa
 
         return gated_sync
 
-    monkeypatch.setattr(tokcap.rollout_files, "filesystem_sync_for", gated_sync_for)
+    monkeypatch.setattr(tokcap.write_batches, "filesystem_sync_for", gated_sync_for)
     return entered, gate
 
 
