@@ -41,16 +41,18 @@ from tokcap.errors import StoreWriteError
 from tokcap.events import Event, LogPosition, PutEvent, StageEvent
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry, token_count
-from tokcap.rollout_files import RolloutFiles, snapshot_from
+from tokcap.rollout_files import (
+    QueuedLine,
+    RolloutFiles,
+    appended_entry,
+    lines_that_may_wait,
+    removes_files,
+    snapshot_from,
+)
 from tokcap.rules import (
-    AppendEntry,
-    AppendIncompleteMark,
-    AppendIntent,
     ApplyOutcome,
     ApplyResult,
     Decision,
-    RemoveRecords,
-    RemoveState,
     WriteState,
     decide,
 )
@@ -59,7 +61,6 @@ from tokcap.state import RolloutState
 if TYPE_CHECKING:
     from tokcap.store import TokenCaptureStore
 
-_Append = AppendEntry | AppendIntent | AppendIncompleteMark
 
 __all__ = ["HOT_ROLLOUTS", "HOT_TOKENS", "Projection", "logger"]
 
@@ -105,7 +106,7 @@ class Projection:
         self._tokens = 0
         self._open = False
         """Whether a block is open: something was applied since the last flush, or ``begin`` was called."""
-        self._queued: dict[str, list[_Append]] = {}
+        self._queued: dict[str, list[QueuedLine]] = {}
         """Per rollout, the lines decided in this block and not written yet, in order."""
         self._dirty: set[str] = set()
         """Rollouts whose state changed in memory in this block: written at the flush."""
@@ -180,9 +181,10 @@ class Projection:
         if not decision.changed:
             self._states.move_to_end(rollout_id)
             return decision.verdict
-        if not all(_carried_in_memory(effect) for effect in decision.effects):
+        lines = lines_that_may_wait(decision.effects)
+        if lines is None:
             self.write_queued(rollout_id)
-            if any(isinstance(effect, RemoveRecords | RemoveState) for effect in decision.effects):
+            if removes_files(decision.effects):
                 self._forget_entries(rollout_id)
             self._states[rollout_id] = decision.state
             self._states.move_to_end(rollout_id)
@@ -191,15 +193,14 @@ class Projection:
             else:
                 self._dirty.discard(rollout_id)
             return decision.verdict
-        queued = self._queued.setdefault(rollout_id, [])
-        queued.extend(effect for effect in decision.effects if isinstance(effect, _Append))
+        self._queued.setdefault(rollout_id, []).extend(lines)
         self._states[rollout_id] = decision.state
         self._dirty.add(rollout_id)
         self._states.move_to_end(rollout_id)
         if isinstance(event, PutEvent):
-            for effect in decision.effects:
-                if isinstance(effect, AppendEntry):
-                    self._appended(rollout_id, event.entry, effect.start, len(effect.line))
+            appended = appended_entry(lines)
+            if appended is not None:
+                self._appended(rollout_id, event.entry, appended.start, len(appended.line))
         return decision.verdict
 
     def write_queued(self, rollout_id: str) -> None:
@@ -209,7 +210,7 @@ class Projection:
 
     def _write(self, rollout_id: str, *, with_state: bool) -> None:
         """Write a rollout's queued lines, one write per file, then (``with_state``) its state in memory."""
-        appends: list[_Append | WriteState] = list(self._queued.pop(rollout_id, []))
+        appends: list[QueuedLine | WriteState] = list(self._queued.pop(rollout_id, []))
         state = self._states.get(rollout_id) or RolloutState(rollout_id=rollout_id)
         if with_state:
             appends.append(WriteState(durable=True, state=self._states[rollout_id]))
@@ -333,13 +334,6 @@ class Projection:
         hot = self._entries.pop(rollout_id, None)
         if hot is not None:
             self._tokens -= hot.tokens
-
-
-def _carried_in_memory(effect: object) -> bool:
-    """Whether an effect only adds lines to a rollout's files or changes its state, so it waits for the flush."""
-    if isinstance(effect, WriteState):
-        return effect.state is None
-    return isinstance(effect, _Append)
 
 
 def _block_write_error(rollout_id: str, exc: OSError) -> StoreWriteError:

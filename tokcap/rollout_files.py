@@ -20,10 +20,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+
+import orjson
 
 from tokcap.durable_io import (
     append_durably,
@@ -57,7 +60,19 @@ from tokcap.rules import (
 from tokcap.state import RolloutState
 from tokcap.write_batches import WriteBatches
 
-__all__ = ["Carried", "FilesIdentity", "RolloutFiles", "files_identity", "logger", "snapshot_from"]
+__all__ = [
+    "AcceptedEntries",
+    "Carried",
+    "FilesIdentity",
+    "QueuedLine",
+    "RolloutFiles",
+    "appended_entry",
+    "files_identity",
+    "lines_that_may_wait",
+    "logger",
+    "removes_files",
+    "snapshot_from",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +84,46 @@ _REMEMBERED_LINES = 65_536
 
 _Append = AppendEntry | AppendIntent | AppendIncompleteMark | AppendStagedLine | AppendLedgerLine
 
+QueuedLine = AppendEntry | AppendIntent | AppendIncompleteMark
+"""A line a single writer may keep in memory until its flush: it only adds to an entry, intent or mark file."""
+
 FilesIdentity = tuple[bytes | None, int, int, int]
 """What a cached state was recovered from: the state file's bytes and the side files' sizes.
 
 The bytes, not the inode and times: a rename can reuse an inode within one timestamp tick, and comparing a
 few kilobytes costs far less than parsing them.
 """
+
+
+@dataclass(frozen=True)
+class AcceptedEntries:
+    """A rollout's entries file, open under its lock, as far as its state accepts it.
+
+    ``identity`` is the open file's device and inode (``None`` when nothing is accepted), ``size`` the bytes
+    the state covers (complete lines only: a torn or unaccepted tail is past it), and ``digests`` the sha256
+    of each call's accepted line, by call id.
+    """
+
+    identity: tuple[int, int] | None
+    size: int
+    digests: Mapping[str, str]
+    handle: BinaryIO | None
+    path: Path | None = None
+
+    def read(self, start: int, end: int) -> bytes:
+        """The accepted bytes from ``start`` to ``end``; a range past the accepted size is refused."""
+        if not 0 <= start <= end <= self.size:
+            raise ValueError(f"bytes {start}..{end} are outside the {self.size} accepted bytes")
+        if self.handle is None or start == end:
+            return b""
+        self.handle.seek(start)
+        data = self.handle.read(end - start)
+        if len(data) != end - start:
+            raise StoreCorruptionError(
+                f"{self.path} ended at byte {start + len(data)} inside the {self.size} bytes its state "
+                "covers; the file was truncated outside tokcap; restore it from a backup or delete the rollout"
+            )
+        return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,6 +425,81 @@ class RolloutFiles(WriteBatches):
             data = handle.read(state.indexed_size)
         return [TokenEntry.from_json(line) for line in data.split(b"\n") if line]
 
+    def staged_lines(
+        self, paths: RolloutPaths, state: RolloutState, keys: Sequence[str]
+    ) -> list[bytes | None]:
+        """The stored line of each staged key ``state`` holds (``None`` for any other); the caller holds the lock."""
+        slots = [state.staged.get(key) for key in keys]
+        if not any(slots):
+            return [None for _ in keys]
+        fd = open_no_follow(paths.staged, os.O_RDONLY)
+        try:
+            lines = [None if slot is None else os.pread(fd, slot.length, slot.start) for slot in slots]
+        finally:
+            os.close(fd)
+        for key, slot, line in zip(keys, slots, lines, strict=True):
+            if slot is not None and (line is None or len(line) != slot.length):
+                raise StoreCorruptionError(
+                    f"{paths.staged} is shorter than its state says (staged key {key!r}); restore the file "
+                    "from a backup or replay the run, the staged row cannot be read",
+                    rollout_id=paths.rollout_id,
+                )
+        return lines
+
+    def ledger_lines(self, paths: RolloutPaths, state: RolloutState) -> list[bytes]:
+        """Every ledger line ``state`` committed (rows and failures), in order; the caller holds the lock."""
+        if state.ledger_size == 0:
+            return []
+        with os.fdopen(open_no_follow(paths.ledger, os.O_RDONLY), "rb") as handle:
+            data = handle.read(state.ledger_size)
+        if len(data) != state.ledger_size:
+            raise StoreCorruptionError(
+                f"{paths.ledger} holds {len(data)} bytes, its state says {state.ledger_size}; restore it or "
+                "replay the run",
+                rollout_id=paths.rollout_id,
+            )
+        lines = data.splitlines(keepends=True)
+        _check_ledger_lines(paths.ledger, state, lines)
+        return [line.rstrip(b"\n") for line in lines]
+
+    @contextmanager
+    def accepted_entries(self, paths: RolloutPaths, state: RolloutState) -> Iterator[AcceptedEntries]:
+        """Open the part of the entries file ``state`` accepts; the caller holds the lock."""
+        if state.retired or state.indexed_size == 0:
+            yield AcceptedEntries(None, 0, {}, None)
+            return
+        with os.fdopen(open_no_follow(paths.entries, os.O_RDONLY), "rb") as handle:
+            found = os.fstat(handle.fileno())
+            yield AcceptedEntries(
+                (found.st_dev, found.st_ino), state.indexed_size, state.entry_digests, handle, paths.entries
+            )
+
+
+def lines_that_may_wait(effects: Sequence[Effect]) -> list[QueuedLine] | None:
+    """The lines of effects that only add entry, intent or mark lines and change the state in place, so a
+    single writer may keep them until its flush; ``None`` when one must be carried out now (a staged or ledger
+    row, a given state, a barrier, a removal)."""
+    lines: list[QueuedLine] = []
+    for effect in effects:
+        if isinstance(effect, QueuedLine):
+            lines.append(effect)
+        elif not isinstance(effect, WriteState) or effect.state is not None:
+            return None
+    return lines
+
+
+def removes_files(effects: Sequence[Effect]) -> bool:
+    """Whether effects remove a rollout's records or its state."""
+    return any(isinstance(effect, RemoveRecords | RemoveState) for effect in effects)
+
+
+def appended_entry(effects: Sequence[Effect]) -> AppendEntry | None:
+    """The entry line effects append, if any."""
+    for effect in effects:
+        if isinstance(effect, AppendEntry):
+            return effect
+    return None
+
 
 def snapshot_from(
     rollout_id: str,
@@ -392,6 +516,36 @@ def snapshot_from(
         snapshot_id=answer.snapshot_id,
         version=answer.version,
     )
+
+
+def _check_ledger_lines(path: Path, state: RolloutState, lines: list[bytes]) -> None:
+    """Every committed row sits where the state put it, under its own call id; the other lines are the failures.
+
+    A ledger row lost, moved or swapped with another after it was written would otherwise be read as a
+    manifest the ledger never recorded.
+    """
+    slots = {slot.start: (call_id, slot.length) for call_id, slot in state.ledger.items()}
+    offset, rows, failures = 0, 0, 0
+    for line in lines:
+        found = slots.get(offset)
+        if found is None:
+            failures += 1
+        elif len(line) != found[1] or b'"model_call_id":' + orjson.dumps(found[0]) not in line:
+            raise StoreCorruptionError(
+                f"{path} does not hold the ledger row of call {found[0]!r} at byte {offset} where its state "
+                "says it was written; the ledger was changed outside tokcap, so the rollout cannot be trusted",
+                rollout_id=state.rollout_id,
+            )
+        else:
+            rows += 1
+        offset += len(line)
+    if rows != len(state.ledger) or failures != len(state.ledger_failures):
+        raise StoreCorruptionError(
+            f"{path} holds {rows} ledger rows and {failures} other lines where its state recorded "
+            f"{len(state.ledger)} rows and {len(state.ledger_failures)} failures; the ledger was changed "
+            "outside tokcap, so the rollout cannot be trusted",
+            rollout_id=state.rollout_id,
+        )
 
 
 def _size_of(path: Path) -> int:

@@ -23,25 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
-
-import orjson
+from typing import Any, TypeVar
 
 from tokcap.checked_puts import accept_put
-from tokcap.durable_io import (
-    open_no_follow,
-)
 from tokcap.errors import (
     ConflictingEntryError,
     RolloutFrozenError,
     RolloutRetiredError,
-    StoreCorruptionError,
     StoreWriteError,
 )
 from tokcap.events import (
@@ -72,10 +64,16 @@ from tokcap.metrics import sink_timed, source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.records import TokenEntry
 from tokcap.recovery import Recovered
-from tokcap.rollout_files import FilesIdentity, RolloutFiles, files_identity, snapshot_from
+from tokcap.rollout_files import (
+    AcceptedEntries,
+    FilesIdentity,
+    RolloutFiles,
+    appended_entry,
+    files_identity,
+    snapshot_from,
+)
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.rules import (
-    AppendEntry,
     ApplyOutcome,
     ApplyResult,
     Decision,
@@ -118,37 +116,6 @@ _Result = TypeVar("_Result")
 
 _REMEMBERED_STATES = 4_096
 """How many recovered rollout states a store keeps, to skip parsing a state file no one changed."""
-
-
-@dataclass(frozen=True)
-class AcceptedEntries:
-    """A rollout's entries file, open under its lock, as far as its state accepts it.
-
-    ``identity`` is the open file's device and inode (``None`` when nothing is accepted), ``size`` the bytes
-    the state covers (complete lines only: a torn or unaccepted tail is past it), and ``digests`` the sha256
-    of each call's accepted line, by call id.
-    """
-
-    identity: tuple[int, int] | None
-    size: int
-    digests: Mapping[str, str]
-    handle: BinaryIO | None
-    path: Path | None = None
-
-    def read(self, start: int, end: int) -> bytes:
-        """The accepted bytes from ``start`` to ``end``; a range past the accepted size is refused."""
-        if not 0 <= start <= end <= self.size:
-            raise ValueError(f"bytes {start}..{end} are outside the {self.size} accepted bytes")
-        if self.handle is None or start == end:
-            return b""
-        self.handle.seek(start)
-        data = self.handle.read(end - start)
-        if len(data) != end - start:
-            raise StoreCorruptionError(
-                f"{self.path} ended at byte {start + len(data)} inside the {self.size} bytes its state "
-                "covers; the file was truncated outside tokcap; restore it from a backup or delete the rollout"
-            )
-        return data
 
 
 class TokenCaptureStore:
@@ -238,11 +205,9 @@ class TokenCaptureStore:
     def write_blobs(self, rollout_id: str, blobs: Mapping[str, bytes], *, wait: bool = True) -> list[Path]:
         """Write blobs (bytes by their SHA-256) and return once every one is durable; return the files created.
 
-        The files are written without syncs of their own and become durable in one filesystem sync shared with
-        every concurrent writer of this store, so many stagers pay for one sync instead of three each; a row
-        naming a blob is never durable before it. Without ``wait`` the sync is left to the stage applied next:
-        an accepted one syncs them with its row before its state is renamed, any other verdict syncs before it
-        is answered (``apply``).
+        Many stagers share one filesystem sync. Without ``wait`` the sync is left to the stage applied next: an
+        accepted one syncs them with its row before its state is renamed, any other verdict syncs before it is
+        answered (``apply``).
         """
         return self._files.write_blobs(rollout_id, blobs, wait=wait)
 
@@ -305,11 +270,15 @@ class TokenCaptureStore:
                 decision.effects,
                 decision.state,
                 identity=identity,
-                index_write_due=self._index_write_due(recovered),
+                index_write_due=_index_write_due(recovered),
                 stop_at_barrier=fence_only,
             )
             if position is None and isinstance(event, PutEvent):
-                self._keep_appended_entry(paths.rollout_id, event, decision)
+                appended = appended_entry(decision.effects)
+                if appended is not None:
+                    self._kept_entries.appended(
+                        paths.rollout_id, event.entry, appended.start, len(appended.line), appended.digest
+                    )
             if not fence_only:
                 state_written, known = carried.state_written, carried.identity
                 lagging = 0 if state_written else recovered.lagging_lines + 1
@@ -321,18 +290,6 @@ class TokenCaptureStore:
                 after = Recovered(decision.state, (), lagging, exists)
                 self._remember_state(paths.rollout_id, known, after)
         return decision
-
-    def _keep_appended_entry(self, rollout_id: str, event: PutEvent, decision: Decision) -> None:
-        """Keep an exact copy of the entry a put of the store's own appended, for the rollout's freeze."""
-        for effect in decision.effects:
-            if isinstance(effect, AppendEntry):
-                self._kept_entries.appended(
-                    rollout_id, event.entry, effect.start, len(effect.line), effect.digest
-                )
-
-    def _index_write_due(self, recovered: Recovered) -> bool:
-        """An index-only change of the file store is written every few lines, or when there is no state file."""
-        return recovered.lagging_lines + 1 >= INDEX_FLUSH_ENTRIES or not recovered.state_file_exists
 
     # ------------------------------------------------------------- the apply step
 
@@ -372,40 +329,13 @@ class TokenCaptureStore:
         """The stored line of each staged key (``None`` for a key never staged), read without parsing others."""
         with self._files.locked(rollout_id) as paths:
             state = self._recovered(paths, replaying=False, writing=False).state
-            slots = [state.staged.get(key) for key in keys]
-            if not any(slots):
-                return [None for _ in keys]
-            fd = open_no_follow(paths.staged, os.O_RDONLY)
-            try:
-                lines = [None if slot is None else os.pread(fd, slot.length, slot.start) for slot in slots]
-            finally:
-                os.close(fd)
-        for key, slot, line in zip(keys, slots, lines, strict=True):
-            if slot is not None and (line is None or len(line) != slot.length):
-                raise StoreCorruptionError(
-                    f"{paths.staged} is shorter than its state says (staged key {key!r}); restore the file "
-                    "from a backup or replay the run, the staged row cannot be read",
-                    rollout_id=rollout_id,
-                )
-        return lines
+            return self._files.staged_lines(paths, state, keys)
 
     def read_ledger_lines(self, rollout_id: str) -> list[bytes]:
         """Every committed ledger line of a rollout (rows and failures), in the order they were recorded."""
         with self._files.locked(rollout_id) as paths:
             state = self._recovered(paths, replaying=False, writing=False).state
-            if state.ledger_size == 0:
-                return []
-            with os.fdopen(open_no_follow(paths.ledger, os.O_RDONLY), "rb") as handle:
-                data = handle.read(state.ledger_size)
-        if len(data) != state.ledger_size:
-            raise StoreCorruptionError(
-                f"{paths.ledger} holds {len(data)} bytes, its state says {state.ledger_size}; restore it or "
-                "replay the run",
-                rollout_id=rollout_id,
-            )
-        lines = data.splitlines(keepends=True)
-        _check_ledger_lines(paths.ledger, state, lines)
-        return [line.rstrip(b"\n") for line in lines]
+            return self._files.ledger_lines(paths, state)
 
     @contextmanager
     def accepted_entries(self, rollout_id: str) -> Iterator[AcceptedEntries]:
@@ -417,18 +347,8 @@ class TokenCaptureStore:
         """
         with self._files.locked(rollout_id) as paths:
             state = self._recovered(paths, replaying=False, writing=False).state
-            if state.retired or state.indexed_size == 0:
-                yield AcceptedEntries(None, 0, {}, None)
-                return
-            with os.fdopen(open_no_follow(paths.entries, os.O_RDONLY), "rb") as handle:
-                found = os.fstat(handle.fileno())
-                yield AcceptedEntries(
-                    (found.st_dev, found.st_ino),
-                    state.indexed_size,
-                    state.entry_digests,
-                    handle,
-                    paths.entries,
-                )
+            with self._files.accepted_entries(paths, state) as accepted:
+                yield accepted
 
     def read_state(self, rollout_id: str) -> RolloutState:
         """The rollout's current state, reconciled in memory with its file tails."""
@@ -451,12 +371,7 @@ class TokenCaptureStore:
         """
         with self._files.locked(rollout_id) as paths:
             state = self._recovered(paths, replaying=False, writing=False).state
-            return self._snapshot_of(paths, state, as_of)
-
-    def _snapshot_of(
-        self, paths: RolloutPaths, state: RolloutState, as_of: LogPosition | None
-    ) -> TokenCaptureSnapshot:
-        return snapshot_from(paths.rollout_id, state, lambda: self._files.entries_of(paths, state), as_of)
+            return snapshot_from(rollout_id, state, lambda: self._files.entries_of(paths, state), as_of)
 
     def is_incomplete(self, rollout_id: str) -> bool:
         """Whether any call of the rollout failed to capture (or, once frozen, was left dangling)."""
@@ -468,50 +383,24 @@ class TokenCaptureStore:
 
     # ------------------------------------------------------ sink, synchronous
 
-    def _raise_for(self, result: ApplyResult) -> None:
-        """Turn a rejection into the error the spec's callers catch."""
-        rollout_id, call_id = result.rollout_id, result.model_call_id
-        if result.outcome is ApplyOutcome.REJECTED_AFTER_FREEZE:
-            raise RolloutFrozenError(
-                f"rollout {rollout_id!r} is frozen (snapshot {result.snapshot_id}); {result.event_type.value} "
-                f"for call {call_id!r} was rejected and is not part of the snapshot. A write racing the freeze "
-                "means an attempt was still running; the version moved so the stale snapshot is kept",
-                rollout_id=rollout_id,
-                model_call_id=call_id,
-            )
-        if result.outcome is ApplyOutcome.REJECTED_RETIRED:
-            raise RolloutRetiredError(
-                f"rollout {rollout_id!r} is retired; {result.event_type.value} for call {call_id!r} was refused by "
-                "its fence. Delete the rollout before reusing its id",
-                rollout_id=rollout_id,
-                model_call_id=call_id,
-            )
-        if result.outcome is ApplyOutcome.CONFLICT:
-            raise ConflictingEntryError(
-                f"call {call_id!r} of rollout {rollout_id!r} was already stored with a different payload; "
-                "the rollout is marked incomplete and will be masked",
-                rollout_id=rollout_id,
-                model_call_id=call_id,
-            )
-
     def append(self, entry: TokenEntry) -> None:
         """Idempotently append one entry and sync it before returning; a Gym entry is taken as is."""
-        self._raise_for(self.apply(accept_put(entry)))
+        _raise_for(self.apply(accept_put(entry)))
 
     def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record that a call is about to be dispatched; a lost entry then masks the rollout."""
         check_call_id(rollout_id, model_call_id)
-        self._raise_for(self.apply(IntentEvent(rollout_id=rollout_id, model_call_id=model_call_id)))
+        _raise_for(self.apply(IntentEvent(rollout_id=rollout_id, model_call_id=model_call_id)))
 
     def cancel_call_now(self, rollout_id: str, model_call_id: str) -> None:
         """Durably close an intent whose call ended without generation."""
         check_call_id(rollout_id, model_call_id)
-        self._raise_for(self.apply(CancelEvent(rollout_id=rollout_id, model_call_id=model_call_id)))
+        _raise_for(self.apply(CancelEvent(rollout_id=rollout_id, model_call_id=model_call_id)))
 
     def mark_incomplete_now(self, rollout_id: str, model_call_id: str = "", reason: str = "") -> None:
         """Durably record that a call was lost."""
         check_call_id(rollout_id, model_call_id, may_be_empty=True)
-        self._raise_for(
+        _raise_for(
             self.apply(IncompleteEvent(rollout_id=rollout_id, model_call_id=model_call_id, reason=reason))
         )
 
@@ -526,7 +415,7 @@ class TokenCaptureStore:
             # a batch of freezes (a trainer freezing its batch) shares one sync instead of one sync each. A
             # freeze answered again waits for a sync too, as a repeat does (``apply``).
             self._files.end_of_operation(forced=not decision.changed)
-            self._raise_for(decision.verdict)
+            _raise_for(decision.verdict)
             state = decision.state
             return snapshot_from(
                 rollout_id,
@@ -629,6 +518,38 @@ class TokenCaptureStore:
         await asyncio.to_thread(self._writes.close)
 
 
+def _index_write_due(recovered: Recovered) -> bool:
+    """An index-only change of the file store is written every few lines, or when there is no state file."""
+    return recovered.lagging_lines + 1 >= INDEX_FLUSH_ENTRIES or not recovered.state_file_exists
+
+
+def _raise_for(result: ApplyResult) -> None:
+    """Turn a rejection into the error the spec's callers catch."""
+    rollout_id, call_id = result.rollout_id, result.model_call_id
+    if result.outcome is ApplyOutcome.REJECTED_AFTER_FREEZE:
+        raise RolloutFrozenError(
+            f"rollout {rollout_id!r} is frozen (snapshot {result.snapshot_id}); {result.event_type.value} "
+            f"for call {call_id!r} was rejected and is not part of the snapshot. A write racing the freeze "
+            "means an attempt was still running; the version moved so the stale snapshot is kept",
+            rollout_id=rollout_id,
+            model_call_id=call_id,
+        )
+    if result.outcome is ApplyOutcome.REJECTED_RETIRED:
+        raise RolloutRetiredError(
+            f"rollout {rollout_id!r} is retired; {result.event_type.value} for call {call_id!r} was refused by "
+            "its fence. Delete the rollout before reusing its id",
+            rollout_id=rollout_id,
+            model_call_id=call_id,
+        )
+    if result.outcome is ApplyOutcome.CONFLICT:
+        raise ConflictingEntryError(
+            f"call {call_id!r} of rollout {rollout_id!r} was already stored with a different payload; "
+            "the rollout is marked incomplete and will be masked",
+            rollout_id=rollout_id,
+            model_call_id=call_id,
+        )
+
+
 def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
     """Build the training-token file store from a global config.
 
@@ -643,36 +564,6 @@ def make_token_store(global_config_dict: Any) -> TokenCaptureStore | None:
     if directory is None:
         return None
     return TokenCaptureStore(directory)
-
-
-def _check_ledger_lines(path: Path, state: RolloutState, lines: list[bytes]) -> None:
-    """Every committed row sits where the state put it, under its own call id; the other lines are the failures.
-
-    A ledger row lost, moved or swapped with another after it was written would otherwise be read as a
-    manifest the ledger never recorded.
-    """
-    slots = {slot.start: (call_id, slot.length) for call_id, slot in state.ledger.items()}
-    offset, rows, failures = 0, 0, 0
-    for line in lines:
-        found = slots.get(offset)
-        if found is None:
-            failures += 1
-        elif len(line) != found[1] or b'"model_call_id":' + orjson.dumps(found[0]) not in line:
-            raise StoreCorruptionError(
-                f"{path} does not hold the ledger row of call {found[0]!r} at byte {offset} where its state "
-                "says it was written; the ledger was changed outside tokcap, so the rollout cannot be trusted",
-                rollout_id=state.rollout_id,
-            )
-        else:
-            rows += 1
-        offset += len(line)
-    if rows != len(state.ledger) or failures != len(state.ledger_failures):
-        raise StoreCorruptionError(
-            f"{path} holds {rows} ledger rows and {failures} other lines where its state recorded "
-            f"{len(state.ledger)} rows and {len(state.ledger_failures)} failures; the ledger was changed "
-            "outside tokcap, so the rollout cannot be trusted",
-            rollout_id=state.rollout_id,
-        )
 
 
 @contextmanager
