@@ -164,7 +164,7 @@ def run_until_killed(root: Path, block: int, events_before_kill: int, state_writ
     events = BLOCKS[block]
     flushing = [False]
     if state_writes_before_kill >= 0:
-        write_state_file = store._replace_state_file
+        write_state_file = store.files.replace_state_file
         closing_writes = [0]
 
         def dying_write(paths: RolloutPaths, state: RolloutState, **options: bool) -> bytes:
@@ -174,7 +174,7 @@ def run_until_killed(root: Path, block: int, events_before_kill: int, state_writ
                 closing_writes[0] += 1
             return write_state_file(paths, state, **options)
 
-        store._replace_state_file = dying_write  # type: ignore[method-assign]
+        store.files.replace_state_file = dying_write  # type: ignore[method-assign]
     for index, event in enumerate(events):
         if index == events_before_kill and state_writes_before_kill < 0:
             _kill_self()

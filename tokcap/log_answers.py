@@ -10,18 +10,16 @@ applied the position, wherever that state is held. Two readers give it by the sa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
 
 from tokcap.events import Event, FreezeEvent, LogPosition
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import TokenEntry
-from tokcap.rules import ApplyResult, recorded_verdict, snapshot_of
+from tokcap.rules import ApplyResult, recorded_verdict
 from tokcap.state import RolloutState
 from tokcap.store import TokenCaptureStore
 
-__all__ = ["FileAnswers", "LogAnswers", "command_verdict", "snapshot_from"]
+__all__ = ["FileAnswers", "LogAnswers", "command_verdict"]
 
 
 def command_verdict(state: RolloutState, command: Event, position: LogPosition) -> ApplyResult:
@@ -79,17 +77,3 @@ class FileAnswers:
         if not from_files:
             return None
         return self._store.snapshot(rollout_id, as_of=position)
-
-
-def snapshot_from(
-    state: RolloutState, entries: Sequence[TokenEntry], as_of: LogPosition
-) -> TokenCaptureSnapshot:
-    """The snapshot the freeze at ``as_of`` answered, given the entries ``state`` accepts (``rules.snapshot_of``)."""
-    answer = snapshot_of(state, as_of)
-    return TokenCaptureSnapshot(
-        rollout_id=state.rollout_id,
-        entries=tuple(entries),
-        incomplete=answer.incomplete,
-        snapshot_id=answer.snapshot_id,
-        version=answer.version,
-    )

@@ -5,12 +5,13 @@ two flushes nothing but this object changes the rollouts it applies. It keeps ea
 accepted entries in memory (one cache) and decides each event with ``tokcap.rules.decide`` against that state.
 What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out in memory: its lines are queued
 and written at the flush, one write per file and rollout. An event that removes files or writes a staged or
-ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the store
-carries out the decision made here (``TokenCaptureStore.carry_out_decided``; a fence is synced before the
-removals it guards). ``flush`` ends the block: queued lines and changed states are written once per rollout,
-synced together, the states renamed into place and synced again; the caller writes its checkpoint only after
-that. The store never reads a rollout's state while this object holds it: between flushes the files may be
-behind memory, never ahead of it.
+ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the decision made
+here is carried out (``tokcap.rollout_files``, the interpreter the shared store uses too; a fence is synced
+before the removals it guards). A freeze is answered from memory as soon as it is applied.
+``flush`` ends the block: queued lines and changed states are written once per rollout, synced together, the
+states renamed into place and synced again; the caller writes its checkpoint only after that. The store never
+reads a rollout's state while this object holds it: between flushes the files may be behind memory, never
+ahead of it. This module writes files only through ``tokcap.rollout_files``; it calls nothing of the store.
 
 It owns the answers by log position (``tokcap.log_answers``): ``verdict_at`` and ``snapshot_at`` answer a
 command it applied from memory, and from the files only once they hold that position (its block flushed);
@@ -40,26 +41,34 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokcap.entry_copies import fresh_read_copy
-from tokcap.events import Event, LogPosition, PutEvent
-from tokcap.log_answers import FileAnswers, command_verdict, snapshot_from
+from tokcap.errors import StoreWriteError
+from tokcap.events import Event, LogPosition, PutEvent, StageEvent
+from tokcap.log_answers import FileAnswers, command_verdict
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry, token_count
+from tokcap.rollout_files import (
+    QueuedLine,
+    RolloutFiles,
+    appended_entry,
+    lines_that_may_wait,
+    removes_files,
+    snapshot_from,
+)
 from tokcap.rules import (
-    AppendEntry,
-    AppendIncompleteMark,
-    AppendIntent,
+    ApplyOutcome,
     ApplyResult,
-    RemoveRecords,
-    RemoveState,
+    Decision,
     WriteState,
     decide,
 )
 from tokcap.state import RolloutState
-from tokcap.store import TokenCaptureStore
 
-_Append = AppendEntry | AppendIntent | AppendIncompleteMark
+if TYPE_CHECKING:
+    from tokcap.store import TokenCaptureStore
+
 
 __all__ = ["HOT_ROLLOUTS", "HOT_TOKENS", "Projection", "logger"]
 
@@ -98,6 +107,7 @@ class Projection:
                 f"hot bounds must be 0 or more, got {hot_tokens} tokens and {hot_rollouts} rollouts"
             )
         self._store = store
+        self._files: RolloutFiles = store.files
         self._hot_tokens = hot_tokens
         self._hot_rollouts = hot_rollouts
         self._states: OrderedDict[str, RolloutState] = OrderedDict()
@@ -105,13 +115,13 @@ class Projection:
         self._tokens = 0
         self._open = False
         """Whether a block is open: something was applied since the last flush, or ``begin`` was called."""
-        self._queued: dict[str, list[_Append]] = {}
+        self._queued: dict[str, list[QueuedLine]] = {}
         """Per rollout, the lines decided in this block and not written yet, in order."""
         self._dirty: set[str] = set()
         """Rollouts whose state changed in memory in this block: written at the flush."""
         self._guard = threading.Lock()
         """Held while memory changes and while another thread reads it (``verdict_at``, ``snapshot_at``)."""
-        self._files = FileAnswers(store)
+        self._answers_on_files = FileAnswers(store)
 
     @property
     def store(self) -> TokenCaptureStore:
@@ -143,12 +153,12 @@ class Projection:
         if self._open:
             # The states are renamed after one sync of them and of the lines they cover, never before: a power
             # loss may keep a rename and lose unsynced bytes, leaving a state that names lines that are gone.
-            with self._store.deferred_state_files():
+            with self._files.deferred_state_files():
                 for rollout_id in sorted(self._dirty):
                     self._write(rollout_id, with_state=True)
             self._dirty.clear()
             self._open = False
-            self._store.sync()
+            self._files.forced_barrier()
         with self._guard:
             while len(self._states) > self._hot_rollouts:
                 self._forget(next(iter(self._states)))
@@ -184,31 +194,31 @@ class Projection:
         rollout_id = event.rollout_id
         state = self._states.get(rollout_id)
         if state is None:
-            state = self._states[rollout_id] = self._store.recovered_for_block(rollout_id)
+            state = self._states[rollout_id] = self._resumed_state(rollout_id)
         decision = decide(state, event, position)
         if not decision.changed:
             self._states.move_to_end(rollout_id)
             return decision.verdict
-        if not all(_carried_in_memory(effect) for effect in decision.effects):
+        lines = lines_that_may_wait(decision.effects)
+        if lines is None:
             self.write_queued(rollout_id)
-            if any(isinstance(effect, RemoveRecords | RemoveState) for effect in decision.effects):
+            if removes_files(decision.effects):
                 self._forget_entries(rollout_id)
             self._states[rollout_id] = decision.state
             self._states.move_to_end(rollout_id)
-            if self._store.carry_out_decided(event, decision):
+            if self._carry_out_now(event, decision):
                 self._dirty.add(rollout_id)
             else:
                 self._dirty.discard(rollout_id)
             return decision.verdict
-        queued = self._queued.setdefault(rollout_id, [])
-        queued.extend(effect for effect in decision.effects if isinstance(effect, _Append))
+        self._queued.setdefault(rollout_id, []).extend(lines)
         self._states[rollout_id] = decision.state
         self._dirty.add(rollout_id)
         self._states.move_to_end(rollout_id)
         if isinstance(event, PutEvent):
-            for effect in decision.effects:
-                if isinstance(effect, AppendEntry):
-                    self._appended(rollout_id, event.entry, effect.start, len(effect.line))
+            appended = appended_entry(lines)
+            if appended is not None:
+                self._appended(rollout_id, event.entry, appended.start, len(appended.line))
         return decision.verdict
 
     def write_queued(self, rollout_id: str) -> None:
@@ -217,9 +227,60 @@ class Projection:
             self._write(rollout_id, with_state=False)
 
     def _write(self, rollout_id: str, *, with_state: bool) -> None:
-        appends = self._queued.pop(rollout_id, [])
-        state = self._states[rollout_id] if with_state else None
-        self._store.write_block_appends(rollout_id, appends, state)
+        """Write a rollout's queued lines, one write per file, then (``with_state``) its state in memory."""
+        appends: list[QueuedLine | WriteState] = list(self._queued.pop(rollout_id, []))
+        state = self._states.get(rollout_id) or RolloutState(rollout_id=rollout_id)
+        if with_state:
+            appends.append(WriteState(durable=True, state=self._states[rollout_id]))
+        with self._files.locked(rollout_id) as paths:
+            try:
+                self._files.carry_out(paths, appends, state)
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+
+    def _carry_out_now(self, event: Event, decision: Decision) -> bool:
+        """Carry out what is not kept in memory until the flush (a drop, retire or delete, a staged or ledger row).
+
+        The decided state is written where a barrier needs it on disk first (the fence before the removals it
+        guards) and synced there; otherwise it is left for the flush. Return whether it is left for the flush.
+        """
+        rollout_id = event.rollout_id
+        with self._files.locked(rollout_id) as paths:
+            try:
+                if (
+                    isinstance(event, StageEvent)
+                    and event.blob_bytes
+                    and decision.verdict.outcome is ApplyOutcome.ACCEPTED
+                ):
+                    self._files.write_carried_blobs(paths, event)
+                carried = self._files.carry_out(paths, decision.effects, decision.state, defer_state=True)
+                if decision.sync_even_if_unchanged:
+                    self._files.note_write()
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
+        return carried.state_due
+
+    def _resumed_state(self, rollout_id: str) -> RolloutState:
+        """A rollout's state as this writer resumes it, its files repaired first.
+
+        Bytes no state covers (a tail appended before a crash) are cut, so its appends start where the state
+        says. A rollout with no file yet starts empty without its lock being taken, so creating the lock file,
+        the costliest step of a new rollout's first event on ext4, is left to the flush.
+        """
+        if not self._files.has_files(rollout_id):
+            return RolloutState(rollout_id=rollout_id)
+        with self._files.locked(rollout_id) as paths:
+            try:
+                recovered = self._files.recover(paths, replaying=True)
+                return self._files.repaired(paths, recovered).state
+            except StoreWriteError:
+                raise
+            except OSError as exc:
+                raise _block_write_error(rollout_id, exc) from exc
 
     def _appended(self, rollout_id: str, entry: TokenEntry, start: int, length: int) -> None:
         """Keep an entry whose line now sits at byte ``start``; a line anywhere but next forgets the rollout."""
@@ -245,7 +306,7 @@ class Projection:
         """The rollout's state as decided so far: memory for a hot rollout, which is ahead of its files until the
         flush; the files for any other."""
         state = self._states.get(rollout_id)
-        return self._store.read_state(rollout_id) if state is None else state
+        return self._files.read_state(rollout_id) if state is None else state
 
     def snapshot(self, rollout_id: str, as_of: LogPosition) -> TokenCaptureSnapshot:
         """The snapshot the freeze applied at ``as_of`` answered, from memory; the same one the files give.
@@ -258,8 +319,9 @@ class Projection:
         entries = self._copies(rollout_id, state)
         if entries is None:
             self.write_queued(rollout_id)
-            entries = self._store.read_entries_of(state)
-        return self._store._snapshot_from(rollout_id, state, entries, as_of)
+            with self._files.locked(rollout_id) as paths:
+                entries = self._files.entries_of(paths, state)
+        return snapshot_from(rollout_id, state, entries, as_of)
 
     def _copies(self, rollout_id: str, state: RolloutState) -> list[TokenEntry] | None:
         """Copies of the kept entries when they are every entry ``state`` accepts; else ``None``.
@@ -292,7 +354,7 @@ class Projection:
             state = self._states.get(command.rollout_id)
         if state is not None:
             return command_verdict(state, command, position)
-        return self._files.verdict_at(command, position, from_files=from_files)
+        return self._answers_on_files.verdict_at(command, position, from_files=from_files)
 
     def snapshot_at(
         self, rollout_id: str, position: LogPosition, *, from_files: bool = True
@@ -310,8 +372,8 @@ class Projection:
         if state is not None and kept is not None:
             copies = _fresh_copies(kept)
             if copies is not None:
-                return snapshot_from(state, copies, position)
-        return self._files.snapshot_at(rollout_id, position, from_files=from_files)
+                return snapshot_from(rollout_id, state, copies, position)
+        return self._answers_on_files.snapshot_at(rollout_id, position, from_files=from_files)
 
     # ---------------------------------------------------------- eviction
 
@@ -336,8 +398,13 @@ def _fresh_copies(entries: list[TokenEntry]) -> list[TokenEntry] | None:
     return copies
 
 
-def _carried_in_memory(effect: object) -> bool:
-    """Whether an effect only adds lines to a rollout's files or changes its state, so it waits for the flush."""
-    if isinstance(effect, WriteState):
-        return effect.state is None
-    return isinstance(effect, _Append)
+def _block_write_error(rollout_id: str, exc: OSError) -> StoreWriteError:
+    """The tokcap error for an operating-system error while this writer's block writes a rollout."""
+    error = StoreWriteError(
+        f"writing the projected block of rollout {rollout_id!r} failed at {exc.filename or 'a sync'}: "
+        f"{exc.strerror or exc}; nothing past the last checkpoint was acknowledged to other processes, and the "
+        "projection applies those events again when restarted. Free space or fix the device, then restart it",
+        rollout_id=rollout_id,
+    )
+    error.errno, error.filename = exc.errno, exc.filename
+    return error

@@ -581,11 +581,11 @@ def test_a_repeat_told_ok_from_another_writers_unsynced_write_is_never_lost(
     with recording(live, monkeypatch) as recorder:
         first = TokenCaptureStore(live)
         first.append(make_entry("r", "c0"))
-        first._batch.running = True  # as on A's writer thread: no barrier of its own
+        first.files._batch.running = True  # as on A's writer thread: no barrier of its own
         first.begin_call_now("r", "c1")
         first.append(entry)
-        first._batch.running = False
-        assert not first._batch.pending, "A's index writes were due; it would hold the rollout's lock"
+        first.files._batch.running = False
+        assert not first.files._batch.pending, "A's index writes were due; it would hold the rollout's lock"
         repeat = TokenCaptureStore(live)
         repeat.begin_call_now("r", "c1")
         recorder.ack("intent")

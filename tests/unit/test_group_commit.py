@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import tokcap.store
+import tokcap.write_batches
 from tests.factories import make_entry
 from tokcap.errors import StoreWriteError
 from tokcap.group_commit import GroupCommitter, filesystem_sync_for
@@ -137,7 +137,7 @@ def _gate_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threa
 
         return gated_sync
 
-    monkeypatch.setattr(tokcap.store, "filesystem_sync_for", gated_sync_for)
+    monkeypatch.setattr(tokcap.write_batches, "filesystem_sync_for", gated_sync_for)
     return entered, gate
 
 
@@ -168,7 +168,7 @@ def test_a_failed_sync_fails_the_put_that_depended_on_it(tmp_path: Path) -> None
     def broken_sync() -> None:
         raise OSError(28, "no space left")
 
-    store._commit = GroupCommitter(broken_sync)
+    store.files._commit = GroupCommitter(broken_sync)
     with pytest.raises(OSError, match="no space"):
         store.append(make_entry("r", "c1"))
 
@@ -252,7 +252,7 @@ def test_a_failed_sync_before_a_freeze_renames_its_state_leaves_the_old_state_an
     def broken_sync() -> None:
         raise OSError(28, "no space left")
 
-    store._commit = GroupCommitter(broken_sync)
+    store.files._commit = GroupCommitter(broken_sync)
     with pytest.raises(StoreWriteError, match="no space"):
         store.freeze_now("r")
     assert _state_files(tmp_path) == before
@@ -269,14 +269,14 @@ def test_a_failed_sync_before_a_batchs_renames_fails_every_operation_of_the_batc
     entered, gate = _gate_syncs(monkeypatch)
     store = TokenCaptureStore(tmp_path)
     broken = [False]
-    sync = store._commit._sync
+    sync = store.files._commit._sync
 
     def breakable_sync() -> None:
         if broken[0]:
             raise OSError(28, "no space left")
         sync()
 
-    store._commit = GroupCommitter(breakable_sync)
+    store.files._commit = GroupCommitter(breakable_sync)
 
     async def main() -> list[BaseException | object]:
         held = asyncio.ensure_future(store.put(make_entry("r0", "c2")))

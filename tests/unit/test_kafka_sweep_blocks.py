@@ -11,7 +11,7 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
-import tokcap.store as store_module
+import tokcap.write_batches as store_module
 from tokcap.errors import InvalidInputError
 from tokcap.events import IntentEvent, PutEvent
 from transports.kafka.cli.materializer_process import main

@@ -251,7 +251,7 @@ def test_a_flush_whose_sync_fails_renames_no_state_and_leaves_no_temporary_file(
     def broken_sync() -> None:
         raise OSError(28, "no space left")
 
-    store._commit = GroupCommitter(broken_sync)
+    store.files._commit = GroupCommitter(broken_sync)
     with pytest.raises(OSError, match="no space"):
         projection.flush()
     after = files(tmp_path)

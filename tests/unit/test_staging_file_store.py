@@ -158,8 +158,8 @@ def test_stage_makes_its_blobs_and_row_durable_before_the_state_naming_them_is_r
     sink = FileStagingSink(tmp_path)
     store = sink._store
     events: list[str] = []
-    sync = store._commit._sync
-    monkeypatch.setattr(store._commit, "_sync", lambda: (events.append("sync"), sync())[1])
+    sync = store.files._commit._sync
+    monkeypatch.setattr(store.files._commit, "_sync", lambda: (events.append("sync"), sync())[1])
     rename = durable_io.rename_over
 
     def logged_rename(tmp: Path, path: Path) -> None:
@@ -399,7 +399,7 @@ def test_a_blob_written_while_a_retire_removes_the_blobs_does_not_fail_the_retir
             (Path(str(path)) / ("f" * 64)).write_bytes(b"late")
         return names  # type: ignore[no-any-return]
 
-    monkeypatch.setattr("tokcap.store.os.listdir", listdir_then_a_late_blob)
+    monkeypatch.setattr("tokcap.rollout_files.os.listdir", listdir_then_a_late_blob)
     assert TokenCaptureStore(tmp_path).retire_now(["r1"]).removed == ("r1",)
     monkeypatch.undo()
     assert not sink.stage(staged_call("r1", "late", [1], [2])).ok

@@ -44,13 +44,13 @@ def test_a_projection_writes_each_rollouts_index_once_at_its_flush(tmp_path: Pat
     store.apply(PutEvent(rollout_id="r", entry=make_entry("r", "c0")), LogPosition("t", 0, 0))
     projection = Projection(store)
     state_writes = []
-    write_state_file = store._replace_state_file
+    write_state_file = store.files.replace_state_file
 
     def counted(paths: RolloutPaths, state: RolloutState, **options: bool) -> bytes:
         state_writes.append(state.indexed_size)
         return write_state_file(paths, state, **options)
 
-    store._replace_state_file = counted  # type: ignore[method-assign]
+    store.files.replace_state_file = counted  # type: ignore[method-assign]
     for offset in range(1, 6):
         entry = make_entry("r", f"c{offset}")
         projection.apply(PutEvent(rollout_id="r", entry=entry), LogPosition("t", 0, offset))
