@@ -283,7 +283,7 @@ def _load_gym() -> Any:
 
 def _materializer_block() -> int:
     """The block size the imported tree's materializer sweeps in."""
-    materializer = importlib.import_module("transports.kafka.materializer")
+    materializer = importlib.import_module("transports.kafka.materializer.loop")
     return int(materializer.SWEEP_BLOCK_MESSAGES)
 
 

@@ -53,7 +53,7 @@ Error tree::
         ├── BrokerAuthorizationError
         └── TopicNotFoundError
 
-Kafka client errors are translated into this tree in one place, ``transports.kafka.error_map``;
+Kafka client errors are translated into this tree in one place, ``transports.kafka.client.error_map``;
 an invalid client setting (``-X``, ``producer_config``) becomes a ``ConfigError`` there.
 
 Errors carry the rollout id and the model call id where one applies, so a

@@ -16,7 +16,7 @@ from store_contract import make_entry
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, MaterializerFailedError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
-from transports.kafka.admin import watermarks
+from transports.kafka.client.admin import watermarks
 
 pytestmark = pytest.mark.kafka
 

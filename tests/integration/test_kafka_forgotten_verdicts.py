@@ -17,7 +17,7 @@ from store_contract import make_entry
 
 from tokcap.errors import RolloutRetiredError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka import materializer as materializer_module
+from transports.kafka.materializer import loop as materializer_module
 
 
 async def verdicts_of_a_rollouts_commands(bootstrap: str, topic: str, store_dir: Path) -> list[object]:

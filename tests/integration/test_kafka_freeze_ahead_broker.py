@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from store_contract import make_entry
 
-import transports.kafka.materializer as materializer_module
+import transports.kafka.materializer.loop as materializer_module
 from tokcap.protocols import TokenCaptureSnapshot
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 

@@ -36,9 +36,9 @@ from tokcap.events import FreezeEvent, PutEvent
 from tokcap.metrics import REGISTRY
 from tokcap.metrics_http import MetricsServer
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka.codec import encode_event_messages
 from transports.kafka.materializer import Materializer
-from transports.kafka.readiness import serve_metrics
+from transports.kafka.materializer.readiness import serve_metrics
+from transports.kafka.wire.codec import encode_event_messages
 
 pytestmark = pytest.mark.kafka
 

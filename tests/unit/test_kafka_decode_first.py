@@ -20,10 +20,10 @@ from kafka_topic_double import MemoryTopic
 from store_contract import make_entry
 from test_kafka_freeze_answers import TRAINER
 
-import transports.kafka.materializer as materializer_module
+import transports.kafka.materializer.loop as materializer_module
 from tokcap.events import IntentEvent, PutEvent
 from transports.kafka.materializer import Materializer
-from transports.kafka.router import Routed
+from transports.kafka.wire.router import Routed
 
 TOPIC = "tokcap.decode-first-test"
 

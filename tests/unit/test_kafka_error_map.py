@@ -21,8 +21,8 @@ from tokcap.errors import (
     TopicNotFoundError,
     TransportError,
 )
-from transports.kafka.clients import AuthenticationWatch, ClientContext
-from transports.kafka.error_map import (
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext
+from transports.kafka.client.error_map import (
     Construction,
     Delivery,
     Operation,

@@ -25,7 +25,7 @@ import orjson
 
 from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import MaterializerFailedError, StoreCorruptionError
-from transports.kafka.incarnation import check_incarnation
+from transports.kafka.materializer.incarnation import check_incarnation
 
 __all__ = [
     "CHECKPOINT_PREFIX",

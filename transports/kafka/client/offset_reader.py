@@ -14,9 +14,9 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from tokcap.errors import TransportError
-from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
-from transports.kafka.codec import LogMessage
-from transports.kafka.error_map import Request, translated
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
+from transports.kafka.client.error_map import Request, translated
+from transports.kafka.wire.codec import LogMessage
 
 __all__ = ["READER_SETTINGS", "OffsetReader"]
 

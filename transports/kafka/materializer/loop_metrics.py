@@ -23,7 +23,7 @@ from tokcap.metrics import (
 )
 from tokcap.rules import ApplyOutcome, ApplyResult
 from tokcap.state import RolloutState
-from transports.kafka.router import ApplyEvent, DeadLetter, Routed
+from transports.kafka.wire.router import ApplyEvent, DeadLetter, Routed
 
 __all__ = [
     "count_applied",

@@ -34,7 +34,7 @@ import orjson
 
 from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError, StoreCorruptionError
-from transports.kafka.incarnation import check_incarnation
+from transports.kafka.materializer.incarnation import check_incarnation
 
 __all__ = [
     "OWNER_PREFIX",

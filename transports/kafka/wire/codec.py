@@ -53,7 +53,7 @@ from tokcap.hashing import sha256_hex
 from tokcap.input_rules import check_entry_fields
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
-from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
+from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 if TYPE_CHECKING:
     from confluent_kafka import Message

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokcap.errors import ConfigError, MaterializerOwnedElsewhereError
-from transports.kafka.materializer import Materializer
+from transports.kafka.materializer.loop import Materializer
 
 __all__ = ["SharedMaterializers", "shared_materializers"]
 

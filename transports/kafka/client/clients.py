@@ -26,8 +26,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from tokcap.errors import TransportError
-from transports.kafka.client_log import ClientLog
-from transports.kafka.error_map import (
+from transports.kafka.client.client_log import ClientLog
+from transports.kafka.client.error_map import (
     Construction,
     Request,
     authentication_failure,
@@ -35,7 +35,7 @@ from transports.kafka.error_map import (
     scrubbed_cause,
     translated,
 )
-from transports.kafka.redaction import Redactor, is_secret_key
+from transports.kafka.wire.redaction import Redactor, is_secret_key
 
 __all__ = [
     "REFUSAL_FRESH_S",

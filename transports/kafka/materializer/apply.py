@@ -11,8 +11,8 @@ from typing import Protocol
 
 from tokcap.events import Event, LedgerEvent, LedgerFailureEvent, LogPosition, StageEvent
 from tokcap.store import ApplyOutcome, ApplyResult
-from transports.kafka.dead_letters import REASON_LIMIT
-from transports.kafka.router import ApplyEvent, Buffered, Deferred, Routed
+from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
+from transports.kafka.wire.router import ApplyEvent, Buffered, Deferred, Routed
 
 __all__ = ["Applier", "carry_out", "refused_staging_reason"]
 

@@ -145,7 +145,7 @@ def _worker_main(spec: WorkerSpec, control: Connection, reports: Connection) -> 
             reports.send(message)
 
     try:
-        from transports.kafka.materializer import Materializer
+        from transports.kafka.materializer.loop import Materializer
 
         materializer = Materializer(
             spec.bootstrap,
@@ -223,7 +223,7 @@ class MaterializerWorkers:
         ``block_messages`` is each worker's durable block bound, checked here before any worker starts.
         """
         if block_messages is not None:
-            from transports.kafka.materializer import check_block_messages
+            from transports.kafka.materializer.loop import check_block_messages
 
             check_block_messages(block_messages)
         context = multiprocessing.get_context("spawn")

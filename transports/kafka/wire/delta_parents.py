@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tokcap.errors import EventDecodeError, NewerSchemaError, WireDeltaError
 from tokcap.events import PutEvent
-from transports.kafka.codec import (
+from transports.kafka.wire.codec import (
     LogMessage,
     ParentLink,
     WireDelta,

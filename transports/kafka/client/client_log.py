@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from transports.kafka.redaction import Redactor
+from transports.kafka.wire.redaction import Redactor
 
 __all__ = ["DEFAULT_LOG_LIMIT", "DEFAULT_LOG_WINDOW_S", "LIBRDKAFKA_LOGGER", "ClientLog"]
 

@@ -21,12 +21,12 @@ from confluent_kafka import Consumer, TopicPartition
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, TransportError
 from tokcap.store import TokenCaptureStore
-from transports.kafka.admin import partition_count
-from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
-from transports.kafka.error_map import Request, translated
-from transports.kafka.materializer import Materializer
-from transports.kafka.partitioner import DEFAULT_PARTITIONER, partition_of_rollout
-from transports.kafka.shared_materializers import shared_materializers
+from transports.kafka.client.admin import partition_count
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
+from transports.kafka.client.error_map import Request, translated
+from transports.kafka.materializer.loop import Materializer
+from transports.kafka.materializer.shared_materializers import shared_materializers
+from transports.kafka.wire.partitioner import DEFAULT_PARTITIONER, partition_of_rollout
 
 __all__ = ["CaughtUpStore", "end_offsets"]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tokcap.events import DeleteEvent, DropEvent, FreezeEvent, RetireEvent
-from transports.kafka.router import ApplyEvent, Deferred, Routed, rollout_of
+from transports.kafka.wire.router import ApplyEvent, Deferred, Routed, rollout_of
 
 __all__ = [
     "COMMANDS",

@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 
 from tokcap.durable_io import append_durably
+from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
 
 __all__ = [
     "DEAD_LETTER_PREFIX",
@@ -28,9 +29,6 @@ __all__ = [
 
 DEAD_LETTER_PREFIX = "kafka-dead-letter-p"
 """Dead-letter record of partition N: ``kafka-dead-letter-p<N>.jsonl``."""
-
-REASON_LIMIT = 600
-"""Longest reason kept in a dead-letter line or an incomplete mark; a reason quotes message content."""
 
 _SUFFIX = ".jsonl"
 

@@ -74,7 +74,7 @@ from tokcap.events import (
 )
 from tokcap.hashing import sha256_hex
 from tokcap.records import token_count
-from transports.kafka.codec import (
+from transports.kafka.wire.codec import (
     HEADER_TYPE,
     ChunkHeader,
     LogMessage,
@@ -85,9 +85,9 @@ from transports.kafka.codec import (
     read_chunk_header,
     rollout_of_key,
 )
-from transports.kafka.dead_letters import REASON_LIMIT
-from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.topic_limits import (
+from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
+from transports.kafka.wire.delta_parents import ParentRestorer
+from transports.kafka.wire.topic_limits import (
     LIMITS_PARTITION,
     TOPIC_DEFAULTS,
     TopicLimits,

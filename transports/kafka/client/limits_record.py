@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from tokcap.errors import DeliveryError, EventDecodeError, EventTooLargeError
-from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client, open_reader
-from transports.kafka.codec import LogMessage, check_size_settings, headers_to_dict
-from transports.kafka.error_map import Request, translated
-from transports.kafka.offset_reader import OffsetReader
-from transports.kafka.topic_limits import (
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, build_client, open_reader
+from transports.kafka.client.error_map import Request, translated
+from transports.kafka.client.offset_reader import OffsetReader
+from transports.kafka.wire.codec import LogMessage, check_size_settings, headers_to_dict
+from transports.kafka.wire.topic_limits import (
     LIMITS_PARTITION,
     TopicLimits,
     check_given,

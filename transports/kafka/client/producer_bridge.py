@@ -4,7 +4,7 @@ librdkafka reports deliveries from ``poll()``; a background thread polls, collec
 ``poll()``, and hands them to each owning event loop with one ``call_soon_threadsafe``, which resolves
 their futures.
 Awaiting callers therefore never block the loop, and many concurrent sends share batches.
-Failures are translated by ``transports.kafka.error_map``. A refused login or TLS handshake fails every
+Failures are translated by ``transports.kafka.client.error_map``. A refused login or TLS handshake fails every
 waiting send at once, instead of after ``delivery_timeout_s``, since retrying cannot help.
 """
 
@@ -22,10 +22,10 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from tokcap.errors import ConfigError, DeliveryError, DeliveryTimeoutError
-from transports.kafka.client_log import ClientLog
-from transports.kafka.clients import AuthenticationWatch, ClientContext, build_client
-from transports.kafka.codec import OutgoingMessage
-from transports.kafka.error_map import Delivery, authentication_failure, translated
+from transports.kafka.client.client_log import ClientLog
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, build_client
+from transports.kafka.client.error_map import Delivery, authentication_failure, translated
+from transports.kafka.wire.codec import OutgoingMessage
 
 __all__ = [
     "DEFAULT_DELIVERY_TIMEOUT_S",

@@ -95,38 +95,46 @@ from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
 from tokcap.metrics_http import DEFAULT_METRICS_HOST
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.store import ApplyResult, TokenCaptureStore
-from transports.kafka.admin import TopicIdReader
-from transports.kafka.apply import carry_out, refused_staging_reason
-from transports.kafka.checkpoint import (
-    CHECKPOINT_PREFIX,
-    PartitionCheckpoint,
-    checkpoint_files,
-    checkpoint_path,
-    write_checkpoints,
-)
-from transports.kafka.clients import (
+from transports.kafka.client.admin import TopicIdReader
+from transports.kafka.client.clients import (
     AuthenticationWatch,
     ClientContext,
     assign_reader,
     list_topics,
     open_reader,
 )
-from transports.kafka.codec import LogMessage, type_header
-from transports.kafka.dead_letters import DEAD_LETTER_PREFIX, REASON_LIMIT, DeadLetterLine, DeadLetterLog
-from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.error_map import read_failure
-from transports.kafka.incarnation import IncarnationWatch
-from transports.kafka.limits_record import read_topic_limits
-from transports.kafka.loop_metrics import (
+from transports.kafka.client.error_map import read_failure
+from transports.kafka.client.limits_record import read_topic_limits
+from transports.kafka.client.offset_reader import OffsetReader
+from transports.kafka.client.topics import validate_topic_name
+from transports.kafka.materializer.apply import carry_out, refused_staging_reason
+from transports.kafka.materializer.checkpoint import (
+    CHECKPOINT_PREFIX,
+    PartitionCheckpoint,
+    checkpoint_files,
+    checkpoint_path,
+    write_checkpoints,
+)
+from transports.kafka.materializer.dead_letters import (
+    DEAD_LETTER_PREFIX,
+    REASON_LIMIT,
+    DeadLetterLine,
+    DeadLetterLog,
+)
+from transports.kafka.materializer.incarnation import IncarnationWatch
+from transports.kafka.materializer.loop_metrics import (
     count_applied,
     count_dead_letter,
     observe_command_wait,
     observe_flush,
     observe_freeze,
 )
-from transports.kafka.offset_reader import OffsetReader
-from transports.kafka.ownership import check_owner_records, write_owner_records
-from transports.kafka.router import (
+from transports.kafka.materializer.ownership import check_owner_records, write_owner_records
+from transports.kafka.materializer.schedule import COMMANDS, MaterializerCounters, Read, Scheduler
+from transports.kafka.materializer.waiters import WaiterRegistry
+from transports.kafka.wire.codec import LogMessage, type_header
+from transports.kafka.wire.delta_parents import ParentRestorer
+from transports.kafka.wire.router import (
     MATERIALIZER_WRITER,
     ORPHAN_AFTER_OFFSETS,
     ApplyEvent,
@@ -135,10 +143,7 @@ from transports.kafka.router import (
     InboundRouter,
     Routed,
 )
-from transports.kafka.schedule import COMMANDS, MaterializerCounters, Read, Scheduler
-from transports.kafka.topic_limits import TopicLimits, check_given, warn_given
-from transports.kafka.topics import validate_topic_name
-from transports.kafka.waiters import WaiterRegistry
+from transports.kafka.wire.topic_limits import TopicLimits, check_given, warn_given
 
 # CHECKPOINT_PREFIX, DEAD_LETTER_PREFIX, MATERIALIZER_WRITER and ORPHAN_AFTER_OFFSETS live in their own
 # modules now; they stay importable from here.
@@ -1181,7 +1186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ExitStack() as serving:
         if args.metrics_port is not None:
             # Imported here: readiness imports this module.
-            from transports.kafka.readiness import serve_metrics
+            from transports.kafka.materializer.readiness import serve_metrics
 
             server = serve_metrics(materializer, host=args.metrics_host, port=args.metrics_port)
             serving.callback(server.close)

@@ -20,8 +20,9 @@ from confluent_kafka import TopicPartition
 
 from tokcap.errors import EventDecodeError, NewerSchemaError, TransportError
 from tokcap.events import DeleteEvent, RetireEvent
-from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
-from transports.kafka.codec import (
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
+from transports.kafka.client.error_map import Request, read_failure, translated
+from transports.kafka.wire.codec import (
     ENCODING_JSON,
     HEADER_CHUNK_GROUP,
     HEADER_ENCODING,
@@ -29,7 +30,6 @@ from transports.kafka.codec import (
     decode_message,
     headers_to_dict,
 )
-from transports.kafka.error_map import Request, read_failure, translated
 
 __all__ = ["Removal", "removal_after"]
 

@@ -17,7 +17,7 @@ from typing import Any
 from tokcap.errors import TransportError
 from tokcap.events import IncompleteEvent
 from tokcap.metrics import MARKERS_FORWARDED
-from transports.kafka.marker_spill import MarkerSpill
+from transports.kafka.write.marker_spill import MarkerSpill
 
 __all__ = ["FIRST_RETRY_S", "LAST_RETRY_S", "MarkerForwarder", "Send", "logger"]
 

@@ -1,6 +1,6 @@
 """What an operator asks the broker: is it there, what does the run topic look like, delete it.
 
-librdkafka failures become tokcap errors through ``transports.kafka.error_map``, so command-line tools
+librdkafka failures become tokcap errors through ``transports.kafka.client.error_map``, so command-line tools
 print one clear line instead of a ``KafkaException``; a refused login or TLS handshake ends a wait at once.
 """
 
@@ -15,18 +15,18 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollectio
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from tokcap.errors import TopicNotFoundError, TransportError
-from transports.kafka.client_log import LIBRDKAFKA_LOGGER
-from transports.kafka.clients import (
+from transports.kafka.client.client_log import LIBRDKAFKA_LOGGER
+from transports.kafka.client.clients import (
     AuthenticationWatch,
     ClientContext,
     build_client,
     list_topics,
     open_reader,
 )
-from transports.kafka.error_map import Request, kafka_error_of, translated
-from transports.kafka.limits_record import read_topic_limits
-from transports.kafka.topic_limits import TopicLimits
-from transports.kafka.topics import KEEP_WHOLE_RUN, validate_topic_name
+from transports.kafka.client.error_map import Request, kafka_error_of, translated
+from transports.kafka.client.limits_record import read_topic_limits
+from transports.kafka.client.topics import KEEP_WHOLE_RUN, validate_topic_name
+from transports.kafka.wire.topic_limits import TopicLimits
 
 __all__ = [
     "DURABILITY_CONFIGS",

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 from tokcap.events import PutEvent
 from tokcap.records import TokenEntry
-from transports.kafka.codec import (
+from transports.kafka.wire.codec import (
     DEFAULT_CHUNK_BYTES,
     OutgoingMessage,
     ParentLink,
     encode_delta_message,
     encode_event_messages,
 )
-from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
+from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 __all__ = [
     "DEFAULT_CALLS_PER_ROLLOUT",
