@@ -108,9 +108,9 @@ def _produce_raw(bootstrap: str, topic: str, event: PutEvent, chunk_bytes: int, 
 def test_a_topic_made_with_limits_records_them_first_and_an_other_request_for_it_is_refused(
     kafka_bootstrap: str, kafka_topic_factory: Any
 ) -> None:
-    from tokcap.errors import TopicLimitsMismatchError
     from transports.kafka.client.clients import ClientContext
     from transports.kafka.client.limits_record import read_topic_limits
+    from transports.kafka.errors import TopicLimitsMismatchError
     from transports.kafka.wire.topic_limits import TopicLimits
 
     name = f"tokcap-test-limits-{os.urandom(4).hex()}"

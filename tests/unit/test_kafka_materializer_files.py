@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tokcap.errors import MaterializerFailedError
+from transports.kafka.errors import MaterializerFailedError
 from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
 from transports.kafka.materializer.dead_letters import DeadLetterLog
 

@@ -6,12 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tokcap.errors import (
-    ConfigError,
-    InvalidInputError,
-    PartitionOwnerMissingError,
-    PartitionOwnershipConflictError,
-)
+from tokcap.errors import ConfigError, InvalidInputError
+from transports.kafka.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
 from transports.kafka.materializer.ownership import (
     PartitionOwners,
     owned_partitions,

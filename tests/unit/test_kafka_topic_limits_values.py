@@ -10,9 +10,10 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import make_entry
 
-from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError, TopicLimitsMismatchError
+from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError
 from tokcap.events import PutEvent
 from tokcap.store import TokenCaptureStore
+from transports.kafka.errors import TopicLimitsMismatchError
 from transports.kafka.materializer import Materializer
 from transports.kafka.materializer.dead_letters import dead_letter_path
 from transports.kafka.timeline import LIMITS_PASSED_OVER, LIMITS_RECORDED, LogApplier

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokcap.errors import ConfigError, DeliveryTimeoutError, PartitionOwnerMissingError, RolloutRetiredError
+from tokcap.errors import ConfigError, DeliveryTimeoutError, RolloutRetiredError
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
 from tokcap.metrics import source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
@@ -37,6 +37,7 @@ from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.client.admin import TopicIdReader
 from transports.kafka.client.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, ProducerBridge
 from transports.kafka.client.topics import resolve_topic
+from transports.kafka.errors import PartitionOwnerMissingError
 from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.materializer.incarnation import other_incarnation
 from transports.kafka.materializer.loop import Materializer

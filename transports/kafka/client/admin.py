@@ -14,7 +14,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollection, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
-from tokcap.errors import TopicNotFoundError, TransportError
+from tokcap.errors import TransportError
 from transports.kafka.client.client_log import LIBRDKAFKA_LOGGER
 from transports.kafka.client.clients import (
     AuthenticationWatch,
@@ -26,6 +26,7 @@ from transports.kafka.client.clients import (
 from transports.kafka.client.error_map import Request, kafka_error_of, translated
 from transports.kafka.client.limits_record import read_topic_limits
 from transports.kafka.client.topics import KEEP_WHOLE_RUN, validate_topic_name
+from transports.kafka.errors import TopicNotFoundError
 from transports.kafka.wire.topic_limits import TopicLimits
 
 __all__ = [

@@ -37,18 +37,14 @@ from typing import Protocol
 
 from confluent_kafka import KafkaError, KafkaException
 
-from tokcap.errors import (
+from tokcap.errors import ConfigError, DeliveryError, DeliveryTimeoutError, TokcapError, TransportError
+from transports.kafka.errors import (
     BrokerAuthenticationError,
     BrokerAuthorizationError,
     BrokerTlsError,
     BrokerUnreachableError,
-    ConfigError,
-    DeliveryError,
-    DeliveryTimeoutError,
     MaterializerFailedError,
-    TokcapError,
     TopicNotFoundError,
-    TransportError,
 )
 
 __all__ = [

@@ -26,10 +26,11 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
 
-from tokcap.errors import ConfigError, TopicLimitsMismatchError, TopicMismatchError, TransportError
+from tokcap.errors import ConfigError, TransportError
 from transports.kafka.client.clients import ClientContext, build_client
 from transports.kafka.client.error_map import Request, kafka_error_of, translated
 from transports.kafka.client.limits_record import partition_marks, read_topic_limits, write_limits_record
+from transports.kafka.errors import TopicLimitsMismatchError, TopicMismatchError
 from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 __all__ = [

@@ -26,7 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from tokcap.errors import MaterializerFailedError, TopicIncarnationError, TopicNotFoundError, TransportError
+from tokcap.errors import TransportError
+from transports.kafka.errors import MaterializerFailedError, TopicIncarnationError, TopicNotFoundError
 
 __all__ = [
     "TOPIC_CHECK_S",

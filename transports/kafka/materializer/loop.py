@@ -77,18 +77,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from filelock import FileLock, Timeout
 
 from tokcap.durable_io import remove_stale_temp_files
-from tokcap.errors import (
-    BrokerAuthenticationError,
-    BrokerAuthorizationError,
-    ConfigError,
-    InvalidInputError,
-    MaterializerFailedError,
-    MaterializerOwnedElsewhereError,
-    OffsetGapError,
-    TokcapError,
-    TopicLimitsMismatchError,
-    TransportError,
-)
+from tokcap.errors import ConfigError, InvalidInputError, TokcapError, TransportError
 from tokcap.events import EventType, FreezeEvent
 from tokcap.log_projection import Projection
 from tokcap.metrics import LoopStatus, PartitionStatus, watch_loop
@@ -107,6 +96,14 @@ from transports.kafka.client.error_map import read_failure
 from transports.kafka.client.limits_record import read_topic_limits
 from transports.kafka.client.offset_reader import OffsetReader
 from transports.kafka.client.topics import validate_topic_name
+from transports.kafka.errors import (
+    BrokerAuthenticationError,
+    BrokerAuthorizationError,
+    MaterializerFailedError,
+    MaterializerOwnedElsewhereError,
+    OffsetGapError,
+    TopicLimitsMismatchError,
+)
 from transports.kafka.materializer.apply import carry_out, refused_staging_reason
 from transports.kafka.materializer.checkpoint import (
     CHECKPOINT_PREFIX,

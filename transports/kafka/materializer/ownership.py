@@ -33,7 +33,8 @@ from pathlib import Path
 import orjson
 
 from tokcap.durable_io import fsync_directory, replace_atomically
-from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError, StoreCorruptionError
+from tokcap.errors import StoreCorruptionError
+from transports.kafka.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
 from transports.kafka.materializer.incarnation import check_incarnation
 
 __all__ = [

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokcap.errors import ConfigError, MaterializerOwnedElsewhereError
+from tokcap.errors import ConfigError
+from transports.kafka.errors import MaterializerOwnedElsewhereError
 from transports.kafka.materializer.loop import Materializer
 
 __all__ = ["SharedMaterializers", "shared_materializers"]

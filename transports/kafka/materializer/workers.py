@@ -42,7 +42,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from tokcap.errors import InvalidInputError, MaterializerFailedError
+from tokcap.errors import InvalidInputError
+from transports.kafka.errors import MaterializerFailedError
 
 __all__ = ["MaterializerWorkers", "WorkerReport", "WorkerSpec", "split_partitions"]
 

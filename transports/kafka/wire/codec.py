@@ -46,13 +46,13 @@ from tokcap.errors import (
     InvalidRolloutIdError,
     NewerSchemaError,
     RecordValidationError,
-    WireDeltaError,
 )
 from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, StageEvent, encode_event
 from tokcap.hashing import sha256_hex
 from tokcap.input_rules import check_entry_fields
 from tokcap.records import TokenEntry
 from tokcap.rollout_ids import validate_rollout_id
+from transports.kafka.errors import WireDeltaError
 from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 if TYPE_CHECKING:

@@ -17,8 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokcap.errors import EventDecodeError, NewerSchemaError, WireDeltaError
+from tokcap.errors import EventDecodeError, NewerSchemaError
 from tokcap.events import PutEvent
+from transports.kafka.errors import WireDeltaError
 from transports.kafka.wire.codec import (
     LogMessage,
     ParentLink,

@@ -29,7 +29,8 @@ from typing import Any
 
 import orjson
 
-from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError, TopicLimitsMismatchError
+from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError
+from transports.kafka.errors import TopicLimitsMismatchError
 
 __all__ = [
     "LIMITS_PARTITION",
