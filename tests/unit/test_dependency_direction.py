@@ -222,3 +222,27 @@ def test_the_mount_check_finds_imports_at_any_depth_with_their_function() -> Non
         ("transports", "mount"),
         ("transports", "run"),
     ]
+
+
+def _wire_imports() -> list[str]:
+    """Every module a file of ``transports/kafka/wire/`` imports, as ``file: module``."""
+    found = []
+    for path in sorted((_ROOT / "transports" / "kafka" / "wire").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found.extend(f"{path.name}: {name}" for name in names)
+    return found
+
+
+def test_the_wire_floor_imports_no_kafka_client_and_nothing_of_the_transport_above_it() -> None:
+    allowed = ("transports.kafka.wire", "transports.kafka.errors")
+    above = [
+        hit
+        for hit in _wire_imports()
+        if hit.split(": ")[1].split(".")[0] == "confluent_kafka"
+        or (hit.split(": ")[1].startswith("transports") and not hit.split(": ")[1].startswith(allowed))
+    ]
+    assert above == []
+    assert any(hit.endswith(": transports.kafka.wire.topic_limits") for hit in _wire_imports())

@@ -33,7 +33,7 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -55,9 +55,6 @@ from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.errors import WireDeltaError
 from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
-if TYPE_CHECKING:
-    from confluent_kafka import Message
-
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "ENCODING_DELTA",
@@ -74,6 +71,7 @@ __all__ = [
     "HEADER_WRITER",
     "WIRE_DELTA_SCHEMA_VERSION",
     "ChunkHeader",
+    "ConsumedMessage",
     "LogMessage",
     "OutgoingMessage",
     "ParentLink",
@@ -138,6 +136,22 @@ class OutgoingMessage:
     """The partition to send to; ``None`` lets the key's partitioner choose."""
 
 
+class ConsumedMessage(Protocol):
+    """What ``LogMessage.of`` reads of a message a consumer returned (confluent-kafka's ``Message`` is one).
+
+    Named here so the wire floor needs no Kafka client to describe it.
+    """
+
+    def partition(self) -> int | None: ...
+    def offset(self) -> int | None: ...
+    def key(self) -> bytes | None: ...
+    def value(self) -> bytes | None: ...
+    def timestamp(self) -> tuple[int, int]: ...
+    def headers(
+        self,
+    ) -> dict[str, str | bytes | None] | list[tuple[str, str | bytes | None]] | None: ...
+
+
 @dataclass(frozen=True)
 class LogMessage:
     """One message as read from the log."""
@@ -155,7 +169,7 @@ class LogMessage:
         return len(self.key or b"") + len(self.value or b"")
 
     @classmethod
-    def of(cls, message: Message) -> LogMessage:
+    def of(cls, message: ConsumedMessage) -> LogMessage:
         """The message a consumer returned, without its error (the caller handled that)."""
         kind, stamp = message.timestamp()
         return cls(
