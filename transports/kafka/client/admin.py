@@ -7,6 +7,7 @@ print one clear line instead of a ``KafkaException``; a refused login or TLS han
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,14 +199,38 @@ def watermarks(
     try:
         with translated(context, Request(f"read the offsets of topic {topic!r}", timeout_s, topic)):
             result: dict[int, tuple[int, int]] = {}
+            deadline = time.monotonic() + timeout_s
             for partition in sorted(metadata.partitions):
-                low, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=timeout_s
-                )
+                low, high = _watermarks_once_led(consumer, TopicPartition(topic, partition), deadline)
                 result[partition] = (int(low), int(high))
             return result
     finally:
         consumer.close()
+
+
+_LEADERSHIP_SETTLING = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+    }
+)
+"""Answers of a partition whose leader is moving or not yet known to the broker asked (a topic just made)."""
+
+
+def _watermarks_once_led(consumer: Consumer, partition: TopicPartition, deadline: float) -> tuple[int, int]:
+    """A partition's watermarks, asked again while its leadership settles, until ``deadline``."""
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(
+                partition, timeout=max(0.1, deadline - time.monotonic())
+            )
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = kafka_error_of(exc)
+            if error is None or error.code() not in _LEADERSHIP_SETTLING or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)
 
 
 def describe_topic(
