@@ -284,7 +284,7 @@ def _load_gym() -> Any:
 def _materializer_block() -> int:
     """The block size the imported tree's materializer sweeps in."""
     try:
-        settings = importlib.import_module("transports.kafka.materializer_settings")
+        settings = importlib.import_module("transports.kafka.materializer.settings")
     except ModuleNotFoundError:  # a tree from before the settings value
         return int(importlib.import_module("transports.kafka.materializer").SWEEP_BLOCK_MESSAGES)
     return int(settings.DEFAULT_SETTINGS.block_messages)

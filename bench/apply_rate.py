@@ -20,10 +20,10 @@ from tokcap.events import Event, LogPosition, PutEvent
 from tokcap.log_projection import Projection
 from tokcap.store import TokenCaptureStore
 from transports.kafka.cli.materializer_process import collect_less_after_start_up
-from transports.kafka.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
-from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.materializer_settings import DEFAULT_SETTINGS
-from transports.kafka.topic_limits import is_limits_record
+from transports.kafka.materializer.settings import DEFAULT_SETTINGS
+from transports.kafka.wire.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta
+from transports.kafka.wire.delta_parents import ParentRestorer
+from transports.kafka.wire.topic_limits import is_limits_record
 
 __all__ = ["ApplyRate", "measure_apply_rate"]
 

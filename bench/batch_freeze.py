@@ -28,9 +28,9 @@ from bench.load import BenchmarkCheckError
 from bench.options import WorkloadShape
 from bench.workload import rollouts_of
 from tokcap.store import TokenCaptureStore
+from transports.kafka.client.topics import ensure_topic
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
-from transports.kafka.topics import ensure_topic
 
 __all__ = ["BatchFigures", "BatchShape", "load_gym_store", "run_batch_freeze"]
 

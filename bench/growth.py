@@ -39,7 +39,7 @@ from tokcap.delta_records import store_as_delta
 from tokcap.events import PutEvent
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokcap.store import TokenCaptureStore
-from transports.kafka.sent_calls import SentCalls, encode_put
+from transports.kafka.write.sent_calls import SentCalls, encode_put
 
 __all__ = [
     "as_delta_records",

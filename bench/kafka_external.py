@@ -19,10 +19,10 @@ from confluent_kafka import Consumer, TopicPartition
 
 from bench.kafka_trial import KafkaTarget, delete_topic
 from bench.load import LoadResult, PreparedWorkload, drive
-from transports.kafka.checkpoint import applied_next_offset
+from transports.kafka.client.topics import ensure_topic
+from transports.kafka.materializer.checkpoint import applied_next_offset
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
-from transports.kafka.topics import ensure_topic
 
 __all__ = ["ExternalMaterializerTrial", "MaterializerStartError", "run_with_materializer_process"]
 

@@ -24,8 +24,8 @@ import orjson
 from bench.kafka_trial import delete_topic
 from bench.load import BenchmarkCheckError, LoadResult, PreparedWorkload, drive
 from tokcap.records import TokenEntry
+from transports.kafka.client.topics import ensure_topic
 from transports.kafka.sink import KafkaTokenSink
-from transports.kafka.topics import ensure_topic
 
 __all__ = ["SplitTrial", "TrainerProcessError", "run_with_trainer_process"]
 

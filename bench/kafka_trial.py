@@ -20,10 +20,10 @@ from bench.file_store_trial import directory_bytes
 from bench.load import LoadResult, PreparedWorkload, drive
 from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry
+from transports.kafka.client.topics import ensure_topic
 from transports.kafka.materializer import Materializer, MaterializerCounters
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
-from transports.kafka.topics import ensure_topic
 
 __all__ = [
     "KafkaTarget",

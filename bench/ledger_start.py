@@ -85,8 +85,8 @@ def _fill(bootstrap: str, topic: str, calls: list[tuple[Any, Any]], attachment: 
     from confluent_kafka import Producer
 
     from tokcap.ledger import ledger_event
-    from transports.kafka.codec import encode_event_messages
     from transports.kafka.staging import KafkaStagingSink
+    from transports.kafka.wire.codec import encode_event_messages
 
     if attachment is not None:
         sink = KafkaStagingSink(bootstrap_servers=bootstrap, topic=topic, delivery_timeout_s=120)

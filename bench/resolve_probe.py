@@ -107,9 +107,9 @@ def _tell(process: subprocess.Popen[str], word: str) -> None:
 
 async def probe_under_main_load(workload: PreparedWorkload, bootstrap: str, directory: Path) -> ProbeResult:
     """Run the main load over a fresh topic while a probe process resolves on the same topic."""
+    from transports.kafka.client.topics import ensure_topic
     from transports.kafka.sink import KafkaTokenSink
     from transports.kafka.source import KafkaTokenSource
-    from transports.kafka.topics import ensure_topic
 
     topic = f"tokcap.bench-probe-{uuid.uuid4().hex[:12]}"
     ensure_topic(bootstrap, topic)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from bench.load import PreparedWorkload
 from tokcap.events import PutEvent, encode_event
-from transports.kafka.codec import encode_event_messages
+from transports.kafka.wire.codec import encode_event_messages
 
 __all__ = ["WireSizes", "wire_sizes"]
 

@@ -134,9 +134,9 @@ async def producer_sends(
     What the bridge adds to every intent and put of a sink: sends per second, process CPU per send (the poll
     thread and librdkafka's threads included), send latency p50 and p99.
     """
-    from transports.kafka.codec import OutgoingMessage
-    from transports.kafka.producer_bridge import ProducerBridge
-    from transports.kafka.topics import ensure_topic
+    from transports.kafka.client.producer_bridge import ProducerBridge
+    from transports.kafka.client.topics import ensure_topic
+    from transports.kafka.wire.codec import OutgoingMessage
 
     topic = f"tokcap.bench-sends-{uuid.uuid4().hex[:12]}"
     ensure_topic(bootstrap, topic)
@@ -228,9 +228,9 @@ async def freeze_phases(directory: Path, bootstrap: str, rollouts: int = 64, **_
     from bench.load import drive
     from bench.stats import percentile
     from tokcap.metrics import FREEZE_SECONDS, SOURCE_SECONDS
+    from transports.kafka.client.topics import ensure_topic
     from transports.kafka.sink import KafkaTokenSink
     from transports.kafka.source import KafkaTokenSource
-    from transports.kafka.topics import ensure_topic
 
     workload = _workload(rollouts, f"phases{os.getpid()}")
     topic = f"tokcap.bench-phases-{uuid.uuid4().hex[:12]}"

@@ -100,8 +100,8 @@ def _entry(rollout: str, turn: int, prompt_tokens: int, generated_tokens: int) -
 
 async def _fill(bootstrap: str, topic: str, args: argparse.Namespace) -> None:
     from transports.kafka import KafkaTokenSink
-    from transports.kafka.codec import encode_event_messages
-    from transports.kafka.producer_bridge import ProducerBridge
+    from transports.kafka.client.producer_bridge import ProducerBridge
+    from transports.kafka.wire.codec import encode_event_messages
 
     sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
     bridge = ProducerBridge(bootstrap)
@@ -130,7 +130,7 @@ def fill_topic(bootstrap: str, args: argparse.Namespace) -> tuple[str, dict[int,
     """Create a topic, fill it with the workload, and return it with each partition's end offset."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from transports.kafka.admin import watermarks
+    from transports.kafka.client.admin import watermarks
 
     topic = f"tokcap-bench-workers-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": bootstrap})
@@ -145,7 +145,7 @@ def measure_workers(
     bootstrap: str, topic: str, ends: dict[int, int], workers: int, directory: Path
 ) -> WorkersFigure:
     """Apply the whole topic from offset 0 into an empty directory with N worker processes."""
-    from transports.kafka.workers import MaterializerWorkers
+    from transports.kafka.materializer.workers import MaterializerWorkers
 
     supervisor = MaterializerWorkers(bootstrap, topic, directory, sorted(ends), workers, until=ends)
     try:

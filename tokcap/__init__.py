@@ -22,11 +22,6 @@ from tokcap.consumer import (
     trajectories_for_rollout,
     trajectories_from_source,
 )
-from tokcap.projection import (
-    assert_prefix_contiguity,
-    project_chain_to_output_items,
-    project_main_chain_response,
-)
 from tokcap.protocols import (
     IntentTokenSink,
     LineageResolver,
@@ -52,6 +47,11 @@ from tokcap.records import (
     cumulative_tokens,
     extract_token_fields,
     stamp_lineage,
+)
+from tokcap.response_items import (
+    assert_prefix_contiguity,
+    project_chain_to_output_items,
+    project_main_chain_response,
 )
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.sink import (

@@ -32,7 +32,7 @@ from tokcap.prefix_trie import PrefixTrie
 from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
 
 if TYPE_CHECKING:
-    from tokcap.projection import (
+    from tokcap.response_items import (
         assert_prefix_contiguity,
         project_chain_to_output_items,
         project_main_chain_response,
@@ -567,12 +567,12 @@ _PROJECTION_NAMES = (
 
 
 def __getattr__(name: str) -> Any:
-    """Gym's ``builder`` also holds the response projection; tokcap keeps it in ``tokcap.projection``.
+    """Gym's ``builder`` also holds the response projection; tokcap keeps it in ``tokcap.response_items``.
 
-    Served lazily: the projection module imports this one.
+    Served lazily: the response-items module imports this one.
     """
     if name in _PROJECTION_NAMES:
-        from tokcap import projection
+        from tokcap import response_items
 
-        return getattr(projection, name)
+        return getattr(response_items, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

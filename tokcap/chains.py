@@ -1,7 +1,7 @@
 """What a builder returns: chains of model calls, the notes on what was left out, and the two together.
 
 A ``Chain`` is a path of model calls in which each call's prompt is the previous call's prompt and
-generation followed by interstitial tokens; ``tokcap.builder`` builds them and ``tokcap.projection`` turns one
+generation followed by interstitial tokens; ``tokcap.builder`` builds them and ``tokcap.response_items`` turns one
 into a response. Both read these types from here, so neither imports the other to name them.
 """
 

@@ -14,15 +14,12 @@ Error tree::
     │   ├── TokenExtractionError
     │   ├── ConflictingEntryError
     │   ├── EventDecodeError
-    │   │   └── WireDeltaError
     │   ├── EventTooLargeError
     │   ├── UnknownBuilderError
     │   └── UndeliverableBuilderError
     ├── ConfigError (ValueError)
     │   ├── SinkConfigError
-    │   ├── CanonicalEncodingError
-    │   ├── PartitionOwnershipConflictError
-    │   └── TopicLimitsMismatchError
+    │   └── CanonicalEncodingError
     ├── RolloutClosedError (RuntimeError)
     │   ├── RolloutFrozenError
     │   └── RolloutRetiredError
@@ -40,21 +37,12 @@ Error tree::
     ├── LineageLookupError (RuntimeError)
     └── TransportError (RuntimeError)
         ├── DeliveryError
-        ├── DeliveryTimeoutError
-        ├── TopicMismatchError
-        ├── MaterializerFailedError
-        │   ├── MaterializerOwnedElsewhereError
-        │   ├── TopicIncarnationError
-        │   └── OffsetGapError
-        ├── PartitionOwnerMissingError
-        ├── BrokerUnreachableError
-        ├── BrokerAuthenticationError
-        │   └── BrokerTlsError
-        ├── BrokerAuthorizationError
-        └── TopicNotFoundError
+        └── DeliveryTimeoutError
 
-Kafka client errors are translated into this tree in one place, ``transports.kafka.error_map``;
-an invalid client setting (``-X``, ``producer_config``) becomes a ``ConfigError`` there.
+A transport's own errors live in the transport, under these classes: the Kafka transport's (broker, topic,
+materializer and wire-delta errors) in ``transports.kafka.errors``. Kafka client errors are translated into
+both trees in one place, ``transports.kafka.client.error_map``; an invalid client setting (``-X``,
+``producer_config``) becomes a ``ConfigError`` there.
 
 Errors carry the rollout id and the model call id where one applies, so a
 log line names the exact turn that was lost.
@@ -63,10 +51,6 @@ log line names the exact turn that was lost.
 from __future__ import annotations
 
 __all__ = [
-    "BrokerAuthenticationError",
-    "BrokerAuthorizationError",
-    "BrokerTlsError",
-    "BrokerUnreachableError",
     "CanonicalEncodingError",
     "ChainValidationError",
     "ConfigError",
@@ -80,12 +64,7 @@ __all__ = [
     "InvalidRolloutIdError",
     "LineageLookupError",
     "MaskFractionExceededError",
-    "MaterializerFailedError",
-    "MaterializerOwnedElsewhereError",
     "NewerSchemaError",
-    "OffsetGapError",
-    "PartitionOwnerMissingError",
-    "PartitionOwnershipConflictError",
     "PrefixContiguityError",
     "RebuildError",
     "ReceiptVerificationError",
@@ -100,15 +79,10 @@ __all__ = [
     "StoreWriteError",
     "TokcapError",
     "TokenExtractionError",
-    "TopicIncarnationError",
-    "TopicLimitsMismatchError",
-    "TopicMismatchError",
-    "TopicNotFoundError",
     "TrajectoryBuildError",
     "TransportError",
     "UndeliverableBuilderError",
     "UnknownBuilderError",
-    "WireDeltaError",
 ]
 
 
@@ -165,10 +139,6 @@ class EventDecodeError(InvalidInputError):
     """Bytes on the log are not a valid tokcap event."""
 
 
-class WireDeltaError(EventDecodeError):
-    """A put sent as (parent link, prompt suffix) cannot be restored to the exact entry the sink was given."""
-
-
 class EventTooLargeError(InvalidInputError):
     """An event is larger than the transport's maximum event size; nothing of it was sent.
 
@@ -190,10 +160,6 @@ class SinkConfigError(ConfigError):
 
 class CanonicalEncodingError(ConfigError):
     """The installed JSON encoder writes bytes other than tokcap's canonical form; this node may not write lines."""
-
-
-class PartitionOwnershipConflictError(ConfigError):
-    """Two materializer directories, or two workers, claim one partition; one partition has one owner."""
 
 
 class RolloutClosedError(TokcapError, RuntimeError):
@@ -241,17 +207,6 @@ class DeliveryTimeoutError(TransportError):
     """An event was not acknowledged, or not applied, within the configured time."""
 
 
-class TopicMismatchError(TransportError):
-    """An existing topic has settings other than the ones requested."""
-
-
-class TopicLimitsMismatchError(ConfigError):
-    """Size limits given to a sink or reader, or asked of an existing topic, differ from the topic's own.
-
-    A topic's limits are decided once, when it is made; every writer and reader uses them.
-    """
-
-
 class UndeliverableBuilderError(InvalidInputError):
     """A builder that yields several chains per rollout was asked for single-response delivery."""
 
@@ -275,48 +230,5 @@ class LineageLookupError(TokcapError, RuntimeError):
     """A proven parent's tokens could not be rebuilt or failed their digest; the request is left unresolved."""
 
 
-class MaterializerFailedError(TransportError):
-    """The materializer stopped on an error it must not skip (a damaged store, a truncated topic)."""
-
-
-class MaterializerOwnedElsewhereError(MaterializerFailedError):
-    """Another materializer already applies a partition into this directory; a source then follows it."""
-
-
-class TopicIncarnationError(MaterializerFailedError):
-    """A store directory was fed by another incarnation of its topic (deleted and created again under its name).
-
-    Offsets of a new incarnation start again at 0: resuming at the old checkpoint would skip events.
-    """
-
-
-class OffsetGapError(MaterializerFailedError):
-    """A partition's next fetched offset is not the one after the last read: events would be skipped."""
-
-
-class PartitionOwnerMissingError(TransportError):
-    """No materializer directory owns the partition a rollout hashes to; start one with that partition."""
-
-
 class InjectedFaultError(TokcapError, RuntimeError):
     """A failure ``tokcap demo`` raises on purpose, to show that the capture path survives it."""
-
-
-class BrokerUnreachableError(TransportError):
-    """No Kafka broker answered at the configured bootstrap address in time."""
-
-
-class TopicNotFoundError(TransportError):
-    """The run topic does not exist on the broker; create it, or check the run id."""
-
-
-class BrokerAuthenticationError(TransportError):
-    """The broker refused the client's login; retrying with the same credentials cannot succeed."""
-
-
-class BrokerTlsError(BrokerAuthenticationError):
-    """The TLS handshake with the broker failed: an untrusted or mismatched certificate."""
-
-
-class BrokerAuthorizationError(TransportError):
-    """The broker's ACLs do not allow the client's principal the operation; grant the role's ACLs."""

@@ -39,7 +39,7 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 Two kinds of rule come before an event exists and live with what they judge: how a message becomes an
 event, or a dead letter that masks its rollout (undecodable, newer schema, refused by the input rules of
 ``tokcap/input_rules.py``, wrong key, a chunk group that cannot complete or is still open at its rollout's
-freeze), in ``transports/kafka/router.py``; and how the files a crash left are read back, in
+freeze), in ``transports/kafka/wire/router.py``; and how the files a crash left are read back, in
 ``tokcap/recovery.py``.
 """
 

@@ -14,7 +14,7 @@ from test_gym_lineage import EXPECTED_PARENTS, drive_with_tokcap
 
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.lineage import KafkaLineageResolver
-from transports.kafka.partitioner import partition_of_rollout
+from transports.kafka.wire.partitioner import partition_of_rollout
 
 pytestmark = pytest.mark.kafka
 

@@ -12,8 +12,8 @@ from gym_wheel import GymModules
 
 from tokcap.builder import run_builder
 from tokcap.consumer import trajectories_from_source
-from tokcap.projection import assert_prefix_contiguity, project_main_chain_response
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
+from tokcap.response_items import assert_prefix_contiguity, project_main_chain_response
 from tokcap.store import TokenCaptureStore
 
 

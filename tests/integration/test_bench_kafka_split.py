@@ -18,7 +18,7 @@ from bench.kafka_split import TrainerProcessError, _start_trainer, run_with_trai
 from bench.load import prepare
 from bench.options import WorkloadShape
 from bench.scenarios import by_name
-from transports.kafka.topics import ensure_topic
+from transports.kafka.client.topics import ensure_topic
 
 
 def test_the_trainer_process_freezes_every_rollout_the_load_finished(

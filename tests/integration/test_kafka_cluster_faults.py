@@ -29,9 +29,9 @@ from tokcap.errors import DeliveryTimeoutError
 from tokcap.events import PutEvent
 from tokcap.protocols import TokenCaptureSnapshot
 from transports.kafka import KafkaTokenSource, TopicSettings, ensure_topic, topic_for_run
-from transports.kafka.codec import decode_event_value, headers_to_dict
 from transports.kafka.timeline import read_log
-from transports.kafka.topic_limits import is_limits_record
+from transports.kafka.wire.codec import decode_event_value, headers_to_dict
+from transports.kafka.wire.topic_limits import is_limits_record
 
 pytestmark = pytest.mark.kafka
 

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 from store_contract import make_entry
 
-from tokcap.errors import ConfigError, DeliveryTimeoutError, MaterializerFailedError
+from tokcap.errors import ConfigError, DeliveryTimeoutError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
-from transports.kafka.admin import watermarks
+from transports.kafka.client.admin import watermarks
+from transports.kafka.errors import MaterializerFailedError
 
 pytestmark = pytest.mark.kafka
 

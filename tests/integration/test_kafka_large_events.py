@@ -29,13 +29,13 @@ from tokcap.staging.digest import compute_extras_digest
 from tokcap.staging.records import RolloutReceipt
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink
-from transports.kafka.admin import watermarks
-from transports.kafka.codec import DEFAULT_CHUNK_BYTES
-from transports.kafka.dead_letters import dead_letter_files
+from transports.kafka.client.admin import watermarks
+from transports.kafka.client.topics import ensure_topic
 from transports.kafka.lineage import KafkaLineageResolver
+from transports.kafka.materializer.dead_letters import dead_letter_files
 from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
-from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
-from transports.kafka.topics import ensure_topic
+from transports.kafka.wire.codec import DEFAULT_CHUNK_BYTES
+from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 pytestmark = pytest.mark.kafka
 

@@ -12,7 +12,7 @@ from tokcap.lineage import LineageResolution, stamp_continuation
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from transports.kafka import KafkaTokenSink
 from transports.kafka.lineage import KafkaLineageResolver
-from transports.kafka.partitioner import partition_of_rollout
+from transports.kafka.wire.partitioner import partition_of_rollout
 
 pytestmark = pytest.mark.kafka
 

@@ -21,10 +21,15 @@ from store_contract import directory_contents, make_entry
 from tests.topic_replay import replay_topic
 from tokcap.events import CancelEvent, DeleteEvent, DropEvent, Event, FreezeEvent, IntentEvent, RetireEvent
 from transports.kafka import KafkaTokenSink
-from transports.kafka.checkpoint import applied_next_offset
-from transports.kafka.codec import ENCODING_DELTA, HEADER_ENCODING, encode_event_messages, headers_to_dict
-from transports.kafka.producer_bridge import Delivered, ProducerBridge
+from transports.kafka.client.producer_bridge import Delivered, ProducerBridge
+from transports.kafka.materializer.checkpoint import applied_next_offset
 from transports.kafka.timeline import read_log
+from transports.kafka.wire.codec import (
+    ENCODING_DELTA,
+    HEADER_ENCODING,
+    encode_event_messages,
+    headers_to_dict,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -17,8 +17,8 @@ from tmpfs import fill, mounted_tmpfs
 from tests.topic_replay import replay_topic
 from tokcap.errors import TokcapError
 from transports.kafka import KafkaTokenSink
-from transports.kafka.checkpoint import applied_next_offset
 from transports.kafka.materializer import Materializer
+from transports.kafka.materializer.checkpoint import applied_next_offset
 
 pytestmark = pytest.mark.kafka
 

@@ -31,14 +31,14 @@ from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
 from store_contract import make_entry
 
-from tokcap.errors import MaterializerOwnedElsewhereError
 from tokcap.events import FreezeEvent, PutEvent
 from tokcap.metrics import REGISTRY
 from tokcap.metrics_http import MetricsServer
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka.codec import encode_event_messages
+from transports.kafka.errors import MaterializerOwnedElsewhereError
 from transports.kafka.materializer import Materializer
-from transports.kafka.readiness import serve_metrics
+from transports.kafka.materializer.readiness import serve_metrics
+from transports.kafka.wire.codec import encode_event_messages
 
 pytestmark = pytest.mark.kafka
 

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from tokcap.events import FreezeEvent
-from transports.kafka.codec import encode_event_messages
-from transports.kafka.partitioner import DEFAULT_PARTITIONER, partition_of_rollout, partitioner_of
-from transports.kafka.producer_bridge import ProducerBridge
+from transports.kafka.client.producer_bridge import ProducerBridge
+from transports.kafka.wire.codec import encode_event_messages
+from transports.kafka.wire.partitioner import DEFAULT_PARTITIONER, partition_of_rollout, partitioner_of
 
 pytestmark = pytest.mark.kafka
 

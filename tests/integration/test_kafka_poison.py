@@ -30,9 +30,9 @@ from tokcap.records import TokenEntry
 from tokcap.staging import finalize_rollout
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka.codec import encode_event_messages
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.staging import KafkaCaptureLedger, KafkaStagingSink, KafkaStagingSource
+from transports.kafka.wire.codec import encode_event_messages
 
 pytestmark = pytest.mark.kafka
 

@@ -19,9 +19,9 @@ from tokcap.lineage import LineageResolution
 from tokcap.records import ParentResolutionStatus
 from tokcap.staging import finalize_rollout
 from transports.kafka.lineage import KafkaLineageResolver
-from transports.kafka.router import InboundRouter
 from transports.kafka.source import KafkaTokenSource
 from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
+from transports.kafka.wire.router import InboundRouter
 
 pytestmark = pytest.mark.kafka
 
@@ -237,8 +237,8 @@ def test_a_directory_projected_whole_in_this_process_is_refused_to_a_ledger_only
     where: dict[str, Any], tmp_path: Path
 ) -> None:
     from tokcap.errors import ConfigError
+    from transports.kafka.materializer.shared_materializers import shared_materializers
     from transports.kafka.private_projection import LEDGER_SKIPPED_TYPES
-    from transports.kafka.shared_materializers import shared_materializers
 
     source = KafkaStagingSource(**where, store_dir=tmp_path)
     try:

@@ -29,8 +29,8 @@ from tests.topic_replay import replay_topic
 from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer, PartitionedTokenSource
 from transports.kafka.cli.options import parse_partitions
-from transports.kafka.ownership import OWNER_LOCK_PREFIX, owned_partitions
-from transports.kafka.workers import MaterializerWorkers
+from transports.kafka.materializer.ownership import OWNER_LOCK_PREFIX, owned_partitions
+from transports.kafka.materializer.workers import MaterializerWorkers
 
 pytestmark = pytest.mark.kafka
 
@@ -323,7 +323,7 @@ def test_a_rollout_whose_partition_no_directory_owns_is_a_typed_error_naming_the
 ) -> None:
     topic = kafka_topic_factory("missing", partitions=_PARTITIONS)
     assert _materialize(kafka_bootstrap, topic, tmp_path / "a", "--partitions", "0-1").returncode == 0
-    from transports.kafka.partitioner import partition_of_rollout
+    from transports.kafka.wire.partitioner import partition_of_rollout
 
     orphan = next(f"r{n}" for n in range(100) if partition_of_rollout(f"r{n}", _PARTITIONS) >= 2)
     partition = partition_of_rollout(orphan, _PARTITIONS)

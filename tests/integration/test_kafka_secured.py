@@ -17,8 +17,9 @@ from factories import chat_response, make_entry
 from kafka_broker_fixture import load_broker_module
 from secure_kafka_fixture import SecureKafka
 
-from tokcap.errors import BrokerAuthenticationError, BrokerAuthorizationError, BrokerTlsError, TokcapError
+from tokcap.errors import TokcapError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
+from transports.kafka.errors import BrokerAuthenticationError, BrokerAuthorizationError, BrokerTlsError
 
 pytestmark = pytest.mark.kafka
 

@@ -11,7 +11,7 @@ from factories import make_entry
 from test_kafka_external_materializer import start_materializer_process
 
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka.shared_materializers import shared_materializers
+from transports.kafka.materializer.shared_materializers import shared_materializers
 
 pytestmark = pytest.mark.kafka
 

@@ -25,11 +25,11 @@ from tokcap.staging import verify_and_linearize
 from tokcap.staging.conformance import run_staging_conformance
 from tokcap.staging.records import RolloutReceipt
 from tokcap.store import TokenCaptureStore
-from transports.kafka.codec import encode_event_messages
-from transports.kafka.dead_letters import dead_letter_files
 from transports.kafka.lineage import KafkaLineageResolver
+from transports.kafka.materializer.dead_letters import dead_letter_files
 from transports.kafka.source import KafkaTokenSource
 from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
+from transports.kafka.wire.codec import encode_event_messages
 
 pytestmark = pytest.mark.kafka
 

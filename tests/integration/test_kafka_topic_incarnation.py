@@ -14,12 +14,13 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from store_contract import make_entry
 
 from tests.kafka_broker_fixture import TopicFactory
-from tokcap.errors import MaterializerFailedError, TopicIncarnationError
 from tokcap.events import Event, IntentEvent, PutEvent
-from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer, incarnation
-from transports.kafka.checkpoint import applied_next_offset, checkpoint_path
-from transports.kafka.codec import encode_event_messages
-from transports.kafka.producer_bridge import ProducerBridge
+from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
+from transports.kafka.client.producer_bridge import ProducerBridge
+from transports.kafka.errors import MaterializerFailedError, TopicIncarnationError
+from transports.kafka.materializer import incarnation
+from transports.kafka.materializer.checkpoint import applied_next_offset, checkpoint_path
+from transports.kafka.wire.codec import encode_event_messages
 
 pytestmark = pytest.mark.kafka
 

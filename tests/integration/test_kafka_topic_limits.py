@@ -25,14 +25,14 @@ from tokcap.staging import verify_and_linearize
 from tokcap.staging.records import RolloutReceipt
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink
-from transports.kafka.admin import watermarks
 from transports.kafka.cli.log import rollout_timeline
 from transports.kafka.cli.replay import run_replay
-from transports.kafka.codec import encode_event_messages
-from transports.kafka.dead_letters import dead_letter_files
+from transports.kafka.client.admin import watermarks
+from transports.kafka.client.topics import ensure_topic
 from transports.kafka.materializer import Materializer
+from transports.kafka.materializer.dead_letters import dead_letter_files
 from transports.kafka.staging import KafkaCaptureLedger, KafkaStagingSink, KafkaStagingSource
-from transports.kafka.topics import ensure_topic
+from transports.kafka.wire.codec import encode_event_messages
 
 pytestmark = pytest.mark.kafka
 
@@ -91,7 +91,7 @@ def _materialize(bootstrap: str, topic: str, directory: Path) -> TokenCaptureSto
 
 def _produce_raw(bootstrap: str, topic: str, event: PutEvent, chunk_bytes: int, limit: int) -> None:
     """Send an event as a sink with its own, larger limit would have: what no sink may do any more."""
-    from transports.kafka.topic_limits import TopicLimits
+    from transports.kafka.wire.topic_limits import TopicLimits
 
     producer = Producer({"bootstrap.servers": bootstrap})
     messages = encode_event_messages(
@@ -108,10 +108,10 @@ def _produce_raw(bootstrap: str, topic: str, event: PutEvent, chunk_bytes: int, 
 def test_a_topic_made_with_limits_records_them_first_and_an_other_request_for_it_is_refused(
     kafka_bootstrap: str, kafka_topic_factory: Any
 ) -> None:
-    from tokcap.errors import TopicLimitsMismatchError
-    from transports.kafka.clients import ClientContext
-    from transports.kafka.limits_record import read_topic_limits
-    from transports.kafka.topic_limits import TopicLimits
+    from transports.kafka.client.clients import ClientContext
+    from transports.kafka.client.limits_record import read_topic_limits
+    from transports.kafka.errors import TopicLimitsMismatchError
+    from transports.kafka.wire.topic_limits import TopicLimits
 
     name = f"tokcap-test-limits-{os.urandom(4).hex()}"
     limits = TopicLimits(max_event_bytes=300 * MIB)
@@ -349,9 +349,9 @@ def test_a_sink_or_materializer_given_other_limits_than_the_topics_is_refused_na
 def test_a_topic_made_before_limits_were_recorded_is_read_with_the_default_limits(
     kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
 ) -> None:
-    from transports.kafka.clients import ClientContext
-    from transports.kafka.limits_record import read_topic_limits
-    from transports.kafka.topic_limits import TOPIC_DEFAULTS
+    from transports.kafka.client.clients import ClientContext
+    from transports.kafka.client.limits_record import read_topic_limits
+    from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS
 
     context = ClientContext(kafka_bootstrap, {})
     assert read_topic_limits(context, kafka_topic) == TOPIC_DEFAULTS  # empty: nothing recorded yet

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from tokcap.errors import TopicMismatchError
 from transports.kafka import TopicSettings, ensure_topic, topic_for_run
+from transports.kafka.errors import TopicMismatchError
 
 pytestmark = pytest.mark.kafka
 

@@ -17,8 +17,8 @@ from tests.topic_replay import replay_topic
 from tokcap.records import TokenEntry
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka.codec import ENCODING_DELTA, HEADER_ENCODING, headers_to_dict
 from transports.kafka.timeline import LogApplier, read_log
+from transports.kafka.wire.codec import ENCODING_DELTA, HEADER_ENCODING, headers_to_dict
 
 pytestmark = pytest.mark.kafka
 

@@ -31,3 +31,7 @@ def test_the_built_wheel_ships_py_typed_for_both_packages(tmp_path: Path) -> Non
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"tokcap/py.typed", "transports/py.typed"} <= names
     assert "transports/kafka/source.py" in names
+    assert {"transports/kafka/wire/codec.py", "transports/kafka/materializer/__main__.py"} <= names
+    (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+    declared = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[tokcap.transports]\nkafka = transports.kafka.cli:mount" in declared

@@ -11,9 +11,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
-from transports.kafka.dead_letters import DeadLetterLog
-from transports.kafka.ownership import write_owner_records
+from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path
+from transports.kafka.materializer.dead_letters import DeadLetterLog
+from transports.kafka.materializer.ownership import write_owner_records
 
 _PROBE = textwrap.dedent(
     """

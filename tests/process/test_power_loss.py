@@ -49,7 +49,7 @@ from tokcap.records import TokenEntry
 from tokcap.staging import FileStagingSink, FileStagingSource
 from tokcap.state import IntentOp
 from tokcap.store import TokenCaptureStore
-from transports.kafka.checkpoint import checkpoint_path, write_checkpoints
+from transports.kafka.materializer.checkpoint import checkpoint_path, write_checkpoints
 
 SEED = 36
 STATES_PER_STEP = 24

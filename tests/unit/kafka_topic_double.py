@@ -18,9 +18,9 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from tokcap.events import Event
-from transports.kafka.codec import LogMessage, encode_event_messages
 from transports.kafka.materializer import Materializer
-from transports.kafka.topic_limits import TopicLimits
+from transports.kafka.wire.codec import LogMessage, encode_event_messages
+from transports.kafka.wire.topic_limits import TopicLimits
 
 Headers = list[tuple[str, bytes]]
 

@@ -11,7 +11,7 @@ from tests.factories import assistant_message_item, make_entry
 from tests.unit.agent_rollouts import AgentRollout
 from tokcap.builder import BuildOutput, per_request, prefix_merging
 from tokcap.errors import PrefixContiguityError, TrajectoryBuildError
-from tokcap.projection import (
+from tokcap.response_items import (
     assert_prefix_contiguity,
     project_chain_to_output_items,
     project_main_chain_response,

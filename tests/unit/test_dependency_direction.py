@@ -1,6 +1,7 @@
 """Dependencies point from the transports and the command line to the core, never back, and never in a circle.
 
-The core (``tokcap/``) reaches ``transports`` in exactly one place, the CLI's Kafka mount; the library needs
+The core (``tokcap/``) never imports ``transports``: a transport adds its commands through the
+``tokcap.transports`` entry point, which the CLI discovers in the installed metadata. The library needs
 neither Typer nor Rich (the ``cli`` extra) nor filelock (the ``kafka`` extra); and no module of either
 package imports itself back through others, counting imports under ``TYPE_CHECKING`` and inside functions,
 because a type-only or lazy cycle is still two modules that cannot be understood one before the other.
@@ -9,8 +10,10 @@ because a type-only or lazy cycle is still two modules that cannot be understood
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from collections.abc import Iterator, Mapping
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import tokcap
@@ -18,8 +21,10 @@ import tokcap
 _ROOT = Path(tokcap.__file__).resolve().parent.parent
 _PACKAGES = ("tokcap", "transports")
 
-KAFKA_MOUNT = ("tokcap/cli/app.py", "_mount_kafka")
-"""The one function of the core that imports ``transports``."""
+_TRANSPORT_IMPORT = re.compile(
+    r"^\s*(from|import)\s+transports\b|import_module\(\s*[\"']transports\b", re.MULTILINE
+)
+"""An import of ``transports`` as a statement or through ``importlib``, as text, wherever it stands."""
 
 KNOWN_CYCLES: list[frozenset[str]] = []
 """Cycles in modules being rewritten elsewhere; the list may only shrink (a fixed cycle fails until removed)."""
@@ -138,9 +143,37 @@ def _core_imports_of(roots: set[str], *, skip: str | None = None) -> list[tuple[
     return hits
 
 
-def test_the_core_imports_transports_only_in_the_clis_kafka_mount() -> None:
-    hits = _core_imports_of({"transports"})
-    assert [(file, function) for file, function, _ in hits] == [KAFKA_MOUNT]
+def test_the_core_imports_no_module_of_transports() -> None:
+    assert _core_imports_of({"transports"}) == []
+
+
+def test_no_file_of_the_core_names_a_transports_import_even_in_text() -> None:
+    hits = [
+        f"{path.relative_to(_ROOT).as_posix()}:{source[: match.start()].count(chr(10)) + 1}"
+        for path in sorted((_ROOT / "tokcap").rglob("*.py"))
+        for source in [path.read_text()]
+        for match in _TRANSPORT_IMPORT.finditer(source)
+    ]
+    assert hits == []
+
+
+def test_the_grep_for_a_transports_import_finds_each_spelling() -> None:
+    found = [
+        bool(_TRANSPORT_IMPORT.search(text))
+        for text in (
+            "from transports.kafka.cli import mount",
+            "    import transports.kafka",
+            "importlib.import_module('transports.kafka')",
+            "``transports.kafka`` is a transport",
+            "from tokcap.transports_note import x",
+        )
+    ]
+    assert found == [True, True, True, False, False]
+
+
+def test_the_kafka_transport_mounts_its_commands_through_the_installed_entry_point() -> None:
+    mounts = {entry.name: entry.value for entry in entry_points(group="tokcap.transports")}
+    assert mounts == {"kafka": "transports.kafka.cli:mount"}
 
 
 def test_outside_its_command_line_the_core_imports_no_typer_rich_or_click() -> None:
@@ -154,7 +187,7 @@ def test_the_core_imports_no_filelock_which_only_the_kafka_materializer_needs() 
 def test_no_module_of_tokcap_or_transports_is_on_an_import_cycle_beyond_the_known_ones() -> None:
     graph = _import_graph()
     assert len(graph) > 80
-    assert {"transports.kafka.router", "transports.kafka.codec", "tokcap.cli.app"} <= set(graph)
+    assert {"transports.kafka.wire.router", "transports.kafka.wire.codec", "tokcap.cli.app"} <= set(graph)
     assert sorted(map(sorted, import_cycles(graph))) == sorted(map(sorted, KNOWN_CYCLES))
 
 
@@ -189,3 +222,27 @@ def test_the_mount_check_finds_imports_at_any_depth_with_their_function() -> Non
         ("transports", "mount"),
         ("transports", "run"),
     ]
+
+
+def _wire_imports() -> list[str]:
+    """Every module a file of ``transports/kafka/wire/`` imports, as ``file: module``."""
+    found = []
+    for path in sorted((_ROOT / "transports" / "kafka" / "wire").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found.extend(f"{path.name}: {name}" for name in names)
+    return found
+
+
+def test_the_wire_floor_imports_no_kafka_client_and_nothing_of_the_transport_above_it() -> None:
+    allowed = ("transports.kafka.wire", "transports.kafka.errors")
+    above = [
+        hit
+        for hit in _wire_imports()
+        if hit.split(": ")[1].split(".")[0] == "confluent_kafka"
+        or (hit.split(": ")[1].startswith("transports") and not hit.split(": ")[1].startswith(allowed))
+    ]
+    assert above == []
+    assert any(hit.endswith(": transports.kafka.wire.topic_limits") for hit in _wire_imports())

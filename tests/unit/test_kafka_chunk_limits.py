@@ -21,23 +21,23 @@ from tokcap.errors import ConfigError, EventTooLargeError
 from tokcap.events import FreezeEvent, PutEvent
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink
-from transports.kafka.codec import (
+from transports.kafka.materializer.dead_letters import dead_letter_path
+from transports.kafka.staging import KafkaStagingSink
+from transports.kafka.timeline import LogApplier
+from transports.kafka.wire.codec import (
     DEFAULT_CHUNK_BYTES,
     OutgoingMessage,
     encode_event_messages,
     encode_event_value,
 )
-from transports.kafka.dead_letters import dead_letter_path
-from transports.kafka.router import (
+from transports.kafka.wire.router import (
     ApplyEvent,
     Buffered,
     DeadLetter,
     InboundRouter,
     LogMessage,
 )
-from transports.kafka.staging import KafkaStagingSink
-from transports.kafka.timeline import LogApplier
-from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
+from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 TOPIC = "tokcap.chunk-limits-test"
 CHUNK = 2048
@@ -204,7 +204,7 @@ def test_the_materializer_masks_the_rollout_whose_group_the_budget_abandoned_and
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     topic, events = budget_log()
-    with caplog.at_level("WARNING", logger="transports.kafka.router"):
+    with caplog.at_level("WARNING", logger="transports.kafka.wire.router"):
         materialize(topic, tmp_path, limits=LIMITS)
     store = TokenCaptureStore(tmp_path)
     assert store.is_incomplete("r-a") and store.read_entries("r-a") == []

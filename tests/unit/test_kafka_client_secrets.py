@@ -12,8 +12,8 @@ from factories import make_entry
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, TokcapError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
-from transports.kafka.client_log import ClientLog
-from transports.kafka.redaction import Redactor
+from transports.kafka.client.client_log import ClientLog
+from transports.kafka.wire.redaction import Redactor
 
 SECRET = "Tr0ub4dor&3-correct-horse"
 

@@ -23,7 +23,7 @@ from tokcap.events import (
 )
 from tokcap.ledger import ledger_event
 from tokcap.records import TokenEntry
-from transports.kafka.codec import (
+from transports.kafka.wire.codec import (
     HEADER_ENCODING,
     decode_event_value,
     decode_message,

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
-import transports.kafka.apply_decisions as apply_module
-import transports.kafka.materializer as materializer_module
+import transports.kafka.materializer.apply_decisions as apply_module
+import transports.kafka.materializer.loop as materializer_module
 from tokcap.events import (
     CancelEvent,
     DeleteEvent,
@@ -37,12 +37,12 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
-from transports.kafka.codec import encode_event_messages
 from transports.kafka.materializer import Materializer
-from transports.kafka.materializer_settings import DEFAULT_SETTINGS
-from transports.kafka.router import ApplyEvent, Routed
+from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
+from transports.kafka.materializer.settings import DEFAULT_SETTINGS
 from transports.kafka.source import _CheckpointWaiter
+from transports.kafka.wire.codec import encode_event_messages
+from transports.kafka.wire.router import ApplyEvent, Routed
 
 TOPIC = "tokcap.commands-first-test"
 

@@ -21,12 +21,12 @@ from kafka_topic_double import MemoryTopic
 from store_contract import make_entry
 from test_kafka_freeze_answers import TRAINER
 
-import transports.kafka.apply_decisions as apply_module
-import transports.kafka.materializer as materializer_module
+import transports.kafka.materializer.apply_decisions as apply_module
+import transports.kafka.materializer.loop as materializer_module
 from tokcap.events import IntentEvent, PutEvent
 from transports.kafka.materializer import Materializer
-from transports.kafka.materializer_settings import DEFAULT_SETTINGS
-from transports.kafka.router import Routed
+from transports.kafka.materializer.settings import DEFAULT_SETTINGS
+from transports.kafka.wire.router import Routed
 
 TOPIC = "tokcap.decode-first-test"
 

@@ -21,9 +21,9 @@ from wire_delta_fixtures import conversation, memory_sink, store_files
 from tokcap.events import DeleteEvent, FreezeEvent, IntentEvent, PutEvent
 from tokcap.records import TokenEntry
 from tokcap.store import TokenCaptureStore
-from transports.kafka.codec import HEADER_TYPE, LogMessage, encode_event_messages
-from transports.kafka.router import ApplyEvent, DeadLetter, Deferred, InboundRouter, Routed
 from transports.kafka.timeline import LogApplier
+from transports.kafka.wire.codec import HEADER_TYPE, LogMessage, encode_event_messages
+from transports.kafka.wire.router import ApplyEvent, DeadLetter, Deferred, InboundRouter, Routed
 
 TOPIC = "tokcap.deferred-routing-test"
 

@@ -8,21 +8,9 @@ import traceback
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from tokcap.errors import (
-    BrokerAuthenticationError,
-    BrokerAuthorizationError,
-    BrokerTlsError,
-    BrokerUnreachableError,
-    ConfigError,
-    DeliveryError,
-    DeliveryTimeoutError,
-    MaterializerFailedError,
-    TokcapError,
-    TopicNotFoundError,
-    TransportError,
-)
-from transports.kafka.clients import AuthenticationWatch, ClientContext
-from transports.kafka.error_map import (
+from tokcap.errors import ConfigError, DeliveryError, DeliveryTimeoutError, TokcapError, TransportError
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext
+from transports.kafka.client.error_map import (
     Construction,
     Delivery,
     Operation,
@@ -30,6 +18,14 @@ from transports.kafka.error_map import (
     read_failure,
     scrubbed_cause,
     translated,
+)
+from transports.kafka.errors import (
+    BrokerAuthenticationError,
+    BrokerAuthorizationError,
+    BrokerTlsError,
+    BrokerUnreachableError,
+    MaterializerFailedError,
+    TopicNotFoundError,
 )
 
 SECRET = "s3cret-value-xyz"

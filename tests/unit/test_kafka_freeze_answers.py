@@ -23,7 +23,7 @@ from tests.exact_shape import snapshot_shape
 from tokcap.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
 from tokcap.log_projection import Projection
 from transports.kafka.materializer import Materializer
-from transports.kafka.waiters import WaiterRegistry
+from transports.kafka.materializer.waiters import WaiterRegistry
 
 TOPIC = "tokcap.freeze-ahead-test"
 TRAINER = "trainer-source"

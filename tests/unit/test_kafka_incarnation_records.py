@@ -9,16 +9,16 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
-from tokcap.errors import (
+from tokcap.events import FreezeEvent, IntentEvent, PutEvent
+from transports.kafka.errors import (
     MaterializerFailedError,
     OffsetGapError,
     PartitionOwnershipConflictError,
     TopicIncarnationError,
 )
-from tokcap.events import FreezeEvent, IntentEvent, PutEvent
-from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.materializer import Materializer
-from transports.kafka.ownership import (
+from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path
+from transports.kafka.materializer.ownership import (
     PartitionOwners,
     check_owner_records,
     owner_record_path,

@@ -14,9 +14,9 @@ from tokcap.errors import ConfigError
 from tokcap.events import RetireEvent, StagedBlob, StageEvent
 from tokcap.ledger import FileCaptureLedger, ledger_event, ledger_failure_event
 from tokcap.store import TokenCaptureStore
-from transports.kafka.codec import type_header
 from transports.kafka.materializer import Materializer
 from transports.kafka.private_projection import LEDGER_SKIPPED_TYPES
+from transports.kafka.wire.codec import type_header
 
 
 def _stage(turn: object, image: bytes) -> StageEvent:

@@ -27,7 +27,8 @@ from tokcap.events import (
 )
 from tokcap.lineage import stamp_continuation
 from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
-from transports.kafka.codec import (
+from transports.kafka.lineage import KafkaLineageResolver
+from transports.kafka.wire.codec import (
     HEADER_ENCODING,
     HEADER_TYPE,
     ParentLink,
@@ -36,7 +37,6 @@ from transports.kafka.codec import (
     encode_event_value,
     headers_to_dict,
 )
-from transports.kafka.lineage import KafkaLineageResolver
 
 REQUEST = [{"role": "user", "content": "hi"}]
 

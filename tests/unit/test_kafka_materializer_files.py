@@ -7,9 +7,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tokcap.errors import MaterializerFailedError
-from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
-from transports.kafka.dead_letters import DeadLetterLog
+from transports.kafka.errors import MaterializerFailedError
+from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path, command_applied
+from transports.kafka.materializer.dead_letters import DeadLetterLog
 
 
 def test_a_checkpoint_round_trips_and_names_where_reading_resumes(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import transports.kafka
 
 KAFKA = Path(transports.kafka.__file__).parent
-HELPER = ("clients.py", "open_reader")
+HELPER = ("client/clients.py", "open_reader")
 NOT_CONSUMERS = frozenset({"Producer", "AdminClient"})
 """Clients ``build_client`` also builds that read no topic."""
 

@@ -6,20 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from tokcap.errors import (
-    ConfigError,
-    InvalidInputError,
-    PartitionOwnerMissingError,
-    PartitionOwnershipConflictError,
-)
-from transports.kafka.ownership import (
+from tokcap.errors import ConfigError, InvalidInputError
+from transports.kafka.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
+from transports.kafka.materializer.ownership import (
     PartitionOwners,
     owned_partitions,
     owner_record_path,
     write_owner_records,
 )
-from transports.kafka.partitioner import partition_of_key, partitioner_of
-from transports.kafka.workers import split_partitions
+from transports.kafka.materializer.workers import split_partitions
+from transports.kafka.wire.partitioner import partition_of_key, partitioner_of
 
 
 def test_owner_records_hold_only_the_topic_and_partition_so_every_run_writes_the_same_bytes(

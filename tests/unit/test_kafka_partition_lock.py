@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tokcap.errors import MaterializerOwnedElsewhereError
-from transports.kafka.ownership import hold_partition
+from transports.kafka.errors import MaterializerOwnedElsewhereError
+from transports.kafka.materializer.ownership import hold_partition
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,9 +19,9 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from tests.unit.kafka_topic_double import MemoryTopic, materialize
 from tokcap.errors import TransportError
 from tokcap.events import IntentEvent
-from transports.kafka.clients import AuthenticationWatch, ClientContext, list_topics
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, list_topics
+from transports.kafka.client.offset_reader import OffsetReader
 from transports.kafka.lineage import KafkaLineageResolver
-from transports.kafka.offset_reader import OffsetReader
 
 
 class _RecordingConsumer:

@@ -24,13 +24,13 @@ from tokcap.events import (
     encode_event,
 )
 from tokcap.store import TokenCaptureStore
-from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
-from transports.kafka.codec import LogMessage, OutgoingMessage, encode_event_messages
-from transports.kafka.dead_letters import DeadLetterLine, dead_letter_path
 from transports.kafka.materializer import Materializer
-from transports.kafka.router import ApplyEvent, DeadLetter, InboundRouter
+from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path
+from transports.kafka.materializer.dead_letters import DeadLetterLine, dead_letter_path
 from transports.kafka.timeline import BUFFERED, DEAD_LETTERED, LogApplier
-from transports.kafka.topic_limits import TOPIC_DEFAULTS
+from transports.kafka.wire.codec import LogMessage, OutgoingMessage, encode_event_messages
+from transports.kafka.wire.router import ApplyEvent, DeadLetter, InboundRouter
+from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS
 
 TOPIC = "tokcap.routing-test"
 

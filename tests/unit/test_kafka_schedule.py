@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from tokcap.events import DropEvent, Event, FreezeEvent, IncompleteEvent, IntentEvent
-from transports.kafka.router import ApplyEvent, DeadLetter, Routed
-from transports.kafka.schedule import Read, Scheduler, Step
+from transports.kafka.materializer.schedule import Read, Scheduler, Step
+from transports.kafka.wire.router import ApplyEvent, DeadLetter, Routed
 
 
 @dataclass

@@ -8,8 +8,8 @@ import pytest
 
 from tokcap.cli.inspect import describe_store
 from tokcap.errors import StoreCorruptionError
-from transports.kafka.checkpoint import PartitionCheckpoint, applied_next_offset, checkpoint_path
 from transports.kafka.cli.side_files import describe_side_files
+from transports.kafka.materializer.checkpoint import PartitionCheckpoint, applied_next_offset, checkpoint_path
 
 
 def test_the_applied_offset_of_a_directory_is_its_checkpoints_next_offset_and_zero_before_one(

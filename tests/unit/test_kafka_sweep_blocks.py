@@ -16,8 +16,8 @@ from tokcap.errors import InvalidInputError
 from tokcap.events import IntentEvent, PutEvent
 from transports.kafka.cli.materializer_process import main
 from transports.kafka.materializer import Materializer
-from transports.kafka.materializer_settings import DEFAULT_SETTINGS
-from transports.kafka.workers import MaterializerWorkers
+from transports.kafka.materializer.settings import DEFAULT_SETTINGS
+from transports.kafka.materializer.workers import MaterializerWorkers
 
 OVERRUN = replace(DEFAULT_SETTINGS, sweep_step_s=-1.0)
 """Every sweep step is past its time bound after its first message."""
@@ -100,7 +100,7 @@ def test_a_sweep_step_past_its_time_bound_stops_after_one_message_and_the_files_
     tmp_path: Path,
 ) -> None:
     """The loop reads again after each step; a step that overran its time ends early, never applying less."""
-    import transports.kafka.materializer as materializer_module
+    import transports.kafka.materializer.loop as materializer_module
 
     real_sweep = Materializer._sweep
     steps: list[int] = []
@@ -123,7 +123,7 @@ def test_a_sweep_step_past_its_time_bound_stops_after_one_message_and_the_files_
 
 def test_sweep_steps_cut_short_by_their_time_bound_take_turns_between_partitions(tmp_path: Path) -> None:
     """With every step ending after one message, each partition still advances: none waits for another to empty."""
-    import transports.kafka.materializer as materializer_module
+    import transports.kafka.materializer.loop as materializer_module
 
     topic = MemoryTopic(TOPIC, partitions=2)
     for call in range(CALLS):

@@ -10,15 +10,16 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import make_entry
 
-from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError, TopicLimitsMismatchError
+from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError
 from tokcap.events import PutEvent
 from tokcap.store import TokenCaptureStore
-from transports.kafka.codec import LogMessage, encode_event_messages, encode_event_value, headers_to_dict
-from transports.kafka.dead_letters import dead_letter_path
+from transports.kafka.errors import TopicLimitsMismatchError
 from transports.kafka.materializer import Materializer
-from transports.kafka.router import InboundRouter
+from transports.kafka.materializer.dead_letters import dead_letter_path
 from transports.kafka.timeline import LIMITS_PASSED_OVER, LIMITS_RECORDED, LogApplier
-from transports.kafka.topic_limits import (
+from transports.kafka.wire.codec import LogMessage, encode_event_messages, encode_event_value, headers_to_dict
+from transports.kafka.wire.router import InboundRouter
+from transports.kafka.wire.topic_limits import (
     TOPIC_DEFAULTS,
     TopicLimits,
     check_recorded,

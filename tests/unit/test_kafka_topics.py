@@ -15,7 +15,7 @@ from transports.kafka import (
     topic_for_run,
     validate_topic_name,
 )
-from transports.kafka.topics import KEEP_WHOLE_RUN, _existing_mismatches
+from transports.kafka.client.topics import KEEP_WHOLE_RUN, _existing_mismatches
 
 
 def test_a_run_topic_is_the_prefix_plus_the_run_id() -> None:

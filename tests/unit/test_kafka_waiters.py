@@ -10,7 +10,7 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
-from transports.kafka.waiters import WaiterRegistry
+from transports.kafka.materializer.waiters import WaiterRegistry
 
 
 @dataclass

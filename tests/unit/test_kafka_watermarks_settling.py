@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from transports.kafka.admin import _watermarks_once_led
+from transports.kafka.client.admin import _watermarks_once_led
 
 
 class _SettlingConsumer:

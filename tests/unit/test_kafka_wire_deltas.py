@@ -19,15 +19,15 @@ from tokcap.errors import EventDecodeError
 from tokcap.events import EVENT_SCHEMA_VERSION, DeleteEvent, FreezeEvent, IntentEvent, PutEvent
 from tokcap.records import TokenEntry
 from tokcap.store import TokenCaptureStore
-from transports.kafka.codec import (
+from transports.kafka.materializer.dead_letters import dead_letter_path
+from transports.kafka.timeline import DEAD_LETTERED, LogApplier
+from transports.kafka.wire.codec import (
     HEADER_SCHEMA,
     ParentLink,
     decode_message,
     encode_delta_message,
     headers_to_dict,
 )
-from transports.kafka.dead_letters import dead_letter_path
-from transports.kafka.timeline import DEAD_LETTERED, LogApplier
 
 TOPIC = "tokcap.wire-delta-test"
 

@@ -35,7 +35,7 @@ from tokcap.protocols import TokenCaptureSnapshot
 from tokcap.records import TokenEntry
 from tokcap.store import TokenCaptureStore
 
-TOPIC = "tokcap.projection-test"
+TOPIC = "tokcap.response_items-test"
 ROLLOUT = "r"
 
 OPS = ("intent", "put", "conflict", "cancel", "incomplete", "freeze", "drop", "retire", "delete")

@@ -22,9 +22,9 @@ from tokcap.events import IncompleteEvent, LogPosition, decode_event
 from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink
 from transports.kafka import sink as sink_module
-from transports.kafka.codec import OutgoingMessage
-from transports.kafka.marker_spill import MarkerSpill
-from transports.kafka.producer_bridge import Delivered
+from transports.kafka.client.producer_bridge import Delivered
+from transports.kafka.wire.codec import OutgoingMessage
+from transports.kafka.write.marker_spill import MarkerSpill
 
 TOPIC = "tokcap.spill-test"
 
@@ -302,7 +302,7 @@ def test_the_spill_directory_defaults_to_the_environment_or_the_users_cache(
     assert len(list((tmp_path / "env" / TOPIC).glob("*.marker"))) == 1
     monkeypatch.delenv("TOKCAP_SPILL_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    from transports.kafka.marker_spill import default_spill_dir
+    from transports.kafka.write.marker_spill import default_spill_dir
 
     assert default_spill_dir() == tmp_path / "cache" / "tokcap" / "spill"
     assert os.path.isabs(default_spill_dir())

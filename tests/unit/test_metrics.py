@@ -30,15 +30,15 @@ from tokcap.metrics import (
 from tokcap.metrics_http import Health, MetricsServer
 from tokcap.staging import FileStagingSink
 from tokcap.store import TokenCaptureStore
-from transports.kafka.codec import (
+from transports.kafka.materializer.loop_metrics import dead_letter_kind
+from transports.kafka.wire.codec import (
     HEADER_CHUNK_COUNT,
     HEADER_CHUNK_DIGEST,
     HEADER_CHUNK_GROUP,
     HEADER_CHUNK_INDEX,
     HEADER_TYPE,
 )
-from transports.kafka.loop_metrics import dead_letter_kind
-from transports.kafka.router import DeadLetter, InboundRouter, LogMessage
+from transports.kafka.wire.router import DeadLetter, InboundRouter, LogMessage
 
 _ALLOWED_LABELS = {"transport", "operation", "kind", "type", "reason", "topic", "partition"}
 

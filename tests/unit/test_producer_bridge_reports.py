@@ -17,8 +17,8 @@ from confluent_kafka import KafkaError, KafkaException
 from loop_turns import turns_until
 
 from tokcap.errors import DeliveryTimeoutError
-from transports.kafka import producer_bridge
-from transports.kafka.producer_bridge import Delivered, ProducerBridge, _resolve
+from transports.kafka.client import producer_bridge
+from transports.kafka.client.producer_bridge import Delivered, ProducerBridge, _resolve
 
 
 @pytest.fixture

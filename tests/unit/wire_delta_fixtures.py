@@ -15,10 +15,10 @@ from kafka_topic_double import MemoryTopic
 
 from tokcap.errors import DeliveryError
 from transports.kafka import KafkaTokenSink
-from transports.kafka.clients import ClientContext
-from transports.kafka.codec import HEADER_ENCODING, OutgoingMessage
-from transports.kafka.limits_record import read_topic_limits
-from transports.kafka.producer_bridge import Delivered
+from transports.kafka.client.clients import ClientContext
+from transports.kafka.client.limits_record import read_topic_limits
+from transports.kafka.client.producer_bridge import Delivered
+from transports.kafka.wire.codec import HEADER_ENCODING, OutgoingMessage
 
 __all__ = ["TopicBridge", "conversation", "delta_offsets", "memory_sink", "store_files"]
 

@@ -1,9 +1,10 @@
 """The ``tokcap`` command: run the demo, inspect a store and its staging journal; a mounted transport adds its own
 commands.
 
-The core commands import no transport. ``_mount_kafka`` is the one place this package reaches into
-``transports``: it registers the Kafka commands (``materialize``, ``replay``, ``log``, ``topic``) and keeps
-the ``MountedTransport`` that ``demo --bootstrap`` and ``inspect`` reach Kafka through. The Kafka package
+The core imports no transport. A transport declares its ``mount`` in the ``tokcap.transports`` entry-point
+group; ``_mount_transports`` finds it there, registers its commands (Kafka's ``materialize``, ``replay``,
+``log``, ``topic``) and keeps the ``MountedTransport`` that ``demo --bootstrap`` and ``inspect`` reach Kafka
+through. The Kafka package
 loads its client only when one of its commands runs, so ``tokcap demo`` and ``tokcap inspect`` work without
 the ``kafka`` extra, and a Kafka command without it fails with one line naming the extra.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated
 
@@ -242,25 +244,34 @@ def staging_status(
         render_staging_status(status, stdout_console())
 
 
-# ----------------------------------------------------------- the Kafka mount
+# ------------------------------------------------------- the transport mounts
 
 
-def _mount_kafka() -> MountedTransport | None:
-    """Register the Kafka commands on ``app``: the one import of ``transports`` in ``tokcap``.
+_TRANSPORT_GROUP = "tokcap.transports"
+"""The entry-point group a transport registers its ``mount(app) -> MountedTransport`` under."""
 
-    ``None`` when the ``transports`` package is not installed beside ``tokcap``; any other import failure
-    is a bug and is raised.
+
+def _mount_transports() -> dict[str, MountedTransport]:
+    """Register every installed transport's commands on ``app``, by entry-point name.
+
+    The core names no transport: each one declares its ``mount`` in the ``tokcap.transports`` entry-point
+    group. A transport whose package is not installed beside ``tokcap`` is left out; any other import
+    failure is a bug and is raised.
     """
-    try:
-        from transports.kafka.cli import mount
-    except ModuleNotFoundError as exc:
-        if exc.name not in {"transports", "transports.kafka", "transports.kafka.cli"}:
-            raise
-        return None
-    return mount(app)
+    mounted: dict[str, MountedTransport] = {}
+    for entry in entry_points(group=_TRANSPORT_GROUP):
+        try:
+            mount = entry.load()
+        except ModuleNotFoundError as exc:
+            module = entry.module
+            if exc.name is None or not (module == exc.name or module.startswith(f"{exc.name}.")):
+                raise
+            continue
+        mounted[entry.name] = mount(app)
+    return mounted
 
 
-_KAFKA = _mount_kafka()
+_KAFKA = _mount_transports().get("kafka")
 
 
 def _kafka(option: str) -> MountedTransport:

@@ -13,12 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transports.kafka.materializer import Materializer
-    from transports.kafka.partitioned_source import PartitionedTokenSource
-    from transports.kafka.sink import KafkaTokenSink
-    from transports.kafka.source import KafkaTokenSource
-    from transports.kafka.topic_limits import TopicLimits
-    from transports.kafka.topics import (
+    from transports.kafka.client.topics import (
         MAX_TOPIC_NAME_LENGTH,
         TOPIC_PREFIX,
         TopicSettings,
@@ -27,6 +22,11 @@ if TYPE_CHECKING:
         topic_for_run,
         validate_topic_name,
     )
+    from transports.kafka.materializer.loop import Materializer
+    from transports.kafka.partitioned_source import PartitionedTokenSource
+    from transports.kafka.sink import KafkaTokenSink
+    from transports.kafka.source import KafkaTokenSource
+    from transports.kafka.wire.topic_limits import TopicLimits
 
 __all__ = [
     "MAX_TOPIC_NAME_LENGTH",
@@ -48,7 +48,7 @@ _MODULE_OF = {
     "KafkaTokenSink": "sink",
     "KafkaTokenSource": "source",
     "PartitionedTokenSource": "partitioned_source",
-    "TopicLimits": "topic_limits",
+    "TopicLimits": "wire.topic_limits",
 }
 """Where each public name lives; the others are the topic helpers of ``topics``."""
 
@@ -57,7 +57,7 @@ def __getattr__(name: str) -> Any:
     """Import the module that defines a public name the first time it is asked for."""
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = _MODULE_OF.get(name, "topics")
+    module = _MODULE_OF.get(name, "client.topics")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value

@@ -20,13 +20,13 @@ from tokcap.events import Event
 from tokcap.ledger import FileCaptureLedger, PendingRollout, ledger_event, ledger_failure_event, pending_in
 from tokcap.metrics import source_timed
 from tokcap.state import IncompleteMark
-from transports.kafka.caught_up import CaughtUpStore
-from transports.kafka.codec import encode_event_messages
+from transports.kafka.client.producer_bridge import ProducerBridge
+from transports.kafka.client.topics import resolve_topic
+from transports.kafka.materializer.caught_up import CaughtUpStore
 from transports.kafka.private_projection import LEDGER_ONLY, PrivateProjection
-from transports.kafka.producer_bridge import ProducerBridge
 from transports.kafka.sink import default_writer_id
 from transports.kafka.source import KafkaTokenSource
-from transports.kafka.topics import resolve_topic
+from transports.kafka.wire.codec import encode_event_messages
 
 if TYPE_CHECKING:
     from tokcap.lineage import LineageResolution

@@ -84,9 +84,13 @@ from tokcap.metrics import source_timed
 from tokcap.records import ParentResolutionStatus, TokenEntry
 from tokcap.rules import decide
 from tokcap.state import RolloutState
-from transports.kafka.admin import partition_count
-from transports.kafka.clients import AuthenticationWatch, ClientContext, assign_reader, open_reader
-from transports.kafka.codec import (
+from transports.kafka.client.admin import partition_count
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, assign_reader, open_reader
+from transports.kafka.client.error_map import Request, read_failure, translated
+from transports.kafka.client.limits_record import read_topic_limits
+from transports.kafka.client.topics import resolve_topic
+from transports.kafka.ledger import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
+from transports.kafka.wire.codec import (
     ENCODING_DELTA,
     ENCODING_JSON,
     ENCODING_PACKED,
@@ -102,15 +106,11 @@ from transports.kafka.codec import (
     read_packed_head,
     rollout_of_key,
 )
-from transports.kafka.dead_letters import REASON_LIMIT
-from transports.kafka.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
-from transports.kafka.error_map import Request, read_failure, translated
-from transports.kafka.ledger import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
-from transports.kafka.limits_record import read_topic_limits
-from transports.kafka.partitioner import PARTITIONERS, partition_of_rollout
-from transports.kafka.router import ApplyEvent, DeadLetter, InboundRouter
-from transports.kafka.topic_limits import TopicLimits
-from transports.kafka.topics import resolve_topic
+from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
+from transports.kafka.wire.delta_parents import DEFAULT_KEPT_TOKENS, ParentRestorer
+from transports.kafka.wire.partitioner import PARTITIONERS, partition_of_rollout
+from transports.kafka.wire.router import ApplyEvent, DeadLetter, InboundRouter
+from transports.kafka.wire.topic_limits import TopicLimits
 
 __all__ = ["KafkaLineageResolver"]
 

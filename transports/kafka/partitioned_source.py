@@ -25,12 +25,12 @@ from tokcap.errors import ConfigError
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.store import TokenCaptureStore
-from transports.kafka.admin import watermarks
-from transports.kafka.ownership import PartitionOwners
-from transports.kafka.partitioner import partition_of_rollout, partitioner_of
-from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S
+from transports.kafka.client.admin import watermarks
+from transports.kafka.client.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S
+from transports.kafka.client.topics import resolve_topic
+from transports.kafka.materializer.ownership import PartitionOwners
 from transports.kafka.source import DEFAULT_APPLY_TIMEOUT_S, KafkaTokenSource
-from transports.kafka.topics import resolve_topic
+from transports.kafka.wire.partitioner import partition_of_rollout, partitioner_of
 
 __all__ = ["PartitionedTokenSource"]
 

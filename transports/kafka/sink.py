@@ -35,13 +35,18 @@ from tokcap.input_rules import check_call_id
 from tokcap.metrics import MARKERS_SPILLED, SENT_BYTES, sink_timed
 from tokcap.records import TokenEntry, token_count
 from tokcap.rollout_ids import validate_rollout_id
-from transports.kafka.codec import DEFAULT_CHUNK_BYTES, OutgoingMessage, encode_event_messages
-from transports.kafka.limits_record import WriterLimits
-from transports.kafka.marker_forwarder import MarkerForwarder
-from transports.kafka.marker_spill import MarkerSpill, MarkerSpillError, SpilledMarker, default_spill_dir
-from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
-from transports.kafka.sent_calls import DEFAULT_REMEMBERED_TOKENS, SentCalls, encode_put
-from transports.kafka.topics import resolve_topic
+from transports.kafka.client.limits_record import WriterLimits
+from transports.kafka.client.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
+from transports.kafka.client.topics import resolve_topic
+from transports.kafka.wire.codec import DEFAULT_CHUNK_BYTES, OutgoingMessage, encode_event_messages
+from transports.kafka.write.marker_forwarder import MarkerForwarder
+from transports.kafka.write.marker_spill import (
+    MarkerSpill,
+    MarkerSpillError,
+    SpilledMarker,
+    default_spill_dir,
+)
+from transports.kafka.write.sent_calls import DEFAULT_REMEMBERED_TOKENS, SentCalls, encode_put
 
 __all__ = [
     "DEFAULT_REMEMBERED_CALLS",

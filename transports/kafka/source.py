@@ -28,23 +28,24 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokcap.errors import ConfigError, DeliveryTimeoutError, PartitionOwnerMissingError, RolloutRetiredError
+from tokcap.errors import ConfigError, DeliveryTimeoutError, RolloutRetiredError
 from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
 from tokcap.log_answers import FileAnswers, LogAnswers
 from tokcap.metrics import source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
-from transports.kafka.admin import TopicIdReader
-from transports.kafka.checkpoint import PartitionCheckpoint, checkpoint_path
-from transports.kafka.codec import encode_event_messages
-from transports.kafka.incarnation import other_incarnation
-from transports.kafka.materializer import Materializer
+from transports.kafka.client.admin import TopicIdReader
+from transports.kafka.client.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, ProducerBridge
+from transports.kafka.client.topics import resolve_topic
+from transports.kafka.errors import PartitionOwnerMissingError
+from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path
+from transports.kafka.materializer.incarnation import other_incarnation
+from transports.kafka.materializer.loop import Materializer
+from transports.kafka.materializer.shared_materializers import shared_materializers
 from transports.kafka.private_projection import PROJECTION, PrivateProjection
-from transports.kafka.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, ProducerBridge
-from transports.kafka.shared_materializers import shared_materializers
 from transports.kafka.sink import default_writer_id
-from transports.kafka.topics import resolve_topic
+from transports.kafka.wire.codec import encode_event_messages
 
 __all__ = ["DEFAULT_APPLY_TIMEOUT_S", "KafkaTokenSource"]
 

@@ -55,20 +55,20 @@ from tokcap.staging.gym_types import build
 from tokcap.staging.journal import REFUSED_STAGE_REASON, JournalCursor, kafka_cursor
 from tokcap.staging.records import staging_key
 from tokcap.store import TokenCaptureStore
-from transports.kafka.caught_up import CaughtUpStore, end_offsets
-from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
-from transports.kafka.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
+from transports.kafka.client.limits_record import WriterLimits
+from transports.kafka.client.producer_bridge import Delivered, ProducerBridge
+from transports.kafka.client.removals import Removal, removal_after
+from transports.kafka.client.topics import resolve_topic
 from transports.kafka.ledger import DEFAULT_STAGE_TIMEOUT_S, KafkaCaptureLedger
-from transports.kafka.limits_record import WriterLimits
+from transports.kafka.materializer.caught_up import CaughtUpStore, end_offsets
 from transports.kafka.private_projection import (
     LEDGER_SKIPPED_TYPES,
     PROJECTION,
     PrivateProjection,
 )
-from transports.kafka.producer_bridge import Delivered, ProducerBridge
-from transports.kafka.removals import Removal, removal_after
 from transports.kafka.sink import default_writer_id
-from transports.kafka.topics import resolve_topic
+from transports.kafka.wire.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
 
 __all__ = [
     "DEFAULT_STAGE_TIMEOUT_S",

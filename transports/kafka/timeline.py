@@ -27,23 +27,23 @@ from confluent_kafka import Consumer, Message, TopicPartition
 from tokcap.errors import TransportError
 from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, LedgerFailureEvent, StageEvent
 from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
-from transports.kafka.admin import watermarks
-from transports.kafka.apply import carry_out
-from transports.kafka.clients import AuthenticationWatch, ClientContext, open_reader
-from transports.kafka.codec import HEADER_TYPE, HEADER_WRITER, LogMessage, headers_to_dict
-from transports.kafka.dead_letters import REASON_LIMIT
-from transports.kafka.delta_parents import ParentRestorer
-from transports.kafka.error_map import Request, read_failure, translated
-from transports.kafka.limits_record import read_topic_limits
-from transports.kafka.offset_reader import OffsetReader
-from transports.kafka.router import (
+from transports.kafka.client.admin import watermarks
+from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
+from transports.kafka.client.error_map import Request, read_failure, translated
+from transports.kafka.client.limits_record import read_topic_limits
+from transports.kafka.client.offset_reader import OffsetReader
+from transports.kafka.materializer.apply import carry_out
+from transports.kafka.wire.codec import HEADER_TYPE, HEADER_WRITER, LogMessage, headers_to_dict
+from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
+from transports.kafka.wire.delta_parents import ParentRestorer
+from transports.kafka.wire.router import (
     ApplyEvent,
     Buffered,
     DeadLetter,
     InboundRouter,
     Routed,
 )
-from transports.kafka.topic_limits import LIMITS_PARTITION, LIMITS_RECORD_TYPE
+from transports.kafka.wire.topic_limits import LIMITS_PARTITION, LIMITS_RECORD_TYPE
 
 __all__ = [
     "BUFFERED",

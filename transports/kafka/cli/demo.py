@@ -18,11 +18,11 @@ from tokcap.cli.demo import (
     store_directory,
 )
 from tokcap.errors import InvalidInputError
-from transports.kafka.admin import probe_broker
+from transports.kafka.client.admin import probe_broker
+from transports.kafka.client.topics import TopicSettings, ensure_topic, topic_for_run
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
-from transports.kafka.topics import TopicSettings, ensure_topic, topic_for_run
 
 __all__ = ["run_demo_over_kafka"]
 

@@ -20,8 +20,8 @@ from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import TokenCaptureStore
-from transports.kafka.admin import probe_broker
 from transports.kafka.cli.options import parse_key_values, resolve_run_topic
+from transports.kafka.client.admin import probe_broker
 from transports.kafka.timeline import LogApplier, read_log
 
 __all__ = ["format_timestamp", "render_lineage", "render_timeline", "rollout_timeline"]

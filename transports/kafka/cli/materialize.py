@@ -22,11 +22,11 @@ from rich.console import Console
 
 from tokcap.errors import InvalidInputError
 from tokcap.metrics_http import DEFAULT_METRICS_HOST, MetricsServer
-from transports.kafka.admin import probe_broker, watermarks
 from transports.kafka.cli.options import parse_key_values, parse_partitions, resolve_run_topic
-from transports.kafka.materializer import Materializer
-from transports.kafka.readiness import serve_metrics
-from transports.kafka.workers import MaterializerWorkers
+from transports.kafka.client.admin import probe_broker, watermarks
+from transports.kafka.materializer.loop import Materializer
+from transports.kafka.materializer.readiness import serve_metrics
+from transports.kafka.materializer.workers import MaterializerWorkers
 
 __all__ = ["format_lag", "run_materializer", "stop_on_signals"]
 
@@ -74,7 +74,8 @@ def run_materializer(
 ) -> dict[str, Any]:
     """Apply the topic until a signal (or, with ``until_caught_up``, until the log at start is applied).
 
-    With ``metrics_port``, ``/metrics`` and ``/healthz`` are served while it runs (``transports.kafka.readiness``).
+    With ``metrics_port``, ``/metrics`` and ``/healthz`` are served while it runs
+    (``transports.kafka.materializer.readiness``).
     """
     name = resolve_run_topic(run_id, topic)
     chosen = parse_partitions(partitions)

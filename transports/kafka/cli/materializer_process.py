@@ -17,11 +17,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 
-from tokcap.errors import InvalidInputError, MaterializerFailedError
+from tokcap.errors import InvalidInputError
 from tokcap.metrics_http import DEFAULT_METRICS_HOST
+from transports.kafka.errors import MaterializerFailedError
 from transports.kafka.materializer import Materializer
-from transports.kafka.materializer_settings import DEFAULT_SETTINGS
-from transports.kafka.readiness import serve_metrics
+from transports.kafka.materializer.readiness import serve_metrics
+from transports.kafka.materializer.settings import DEFAULT_SETTINGS
 
 __all__ = ["collect_less_after_start_up", "logger", "main"]
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokcap.errors import InvalidInputError
-from transports.kafka.topics import resolve_topic
+from transports.kafka.client.topics import resolve_topic
 
 __all__ = ["parse_key_values", "parse_offsets", "parse_partitions", "resolve_run_topic"]
 

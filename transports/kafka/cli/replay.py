@@ -22,9 +22,9 @@ from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
 from tokcap.rollout_ids import validate_rollout_id
 from tokcap.store import TokenCaptureStore
-from transports.kafka.admin import probe_broker, watermarks
 from transports.kafka.cli.options import parse_key_values, parse_offsets, resolve_run_topic
-from transports.kafka.materializer import Materializer
+from transports.kafka.client.admin import probe_broker, watermarks
+from transports.kafka.materializer.loop import Materializer
 from transports.kafka.timeline import LogApplier, read_log
 
 __all__ = ["prepare_replay_directory", "render_replay", "run_replay"]

@@ -14,9 +14,9 @@ import orjson
 from rich.console import Console
 
 from tokcap.errors import StoreCorruptionError
-from transports.kafka.checkpoint import checkpoint_files
-from transports.kafka.dead_letters import dead_letter_files
-from transports.kafka.ownership import owner_record_files
+from transports.kafka.materializer.checkpoint import checkpoint_files
+from transports.kafka.materializer.dead_letters import dead_letter_files
+from transports.kafka.materializer.ownership import owner_record_files
 
 __all__ = ["describe_side_files", "render_side_files"]
 

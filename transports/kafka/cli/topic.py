@@ -9,12 +9,12 @@ from rich.console import Console
 from rich.table import Table
 
 from tokcap.errors import InvalidInputError
-from transports.kafka.admin import delete_topic, describe_topic, probe_broker
 from transports.kafka.cli.options import parse_key_values, resolve_run_topic
-from transports.kafka.clients import ClientContext
-from transports.kafka.limits_record import read_topic_limits
-from transports.kafka.topic_limits import TOPIC_DEFAULTS, TopicLimits
-from transports.kafka.topics import TopicSettings, ensure_topic
+from transports.kafka.client.admin import delete_topic, describe_topic, probe_broker
+from transports.kafka.client.clients import ClientContext
+from transports.kafka.client.limits_record import read_topic_limits
+from transports.kafka.client.topics import TopicSettings, ensure_topic
+from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 __all__ = ["create_topic", "delete", "describe", "render_description"]
 
