@@ -26,9 +26,9 @@ from store_contract import directory_contents, make_entry
 from test_kafka_replay import mixed_run
 
 from tests.topic_replay import replay_topic
-from tokcap.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer, PartitionedTokenSource
 from transports.kafka.cli.options import parse_partitions
+from transports.kafka.errors import PartitionOwnerMissingError, PartitionOwnershipConflictError
 from transports.kafka.materializer.ownership import OWNER_LOCK_PREFIX, owned_partitions
 from transports.kafka.materializer.workers import MaterializerWorkers
 
