@@ -51,7 +51,7 @@ def _rollouts_in_load_order(workload: Any) -> list[list[tuple[str, list[Any]]]]:
 
 def _events(workload: Any) -> list[tuple[str, Any, Any]]:
     """The materializer's stream: per round, turn by turn an intent and a put for each rollout, then the freezes."""
-    from tokcap.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
+    from tokcap.log.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
 
     offsets = [0] * _PARTITIONS
     stream: list[tuple[str, Any, Any]] = []
@@ -94,8 +94,8 @@ def _apply_step(workload: Any, directory: Path, block_size: int) -> dict[str, fl
 
 
 def _projection(directory: Path) -> Any:
-    from tokcap.log_projection import Projection
-    from tokcap.store import TokenCaptureStore
+    from tokcap.files.log_projection import Projection
+    from tokcap.files.store import TokenCaptureStore
 
     return Projection(TokenCaptureStore(directory))
 
@@ -196,7 +196,7 @@ def _timed_calls(
 
 def _file_sink(workload: Any, directory: Path) -> dict[str, float]:
     """CPU us per intent, put and freeze of the file sink's synchronous calls, with real syncs."""
-    from tokcap.store import TokenCaptureStore
+    from tokcap.files.store import TokenCaptureStore
 
     store = TokenCaptureStore(directory)
     rounds = _rollouts_in_load_order(workload)
@@ -252,7 +252,7 @@ def _under_load(workload: Any, directory: Path, *, gym: bool) -> dict[str, float
         }
         target: Any = _GymTarget(modules.store.TokenCaptureStore(directory), converted)
     else:
-        from tokcap.store import TokenCaptureStore
+        from tokcap.files.store import TokenCaptureStore
 
         target = TokenCaptureStore(directory)
 

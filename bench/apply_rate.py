@@ -16,9 +16,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from tokcap.events import Event, LogPosition, PutEvent
-from tokcap.log_projection import Projection
-from tokcap.store import TokenCaptureStore
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import Event, LogPosition, PutEvent
 from transports.kafka.cli.materializer_process import collect_less_after_start_up
 from transports.kafka.materializer.settings import DEFAULT_SETTINGS
 from transports.kafka.wire.codec import decode_event_value, decode_wire_delta, headers_to_dict, is_wire_delta

@@ -27,7 +27,7 @@ from bench.kafka_trial import KafkaTarget, delete_topic, warm_up_broker
 from bench.load import BenchmarkCheckError
 from bench.options import WorkloadShape
 from bench.workload import rollouts_of
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 from transports.kafka.client.topics import ensure_topic
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.load import PreparedWorkload
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 __all__ = ["CallCosts", "measure_call_costs"]
 

@@ -41,7 +41,7 @@ from bench.crash_workload import (
     planned_rollout,
     rollout_of,
 )
-from tokcap.durable_io import fsync_directory
+from tokcap.files.durable_io import fsync_directory
 
 __all__ = ["Journal", "main", "open_journal", "rollout_name"]
 

@@ -35,8 +35,8 @@ import orjson
 
 from bench.harness import Variant
 from bench.load import PreparedWorkload
-from tokcap.group_commit import filesystem_sync_for
-from tokcap.records import TokenEntry
+from tokcap.files.group_commit import filesystem_sync_for
+from tokcap.log.records import TokenEntry
 
 __all__ = ["PUTS_PER_SYNC", "FloorRun", "HopOnly", "floor_variants", "run_floor", "run_hop_only"]
 
@@ -127,7 +127,7 @@ class HopOnly:
     """A capture target that hands each call to a writer thread and only counts it there."""
 
     def __init__(self) -> None:
-        from tokcap.write_queue import WriteQueue
+        from tokcap.files.write_queue import WriteQueue
 
         self._queue = WriteQueue(lambda function, args: function(*args), lambda: None, "tokcap-bench-hop")
         self._puts: dict[str, int] = {}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.load import LoadResult, PreparedWorkload, drive
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 __all__ = ["FileStoreTrial", "directory_bytes", "run_file_store_trial"]
 

@@ -36,9 +36,9 @@ from bench.load import PreparedWorkload, prepare
 from bench.options import BenchOptions
 from bench.stats import percentile
 from tokcap.delta_records import store_as_delta
-from tokcap.events import PutEvent
-from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import PutEvent
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from transports.kafka.write.sent_calls import SentCalls, encode_put
 
 __all__ = [

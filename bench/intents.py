@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Variant, alternate
-from tokcap.events import CancelEvent, IntentEvent, LogPosition
-from tokcap.log_projection import Projection
-from tokcap.store import TokenCaptureStore
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import CancelEvent, IntentEvent, LogPosition
 
 __all__ = ["measure_intents"]
 

@@ -23,7 +23,7 @@ import orjson
 
 from bench.kafka_trial import delete_topic
 from bench.load import BenchmarkCheckError, LoadResult, PreparedWorkload, drive
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 from transports.kafka.client.topics import ensure_topic
 from transports.kafka.sink import KafkaTokenSink
 

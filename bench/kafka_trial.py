@@ -18,8 +18,8 @@ from confluent_kafka.admin import AdminClient
 from bench.apply_rate import ApplyRate, measure_apply_rate
 from bench.file_store_trial import directory_bytes
 from bench.load import LoadResult, PreparedWorkload, drive
+from tokcap.log.records import TokenEntry
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import TokenEntry
 from transports.kafka.client.topics import ensure_topic
 from transports.kafka.materializer import Materializer, MaterializerCounters
 from transports.kafka.sink import KafkaTokenSink

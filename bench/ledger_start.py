@@ -132,7 +132,7 @@ def _stage(sink: Any, record: Any, number: int, attachment: bytes) -> Any:
 
 
 async def _ledger_only(bootstrap: str, topic: str, last_rollout: str, trial_dir: Path) -> dict[str, float]:
-    from tokcap.private_dirs import private_directories
+    from tokcap.files.private_dirs import private_directories
     from transports.kafka.lineage import KafkaLineageResolver
 
     os.environ["TOKCAP_PRIVATE_DIR"] = str(trial_dir / "private")

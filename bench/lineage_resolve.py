@@ -35,11 +35,17 @@ from typing import Any
 from bench.harness import turn_order
 from bench.stats import median, percentile
 from tokcap.builder import run_builder
+from tokcap.files.store import TokenCaptureStore
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from tokcap.lineage import FileLineageResolver, LineageResolution, stamp_continuation
+from tokcap.log.records import (
+    ParentResolutionStatus,
+    TokenEntry,
+    digest_of_packed,
+    pack_token_ids,
+    stamp_lineage,
+)
 from tokcap.protocols import LineageResolver, TokenSink
-from tokcap.records import ParentResolutionStatus, TokenEntry, digest_of_packed, pack_token_ids, stamp_lineage
-from tokcap.store import TokenCaptureStore
 
 __all__ = [
     "LongRollout",

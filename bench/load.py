@@ -14,7 +14,7 @@ from typing import Protocol
 
 from bench.options import WorkloadShape
 from bench.workload import rollouts_of, tokens_of
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 
 __all__ = [
     "BenchmarkCheckError",

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Variant, alternate
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.records import TokenEntry
 from tokcap.metrics import sink_timed
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
 
 __all__ = ["measure_metrics_cost"]
 

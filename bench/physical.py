@@ -14,7 +14,7 @@ import orjson
 
 from bench.options import WorkloadShape
 from bench.workload import rollouts_of, tokens_of
-from tokcap.group_commit import filesystem_sync_for
+from tokcap.files.group_commit import filesystem_sync_for
 
 __all__ = ["EncodeRate", "create_rate", "encode_and_write_rate", "fsync_rate", "rename_rate", "syncfs_rate"]
 

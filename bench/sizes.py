@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench.load import PreparedWorkload
-from tokcap.events import PutEvent, encode_event
+from tokcap.log.events import PutEvent, encode_event
 from transports.kafka.wire.codec import encode_event_messages
 
 __all__ = ["WireSizes", "wire_sizes"]

@@ -50,7 +50,7 @@ import orjson
 
 from bench.harness import Trials, Variant, alternate
 from bench.stats import median, percentile
-from tokcap.durable_io import fsync_directory
+from tokcap.files.durable_io import fsync_directory
 from tokcap.fingerprint import FINGERPRINT_VERSION
 from tokcap.ledger import ledger_event
 from tokcap.lineage import FileLineageResolver

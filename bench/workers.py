@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Variant, alternate
-from tokcap.events import FreezeEvent
-from tokcap.records import TokenEntry
+from tokcap.log.events import FreezeEvent
+from tokcap.log.records import TokenEntry
 
 __all__ = [
     "WorkerFigure",

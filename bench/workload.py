@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from bench.options import WorkloadShape
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 
 __all__ = ["CREATED_AT", "VOCABULARY", "SyntheticRollout", "rollouts_of", "tokens_of"]
 

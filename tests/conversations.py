@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 
 __all__ = ["conversation"]
 

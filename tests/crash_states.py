@@ -276,9 +276,9 @@ class Recorder:
 def recording(root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
     """Record every change to the tree at ``root`` (which must exist and be empty) for the block.
 
-    The store's ``syncfs`` is wrapped where the store looks it up (``tokcap.write_batches.filesystem_sync_for``).
+    The store's ``syncfs`` is wrapped where the store looks it up (``tokcap.files.write_batches.filesystem_sync_for``).
     """
-    import tokcap.write_batches
+    import tokcap.files.write_batches
 
     assert root.is_dir() and not any(root.iterdir()), "record into an empty directory"
     recorder = Recorder(root)
@@ -299,13 +299,13 @@ def recording(root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]
             ("sync", recorder.sync_all),
         ):
             patch.setattr(os, name, _bound(wrapper, getattr(os, name)))
-        real_sync_for: Callable[[Path], Callable[[], None]] = tokcap.write_batches.filesystem_sync_for  # type: ignore[attr-defined]
+        real_sync_for: Callable[[Path], Callable[[], None]] = tokcap.files.write_batches.filesystem_sync_for  # type: ignore[attr-defined]
 
         def recorded_sync_for(directory: Path) -> Callable[[], None]:
             sync = real_sync_for(directory)
             return lambda: recorder.sync_all(sync)
 
-        patch.setattr(tokcap.write_batches, "filesystem_sync_for", recorded_sync_for)
+        patch.setattr(tokcap.files.write_batches, "filesystem_sync_for", recorded_sync_for)
         yield recorder
 
 

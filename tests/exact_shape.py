@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokcap.log.records import TokenEntry
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import TokenEntry
 
 
 def exact_shape(value: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 
 FIXED_CREATED_AT = 1_700_000_000.0
 """The created_at of every factory entry, so equal arguments give equal payloads."""

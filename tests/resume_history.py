@@ -12,7 +12,10 @@ from pathlib import Path
 
 from factories import make_entry
 
-from tokcap.events import (
+from tokcap.files.layout import RolloutPaths
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import (
     CancelEvent,
     DeleteEvent,
     DropEvent,
@@ -24,11 +27,8 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from tokcap.layout import RolloutPaths
-from tokcap.log_projection import Projection
-from tokcap.rules import decide, snapshot_id_at
-from tokcap.state import RolloutState
-from tokcap.store import TokenCaptureStore
+from tokcap.log.rules import decide, snapshot_id_at
+from tokcap.log.state import RolloutState
 
 TOPIC = "resume-topic"
 

@@ -28,8 +28,8 @@ from tokcap.errors import (
     RolloutRetiredError,
     TokcapError,
 )
+from tokcap.log.records import TokenEntry
 from tokcap.protocols import IntentTokenSink, RetiringTokenSource, TokenCaptureSnapshot
-from tokcap.records import TokenEntry
 
 SinkAndSource = tuple[IntentTokenSink, RetiringTokenSource]
 Scenario = Callable[[IntentTokenSink, RetiringTokenSource], Awaitable[None]]

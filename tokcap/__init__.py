@@ -22,6 +22,19 @@ from tokcap.consumer import (
     trajectories_for_rollout,
     trajectories_from_source,
 )
+from tokcap.files.store import TokenCaptureStore, make_token_store
+from tokcap.log.records import (
+    TOKEN_ENTRY_MIN_SCHEMA_VERSION,
+    TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
+    TOKEN_FIELDS,
+    ParentResolutionStatus,
+    TokenEntry,
+    compute_digest,
+    cumulative_tokens,
+    extract_token_fields,
+    stamp_lineage,
+)
+from tokcap.log.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.protocols import (
     IntentTokenSink,
     LineageResolver,
@@ -37,23 +50,11 @@ from tokcap.protocols import (
     installed_token_sink,
     installed_token_source,
 )
-from tokcap.records import (
-    TOKEN_ENTRY_MIN_SCHEMA_VERSION,
-    TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
-    TOKEN_FIELDS,
-    ParentResolutionStatus,
-    TokenEntry,
-    compute_digest,
-    cumulative_tokens,
-    extract_token_fields,
-    stamp_lineage,
-)
 from tokcap.response_items import (
     assert_prefix_contiguity,
     project_chain_to_output_items,
     project_main_chain_response,
 )
-from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.sink import (
     CaptureContext,
     capture_tokens,
@@ -63,7 +64,6 @@ from tokcap.sink import (
     reset_token_sink,
     set_token_sink,
 )
-from tokcap.store import TokenCaptureStore, make_token_store
 
 __all__ = [
     "TOKEN_ENTRY_MIN_SCHEMA_VERSION",

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from tokcap.chains import BuildNotes, BuildOutput, Chain, ChainLink, ChainTokens
 from tokcap.delta_records import rebuild_full_prompts
 from tokcap.errors import TrajectoryBuildError, UnknownBuilderError
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, compute_digest
 from tokcap.prefix_trie import PrefixTrie
-from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
 
 if TYPE_CHECKING:
     from tokcap.response_items import (

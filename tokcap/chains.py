@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokcap.errors import ChainValidationError
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 
 __all__ = ["BuildNotes", "BuildOutput", "Chain", "ChainLink", "ChainTokens"]
 

@@ -22,10 +22,10 @@ from typing import Any
 from tokcap.builder import BUILDERS, PER_REQUEST, BuildOutput, run_builder
 from tokcap.config import token_id_capture_config
 from tokcap.errors import MaskFractionExceededError, UndeliverableBuilderError, UnknownBuilderError
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.records import TokenEntry
 from tokcap.protocols import TokenCaptureSnapshot, TokenSource
-from tokcap.records import TokenEntry
 from tokcap.response_items import assert_prefix_contiguity, project_main_chain_response
-from tokcap.store import TokenCaptureStore
 from tokcap.terminal import TerminalAttribution, resolve_terminal
 
 __all__ = [

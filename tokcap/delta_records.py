@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokcap.records import TokenEntry, compute_digest
+from tokcap.log.records import TokenEntry, compute_digest
 
 __all__ = ["FullPrompts", "LineageReport", "lineage_report", "rebuild_full_prompts", "store_as_delta"]
 

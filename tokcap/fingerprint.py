@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from tokcap.hashing import sha256_hex
+from tokcap.log.hashing import sha256_hex
 
 __all__ = [
     "FINGERPRINT_VERSION",

@@ -24,16 +24,16 @@ import orjson
 from pydantic import ValidationError
 
 from tokcap.errors import ConflictingEntryError, InvalidInputError, RolloutRetiredError, StoreCorruptionError
-from tokcap.events import LedgerEvent, LedgerFailureEvent
+from tokcap.files.store import TokenCaptureStore
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
-from tokcap.input_rules import check_call_id, check_finite_values
+from tokcap.log.events import LedgerEvent, LedgerFailureEvent
+from tokcap.log.input_rules import check_call_id, check_finite_values
+from tokcap.log.records import ParentResolutionStatus
+from tokcap.log.rules import ApplyOutcome, ApplyResult
+from tokcap.log.state import RolloutState
 from tokcap.metrics import source_timed
-from tokcap.records import ParentResolutionStatus
-from tokcap.rules import ApplyOutcome, ApplyResult
 from tokcap.staging.records import CallRecord, CaptureLedgerCommit, ManifestFailure, RolloutManifest
 from tokcap.staging.row_rules import call_record_of, ledger_row_problem
-from tokcap.state import RolloutState
-from tokcap.store import TokenCaptureStore
 
 if TYPE_CHECKING:
     from tokcap.protocols import LineageResolution

@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from tokcap.errors import ConfigError, LineageLookupError
+from tokcap.files.store import AcceptedEntries, TokenCaptureStore
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from tokcap.ledger import FileCaptureLedger
-from tokcap.metrics import source_timed
-from tokcap.protocols import LineageMatch, LineageResolution
-from tokcap.records import (
+from tokcap.log.records import (
     ParentResolutionStatus,
     TokenEntry,
     digest_of_packed,
@@ -36,7 +35,8 @@ from tokcap.records import (
     pack_token_ids,
     token_count,
 )
-from tokcap.store import AcceptedEntries, TokenCaptureStore
+from tokcap.metrics import source_timed
+from tokcap.protocols import LineageMatch, LineageResolution
 
 __all__ = [
     "FileLineageResolver",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from tokcap.records import ParentResolutionStatus, TokenEntry
+from tokcap.log.records import ParentResolutionStatus, TokenEntry
 
 __all__ = [
     "CaptureLedger",

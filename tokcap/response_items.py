@@ -38,8 +38,8 @@ import orjson
 
 from tokcap.chains import BuildOutput, Chain
 from tokcap.errors import PrefixContiguityError, TrajectoryBuildError
-from tokcap.hashing import sha256_hex
-from tokcap.records import REQUIRED_TOKEN_FIELDS, strip_token_arrays
+from tokcap.log.hashing import sha256_hex
+from tokcap.log.records import REQUIRED_TOKEN_FIELDS, strip_token_arrays
 
 __all__ = [
     "assert_prefix_contiguity",

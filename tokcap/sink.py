@@ -35,20 +35,20 @@ from tokcap.delta_records import store_as_delta
 from tokcap.errors import TokenExtractionError
 from tokcap.fingerprint import assistant_fingerprint
 from tokcap.lineage import LineageResolution, stamp_continuation
-from tokcap.protocols import (
-    IntentTokenSink,
-    LineageResolver,
-    TokenSink,
-    installed_lineage_store,
-    installed_token_sink,
-)
-from tokcap.records import (
+from tokcap.log.records import (
     ParentResolutionStatus,
     TokenEntry,
     find_token_fields,
     response_items,
     stamp_lineage,
     strip_token_arrays,
+)
+from tokcap.protocols import (
+    IntentTokenSink,
+    LineageResolver,
+    TokenSink,
+    installed_lineage_store,
+    installed_token_sink,
 )
 
 __all__ = [

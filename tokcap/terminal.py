@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokcap.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, is_model_written
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 
 __all__ = ["TerminalAttribution", "resolve_terminal"]
 

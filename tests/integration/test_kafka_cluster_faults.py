@@ -26,7 +26,7 @@ import pytest
 from kafka_broker_fixture import load_broker_module
 
 from tokcap.errors import DeliveryTimeoutError
-from tokcap.events import PutEvent
+from tokcap.log.events import PutEvent
 from tokcap.protocols import TokenCaptureSnapshot
 from transports.kafka import KafkaTokenSource, TopicSettings, ensure_topic, topic_for_run
 from transports.kafka.timeline import read_log

@@ -16,7 +16,7 @@ import pytest
 from store_contract import make_entry
 
 from tokcap.errors import RolloutRetiredError
-from tokcap.log_projection import Projection
+from tokcap.files.log_projection import Projection
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 
 

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from store_contract import make_entry
 
-from tokcap.log_projection import Projection
+from tokcap.files.log_projection import Projection
 from tokcap.protocols import TokenCaptureSnapshot
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 

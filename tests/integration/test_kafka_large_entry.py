@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

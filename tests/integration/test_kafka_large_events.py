@@ -22,12 +22,12 @@ from staging_calls import Turn, assistant, commit_for, cumulative_tokens, staged
 from store_contract import make_entry
 
 from tokcap.errors import EventTooLargeError
+from tokcap.files.store import TokenCaptureStore
 from tokcap.lineage import LineageResolution, stamp_continuation
-from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokcap.staging import verify_and_linearize
 from tokcap.staging.digest import compute_extras_digest
 from tokcap.staging.records import RolloutReceipt
-from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink
 from transports.kafka.client.admin import watermarks
 from transports.kafka.client.topics import ensure_topic

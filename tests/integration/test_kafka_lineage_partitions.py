@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tokcap.lineage import LineageResolution, stamp_continuation
-from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from transports.kafka import KafkaTokenSink
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.wire.partitioner import partition_of_rollout

@@ -18,7 +18,7 @@ import pytest
 from store_contract import make_entry
 
 from tokcap.errors import TransportError
-from tokcap.events import IncompleteEvent
+from tokcap.log.events import IncompleteEvent
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.timeline import read_log
 from transports.kafka.wire.codec import decode_message, headers_to_dict

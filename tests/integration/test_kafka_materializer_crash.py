@@ -19,7 +19,15 @@ from conversations import conversation
 from store_contract import directory_contents, make_entry
 
 from tests.topic_replay import replay_topic
-from tokcap.events import CancelEvent, DeleteEvent, DropEvent, Event, FreezeEvent, IntentEvent, RetireEvent
+from tokcap.log.events import (
+    CancelEvent,
+    DeleteEvent,
+    DropEvent,
+    Event,
+    FreezeEvent,
+    IntentEvent,
+    RetireEvent,
+)
 from transports.kafka import KafkaTokenSink
 from transports.kafka.client.producer_bridge import Delivered, ProducerBridge
 from transports.kafka.materializer.checkpoint import applied_next_offset

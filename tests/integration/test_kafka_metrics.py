@@ -31,9 +31,9 @@ from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
 from store_contract import make_entry
 
-from tokcap.events import FreezeEvent, PutEvent
+from tokcap.cli.metrics_http import MetricsServer
+from tokcap.log.events import FreezeEvent, PutEvent
 from tokcap.metrics import REGISTRY
-from tokcap.metrics_http import MetricsServer
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.errors import MaterializerOwnedElsewhereError
 from transports.kafka.materializer import Materializer

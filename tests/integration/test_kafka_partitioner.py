@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tokcap.events import FreezeEvent
+from tokcap.log.events import FreezeEvent
 from transports.kafka.client.producer_bridge import ProducerBridge
 from transports.kafka.wire.codec import encode_event_messages
 from transports.kafka.wire.partitioner import DEFAULT_PARTITIONER, partition_of_rollout, partitioner_of

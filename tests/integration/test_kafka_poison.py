@@ -14,7 +14,10 @@ from staging_calls import commit_for, conversation, staged_call
 from store_contract import make_entry
 
 from tokcap.delivery import finalize_rollout_token_capture
-from tokcap.events import (
+from tokcap.files.store import TokenCaptureStore
+from tokcap.ledger import ledger_event
+from tokcap.lineage import stamp_continuation
+from tokcap.log.events import (
     EVENT_SCHEMA_VERSION,
     FreezeEvent,
     IntentEvent,
@@ -24,11 +27,8 @@ from tokcap.events import (
     StageEvent,
     encode_event,
 )
-from tokcap.ledger import ledger_event
-from tokcap.lineage import stamp_continuation
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 from tokcap.staging import finalize_rollout
-from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.staging import KafkaCaptureLedger, KafkaStagingSink, KafkaStagingSource

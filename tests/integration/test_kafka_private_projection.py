@@ -16,7 +16,7 @@ import pytest
 from staging_calls import assistant, commit_for, conversation, cumulative_tokens, user
 
 from tokcap.lineage import LineageResolution
-from tokcap.records import ParentResolutionStatus
+from tokcap.log.records import ParentResolutionStatus
 from tokcap.staging import finalize_rollout
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.source import KafkaTokenSource
@@ -209,7 +209,7 @@ def test_a_model_server_killed_with_its_ledger_open_leaves_a_directory_the_next_
 ) -> None:
     script = (
         "import asyncio, sys, time\n"
-        "from tokcap.private_dirs import private_directories\n"
+        "from tokcap.files.private_dirs import private_directories\n"
         "from transports.kafka.lineage import KafkaLineageResolver\n"
         "ledger = KafkaLineageResolver(bootstrap_servers=sys.argv[1], topic=sys.argv[2])\n"
         "asyncio.run(ledger.record_failure('killed', 'call-0', 'worker_capture_failed'))\n"

@@ -20,11 +20,11 @@ from store_contract import directory_contents
 
 from tests.topic_replay import replay_topic
 from tokcap.errors import ConflictingEntryError, RolloutRetiredError
-from tokcap.events import StagedBlob, StageEvent
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import StagedBlob, StageEvent
 from tokcap.staging import verify_and_linearize
 from tokcap.staging.conformance import run_staging_conformance
 from tokcap.staging.records import RolloutReceipt
-from tokcap.store import TokenCaptureStore
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.materializer.dead_letters import dead_letter_files
 from transports.kafka.source import KafkaTokenSource

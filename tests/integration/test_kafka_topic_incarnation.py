@@ -14,7 +14,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from store_contract import make_entry
 
 from tests.kafka_broker_fixture import TopicFactory
-from tokcap.events import Event, IntentEvent, PutEvent
+from tokcap.log.events import Event, IntentEvent, PutEvent
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
 from transports.kafka.client.producer_bridge import ProducerBridge
 from transports.kafka.errors import MaterializerFailedError, TopicIncarnationError

@@ -20,10 +20,10 @@ from staging_calls import Turn, assistant, commit_for, cumulative_tokens, staged
 from store_contract import make_entry
 
 from tokcap.errors import ConfigError
-from tokcap.events import PutEvent
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import PutEvent
 from tokcap.staging import verify_and_linearize
 from tokcap.staging.records import RolloutReceipt
-from tokcap.store import TokenCaptureStore
 from transports.kafka import KafkaTokenSink
 from transports.kafka.cli.log import rollout_timeline
 from transports.kafka.cli.replay import run_replay

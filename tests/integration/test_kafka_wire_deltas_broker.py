@@ -14,8 +14,8 @@ from conversations import conversation
 from store_contract import directory_contents
 
 from tests.topic_replay import replay_topic
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.records import TokenEntry
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 from transports.kafka.timeline import LogApplier, read_log
 from transports.kafka.wire.codec import ENCODING_DELTA, HEADER_ENCODING, headers_to_dict

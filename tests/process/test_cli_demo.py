@@ -9,7 +9,7 @@ import pytest
 from cli_helpers import tokcap
 
 from tokcap.cli.demo import FAULT_FAILED_WRITE, FAULT_LATE_WRITE, FAULT_LOST_CALL, FAULT_RETRY
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from cli_helpers import tokcap
 from staging_calls import commit_for, conversation
 
 from tokcap.cli.demo import FAULT_FAILED_WRITE, FAULT_LATE_WRITE, FAULT_LOST_CALL, FAULT_RETRY
+from tokcap.files.store import TokenCaptureStore
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink
-from tokcap.store import TokenCaptureStore
 
 
 @pytest.fixture(scope="module")

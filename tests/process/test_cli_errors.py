@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import Completed, tokcap
 
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 def assert_one_line_error(completed: Completed, expected_status: int, fragment: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from cli_helpers import tokcap
 from factories import make_entry
 
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 def _conversation(store: TokenCaptureStore, rollout_id: str) -> None:
@@ -100,7 +100,7 @@ def test_inspect_shows_each_delta_records_full_prompt_and_masks_a_delta_whose_pa
     tmp_path: Path,
 ) -> None:
     from tokcap.delta_records import store_as_delta
-    from tokcap.records import ParentResolutionStatus, stamp_lineage
+    from tokcap.log.records import ParentResolutionStatus, stamp_lineage
 
     store = TokenCaptureStore(tmp_path)
     root = stamp_lineage(

@@ -13,9 +13,9 @@ from factories import make_entry
 from staging_calls import commit_for, conversation
 
 from tokcap.cli.demo import FAULT_FAILED_WRITE, FAULT_LATE_WRITE, FAULT_LOST_CALL, FAULT_RETRY
+from tokcap.files.store import TokenCaptureStore
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink
-from tokcap.store import TokenCaptureStore
 
 _SVG = "{http://www.w3.org/2000/svg}"
 

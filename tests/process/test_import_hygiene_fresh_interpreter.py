@@ -44,5 +44,7 @@ def test_importing_tokcap_and_every_submodule_loads_no_forbidden_module() -> Non
     )
     assert completed.returncode == 0, completed.stderr
     report = json.loads(completed.stdout)
-    assert {"tokcap.config", "tokcap.protocols", "tokcap.records", "tokcap.store"} <= set(report["imported"])
+    assert {"tokcap.config", "tokcap.protocols", "tokcap.log.records", "tokcap.files.store"} <= set(
+        report["imported"]
+    )
     assert report["forbidden_loaded"] == []

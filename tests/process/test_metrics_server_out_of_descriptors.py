@@ -13,13 +13,13 @@ import sys
 
 _CHILD = r"""
 import json, logging, os, resource, socket
-from tokcap.metrics_http import Health, MetricsServer
+from tokcap.cli.metrics_http import Health, MetricsServer
 
 warnings = []
 class Keep(logging.Handler):
     def emit(self, record):
         warnings.append(record.getMessage())
-logging.getLogger("tokcap.metrics_http").addHandler(Keep())
+logging.getLogger("tokcap.cli.metrics_http").addHandler(Keep())
 
 server = MetricsServer(lambda: Health(True, "applying"), port=0).start()
 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -28,9 +28,12 @@ from staging_calls import commit_for, conversation
 from store_contract import directory_contents
 from tmpfs import mounted_tmpfs
 
-import tokcap.store
+import tokcap.files.store
 from tokcap.errors import RolloutRetiredError, StagingKeyNotFoundError
-from tokcap.events import (
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
+from tokcap.ledger import FileCaptureLedger, ledger_event
+from tokcap.log.events import (
     DeleteEvent,
     DropEvent,
     Event,
@@ -43,12 +46,9 @@ from tokcap.events import (
     StagedBlob,
     StageEvent,
 )
-from tokcap.ledger import FileCaptureLedger, ledger_event
-from tokcap.log_projection import Projection
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
+from tokcap.log.state import IntentOp
 from tokcap.staging import FileStagingSink, FileStagingSource
-from tokcap.state import IntentOp
-from tokcap.store import TokenCaptureStore
 from transports.kafka.materializer.checkpoint import checkpoint_path, write_checkpoints
 
 SEED = 36
@@ -313,7 +313,7 @@ def test_a_power_loss_never_loses_what_the_file_store_acknowledged(
     record_property: Callable[[str, object], None],
 ) -> None:
     # A small flush interval, so the workload writes lagging index updates as a long rollout does.
-    monkeypatch.setattr(tokcap.store, "INDEX_FLUSH_ENTRIES", 3)
+    monkeypatch.setattr(tokcap.files.store, "INDEX_FLUSH_ENTRIES", 3)
     live = disk / "live"
     live.mkdir()
     with recording(live, monkeypatch) as recorder:

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tokcap.private_dirs import PrivateDirectories
+from tokcap.files.private_dirs import PrivateDirectories
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def _child(root: Path, then: str) -> subprocess.Popen[str]:
         f"""
         import sys, time
         from pathlib import Path
-        from tokcap.private_dirs import PrivateDirectories
+        from tokcap.files.private_dirs import PrivateDirectories
         directories = PrivateDirectories(Path({str(root)!r}))
         path = directories.acquire("ledger-run", "key")
         (path / "projection-file").write_bytes(b"x" * 1000)

@@ -16,7 +16,7 @@ from factories import make_entry
 from tmpfs import fill, mounted_tmpfs
 
 from tokcap.errors import StoreWriteError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 ROLLOUTS = [f"r{n}" for n in range(6)]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 WORKER = Path(__file__).resolve().parent.parent / "store_worker.py"
 

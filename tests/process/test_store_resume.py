@@ -11,8 +11,8 @@ import pytest
 from resume_history import BLOCKS, apply_blocks
 from store_contract import directory_contents
 
-from tokcap.log_projection import Projection
-from tokcap.store import TokenCaptureStore
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
 
 _TESTS = Path(__file__).resolve().parents[1]
 _MOST_ROLLOUTS_IN_A_BLOCK = 3

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tests.factories import assistant_message_item, make_entry
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.records import TokenEntry
 
 
 class InjectedSinkFailure(RuntimeError):

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import pytest
 from kafka_broker_fixture import BROKER_FIXTURES
 
-from tokcap.group_commit import filesystem_sync_for
+from tokcap.files.group_commit import filesystem_sync_for
 
 _BROKER_FIXTURES = BROKER_FIXTURES | {"secure_kafka"}
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokcap.lineage import stamp_continuation
-from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, compute_digest
 
 
 @dataclass(frozen=True)

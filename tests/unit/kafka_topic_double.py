@@ -17,7 +17,7 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
-from tokcap.events import Event
+from tokcap.log.events import Event
 from transports.kafka.materializer import Materializer
 from transports.kafka.wire.codec import LogMessage, encode_event_messages
 from transports.kafka.wire.topic_limits import TopicLimits

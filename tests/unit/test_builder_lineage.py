@@ -10,8 +10,8 @@ from tests.factories import make_entry
 from tokcap.builder import run_builder
 from tokcap.consumer import MaskReason, TrajectoryResult, trajectories_from_source
 from tokcap.delta_records import rebuild_full_prompts, store_as_delta
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 
 ROOT = ParentResolutionStatus.ROOT
 RESOLVED = ParentResolutionStatus.RESOLVED

@@ -13,7 +13,7 @@ from tests.factories import make_entry
 from tests.unit.agent_rollouts import AgentRollout
 from tokcap.builder import Chain, ChainLink, per_request, prefix_merging, run_builder
 from tokcap.errors import ChainValidationError, TrajectoryBuildError, UnknownBuilderError
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 
 
 def tool_using_agent() -> AgentRollout:

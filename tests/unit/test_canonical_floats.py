@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from tests.factories import make_entry
-from tokcap.canonical_json import CANONICAL_FLOAT_PROBES, require_canonical_floats
 from tokcap.errors import CanonicalEncodingError, ConfigError
+from tokcap.log.canonical_json import CANONICAL_FLOAT_PROBES, require_canonical_floats
 
 
 def _entry_with_large_floats() -> bytes:

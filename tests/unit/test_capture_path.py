@@ -19,6 +19,7 @@ from tests.factories import (
     token_fields,
 )
 from tests.unit.capture_fakes import FlakySink, InjectedSinkFailure, PutOnlySink
+from tokcap.files.store import TokenCaptureStore
 from tokcap.protocols import install_token_sink
 from tokcap.sink import (
     CaptureContext,
@@ -30,7 +31,6 @@ from tokcap.sink import (
     reset_token_sink,
     set_token_sink,
 )
-from tokcap.store import TokenCaptureStore
 
 T = TypeVar("T")
 

@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokcap.checked_puts import accept_put, accept_put_or_event
 from tokcap.errors import InvalidInputError
-from tokcap.events import Event, PutEvent
-from tokcap.input_rules import accept_entry, accept_event
-from tokcap.records import TokenEntry
+from tokcap.log.checked_puts import accept_put, accept_put_or_event
+from tokcap.log.events import Event, PutEvent
+from tokcap.log.input_rules import accept_entry, accept_event
+from tokcap.log.records import TokenEntry
 
 
 def reference_line(entry: TokenEntry) -> bytes:

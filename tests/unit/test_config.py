@@ -23,8 +23,8 @@ from tokcap.config import (
     token_id_capture_enabled_for_agent,
 )
 from tokcap.errors import ConfigError, SinkConfigError
+from tokcap.files.store import TokenCaptureStore, make_token_store
 from tokcap.protocols import TokenSink, install_token_sink, installed_token_sink
-from tokcap.store import TokenCaptureStore, make_token_store
 
 _SINK_MODULE_SOURCE = textwrap.dedent(
     """
@@ -353,7 +353,7 @@ def test_a_nested_class_target_is_resolved_attribute_by_attribute(sink_module: s
 
 
 def test_the_file_store_built_from_config_is_a_working_sink(tmp_path: Path) -> None:
-    sink = _with_sink("tokcap.store:TokenCaptureStore", root=str(tmp_path)).build_sink()
+    sink = _with_sink("tokcap.files.store:TokenCaptureStore", root=str(tmp_path)).build_sink()
     assert isinstance(sink, TokenCaptureStore)
 
     async def capture() -> None:

@@ -13,9 +13,9 @@ from tests.factories import make_entry
 from tests.unit.agent_rollouts import AgentRollout
 from tokcap.consumer import MaskFractionGuard, MaskReason, TrajectoryResult, trajectories_from_source
 from tokcap.errors import MaskFractionExceededError, UndeliverableBuilderError, UnknownBuilderError
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.records import TokenEntry
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
 
 T = TypeVar("T")
 

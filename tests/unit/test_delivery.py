@@ -20,7 +20,7 @@ from tokcap.delivery import (
     retire_rollout_token_capture,
 )
 from tokcap.errors import InvalidInputError, RolloutFrozenError, UndeliverableBuilderError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 T = TypeVar("T")
 

@@ -14,6 +14,7 @@ from tests.factories import assistant_message_item, responses_payload, token_fie
 from tests.unit.capture_fakes import FlakySink, InjectedSinkFailure
 from tokcap.consumer import MaskReason
 from tokcap.delivery import MASK_SAMPLE_KEY, finalize_rollout_token_capture, retire_rollout_token_capture
+from tokcap.files.store import TokenCaptureStore
 from tokcap.lineage import FileLineageResolver
 from tokcap.protocols import LineageResolver, TokenSink
 from tokcap.sink import (
@@ -24,7 +25,6 @@ from tokcap.sink import (
     resolve_parent,
     set_token_sink,
 )
-from tokcap.store import TokenCaptureStore
 
 
 @dataclass

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.exact_shape import exact_shape
-from tokcap.entry_copies import fresh_read_copy
-from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
+from tokcap.files.entry_copies import fresh_read_copy
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, compute_digest
 
 _json_scalars = (
     st.none()

@@ -11,7 +11,7 @@ import pytest
 from factories import make_entry
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
-from tokcap.events import (
+from tokcap.log.events import (
     EVENT_SCHEMA_VERSION,
     CancelEvent,
     DeleteEvent,
@@ -25,7 +25,7 @@ from tokcap.events import (
     decode_event,
     encode_event,
 )
-from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
+from tokcap.log.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
 
 _EVERY_KIND: list[Event] = [
     IntentEvent(rollout_id="r1", writer="w", model_call_id="c1"),

@@ -13,9 +13,9 @@ import pytest
 from delta_chains import DeltaChain, delta_chain
 
 from tokcap.errors import StoreCorruptionError
+from tokcap.files.store import TokenCaptureStore
 from tokcap.lineage import FileLineageResolver, KeptParents, LineageResolution, Materialized
-from tokcap.records import ParentResolutionStatus, pack_token_ids
-from tokcap.store import TokenCaptureStore
+from tokcap.log.records import ParentResolutionStatus, pack_token_ids
 
 ROLLOUT = "r"
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import tokcap.write_batches
+import tokcap.files.write_batches
 from tests.factories import make_entry
 from tokcap.errors import StoreWriteError
-from tokcap.group_commit import GroupCommitter, filesystem_sync_for
-from tokcap.store import TokenCaptureStore
-from tokcap.write_queue import MAX_BATCH
+from tokcap.files.group_commit import GroupCommitter, filesystem_sync_for
+from tokcap.files.store import TokenCaptureStore
+from tokcap.files.write_queue import MAX_BATCH
 
 
 def test_every_waiter_returns_only_after_a_sync_that_started_after_its_write() -> None:
@@ -137,7 +137,7 @@ def _gate_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threa
 
         return gated_sync
 
-    monkeypatch.setattr(tokcap.write_batches, "filesystem_sync_for", gated_sync_for)
+    monkeypatch.setattr(tokcap.files.write_batches, "filesystem_sync_for", gated_sync_for)
     return entered, gate
 
 

@@ -9,7 +9,7 @@ import threading
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokcap.hashing import PIECE_BYTES, sha256_hex
+from tokcap.log.hashing import PIECE_BYTES, sha256_hex
 
 
 @given(st.binary(max_size=3 * PIECE_BYTES + 5))

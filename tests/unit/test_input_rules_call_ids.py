@@ -8,7 +8,7 @@ import unicodedata
 import pytest
 
 from tokcap.errors import InvalidInputError
-from tokcap.input_rules import check_call_id
+from tokcap.log.input_rules import check_call_id
 
 
 def test_a_call_id_is_refused_exactly_when_one_of_its_characters_is_a_control_character() -> None:

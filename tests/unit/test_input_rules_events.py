@@ -9,7 +9,8 @@ import orjson
 import pytest
 
 from tokcap.errors import InvalidInputError
-from tokcap.events import (
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import (
     CancelEvent,
     DropEvent,
     Event,
@@ -19,10 +20,9 @@ from tokcap.events import (
     PutEvent,
     encode_event,
 )
-from tokcap.input_rules import accept_event, check_entry_fields, check_event
-from tokcap.records import TokenEntry
-from tokcap.rules import cancel_line, intent_line, mark_line
-from tokcap.store import TokenCaptureStore
+from tokcap.log.input_rules import accept_event, check_entry_fields, check_event
+from tokcap.log.records import TokenEntry
+from tokcap.log.rules import cancel_line, intent_line, mark_line
 
 BAD_CALL_IDS = ["a\nb", "c9\r\x00c1", "z" * 5000]
 

@@ -18,8 +18,8 @@ from kafka_topic_double import MemoryTopic, materialize
 from store_contract import make_entry
 
 from tokcap.errors import ConfigError, EventTooLargeError
-from tokcap.events import FreezeEvent, PutEvent
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import FreezeEvent, PutEvent
 from transports.kafka import KafkaTokenSink
 from transports.kafka.materializer.dead_letters import dead_letter_path
 from transports.kafka.staging import KafkaStagingSink

@@ -11,7 +11,8 @@ import pytest
 from staging_calls import commit_for, conversation, staged_call
 
 from tokcap.errors import EventDecodeError, NewerSchemaError, RecordValidationError
-from tokcap.events import (
+from tokcap.ledger import ledger_event
+from tokcap.log.events import (
     EVENT_SCHEMA_VERSION,
     Event,
     FreezeEvent,
@@ -21,8 +22,7 @@ from tokcap.events import (
     StageEvent,
     encode_event,
 )
-from tokcap.ledger import ledger_event
-from tokcap.records import TokenEntry
+from tokcap.log.records import TokenEntry
 from transports.kafka.wire.codec import (
     HEADER_ENCODING,
     decode_event_value,

@@ -26,7 +26,7 @@ from store_contract import directory_contents, make_entry
 
 import transports.kafka.materializer.apply_decisions as apply_module
 import transports.kafka.materializer.loop as materializer_module
-from tokcap.events import (
+from tokcap.log.events import (
     CancelEvent,
     DeleteEvent,
     DropEvent,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from store_contract import SinkAndSource, StoreContract
 
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 class TestFileStoreContract(StoreContract):

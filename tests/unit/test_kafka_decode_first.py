@@ -23,7 +23,7 @@ from test_kafka_freeze_answers import TRAINER
 
 import transports.kafka.materializer.apply_decisions as apply_module
 import transports.kafka.materializer.loop as materializer_module
-from tokcap.events import IntentEvent, PutEvent
+from tokcap.log.events import IntentEvent, PutEvent
 from transports.kafka.materializer import Materializer
 from transports.kafka.materializer.settings import DEFAULT_SETTINGS
 from transports.kafka.wire.router import Routed

@@ -18,9 +18,9 @@ from kafka_topic_double import MemoryTopic, StoredMessage, materialize
 from store_contract import make_entry
 from wire_delta_fixtures import conversation, memory_sink, store_files
 
-from tokcap.events import DeleteEvent, FreezeEvent, IntentEvent, PutEvent
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import DeleteEvent, FreezeEvent, IntentEvent, PutEvent
+from tokcap.log.records import TokenEntry
 from transports.kafka.timeline import LogApplier
 from transports.kafka.wire.codec import HEADER_TYPE, LogMessage, encode_event_messages
 from transports.kafka.wire.router import ApplyEvent, DeadLetter, Deferred, InboundRouter, Routed

@@ -20,8 +20,8 @@ from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
 from tests.exact_shape import snapshot_shape
-from tokcap.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
-from tokcap.log_projection import Projection
+from tokcap.files.log_projection import Projection
+from tokcap.log.events import FreezeEvent, IntentEvent, LogPosition, PutEvent
 from transports.kafka.materializer import Materializer
 from transports.kafka.materializer.waiters import WaiterRegistry
 

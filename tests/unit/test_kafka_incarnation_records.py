@@ -9,7 +9,7 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
-from tokcap.events import FreezeEvent, IntentEvent, PutEvent
+from tokcap.log.events import FreezeEvent, IntentEvent, PutEvent
 from transports.kafka.errors import (
     MaterializerFailedError,
     OffsetGapError,

@@ -11,9 +11,9 @@ from kafka_topic_double import MemoryTopic
 from staging_calls import commit_for, conversation
 
 from tokcap.errors import ConfigError
-from tokcap.events import RetireEvent, StagedBlob, StageEvent
+from tokcap.files.store import TokenCaptureStore
 from tokcap.ledger import FileCaptureLedger, ledger_event, ledger_failure_event
-from tokcap.store import TokenCaptureStore
+from tokcap.log.events import RetireEvent, StagedBlob, StageEvent
 from transports.kafka.materializer import Materializer
 from transports.kafka.private_projection import LEDGER_SKIPPED_TYPES
 from transports.kafka.wire.codec import type_header

@@ -15,7 +15,8 @@ from kafka_topic_double import MemoryTopic
 
 import transports.kafka.lineage as kafka_lineage
 from tokcap.errors import EventDecodeError, LineageLookupError
-from tokcap.events import (
+from tokcap.lineage import stamp_continuation
+from tokcap.log.events import (
     DeleteEvent,
     DropEvent,
     Event,
@@ -25,8 +26,7 @@ from tokcap.events import (
     RetireEvent,
     encode_event,
 )
-from tokcap.lineage import stamp_continuation
-from tokcap.records import ParentResolutionStatus, TokenEntry, stamp_lineage
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.wire.codec import (
     HEADER_ENCODING,

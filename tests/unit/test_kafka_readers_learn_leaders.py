@@ -18,7 +18,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from tests.unit.kafka_topic_double import MemoryTopic, materialize
 from tokcap.errors import TransportError
-from tokcap.events import IntentEvent
+from tokcap.log.events import IntentEvent
 from transports.kafka.client.clients import AuthenticationWatch, ClientContext, list_topics
 from transports.kafka.client.offset_reader import OffsetReader
 from transports.kafka.lineage import KafkaLineageResolver

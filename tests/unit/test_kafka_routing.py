@@ -14,7 +14,8 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import make_entry
 
-from tokcap.events import (
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import (
     EVENT_SCHEMA_VERSION,
     DeleteEvent,
     FreezeEvent,
@@ -23,7 +24,6 @@ from tokcap.events import (
     PutEvent,
     encode_event,
 )
-from tokcap.store import TokenCaptureStore
 from transports.kafka.materializer import Materializer
 from transports.kafka.materializer.checkpoint import PartitionCheckpoint, checkpoint_path
 from transports.kafka.materializer.dead_letters import DeadLetterLine, dead_letter_path

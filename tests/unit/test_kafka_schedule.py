@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokcap.events import DropEvent, Event, FreezeEvent, IncompleteEvent, IntentEvent
+from tokcap.log.events import DropEvent, Event, FreezeEvent, IncompleteEvent, IntentEvent
 from transports.kafka.materializer.schedule import Read, Scheduler, Step
 from transports.kafka.wire.router import ApplyEvent, DeadLetter, Routed
 

@@ -11,9 +11,9 @@ import pytest
 from kafka_topic_double import MemoryTopic, materialize
 from store_contract import directory_contents, make_entry
 
-import tokcap.write_batches as store_module
+import tokcap.files.write_batches as store_module
 from tokcap.errors import InvalidInputError
-from tokcap.events import IntentEvent, PutEvent
+from tokcap.log.events import IntentEvent, PutEvent
 from transports.kafka.cli.materializer_process import main
 from transports.kafka.materializer import Materializer
 from transports.kafka.materializer.settings import DEFAULT_SETTINGS

@@ -11,8 +11,8 @@ from kafka_topic_double import MemoryTopic, materialize
 from store_contract import make_entry
 
 from tokcap.errors import ConfigError, EventDecodeError, NewerSchemaError
-from tokcap.events import PutEvent
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import PutEvent
 from transports.kafka.errors import TopicLimitsMismatchError
 from transports.kafka.materializer import Materializer
 from transports.kafka.materializer.dead_letters import dead_letter_path

@@ -16,9 +16,9 @@ from kafka_topic_double import MemoryTopic, StoredMessage, materialize
 from wire_delta_fixtures import conversation, delta_offsets, memory_sink, store_files
 
 from tokcap.errors import EventDecodeError
-from tokcap.events import EVENT_SCHEMA_VERSION, DeleteEvent, FreezeEvent, IntentEvent, PutEvent
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import EVENT_SCHEMA_VERSION, DeleteEvent, FreezeEvent, IntentEvent, PutEvent
+from tokcap.log.records import TokenEntry
 from transports.kafka.materializer.dead_letters import dead_letter_path
 from transports.kafka.timeline import DEAD_LETTERED, LogApplier
 from transports.kafka.wire.codec import (

@@ -18,10 +18,10 @@ from test_log_projection import histories, history
 
 from tests.exact_shape import snapshot_shape
 from tokcap.errors import TokcapError
-from tokcap.events import DeleteEvent, DropEvent, FreezeEvent, RetireEvent
-from tokcap.log_answers import FileAnswers
-from tokcap.log_projection import Projection
-from tokcap.store import TokenCaptureStore
+from tokcap.files.log_answers import FileAnswers
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import DeleteEvent, DropEvent, FreezeEvent, RetireEvent
 
 COMMANDS = (FreezeEvent, DropEvent, RetireEvent, DeleteEvent)
 

@@ -1,6 +1,6 @@
 """The single-writer projection answers a freeze from memory with exactly what its files give once flushed.
 
-``tokcap.log_projection.Projection`` keeps hot rollouts' states and entries in memory, applies events through
+``tokcap.files.log_projection.Projection`` keeps hot rollouts' states and entries in memory, applies events through
 the store in blocks and answers freezes before the block is flushed. For any history of one rollout the answer
 must equal the snapshot the flushed files give, the files must equal a plain one-event-at-a-time apply, and a
 crash before the flush must lead a restart to the same answer.
@@ -18,7 +18,9 @@ from store_contract import directory_contents, make_entry
 
 from tests.exact_shape import snapshot_shape
 from tokcap.errors import TokcapError
-from tokcap.events import (
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import (
     CancelEvent,
     DeleteEvent,
     DropEvent,
@@ -30,10 +32,8 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from tokcap.log_projection import Projection
+from tokcap.log.records import TokenEntry
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
 
 TOPIC = "tokcap.response_items-test"
 ROLLOUT = "r"
@@ -233,7 +233,7 @@ def test_every_write_of_the_store_leaves_a_rollouts_lock_file_beside_its_record_
 
 def test_a_flush_whose_sync_fails_renames_no_state_and_leaves_no_temporary_file(tmp_path: Path) -> None:
     """The block's states are renamed only after the sync of them and their lines; a failed one renames none."""
-    from tokcap.group_commit import GroupCommitter
+    from tokcap.files.group_commit import GroupCommitter
 
     store = TokenCaptureStore(tmp_path)
     projection = Projection(store)

@@ -18,8 +18,8 @@ import pytest
 from store_contract import make_entry
 
 from tokcap.errors import DeliveryError, DeliveryTimeoutError
-from tokcap.events import IncompleteEvent, LogPosition, decode_event
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import IncompleteEvent, LogPosition, decode_event
 from transports.kafka import KafkaTokenSink
 from transports.kafka import sink as sink_module
 from transports.kafka.client.producer_bridge import Delivered

@@ -18,7 +18,9 @@ from factories import make_entry
 from prometheus_client.parser import text_string_to_metric_families
 from staging_calls import staged_call
 
+from tokcap.cli.metrics_http import Health, MetricsServer
 from tokcap.errors import ConflictingEntryError
+from tokcap.files.store import TokenCaptureStore
 from tokcap.metrics import (
     BLOCK_KINDS,
     COMMAND_KINDS,
@@ -27,9 +29,7 @@ from tokcap.metrics import (
     MASK_KINDS,
     REGISTRY,
 )
-from tokcap.metrics_http import Health, MetricsServer
 from tokcap.staging import FileStagingSink
-from tokcap.store import TokenCaptureStore
 from transports.kafka.materializer.loop_metrics import dead_letter_kind
 from transports.kafka.wire.codec import (
     HEADER_CHUNK_COUNT,

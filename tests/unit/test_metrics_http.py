@@ -16,9 +16,9 @@ from contextlib import contextmanager
 
 import pytest
 
+from tokcap.cli.metrics_http import Health, HealthCheck, HttpLimits, MetricsServer
 from tokcap.errors import InvalidInputError
 from tokcap.metrics import REGISTRY
-from tokcap.metrics_http import Health, HealthCheck, HttpLimits, MetricsServer
 
 
 def _healthy() -> Health:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tokcap.errors import ConfigError
-from tokcap.private_dirs import PrivateDirectories, private_root
+from tokcap.files.private_dirs import PrivateDirectories, private_root
 
 
 def _entries(root: Path) -> list[str]:
@@ -88,7 +88,7 @@ def test_a_lock_this_process_cannot_open_keeps_its_directory(
             raise PermissionError(13, "Permission denied", str(path))
         return opened(path, flags, mode, **where)
 
-    monkeypatch.setattr("tokcap.private_dirs.os.open", refusing)
+    monkeypatch.setattr("tokcap.files.private_dirs.os.open", refusing)
     directories = PrivateDirectories(tmp_path)
     mine = directories.acquire("ledger-run", "key")
     assert stale.is_dir() and lock.exists()

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from factories import make_entry
 
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.records import TokenEntry
 from tokcap.protocols import (
     IntentTokenSink,
     RetiringTokenSource,
@@ -22,8 +24,6 @@ from tokcap.protocols import (
     installed_token_sink,
     installed_token_source,
 )
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from tokcap.errors import NewerSchemaError, RecordValidationError, TokenExtractionError
-from tokcap.records import (
+from tokcap.log.records import (
     REQUIRED_TOKEN_FIELDS,
     TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
     TOKEN_FIELDS,

@@ -6,10 +6,10 @@ import fcntl
 import os
 from pathlib import Path
 
-from tokcap.events import IntentEvent, LogPosition
-from tokcap.locks import RolloutLocks
-from tokcap.log_projection import Projection
-from tokcap.store import TokenCaptureStore
+from tokcap.files.locks import RolloutLocks
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import IntentEvent, LogPosition
 
 
 def _try_lock(path: Path) -> bool:

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from html.parser import HTMLParser
 
-from tokcap.rollout_picture import PictureCall, RolloutPicture, render_html, render_svg
+from tokcap.cli.rollout_picture import PictureCall, RolloutPicture, render_html, render_svg
 
 _SVG = "{http://www.w3.org/2000/svg}"
 _CHAR_WIDTH = 7.3

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokcap.errors import InvalidInputError, RolloutRetiredError
-from tokcap.events import (
+from tokcap.log.events import (
     LOG_READER_WRITER,
     CancelEvent,
     DeleteEvent,
@@ -28,7 +28,7 @@ from tokcap.events import (
     decode_event,
     encode_event,
 )
-from tokcap.rules import (
+from tokcap.log.rules import (
     AppendEntry,
     AppendIncompleteMark,
     AppendIntent,
@@ -43,7 +43,7 @@ from tokcap.rules import (
     recorded_verdict,
     snapshot_of,
 )
-from tokcap.state import IntentOp, Lifecycle, RolloutState
+from tokcap.log.state import IntentOp, Lifecycle, RolloutState
 
 RID = "r"
 

@@ -10,10 +10,10 @@ import pytest
 from factories import chat_response
 
 from tokcap import sink
+from tokcap.files.store import TokenCaptureStore
 from tokcap.lineage import FileLineageResolver, LineageResolution
+from tokcap.log.records import ParentResolutionStatus, TokenEntry, compute_digest
 from tokcap.protocols import install_lineage_store
-from tokcap.records import ParentResolutionStatus, TokenEntry, compute_digest
-from tokcap.store import TokenCaptureStore
 
 FIRST = [{"role": "user", "content": "hi"}]
 

@@ -13,7 +13,6 @@ import orjson
 import pytest
 from staging_calls import Turn, commit_for, conversation, cumulative_tokens, staged_call
 
-from tokcap import durable_io
 from tokcap.errors import (
     ConflictingEntryError,
     InvalidInputError,
@@ -21,13 +20,14 @@ from tokcap.errors import (
     StagingKeyNotFoundError,
     StoreCorruptionError,
 )
-from tokcap.events import LedgerFailureEvent, StageEvent, decode_event, encode_event
+from tokcap.files import durable_io
+from tokcap.files.store import TokenCaptureStore
 from tokcap.lineage import FileLineageResolver
-from tokcap.records import ParentResolutionStatus
-from tokcap.rules import ApplyOutcome, decide
+from tokcap.log.events import LedgerFailureEvent, StageEvent, decode_event, encode_event
+from tokcap.log.records import ParentResolutionStatus
+from tokcap.log.rules import ApplyOutcome, decide
+from tokcap.log.state import RolloutState
 from tokcap.staging import FileStagingSink, FileStagingSource
-from tokcap.state import RolloutState
-from tokcap.store import TokenCaptureStore
 
 
 def _stage_event(key: str = "r/c", row: dict[str, object] | None = None) -> StageEvent:
@@ -57,7 +57,7 @@ def test_a_ledger_failure_repeat_is_a_no_op_and_another_reason_for_the_call_is_r
 
 
 def test_staging_events_after_a_retire_are_refused_by_the_fence() -> None:
-    from tokcap.events import RetireEvent
+    from tokcap.log.events import RetireEvent
 
     staged = decide(RolloutState(rollout_id="r"), _stage_event(), None).state
     retired = decide(staged, RetireEvent(rollout_id="r"), None)
@@ -399,7 +399,7 @@ def test_a_blob_written_while_a_retire_removes_the_blobs_does_not_fail_the_retir
             (Path(str(path)) / ("f" * 64)).write_bytes(b"late")
         return names  # type: ignore[no-any-return]
 
-    monkeypatch.setattr("tokcap.rollout_files.os.listdir", listdir_then_a_late_blob)
+    monkeypatch.setattr("tokcap.files.rollout_files.os.listdir", listdir_then_a_late_blob)
     assert TokenCaptureStore(tmp_path).retire_now(["r1"]).removed == ("r1",)
     monkeypatch.undo()
     assert not sink.stage(staged_call("r1", "late", [1], [2])).ok
@@ -411,7 +411,7 @@ def test_a_state_writes_staging_keys_only_with_staging_rows_and_a_newer_schema_i
     tmp_path: Path,
 ) -> None:
     from tokcap.errors import NewerSchemaError
-    from tokcap.state import STATE_SCHEMA_VERSION
+    from tokcap.log.state import STATE_SCHEMA_VERSION
 
     TokenCaptureStore(tmp_path).mark_incomplete_now("plain", "c", "lost")
     assert FileStagingSink(tmp_path).stage(staged_call("staged", "c0", [1], [2])).ok

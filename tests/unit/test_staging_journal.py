@@ -15,12 +15,14 @@ import pytest
 from memory_staging_store import AsyncMemoryStagingStore, MemoryStagingStore
 from staging_calls import commit_for, conversation, staged_call
 
+import tokcap.files.write_batches
 import tokcap.staging.journal
-import tokcap.write_batches
 from tokcap.errors import InvalidInputError, StoreCorruptionError
-from tokcap.events import LogPosition
+from tokcap.files.store import TokenCaptureStore
 from tokcap.ledger import PendingRollout
 from tokcap.lineage import FileLineageResolver
+from tokcap.log.events import LogPosition
+from tokcap.log.state import RolloutState, StagedSlot
 from tokcap.staging import (
     FileStagingSink,
     FileStagingSource,
@@ -32,8 +34,6 @@ from tokcap.staging import (
     staged_rollouts,
 )
 from tokcap.staging.journal import REFUSED_STAGE_REASON, RolloutMark, record_cursor
-from tokcap.state import RolloutState, StagedSlot
-from tokcap.store import TokenCaptureStore
 
 ATTACHMENTS = {"empty": b"", "image": bytes(range(256)) * 40}
 
@@ -269,7 +269,7 @@ def test_a_stage_through_the_journal_syncs_exactly_as_often_as_a_plain_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     syncs: list[str] = []
-    real_fsync, real_sync_for = os.fsync, tokcap.write_batches.filesystem_sync_for
+    real_fsync, real_sync_for = os.fsync, tokcap.files.write_batches.filesystem_sync_for
 
     def counted_fsync(fd: int) -> None:
         syncs.append("fsync")
@@ -285,7 +285,7 @@ def test_a_stage_through_the_journal_syncs_exactly_as_often_as_a_plain_stage(
         return counted
 
     monkeypatch.setattr(os, "fsync", counted_fsync)
-    monkeypatch.setattr(tokcap.write_batches, "filesystem_sync_for", counted_sync_for)
+    monkeypatch.setattr(tokcap.files.write_batches, "filesystem_sync_for", counted_sync_for)
     plain = FileStagingSink(tmp_path / "plain")
     journaled, _ = _journaled(tmp_path / "journaled")
     for call in (turn.call for turn in conversation("r1", 3)):

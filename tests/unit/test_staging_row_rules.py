@@ -10,14 +10,14 @@ import pytest
 from staging_calls import commit_for, conversation, staged_call
 
 from tokcap.errors import InvalidInputError
-from tokcap.events import IncompleteEvent, LedgerEvent, LedgerFailureEvent, StageEvent
-from tokcap.input_rules import check_event
+from tokcap.files.store import TokenCaptureStore
 from tokcap.ledger import UNNAMED_CALL, ledger_event, ledger_row
 from tokcap.lineage import FileLineageResolver
+from tokcap.log.events import IncompleteEvent, LedgerEvent, LedgerFailureEvent, StageEvent
+from tokcap.log.input_rules import check_event
 from tokcap.staging import finalize_rollout
 from tokcap.staging.file_source import FileStagingSource
 from tokcap.staging.row_rules import LEDGER_COLUMNS
-from tokcap.store import TokenCaptureStore
 
 
 def _ledger(**changes: Any) -> LedgerEvent:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import orjson
 
-from tokcap.events import DeleteEvent, LogPosition, StageEvent
-from tokcap.rules import SnapshotAnswer, decide, snapshot_of
-from tokcap.state import STATE_SCHEMA_VERSION, RolloutState
+from tokcap.log.events import DeleteEvent, LogPosition, StageEvent
+from tokcap.log.rules import SnapshotAnswer, decide, snapshot_of
+from tokcap.log.state import STATE_SCHEMA_VERSION, RolloutState
 
 WRITTEN_BEFORE_INDEX = (
     b'{"entry_digests":{},"frozen":true,"incomplete":true,"indexed_size":0,"retired":false,"snapshot_id":"run:3:11",'

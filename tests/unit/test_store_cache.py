@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.factories import make_entry
-from tokcap import recovery
-from tokcap.store import TokenCaptureStore
+from tokcap.files import recovery
+from tokcap.files.store import TokenCaptureStore
 
 
 def test_writes_to_a_rollout_no_one_else_touched_never_parse_its_state_again(
@@ -24,7 +24,7 @@ def test_writes_to_a_rollout_no_one_else_touched_never_parse_its_state_again(
         recoveries.append(paths.rollout_id)
         return original(paths, **kwargs)
 
-    monkeypatch.setattr("tokcap.rollout_files.recover", counted)
+    monkeypatch.setattr("tokcap.files.rollout_files.recover", counted)
     for index in range(1, 20):
         store.begin_call_now("r", f"c{index}")
         store.append(make_entry("r", f"c{index}"))

@@ -9,7 +9,7 @@ import pytest
 
 from tests.factories import make_entry
 from tokcap.errors import RolloutFrozenError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 def test_a_write_after_freeze_fails_and_moves_the_version(tmp_path: Path) -> None:

@@ -7,11 +7,11 @@ from pathlib import Path
 import orjson
 
 from tests.factories import make_entry
-from tokcap.events import LogPosition, PutEvent
-from tokcap.layout import RolloutPaths
-from tokcap.log_projection import Projection
-from tokcap.state import RolloutState
-from tokcap.store import INDEX_FLUSH_ENTRIES, TokenCaptureStore
+from tokcap.files.layout import RolloutPaths
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import INDEX_FLUSH_ENTRIES, TokenCaptureStore
+from tokcap.log.events import LogPosition, PutEvent
+from tokcap.log.state import RolloutState
 
 
 def _indexed_on_disk(store: TokenCaptureStore, rollout_id: str) -> int:

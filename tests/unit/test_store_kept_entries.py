@@ -1,6 +1,6 @@
 """A freeze of the file store answers with exactly what parsing the rollout's file gives, kept copies or not.
 
-The store keeps exact copies of the entries its own puts appended (``tokcap.kept_entries``), so a freeze
+The store keeps exact copies of the entries its own puts appended (``tokcap.files.kept_entries``), so a freeze
 need not parse the file. Each test compares the snapshot exactly (types, key order, fields-set) with a fresh
 read of the same directory by another store instance, which keeps nothing.
 """
@@ -13,10 +13,10 @@ import pytest
 
 from tests.exact_shape import exact_shape, snapshot_shape
 from tests.factories import make_entry
-from tokcap.kept_entries import KeptEntries
-from tokcap.records import TokenEntry
-from tokcap.state import RolloutState
-from tokcap.store import TokenCaptureStore
+from tokcap.files.kept_entries import KeptEntries
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.records import TokenEntry
+from tokcap.log.state import RolloutState
 
 
 def _parses_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:

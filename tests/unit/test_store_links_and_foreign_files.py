@@ -10,7 +10,7 @@ from factories import make_entry
 
 from tokcap.cli.inspect import summarize_rollout
 from tokcap.errors import StoreCorruptionError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 @pytest.mark.parametrize("suffix", [".tokens.jsonl", ".tokens.intents", ".tokens.state.json", ".tokens.lock"])

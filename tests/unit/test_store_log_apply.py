@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from tests.factories import make_entry
-from tokcap.events import (
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import ApplyOutcome, TokenCaptureStore
+from tokcap.log.events import (
     CancelEvent,
     DeleteEvent,
     DropEvent,
@@ -20,9 +22,7 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from tokcap.log_projection import Projection
-from tokcap.rules import decide
-from tokcap.store import ApplyOutcome, TokenCaptureStore
+from tokcap.log.rules import decide
 
 
 def _at(offset: int) -> LogPosition:

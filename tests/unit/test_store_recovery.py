@@ -9,7 +9,7 @@ import pytest
 
 from tests.factories import make_entry
 from tokcap.errors import NewerSchemaError, RolloutFrozenError, StoreCorruptionError, StoreFormatError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 def _write_unindexed(store: TokenCaptureStore, data: bytes) -> None:

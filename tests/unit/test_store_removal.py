@@ -9,7 +9,7 @@ import pytest
 
 from tests.factories import make_entry
 from tokcap.errors import InvalidRolloutIdError, RolloutRetiredError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 def test_drop_of_the_exact_snapshot_removes_payloads_and_keeps_the_retired_state_as_fence(

@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tests.exact_shape import exact_shape
 from tokcap.errors import ConflictingEntryError, RolloutFrozenError, RolloutRetiredError
-from tokcap.records import TokenEntry
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.records import TokenEntry
 
 ROLLOUTS = ["r-a", "r-b"]
 CALLS = ["c1", "c2", "c3"]

@@ -10,7 +10,7 @@ import pytest
 
 from tests.factories import make_entry
 from tokcap.errors import ConflictingEntryError, InvalidRolloutIdError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 
 
 def test_repeating_a_put_with_the_same_payload_is_a_no_op(tmp_path: Path) -> None:

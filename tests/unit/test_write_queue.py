@@ -13,8 +13,8 @@ import pytest
 
 from tests.factories import make_entry
 from tokcap.errors import RolloutFrozenError
-from tokcap.store import TokenCaptureStore
-from tokcap.write_queue import MAX_BATCH, WriteQueue
+from tokcap.files.store import TokenCaptureStore
+from tokcap.files.write_queue import MAX_BATCH, WriteQueue
 
 
 class Recorder:
@@ -209,7 +209,7 @@ def test_a_batch_wakes_its_callers_loop_once_and_resumes_them_in_queue_order() -
         original = loop.call_soon_threadsafe
 
         def counted(callback: Any, *args: Any, **kwargs: Any) -> Any:
-            if getattr(callback, "__module__", None) == "tokcap.write_queue":
+            if getattr(callback, "__module__", None) == "tokcap.files.write_queue":
                 wakeups.append(1)
             return original(callback, *args, **kwargs)
 

@@ -37,9 +37,10 @@ from typing import Any, Protocol
 
 from tokcap.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
 from tokcap.errors import InjectedFaultError, InvalidInputError
+from tokcap.files.store import TokenCaptureStore
 from tokcap.lineage import FileLineageResolver
+from tokcap.log.records import TokenEntry, strip_token_arrays
 from tokcap.protocols import LineageResolver, TokenSource
-from tokcap.records import TokenEntry, strip_token_arrays
 from tokcap.sink import (
     CaptureContext,
     cancel_call_intent,
@@ -49,7 +50,6 @@ from tokcap.sink import (
     resolve_parent,
     set_token_sink,
 )
-from tokcap.store import TokenCaptureStore
 
 __all__ = [
     "FAULTS",

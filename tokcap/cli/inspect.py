@@ -21,10 +21,10 @@ from tokcap.builder import BuildOutput, Chain
 from tokcap.consumer import TrajectoryResult, trajectories_from_source
 from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError, StoreCorruptionError
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.rollout_ids import validate_rollout_id
+from tokcap.log.state import RolloutState
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.rollout_ids import validate_rollout_id
-from tokcap.state import RolloutState
-from tokcap.store import TokenCaptureStore
 
 __all__ = [
     "PreviewSource",

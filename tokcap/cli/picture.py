@@ -13,7 +13,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from tokcap.rollout_picture import Outcome, PictureCall, RolloutPicture, render_html, render_svg
+from tokcap.cli.rollout_picture import Outcome, PictureCall, RolloutPicture, render_html, render_svg
 
 __all__ = ["draw_rollout", "picture_of"]
 

@@ -25,9 +25,9 @@ from rich.table import Table
 
 from tokcap.cli.inspect import open_existing_store
 from tokcap.errors import InvalidInputError
+from tokcap.files.store import TokenCaptureStore
 from tokcap.ledger import pending_in
 from tokcap.staging import FileStagingSource, StagedRollout, cursors_taken, staged_rollouts
-from tokcap.store import TokenCaptureStore
 
 __all__ = [
     "AGE_BY_LAST_WRITE",

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from tokcap.records import ParentResolutionStatus
+from tokcap.log.records import ParentResolutionStatus
 from tokcap.staging.example_calls import ExampleCall, commit_of, staged_record
 from tokcap.staging.finalize import receipt_from_manifest
 from tokcap.staging.gym_types import build

@@ -19,14 +19,14 @@ from typing import Any
 import orjson
 
 from tokcap.errors import InvalidInputError, RecordValidationError, StoreWriteError
-from tokcap.events import LedgerFailureEvent, StagedBlob, StageEvent
-from tokcap.input_rules import check_call_id, check_finite_values, check_token_ids
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import LedgerFailureEvent, StagedBlob, StageEvent
+from tokcap.log.input_rules import check_call_id, check_finite_values, check_token_ids
+from tokcap.log.rules import ApplyOutcome
 from tokcap.metrics import stage_timed
-from tokcap.rules import ApplyOutcome
 from tokcap.staging.gym_types import build, staging_records_module
 from tokcap.staging.journal import REFUSED_STAGE_REASON, JournalCursor, file_cursor
 from tokcap.staging.records import StagedCallRecord, staging_key
-from tokcap.store import TokenCaptureStore
 
 __all__ = ["FileStagingSink", "attachment_bytes", "staged_record_from"]
 

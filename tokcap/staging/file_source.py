@@ -15,11 +15,11 @@ from typing import Any
 import orjson
 
 from tokcap.errors import StagingKeyNotFoundError
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.rollout_ids import validate_rollout_id
 from tokcap.metrics import source_timed
-from tokcap.rollout_ids import validate_rollout_id
 from tokcap.staging.gym_types import build
 from tokcap.staging.journal import read_blob
-from tokcap.store import TokenCaptureStore
 
 __all__ = ["FileStagingSource"]
 

@@ -50,12 +50,12 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from tokcap.durable_io import fsync_directory, read_no_follow
 from tokcap.errors import InvalidInputError, StoreCorruptionError
-from tokcap.layout import JOURNAL_CURSORS_NAME
+from tokcap.files.durable_io import fsync_directory, read_no_follow
+from tokcap.files.layout import JOURNAL_CURSORS_NAME
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.state import RolloutState, StagedSlot
 from tokcap.staging.gym_types import build
-from tokcap.state import RolloutState, StagedSlot
-from tokcap.store import TokenCaptureStore
 
 __all__ = [
     "REFUSED_STAGE_REASON",

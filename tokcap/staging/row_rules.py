@@ -26,7 +26,7 @@ from typing import Any, NoReturn, Self
 from pydantic import ValidationError, model_validator
 
 from tokcap.errors import InvalidInputError
-from tokcap.events import LedgerEvent, LedgerFailureEvent, StageEvent
+from tokcap.log.events import LedgerEvent, LedgerFailureEvent, StageEvent
 from tokcap.staging.records import CallRecord, StagedCallBaseSnapshot, staging_key
 
 __all__ = [

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokcap.errors import ConflictingEntryError, RolloutRetiredError
-from tokcap.events import Event
 from tokcap.ledger import FileCaptureLedger, PendingRollout, ledger_event, ledger_failure_event, pending_in
+from tokcap.log.events import Event
+from tokcap.log.state import IncompleteMark
 from tokcap.metrics import source_timed
-from tokcap.state import IncompleteMark
 from transports.kafka.client.producer_bridge import ProducerBridge
 from transports.kafka.client.topics import resolve_topic
 from transports.kafka.materializer.caught_up import CaughtUpStore
@@ -46,7 +46,7 @@ class KafkaCaptureLedger:
     repeat that differs from the row kept raises here.
 
     Without ``store_dir`` (the one block every model server reads) the projection is ledger-only and lives in
-    a directory this process makes for itself and removes at ``close`` (``tokcap.private_dirs``): it applies
+    a directory this process makes for itself and removes at ``close`` (``tokcap.files.private_dirs``): it applies
     every event but the staged calls, which it passes over by their type header without decoding them
     (``LEDGER_SKIPPED_TYPES``), so its start-up and disk do not grow with the tokens staged. A ledger row is
     then judged without the staged row it names, as one whose staged row lives in another store: a row whose

@@ -19,7 +19,7 @@ apply again when the chain is decoded (``codec.decode_event_value``); a refusal 
 the request unresolved (``LineageLookupError``). So a put the materializer dead-letters never resolves a
 parent.
 
-The log is folded through the rules the materializer applies (``tokcap.rules.decide``), so the resolver's
+The log is folded through the rules the materializer applies (``tokcap.log.rules.decide``), so the resolver's
 verdicts on a rollout's lifecycle are the store's: puts after a freeze are no candidates (the store refuses
 them), a drop of the snapshot and version frozen or a retire forgets the rollout's calls (a later continuation
 is unresolved, which is always safe), a drop the rules refuse as stale forgets nothing, and a delete starts
@@ -57,7 +57,17 @@ import orjson
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, Message, TopicPartition
 
 from tokcap.errors import ConfigError, EventDecodeError, LineageLookupError, NewerSchemaError, TransportError
-from tokcap.events import (
+from tokcap.fingerprint import assistant_fingerprint
+from tokcap.ledger import PendingRollout
+from tokcap.lineage import (
+    KeptParents,
+    LineageIndex,
+    LineageNode,
+    LineageResolution,
+    materialize_tokens,
+    resolution_of,
+)
+from tokcap.log.events import (
     LOG_READER_WRITER,
     DeleteEvent,
     DropEvent,
@@ -69,21 +79,11 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from tokcap.fingerprint import assistant_fingerprint
-from tokcap.hashing import sha256_hex
-from tokcap.ledger import PendingRollout
-from tokcap.lineage import (
-    KeptParents,
-    LineageIndex,
-    LineageNode,
-    LineageResolution,
-    materialize_tokens,
-    resolution_of,
-)
+from tokcap.log.hashing import sha256_hex
+from tokcap.log.records import ParentResolutionStatus, TokenEntry
+from tokcap.log.rules import decide
+from tokcap.log.state import RolloutState
 from tokcap.metrics import source_timed
-from tokcap.records import ParentResolutionStatus, TokenEntry
-from tokcap.rules import decide
-from tokcap.state import RolloutState
 from transports.kafka.client.admin import partition_count
 from transports.kafka.client.clients import AuthenticationWatch, ClientContext, assign_reader, open_reader
 from transports.kafka.client.error_map import Request, read_failure, translated
@@ -209,7 +209,7 @@ class _StoredPut:
 class _RolloutLog:
     """What the log says about one rollout's calls so far.
 
-    ``state`` is the rollout as the rules (``tokcap.rules.decide``) left it at its last lifecycle command;
+    ``state`` is the rollout as the rules (``tokcap.log.rules.decide``) left it at its last lifecycle command;
     ``undecided`` holds every event read since, in log order, for the rules to decide at the next one. Only a
     command changes the lifecycle, so whether a put is a candidate is known from ``state`` alone, and the
     arrays of a put are decoded for the rules only when a command of its rollout is read.

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from tokcap.errors import ConfigError
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
-from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
-from tokcap.store import TokenCaptureStore
 from transports.kafka.client.admin import watermarks
 from transports.kafka.client.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S
 from transports.kafka.client.topics import resolve_topic

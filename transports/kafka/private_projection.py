@@ -1,7 +1,7 @@
 """Where a Kafka reader keeps its projection when it is given no ``store_dir``: a directory of its own.
 
 Gym's config block is one block every model server process reads, so it cannot name a directory of each
-process's own. A ledger or source built without ``store_dir`` takes one from ``tokcap.private_dirs`` (shared
+process's own. A ledger or source built without ``store_dir`` takes one from ``tokcap.files.private_dirs`` (shared
 by the readers of one kind of the same topic in this process, removed when the last of them closes, and
 removed by the next start when a killed process left it), so the user writes no per-process setting.
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokcap.events import EventType
-from tokcap.private_dirs import private_directories
+from tokcap.files.private_dirs import private_directories
+from tokcap.log.events import EventType
 
 __all__ = ["LEDGER_ONLY", "LEDGER_SKIPPED_TYPES", "PROJECTION", "PrivateProjection"]
 

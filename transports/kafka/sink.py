@@ -28,13 +28,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tokcap.checked_puts import accept_put
 from tokcap.errors import ConfigError, ConflictingEntryError, DeliveryError, TransportError
-from tokcap.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
-from tokcap.input_rules import check_call_id
+from tokcap.log.checked_puts import accept_put
+from tokcap.log.events import CancelEvent, Event, IncompleteEvent, IntentEvent, PutEvent
+from tokcap.log.input_rules import check_call_id
+from tokcap.log.records import TokenEntry, token_count
+from tokcap.log.rollout_ids import validate_rollout_id
 from tokcap.metrics import MARKERS_SPILLED, SENT_BYTES, sink_timed
-from tokcap.records import TokenEntry, token_count
-from tokcap.rollout_ids import validate_rollout_id
 from transports.kafka.client.limits_record import WriterLimits
 from transports.kafka.client.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, Delivered, ProducerBridge
 from transports.kafka.client.topics import resolve_topic

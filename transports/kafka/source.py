@@ -13,7 +13,7 @@ A following source reads the topic's id after each command is delivered and refu
 another id: the command then sits in a topic created again under the same name, whose offsets mean nothing to
 that checkpoint.
 Either way a source gets an answer one way: it waits until the command's position is applied, then asks the
-answers by position (``tokcap.log_answers``): the in-process projection (its memory first) or, following, the
+answers by position (``tokcap.files.log_answers``): the in-process projection (its memory first) or, following, the
 files. The rollout's state records the verdict of every drop, retire and delete at its log position, as it
 records each freeze's answer (``rules.recorded_verdict``). Because the decision is taken at a log position,
 every replay of the topic reaches the same answer and the same snapshot id.
@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, RolloutRetiredError
-from tokcap.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
-from tokcap.log_answers import FileAnswers, LogAnswers
+from tokcap.files.log_answers import FileAnswers, LogAnswers
+from tokcap.files.store import ApplyOutcome, ApplyResult, TokenCaptureStore
+from tokcap.log.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
+from tokcap.log.rollout_ids import validate_rollout_id, validate_rollout_ids
 from tokcap.metrics import source_timed
 from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
-from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
-from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from transports.kafka.client.admin import TopicIdReader
 from transports.kafka.client.producer_bridge import DEFAULT_DELIVERY_TIMEOUT_S, ProducerBridge
 from transports.kafka.client.topics import resolve_topic
@@ -137,7 +137,7 @@ class KafkaTokenSource:
         instead of waiting for a checkpoint that never moves.
 
         Without ``store_dir`` (nor ``materializer``) the projection lives in a directory this process makes for
-        itself and removes at ``close`` (``tokcap.private_dirs``), shared by this process's sources of the topic.
+        itself and removes at ``close`` (``tokcap.files.private_dirs``), shared by this process's sources of the topic.
         """
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")

@@ -45,16 +45,16 @@ from tokcap.errors import (
     StagingKeyNotFoundError,
     TransportError,
 )
-from tokcap.events import Event, StagedBlob, StageEvent
-from tokcap.hashing import sha256_hex
+from tokcap.files.store import TokenCaptureStore
 from tokcap.ledger import ledger_failure_event
+from tokcap.log.events import Event, StagedBlob, StageEvent
+from tokcap.log.hashing import sha256_hex
 from tokcap.metrics import SENT_BYTES, source_timed, stage_timed
 from tokcap.staging.file_sink import attachment_bytes, staged_record_from
 from tokcap.staging.file_source import FileStagingSource
 from tokcap.staging.gym_types import build
 from tokcap.staging.journal import REFUSED_STAGE_REASON, JournalCursor, kafka_cursor
 from tokcap.staging.records import staging_key
-from tokcap.store import TokenCaptureStore
 from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.client.limits_record import WriterLimits
 from transports.kafka.client.producer_bridge import Delivered, ProducerBridge
@@ -440,7 +440,7 @@ class KafkaStagingSource:
         timeout_s: float = 30.0,
     ) -> None:
         """Without ``store_dir`` the projection lives in a directory this process makes for itself and removes
-        at ``close`` (``tokcap.private_dirs``), shared by this process's sources of the topic.
+        at ``close`` (``tokcap.files.private_dirs``), shared by this process's sources of the topic.
         """
         self._topic = resolve_topic(run_id, topic)
         self._private = PrivateProjection.take(store_dir, PROJECTION, bootstrap_servers, self._topic)

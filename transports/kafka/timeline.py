@@ -25,8 +25,15 @@ from typing import Any
 from confluent_kafka import Consumer, Message, TopicPartition
 
 from tokcap.errors import TransportError
-from tokcap.events import DropEvent, FreezeEvent, IncompleteEvent, LedgerEvent, LedgerFailureEvent, StageEvent
-from tokcap.store import ApplyOutcome, ApplyResult, TokenCaptureStore
+from tokcap.files.store import ApplyOutcome, ApplyResult, TokenCaptureStore
+from tokcap.log.events import (
+    DropEvent,
+    FreezeEvent,
+    IncompleteEvent,
+    LedgerEvent,
+    LedgerFailureEvent,
+    StageEvent,
+)
 from transports.kafka.client.admin import watermarks
 from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.client.error_map import Request, read_failure, translated

@@ -19,8 +19,8 @@ from rich.console import Console
 
 from tokcap.cli.console import emit_json, progress_console, stdout_console
 from tokcap.cli.demo import DemoReport, DemoSettings, ProgressCallback
+from tokcap.cli.metrics_http import DEFAULT_METRICS_HOST
 from tokcap.cli.options import JsonFlag, Timeout
-from tokcap.metrics_http import DEFAULT_METRICS_HOST
 from transports.kafka.cli.side_files import describe_side_files, render_side_files
 
 __all__ = [

@@ -18,8 +18,8 @@ from rich.table import Table
 
 from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
-from tokcap.rollout_ids import validate_rollout_id
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.rollout_ids import validate_rollout_id
 from transports.kafka.cli.options import parse_key_values, resolve_run_topic
 from transports.kafka.client.admin import probe_broker
 from transports.kafka.timeline import LogApplier, read_log

@@ -20,8 +20,8 @@ from typing import Any
 
 from rich.console import Console
 
+from tokcap.cli.metrics_http import DEFAULT_METRICS_HOST, MetricsServer
 from tokcap.errors import InvalidInputError
-from tokcap.metrics_http import DEFAULT_METRICS_HOST, MetricsServer
 from transports.kafka.cli.options import parse_key_values, parse_partitions, resolve_run_topic
 from transports.kafka.client.admin import probe_broker, watermarks
 from transports.kafka.materializer.loop import Materializer

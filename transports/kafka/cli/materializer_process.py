@@ -17,8 +17,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 
+from tokcap.cli.metrics_http import DEFAULT_METRICS_HOST
 from tokcap.errors import InvalidInputError
-from tokcap.metrics_http import DEFAULT_METRICS_HOST
 from transports.kafka.errors import MaterializerFailedError
 from transports.kafka.materializer import Materializer
 from transports.kafka.materializer.readiness import serve_metrics

@@ -20,8 +20,8 @@ from rich.console import Console
 from tokcap.cli.progress import make_progress
 from tokcap.delta_records import lineage_report
 from tokcap.errors import InvalidInputError
-from tokcap.rollout_ids import validate_rollout_id
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.rollout_ids import validate_rollout_id
 from transports.kafka.cli.options import parse_key_values, parse_offsets, resolve_run_topic
 from transports.kafka.client.admin import probe_broker, watermarks
 from transports.kafka.materializer.loop import Materializer

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tokcap.cli.staging_status import describe_staging
-from tokcap.events import EventType
-from tokcap.store import ApplyOutcome, TokenCaptureStore
+from tokcap.files.store import ApplyOutcome, TokenCaptureStore
+from tokcap.log.events import EventType
 from transports.kafka.cli.options import parse_key_values, resolve_run_topic
 from transports.kafka.client.admin import probe_broker
 from transports.kafka.timeline import LogApplier, read_log

@@ -19,7 +19,7 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from tokcap.errors import EventDecodeError, NewerSchemaError, TransportError
-from tokcap.events import DeleteEvent, RetireEvent
+from tokcap.log.events import DeleteEvent, RetireEvent
 from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.client.error_map import Request, read_failure, translated
 from transports.kafka.wire.codec import (

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tokcap.events import Event, LedgerEvent, LedgerFailureEvent, LogPosition, StageEvent
-from tokcap.store import ApplyOutcome, ApplyResult
+from tokcap.files.store import ApplyOutcome, ApplyResult
+from tokcap.log.events import Event, LedgerEvent, LedgerFailureEvent, LogPosition, StageEvent
 from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
 from transports.kafka.wire.router import ApplyEvent, Buffered, Deferred, Routed
 

@@ -12,8 +12,8 @@ import threading
 import time
 from collections.abc import Mapping
 
-from tokcap.events import FreezeEvent
-from tokcap.log_projection import Projection
+from tokcap.files.log_projection import Projection
+from tokcap.log.events import FreezeEvent
 from transports.kafka.materializer.apply import carry_out, refused_staging_reason
 from transports.kafka.materializer.block_checkpoints import BlockCheckpoints
 from transports.kafka.materializer.loop_metrics import count_applied, observe_command_wait, observe_freeze

@@ -12,8 +12,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from tokcap.events import EventType
-from tokcap.log_projection import Projection
+from tokcap.files.log_projection import Projection
+from tokcap.log.events import EventType
 from transports.kafka.materializer.checkpoint import PartitionCheckpoint, write_checkpoints
 from transports.kafka.materializer.loop_metrics import observe_command_wait, observe_flush
 from transports.kafka.materializer.partition_progress import PartitionProgress, durable_copy

@@ -20,7 +20,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, TransportError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 from transports.kafka.client.admin import partition_count
 from transports.kafka.client.clients import AuthenticationWatch, ClientContext, open_reader
 from transports.kafka.client.error_map import Request, translated

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import orjson
 
-from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import StoreCorruptionError
+from tokcap.files.durable_io import fsync_directory, replace_atomically
 from transports.kafka.errors import MaterializerFailedError
 from transports.kafka.materializer.incarnation import check_incarnation
 

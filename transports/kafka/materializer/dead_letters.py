@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 
-from tokcap.durable_io import append_durably
+from tokcap.files.durable_io import append_durably
 from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
 
 __all__ = [

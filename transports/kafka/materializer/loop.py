@@ -3,7 +3,7 @@
 It reads each assigned partition from its own checkpoint in the store directory (``checkpoint``),
 not from consumer-group offsets, routes every message through the inbound router (``router``) and
 applies what it decides, with the event's log position, through the directory's single-writer projection
-(``tokcap.log_projection``: hot state in memory, flushed in blocks before each checkpoint). This module
+(``tokcap.files.log_projection``: hot state in memory, flushed in blocks before each checkpoint). This module
 holds that loop: consumer I/O, checkpoints and lifecycle. The scheduler (``schedule``) decides which routed
 decision to carry out next; the waiter registry (``waiters``) holds the sources' waits on positions.
 
@@ -69,10 +69,10 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from tokcap.durable_io import remove_stale_temp_files
-from tokcap.log_projection import Projection
+from tokcap.files.durable_io import remove_stale_temp_files
+from tokcap.files.log_projection import Projection
+from tokcap.files.store import TokenCaptureStore
 from tokcap.metrics import LoopStatus, watch_loop
-from tokcap.store import TokenCaptureStore
 from transports.kafka.client.admin import TopicIdReader
 from transports.kafka.client.clients import (
     AuthenticationWatch,
@@ -289,7 +289,7 @@ class Materializer(LoopThread):
         """Carry this writer's freezes out as soon as they are read, so the projection answers them from memory.
 
         Each freeze is applied right away, after its own rollout's earlier events only, and ``applied`` with
-        ``ahead`` ends its wait then, before its block is flushed (``tokcap.log_projection`` says why answering
+        ``ahead`` ends its wait then, before its block is flushed (``tokcap.files.log_projection`` says why answering
         it is safe). Freezes of other writers (sources in other processes read the files once the checkpoint
         passes them) wait for their turn.
         """

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokcap.events import EventType, FreezeEvent
+from tokcap.log.events import EventType, FreezeEvent
+from tokcap.log.rules import ApplyOutcome, ApplyResult
+from tokcap.log.state import RolloutState
 from tokcap.metrics import (
     BLOCK_KINDS,
     COMMAND_KINDS,
@@ -21,8 +23,6 @@ from tokcap.metrics import (
     FREEZE_SECONDS,
     ROLLOUTS_MASKED,
 )
-from tokcap.rules import ApplyOutcome, ApplyResult
-from tokcap.state import RolloutState
 from transports.kafka.wire.router import ApplyEvent, DeadLetter, Routed
 
 __all__ = [

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import orjson
 
-from tokcap.durable_io import fsync_directory, replace_atomically
 from tokcap.errors import StoreCorruptionError
-from tokcap.locks import ExclusiveFile
+from tokcap.files.durable_io import fsync_directory, replace_atomically
+from tokcap.files.locks import ExclusiveFile
 from transports.kafka.errors import (
     MaterializerOwnedElsewhereError,
     PartitionOwnerMissingError,

@@ -1,7 +1,7 @@
 """When a materializer is ready: it owns its partitions and has applied the log as it was when it started.
 
 A trainer reading the store before then would wait on freezes behind the whole backlog; an orchestrator's
-readiness probe (``/healthz``, ``tokcap.metrics_http``) holds it back instead. Readiness is lost again when the
+readiness probe (``/healthz``, ``tokcap.cli.metrics_http``) holds it back instead. Readiness is lost again when the
 loop stops owning its partitions: it failed (another process owns the directory, the topic was created again,
 offsets were deleted before they were read) or it stopped.
 
@@ -15,8 +15,8 @@ import logging
 import threading
 from typing import Protocol
 
+from tokcap.cli.metrics_http import DEFAULT_METRICS_HOST, Health, MetricsServer
 from tokcap.metrics import LoopStatus
-from tokcap.metrics_http import DEFAULT_METRICS_HOST, Health, MetricsServer
 
 __all__ = ["MaterializerReadiness", "ReadinessSubject", "logger", "serve_metrics"]
 

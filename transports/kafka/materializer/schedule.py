@@ -22,7 +22,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from tokcap.events import DeleteEvent, DropEvent, FreezeEvent, RetireEvent
+from tokcap.log.events import DeleteEvent, DropEvent, FreezeEvent, RetireEvent
 from transports.kafka.wire.router import ApplyEvent, Deferred, Routed, rollout_of
 
 __all__ = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokcap.errors import InvalidInputError
-from tokcap.log_projection import HOT_ROLLOUTS, HOT_TOKENS
+from tokcap.files.log_projection import HOT_ROLLOUTS, HOT_TOKENS
 
 __all__ = ["DEFAULT_SETTINGS", "MaterializerSettings", "check_block_messages"]
 

@@ -5,7 +5,7 @@ Headers carry the event type, the event schema version, the writer id and the va
 
 Values:
 
-- ``json``: the canonical ``tokcap.events`` encoding (every event but ``put``).
+- ``json``: the canonical ``tokcap.log.events`` encoding (every event but ``put``).
 - ``staged``: a ``stage`` event and the bytes of the blobs it names (its extras, its attachments).
   Layout: magic ``TKS1``, a little-endian u32 length, the event's canonical JSON, then each blob's bytes in
   the order ``StageEvent.blob_refs`` gives. A reader checks every blob's size and SHA-256 against the row.
@@ -15,7 +15,7 @@ Values:
   Ids are ``<i4`` when they fit, else ``<i8``; log probs are ``<f8``, so every value round-trips exactly.
   Ids beyond 64 bits are refused (the canonical JSON encoder cannot write them either).
 
-Every event decoded here passes the sinks' input rules (``tokcap.input_rules.accept_event``) before anyone
+Every event decoded here passes the sinks' input rules (``tokcap.log.input_rules.accept_event``) before anyone
 gets it: what a sink would have refused to send is refused the same way when it is read, as an
 ``EventDecodeError`` whose text names the field, which the router dead-letters. A packed id array must use
 an integer dtype and hold no negative value; that is checked on its bytes, before it is decoded.
@@ -37,7 +37,6 @@ from typing import Any, Protocol
 
 import orjson
 
-from tokcap.checked_puts import accept_put_or_event
 from tokcap.errors import (
     ConfigError,
     EventDecodeError,
@@ -47,11 +46,12 @@ from tokcap.errors import (
     NewerSchemaError,
     RecordValidationError,
 )
-from tokcap.events import EVENT_SCHEMA_VERSION, Event, PutEvent, StageEvent, encode_event
-from tokcap.hashing import sha256_hex
-from tokcap.input_rules import check_entry_fields
-from tokcap.records import TokenEntry
-from tokcap.rollout_ids import validate_rollout_id
+from tokcap.log.checked_puts import accept_put_or_event
+from tokcap.log.events import EVENT_SCHEMA_VERSION, Event, PutEvent, StageEvent, encode_event
+from tokcap.log.hashing import sha256_hex
+from tokcap.log.input_rules import check_entry_fields
+from tokcap.log.records import TokenEntry
+from tokcap.log.rollout_ids import validate_rollout_id
 from transports.kafka.errors import WireDeltaError
 from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
-from tokcap.events import PutEvent
+from tokcap.log.events import PutEvent
 from transports.kafka.errors import WireDeltaError
 from transports.kafka.wire.codec import (
     LogMessage,

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tokcap.errors import ConfigError
-from tokcap.rollout_ids import validate_rollout_id
+from tokcap.log.rollout_ids import validate_rollout_id
 
 __all__ = [
     "DEFAULT_PARTITIONER",

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
-from tokcap.events import (
+from tokcap.log.events import (
     LOG_READER_WRITER,
     DeleteEvent,
     Event,
@@ -72,8 +72,8 @@ from tokcap.events import (
     PutEvent,
     RetireEvent,
 )
-from tokcap.hashing import sha256_hex
-from tokcap.records import token_count
+from tokcap.log.hashing import sha256_hex
+from tokcap.log.records import token_count
 from transports.kafka.wire.codec import (
     HEADER_TYPE,
     ChunkHeader,

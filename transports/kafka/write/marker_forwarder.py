@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from tokcap.errors import TransportError
-from tokcap.events import IncompleteEvent
+from tokcap.log.events import IncompleteEvent
 from tokcap.metrics import MARKERS_FORWARDED
 from transports.kafka.write.marker_spill import MarkerSpill
 

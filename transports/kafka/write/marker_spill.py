@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokcap.errors import EventDecodeError, NewerSchemaError, TransportError
-from tokcap.events import IncompleteEvent, decode_event, encode_event
+from tokcap.log.events import IncompleteEvent, decode_event, encode_event
 
 __all__ = [
     "SPILL_DIR_ENV",

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokcap.events import PutEvent
-from tokcap.records import TokenEntry
+from tokcap.log.events import PutEvent
+from tokcap.log.records import TokenEntry
 from transports.kafka.wire.codec import (
     DEFAULT_CHUNK_BYTES,
     OutgoingMessage,

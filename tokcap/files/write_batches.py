@@ -1,11 +1,11 @@
 """Writes that become durable together: one filesystem sync for a batch, and the state files it renames.
 
 A rollout's lines, blobs and removals are written without syncs of their own; a barrier waits for one sync
-shared with every concurrent writer (``tokcap.group_commit``). A state file is renamed only after a sync of it
+shared with every concurrent writer (``tokcap.files.group_commit``). A state file is renamed only after a sync of it
 and of every line it covers: a power loss may keep a rename and lose unsynced bytes written before it, leaving
 a state that names lines that are gone. A batch on the store's writer thread, or a block of a single writer,
 leaves its state files beside their targets and renames them together after one sync, so a batch of freezes
-costs two syncs, not two each. ``tokcap.rollout_files`` builds every file operation on this.
+costs two syncs, not two each. ``tokcap.files.rollout_files`` builds every file operation on this.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokcap.durable_io import rename_over, replace_atomically, write_temp_sibling
-from tokcap.group_commit import GroupCommitter, filesystem_sync_for
-from tokcap.layout import RolloutPaths
-from tokcap.locks import RolloutHold, RolloutLocks
-from tokcap.state import RolloutState
+from tokcap.files.durable_io import rename_over, replace_atomically, write_temp_sibling
+from tokcap.files.group_commit import GroupCommitter, filesystem_sync_for
+from tokcap.files.layout import RolloutPaths
+from tokcap.files.locks import RolloutHold, RolloutLocks
+from tokcap.log.state import RolloutState
 
 __all__ = ["WriteBatches"]
 

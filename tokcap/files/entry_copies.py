@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokcap.records import ParentResolutionStatus, TokenEntry
+from tokcap.log.records import ParentResolutionStatus, TokenEntry
 
 __all__ = ["fresh_read_copy"]
 

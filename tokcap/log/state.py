@@ -15,7 +15,7 @@ snapshot cannot be dropped.
 The state is the commit record of the rollout's side files: ``indexed_size``, ``intents_size`` and
 ``incomplete_size`` say how many bytes of each file it covers, and ``last_position`` which log position
 it reflects. Bytes past those sizes were written after the state and are either folded in (file store)
-or cut and applied again (a projection resuming from its log), see ``tokcap.recovery``.
+or cut and applied again (a projection resuming from its log), see ``tokcap.files.recovery``.
 ``covers_freeze`` says tokcap recorded the freeze, so those sizes cover every line written before it; Gym's
 store freezes by setting ``frozen`` alone and never records the intents size, so a frozen state without it
 was frozen by Gym.
@@ -44,7 +44,7 @@ from pydantic import (
 )
 
 from tokcap.errors import NewerSchemaError, StoreCorruptionError, StoreFormatError
-from tokcap.events import LogPosition
+from tokcap.log.events import LogPosition
 
 __all__ = [
     "STATE_SCHEMA_VERSION",
@@ -276,7 +276,7 @@ class RolloutState:
     """The verdict of every drop, retire and delete applied from a log, by position; a delete's empty state
     keeps them."""
     covers_freeze: bool = False
-    """tokcap recorded the freeze: the sizes cover every line written before it (``tokcap.recovery``)."""
+    """tokcap recorded the freeze: the sizes cover every line written before it (``tokcap.files.recovery``)."""
     last_position: LogPosition | None = None
     removed_records: bool | None = None
     staged: Map[str, StagedSlot] = _NO_MAP

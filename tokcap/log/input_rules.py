@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 import orjson
 
 from tokcap.errors import InvalidInputError, RecordValidationError
-from tokcap.events import (
+from tokcap.log.events import (
     CancelEvent,
     Event,
     IncompleteEvent,
@@ -41,8 +41,8 @@ from tokcap.events import (
     StageEvent,
     event_from_mapping,
 )
-from tokcap.records import REQUIRED_TOKEN_FIELDS, TokenEntry, as_token_entry
-from tokcap.rollout_ids import validate_rollout_id
+from tokcap.log.records import REQUIRED_TOKEN_FIELDS, TokenEntry, as_token_entry
+from tokcap.log.rollout_ids import validate_rollout_id
 
 __all__ = [
     "MAX_CALL_ID_LENGTH",

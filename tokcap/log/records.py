@@ -23,9 +23,9 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tokcap.canonical_json import require_canonical_floats
 from tokcap.errors import NewerSchemaError, RecordValidationError, TokenExtractionError
-from tokcap.hashing import sha256_hex, sha256_hex_of
+from tokcap.log.canonical_json import require_canonical_floats
+from tokcap.log.hashing import sha256_hex, sha256_hex_of
 
 __all__ = [
     "DIGEST_VERSION",

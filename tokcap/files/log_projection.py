@@ -2,18 +2,18 @@
 
 One process owns a projected directory (the Kafka materializer holds its partitions' owner locks), so between
 two flushes nothing but this object changes the rollouts it applies. It keeps each hot rollout's state and
-accepted entries in memory (one cache) and decides each event with ``tokcap.rules.decide`` against that state.
+accepted entries in memory (one cache) and decides each event with ``tokcap.log.rules.decide`` against that state.
 What only adds to a rollout (an intent, a put, a mark, a freeze) is carried out in memory: its lines are queued
 and written at the flush, one write per file and rollout. An event that removes files or writes a staged or
 ledger row (drop, retire, delete, stage, ledger) first writes its rollout's queued lines, then the decision made
-here is carried out (``tokcap.rollout_files``, the interpreter the shared store uses too; a fence is synced
+here is carried out (``tokcap.files.rollout_files``, the interpreter the shared store uses too; a fence is synced
 before the removals it guards). A freeze is answered from memory as soon as it is applied.
 ``flush`` ends the block: queued lines and changed states are written once per rollout, synced together, the
 states renamed into place and synced again; the caller writes its checkpoint only after that. The store never
 reads a rollout's state while this object holds it: between flushes the files may be behind memory, never
-ahead of it. This module writes files only through ``tokcap.rollout_files``; it calls nothing of the store.
+ahead of it. This module writes files only through ``tokcap.files.rollout_files``; it calls nothing of the store.
 
-It owns the answers by log position (``tokcap.log_answers``): ``verdict_at`` and ``snapshot_at`` answer a
+It owns the answers by log position (``tokcap.files.log_answers``): ``verdict_at`` and ``snapshot_at`` answer a
 command it applied from memory, and from the files only once they hold that position (its block flushed);
 until then ``snapshot_at`` says so and the caller waits for the flush. A freeze is thus answered from memory as
 soon as it is applied. Those two may be called from any thread: one lock guards the memory they read, and the
@@ -43,13 +43,10 @@ from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokcap.entry_copies import fresh_read_copy
 from tokcap.errors import StoreWriteError
-from tokcap.events import Event, LogPosition, PutEvent, StageEvent
-from tokcap.log_answers import FileAnswers, command_verdict
-from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import TokenEntry, token_count
-from tokcap.rollout_files import (
+from tokcap.files.entry_copies import fresh_read_copy
+from tokcap.files.log_answers import FileAnswers, command_verdict
+from tokcap.files.rollout_files import (
     QueuedLine,
     RolloutFiles,
     appended_entry,
@@ -57,17 +54,20 @@ from tokcap.rollout_files import (
     removes_files,
     snapshot_from,
 )
-from tokcap.rules import (
+from tokcap.log.events import Event, LogPosition, PutEvent, StageEvent
+from tokcap.log.records import TokenEntry, token_count
+from tokcap.log.rules import (
     ApplyOutcome,
     ApplyResult,
     Decision,
     WriteState,
     decide,
 )
-from tokcap.state import RolloutState
+from tokcap.log.state import RolloutState
+from tokcap.protocols import TokenCaptureSnapshot
 
 if TYPE_CHECKING:
-    from tokcap.store import TokenCaptureStore
+    from tokcap.files.store import TokenCaptureStore
 
 
 __all__ = ["HOT_ROLLOUTS", "HOT_TOKENS", "Projection", "logger"]

@@ -1,15 +1,15 @@
 """A rollout's files: the only code that writes them, and the one interpreter of the rules' effects.
 
-``tokcap.rules`` decides what an event does as a list of effects; ``RolloutFiles.carry_out`` is the one place
+``tokcap.log.rules`` decides what an event does as a list of effects; ``RolloutFiles.carry_out`` is the one place
 they become file operations: appends at the byte they were decided at, state replacements, removals and
-barriers. Both writers stand on it side by side. ``tokcap.store`` serves a directory several processes share
-(recover, decide, carry out, under each rollout's lock); ``tokcap.log_projection`` owns its directory (decide,
+barriers. Both writers stand on it side by side. ``tokcap.files.store`` serves a directory several processes share
+(recover, decide, carry out, under each rollout's lock); ``tokcap.files.log_projection`` owns its directory (decide,
 queue in memory, carry out at its flush or at a barrier).
 
 Durability rules kept here, whoever writes:
 
 - Appends and blobs are written without syncs of their own and become durable in one filesystem sync shared
-  with every concurrent writer (``tokcap.group_commit``).
+  with every concurrent writer (``tokcap.files.group_commit``).
 - A state file is renamed only after a sync of it and of every line it covers: a power loss may keep a rename
   and lose unsynced bytes written before it, leaving a state that names lines that are gone.
 - Blobs a row names are synced before the row's state is renamed.
@@ -28,7 +28,8 @@ from typing import BinaryIO
 
 import orjson
 
-from tokcap.durable_io import (
+from tokcap.errors import StoreCorruptionError
+from tokcap.files.durable_io import (
     append_durably,
     fsync_directory,
     open_no_follow,
@@ -38,13 +39,12 @@ from tokcap.durable_io import (
     replace_atomically,
     truncate_no_follow,
 )
-from tokcap.errors import StoreCorruptionError
-from tokcap.events import LogPosition, StageEvent
-from tokcap.layout import RolloutPaths
-from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.records import TokenEntry
-from tokcap.recovery import CutTail, FinishRetire, Recovered, recover
-from tokcap.rules import (
+from tokcap.files.layout import RolloutPaths
+from tokcap.files.recovery import CutTail, FinishRetire, Recovered, recover
+from tokcap.files.write_batches import WriteBatches
+from tokcap.log.events import LogPosition, StageEvent
+from tokcap.log.records import TokenEntry
+from tokcap.log.rules import (
     AppendEntry,
     AppendIncompleteMark,
     AppendIntent,
@@ -57,8 +57,8 @@ from tokcap.rules import (
     WriteState,
     snapshot_of,
 )
-from tokcap.state import RolloutState
-from tokcap.write_batches import WriteBatches
+from tokcap.log.state import RolloutState
+from tokcap.protocols import TokenCaptureSnapshot
 
 __all__ = [
     "AcceptedEntries",

@@ -4,7 +4,7 @@ A command is decided at its log position and its rollout's state records the out
 every drop, retire and delete (``rules.recorded_verdict``) and the version every freeze answered
 (``RolloutState.answer_at``), however many events came after it. So an answer is a read of a state that has
 applied the position, wherever that state is held. Two readers give it by the same two calls:
-``tokcap.log_projection.Projection`` (the process that applies the log: its memory first) and ``FileAnswers``
+``tokcap.files.log_projection.Projection`` (the process that applies the log: its memory first) and ``FileAnswers``
 (a source following another process: the files, once that process's checkpoint passes the position).
 """
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
-from tokcap.events import Event, FreezeEvent, LogPosition
+from tokcap.files.store import TokenCaptureStore
+from tokcap.log.events import Event, FreezeEvent, LogPosition
+from tokcap.log.rules import ApplyResult, recorded_verdict
+from tokcap.log.state import RolloutState
 from tokcap.protocols import TokenCaptureSnapshot
-from tokcap.rules import ApplyResult, recorded_verdict
-from tokcap.state import RolloutState
-from tokcap.store import TokenCaptureStore
 
 __all__ = ["FileAnswers", "LogAnswers", "command_verdict"]
 

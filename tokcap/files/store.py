@@ -1,12 +1,12 @@
 """The file store: a durable, rollout-keyed projection of capture events.
 
-It carries out the decisions of ``tokcap.rules``; it holds no rule of its own. It serves a directory several
+It carries out the decisions of ``tokcap.log.rules``; it holds no rule of its own. It serves a directory several
 processes may write (Gym's store among them): the files are the truth, so every operation builds an event,
-recovers the rollout's state from the files (``tokcap.recovery``; cached only while the files are exactly as
-the store left them), asks ``tokcap.rules.decide`` what the event does, and carries out the effects in order.
-Every file operation, the effects' interpreter included, is ``tokcap.rollout_files``'s, which a single writer
-that owns its directory and keeps the truth in memory (``tokcap.log_projection``) stands on too. File names
-live in ``tokcap.layout``, the writer thread's batches in ``tokcap.write_queue``.
+recovers the rollout's state from the files (``tokcap.files.recovery``; cached only while the files are exactly as
+the store left them), asks ``tokcap.log.rules.decide`` what the event does, and carries out the effects in order.
+Every file operation, the effects' interpreter included, is ``tokcap.files.rollout_files``'s, which a single writer
+that owns its directory and keeps the truth in memory (``tokcap.files.log_projection``) stands on too. File names
+live in ``tokcap.files.layout``, the writer thread's batches in ``tokcap.files.write_queue``.
 
 Durability:
 
@@ -29,14 +29,34 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tokcap.checked_puts import accept_put
 from tokcap.errors import (
     ConflictingEntryError,
     RolloutFrozenError,
     RolloutRetiredError,
     StoreWriteError,
 )
-from tokcap.events import (
+from tokcap.files.kept_entries import KEPT_ENTRY_TOKENS, KeptEntries
+from tokcap.files.layout import (
+    ENTRIES_SUFFIX,
+    INCOMPLETE_SUFFIX,
+    INTENTS_SUFFIX,
+    LOCK_SUFFIX,
+    STATE_SUFFIX,
+    RolloutPaths,
+    rollout_ids_in,
+)
+from tokcap.files.recovery import Recovered
+from tokcap.files.rollout_files import (
+    AcceptedEntries,
+    FilesIdentity,
+    RolloutFiles,
+    appended_entry,
+    files_identity,
+    snapshot_from,
+)
+from tokcap.files.write_queue import WriteQueue
+from tokcap.log.checked_puts import accept_put
+from tokcap.log.events import (
     CancelEvent,
     DeleteEvent,
     DropEvent,
@@ -49,39 +69,19 @@ from tokcap.events import (
     RetireEvent,
     StageEvent,
 )
-from tokcap.input_rules import check_call_id
-from tokcap.kept_entries import KEPT_ENTRY_TOKENS, KeptEntries
-from tokcap.layout import (
-    ENTRIES_SUFFIX,
-    INCOMPLETE_SUFFIX,
-    INTENTS_SUFFIX,
-    LOCK_SUFFIX,
-    STATE_SUFFIX,
-    RolloutPaths,
-    rollout_ids_in,
-)
-from tokcap.metrics import sink_timed, source_timed
-from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
-from tokcap.records import TokenEntry
-from tokcap.recovery import Recovered
-from tokcap.rollout_files import (
-    AcceptedEntries,
-    FilesIdentity,
-    RolloutFiles,
-    appended_entry,
-    files_identity,
-    snapshot_from,
-)
-from tokcap.rollout_ids import validate_rollout_id, validate_rollout_ids
-from tokcap.rules import (
+from tokcap.log.input_rules import check_call_id
+from tokcap.log.records import TokenEntry
+from tokcap.log.rollout_ids import validate_rollout_id, validate_rollout_ids
+from tokcap.log.rules import (
     ApplyOutcome,
     ApplyResult,
     Decision,
     decide,
     is_marked_incomplete,
 )
-from tokcap.state import IncompleteMark, IntentOp, RolloutState
-from tokcap.write_queue import WriteQueue
+from tokcap.log.state import IncompleteMark, IntentOp, RolloutState
+from tokcap.metrics import sink_timed, source_timed
+from tokcap.protocols import RolloutRemovalPayload, TokenCaptureSnapshot
 
 __all__ = [
     "ENTRIES_SUFFIX",
@@ -128,7 +128,7 @@ class TokenCaptureStore:
     def __init__(self, root: str | Path, *, kept_entry_tokens: int = KEPT_ENTRY_TOKENS) -> None:
         """Open (or create) the store in ``root``.
 
-        ``kept_entry_tokens`` bounds the tokens of entries kept in memory for freezes (``tokcap.kept_entries``);
+        ``kept_entry_tokens`` bounds the tokens of entries kept in memory for freezes (``tokcap.files.kept_entries``);
         0 keeps none, and every freeze parses its rollout's file.
         """
         self._kept_entries = KeptEntries(kept_entry_tokens)
@@ -148,7 +148,7 @@ class TokenCaptureStore:
 
     @property
     def files(self) -> RolloutFiles:
-        """The directory's files, for a single writer that owns them (``tokcap.log_projection``)."""
+        """The directory's files, for a single writer that owns them (``tokcap.files.log_projection``)."""
         return self._files
 
     async def _in_thread(self, function: Callable[..., _Result], *args: Any, urgent: bool = False) -> _Result:
@@ -195,7 +195,7 @@ class TokenCaptureStore:
         return self._files.paths_of(rollout_id).staged
 
     def blob_path_for(self, rollout_id: str, sha256: str) -> Path:
-        """The file holding a staged call's extras or attachment with this SHA-256 (``tokcap.layout``)."""
+        """The file holding a staged call's extras or attachment with this SHA-256 (``tokcap.files.layout``)."""
         return self._files.paths_of(rollout_id).blob(sha256)
 
     def lock_path_for(self, rollout_id: str) -> Path:

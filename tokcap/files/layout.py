@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokcap.errors import InvalidRolloutIdError
-from tokcap.rollout_ids import validate_rollout_id
+from tokcap.log.rollout_ids import validate_rollout_id
 
 logger = logging.getLogger(__name__)
 

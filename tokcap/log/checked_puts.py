@@ -1,6 +1,6 @@
 """Puts checked and built without pydantic on the hot path: a sink's put encoded once, a reader's put built once.
 
-Every put passes the input rules (``tokcap.input_rules``) and becomes a ``PutEvent`` whose canonical line and
+Every put passes the input rules (``tokcap.log.input_rules``) and becomes a ``PutEvent`` whose canonical line and
 digest decide its verdict. Pydantic's validation and the rules' separate scans walk the same token arrays
 several times. The functions here do the common case in one pass of exact-type checks, with the token ids
 checked on their orjson encoding, and build the models with ``model_construct``-equivalent assignment.
@@ -23,10 +23,10 @@ from typing import Any
 import orjson
 
 from tokcap.errors import InvalidInputError
-from tokcap.events import EVENT_SCHEMA_VERSION, Event, EventType, PutEvent
-from tokcap.hashing import sha256_hex
-from tokcap.input_rules import accept_entry, accept_event, check_call_id, check_finite_values
-from tokcap.records import (
+from tokcap.log.events import EVENT_SCHEMA_VERSION, Event, EventType, PutEvent
+from tokcap.log.hashing import sha256_hex
+from tokcap.log.input_rules import accept_entry, accept_event, check_call_id, check_finite_values
+from tokcap.log.records import (
     TOKEN_ENTRY_MIN_SCHEMA_VERSION,
     TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
     ParentResolutionStatus,

@@ -11,7 +11,7 @@ import os
 import threading
 from pathlib import Path
 
-from tokcap.durable_io import open_no_follow
+from tokcap.files.durable_io import open_no_follow
 
 __all__ = ["ExclusiveFile", "RolloutHold", "RolloutLocks"]
 

@@ -33,12 +33,12 @@ from pathlib import Path
 
 import orjson
 
-from tokcap.durable_io import open_no_follow, read_no_follow
 from tokcap.errors import NewerSchemaError, RecordValidationError, StoreCorruptionError, StoreFormatError
-from tokcap.layout import RolloutPaths
-from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
-from tokcap.rules import CANCEL_PREFIX, record_freeze
-from tokcap.state import UPGRADE_STEP, IncompleteMark, IntentOp, RolloutState
+from tokcap.files.durable_io import open_no_follow, read_no_follow
+from tokcap.files.layout import RolloutPaths
+from tokcap.log.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, entry_digest
+from tokcap.log.rules import CANCEL_PREFIX, record_freeze
+from tokcap.log.state import UPGRADE_STEP, IncompleteMark, IntentOp, RolloutState
 
 __all__ = [
     "CutTail",

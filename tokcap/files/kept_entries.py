@@ -29,9 +29,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tokcap.entry_copies import fresh_read_copy
-from tokcap.records import TokenEntry, token_count
-from tokcap.state import RolloutState
+from tokcap.files.entry_copies import fresh_read_copy
+from tokcap.log.records import TokenEntry, token_count
+from tokcap.log.state import RolloutState
 
 __all__ = ["KEPT_ENTRY_TOKENS", "KeptEntries"]
 

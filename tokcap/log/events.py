@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from tokcap.errors import EventDecodeError, NewerSchemaError
-from tokcap.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry, entry_digest
+from tokcap.log.records import TOKEN_ENTRY_RECORD_SCHEMA_VERSION, TokenEntry, entry_digest
 
 __all__ = [
     "EVENT_SCHEMA_VERSION",

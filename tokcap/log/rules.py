@@ -2,7 +2,7 @@
 
 ``decide(state, event, position)`` returns a ``Decision``: the rollout's new state, the file effects that
 carry it out, and the verdict for the caller. It reads no file, clock or random number, and never mutates
-its input; the store (``tokcap.store``) carries out the effects in order. Because both transports feed the
+its input; the store (``tokcap.files.store``) carries out the effects in order. Because both transports feed the
 same function in the same event order, the Kafka projection and the file store agree, and a replay of a
 log reproduces the store byte for byte.
 
@@ -38,9 +38,9 @@ The rules, one per sentence (DESIGN.md, "Rules the apply function enforces"):
 
 Two kinds of rule come before an event exists and live with what they judge: how a message becomes an
 event, or a dead letter that masks its rollout (undecodable, newer schema, refused by the input rules of
-``tokcap/input_rules.py``, wrong key, a chunk group that cannot complete or is still open at its rollout's
+``tokcap/log/input_rules.py``, wrong key, a chunk group that cannot complete or is still open at its rollout's
 freeze), in ``transports/kafka/wire/router.py``; and how the files a crash left are read back, in
-``tokcap/recovery.py``.
+``tokcap/files/recovery.py``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from immutables import Map
 
 from tokcap.errors import InvalidInputError, RolloutRetiredError
-from tokcap.events import (
+from tokcap.log.events import (
     LOG_READER_WRITER,
     CancelEvent,
     DeleteEvent,
@@ -68,9 +68,9 @@ from tokcap.events import (
     RetireEvent,
     StageEvent,
 )
-from tokcap.input_rules import check_line_call_id
-from tokcap.records import entry_digest
-from tokcap.state import (
+from tokcap.log.input_rules import check_line_call_id
+from tokcap.log.records import entry_digest
+from tokcap.log.state import (
     CommandVerdict,
     FreezeAnswer,
     IncompleteMark,

@@ -1,0 +1,8 @@
+"""The pure log: the events that change a rollout, its state, the rules that decide each event, and the
+record, its canonical bytes and the input rules.
+
+Nothing here reads a file, a clock or a random number; the files shell (``tokcap.files``) carries out
+what the rules decide. Each module imports only the log and ``tokcap.errors``.
+"""
+
+__all__: list[str] = []
