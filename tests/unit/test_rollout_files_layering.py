@@ -5,9 +5,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import tokcap.log.rules
+import tokcap
 
-_TOKCAP = Path(tokcap.log.rules.__file__).parent
+_TOKCAP = Path(tokcap.__file__).parent
+_FILES = _TOKCAP / "files"
 _EFFECTS = {
     "AppendEntry",
     "AppendIntent",
@@ -53,8 +54,8 @@ def _effect_type_checks(path: Path) -> int:
 
 
 def test_the_shared_store_and_the_single_writer_projection_never_import_each_other() -> None:
-    assert "tokcap.files.store" not in _runtime_imports(_TOKCAP / "log_projection.py")
-    assert "tokcap.files.log_projection" not in _runtime_imports(_TOKCAP / "store.py")
+    assert "tokcap.files.store" not in _runtime_imports(_FILES / "log_projection.py")
+    assert "tokcap.files.log_projection" not in _runtime_imports(_FILES / "store.py")
 
 
 def test_only_the_rollout_files_module_dispatches_on_effect_types() -> None:
