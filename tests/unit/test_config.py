@@ -353,7 +353,7 @@ def test_a_nested_class_target_is_resolved_attribute_by_attribute(sink_module: s
 
 
 def test_the_file_store_built_from_config_is_a_working_sink(tmp_path: Path) -> None:
-    sink = _with_sink("tokcap.files.store:TokenCaptureStore", root=str(tmp_path)).build_sink()
+    sink = _with_sink("tokcap.store:TokenCaptureStore", root=str(tmp_path)).build_sink()
     assert isinstance(sink, TokenCaptureStore)
 
     async def capture() -> None:
