@@ -48,7 +48,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BROKER_SCRIPT = REPO_ROOT / "scripts" / "kafka_broker.py"
 
 BROKER_FIXTURES = frozenset(
-    {"kafka_bootstrap", "kafka_broker", "kafka_broker_control", "kafka_topic", "kafka_topic_factory", "staging_topic"}
+    {
+        "kafka_bootstrap",
+        "kafka_broker",
+        "kafka_broker_control",
+        "kafka_topic",
+        "kafka_topic_factory",
+        "staging_topic",
+    }
 )
 HOW_TO_GET_A_BROKER = (
     "no Kafka broker available. Get one with any of: `scripts/test` (starts a local broker; needs "

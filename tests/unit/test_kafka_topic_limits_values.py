@@ -79,11 +79,23 @@ def test_offset_zero_of_partition_zero_decides_the_limits_and_an_older_topic_has
         (b'{"max_event_bytes":true,"max_open_chunk_bytes":5}', "1", EventDecodeError),
         (b"not json", "1", EventDecodeError),
         (b'{"max_event_bytes":10,"max_open_chunk_bytes":20}', "2", EventDecodeError),
-        (b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":"p"}', "1", EventDecodeError),
-        (b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":""}', "2", EventDecodeError),
+        (
+            b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":"p"}',
+            "1",
+            EventDecodeError,
+        ),
+        (
+            b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":""}',
+            "2",
+            EventDecodeError,
+        ),
         (b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":7}', "2", EventDecodeError),
         (b'{"max_event_bytes":10,"max_open_chunk_bytes":20}', "0", EventDecodeError),
-        (b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":"p"}', "3", NewerSchemaError),
+        (
+            b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":"p"}',
+            "3",
+            NewerSchemaError,
+        ),
     ],
 )
 def test_a_limits_record_no_reader_can_use_is_refused_not_guessed(
@@ -107,7 +119,9 @@ def test_a_limits_record_naming_a_payload_topic_is_schema_2_and_reads_back_equal
     )
     assert dict(headers)["tokcap.schema_version"] == b"2"
     assert decode_limits_record(value, headers_to_dict(headers)) == limits
-    assert limits != TopicLimits(max_event_bytes=2048) and limits.sizes_equal(TopicLimits(max_event_bytes=2048))
+    assert limits != TopicLimits(max_event_bytes=2048) and limits.sizes_equal(
+        TopicLimits(max_event_bytes=2048)
+    )
 
 
 def test_limits_that_could_never_reassemble_an_event_of_the_largest_size_are_refused() -> None:
