@@ -9,6 +9,8 @@ Values:
 - ``staged``: a ``stage`` event and the bytes of the blobs it names (its extras, its attachments).
   Layout: magic ``TKS1``, a little-endian u32 length, the event's canonical JSON, then each blob's bytes in
   the order ``StageEvent.blob_refs`` gives. A reader checks every blob's size and SHA-256 against the row.
+- ``staged-ref``: a ``stage`` event whose ``staged`` value lies on the topic's staged-payload topic; the value
+  says where (``staged_payloads``), and only the inbound router, which can read that topic, decodes it.
 - ``packed``: a ``put`` event with its token arrays packed as binary, so a long prompt stays small.
   Layout: magic ``TKP1``, a little-endian u32 length, the event's JSON without the three arrays
   (which instead lists each array's dtype and count), then the arrays' bytes in that order.
@@ -61,6 +63,7 @@ __all__ = [
     "ENCODING_JSON",
     "ENCODING_PACKED",
     "ENCODING_STAGED",
+    "ENCODING_STAGED_REFERENCE",
     "HEADER_CHUNK_COUNT",
     "HEADER_CHUNK_DIGEST",
     "HEADER_CHUNK_GROUP",
@@ -76,6 +79,7 @@ __all__ = [
     "OutgoingMessage",
     "ParentLink",
     "WireDelta",
+    "check_event_size",
     "check_size_settings",
     "decode_event_value",
     "decode_message",
@@ -108,6 +112,8 @@ ENCODING_JSON = "json"
 ENCODING_PACKED = "packed"
 ENCODING_DELTA = "delta"
 ENCODING_STAGED = "staged"
+ENCODING_STAGED_REFERENCE = "staged-ref"
+"""A ``stage`` message whose value names where its ``staged`` value lies on the staged-payload topic."""
 
 WIRE_DELTA_SCHEMA_VERSION = 2
 """The message schema of a wire delta; readers that know only schema 1 refuse it as newer."""
@@ -696,7 +702,7 @@ def check_size_settings(chunk_bytes: int, max_event_bytes: int | None) -> None:
         )
 
 
-def _check_event_size(event: Event, size: int, max_event_bytes: int) -> None:
+def check_event_size(event: Event, size: int, max_event_bytes: int) -> None:
     """Refuse an event value larger than the readers reassemble, before any of it is sent."""
     if size <= max_event_bytes:
         return
@@ -731,7 +737,7 @@ def encode_event_messages(
     (commands, ledger rows) are far below any limit a topic can usefully have.
     """
     encoding, value = encode_event_value(event)
-    _check_event_size(event, len(value), limits.max_event_bytes)
+    check_event_size(event, len(value), limits.max_event_bytes)
     key = event.rollout_id.encode()
     base_headers = [
         (HEADER_TYPE, event.type.value.encode()),
@@ -839,6 +845,11 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
         return event
     if encoding == ENCODING_STAGED:
         return _unpack_stage(value)
+    if encoding == ENCODING_STAGED_REFERENCE:
+        raise EventDecodeError(
+            "a staged reference (encoding 'staged-ref') is decoded with its payload from the staged-payload "
+            "topic: read it through the inbound router"
+        )
     if encoding != ENCODING_JSON:
         raise EventDecodeError(f"unknown value encoding {encoding!r}")
     try:

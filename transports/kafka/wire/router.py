@@ -87,6 +87,7 @@ from transports.kafka.wire.codec import (
 )
 from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
 from transports.kafka.wire.delta_parents import ParentRestorer
+from transports.kafka.wire.staged_payloads import StagedPayloadRestorer, is_staged_reference
 from transports.kafka.wire.topic_limits import (
     LIMITS_PARTITION,
     TOPIC_DEFAULTS,
@@ -235,6 +236,8 @@ class InboundRouter:
     """The topic read, for messages."""
     parents: ParentRestorer = field(default_factory=ParentRestorer)
     """Restores wire deltas; give it a way to read the log (``OffsetReader``) where parents may be forgotten."""
+    payloads: StagedPayloadRestorer = field(default_factory=StagedPayloadRestorer)
+    """Restores staged references; give it a way to read the staged-payload topic (``staged_payloads``)."""
     _groups: dict[int, dict[str, _OpenGroup]] = field(default_factory=dict)
     _held: dict[int, int] = field(default_factory=dict)
     """Per partition, the value bytes its open groups hold (ghosts' counted too)."""
@@ -460,6 +463,9 @@ class InboundRouter:
                 event: Event = self.parents.restore(
                     key or b"", message.partition, message.offset, delta, keep=whole
                 )
+                _check_named_type(headers, event)
+            elif is_staged_reference(headers):
+                event = self.payloads.restore(key, value, headers, self.limits)
                 _check_named_type(headers, event)
             else:
                 event = decode_message(key, value, headers)
