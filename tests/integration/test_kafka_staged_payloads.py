@@ -20,7 +20,7 @@ from confluent_kafka.admin import AdminClient
 from staging_calls import commit_for, conversation
 
 from tokcap.errors import StagingKeyNotFoundError
-from tokcap.store import TokenCaptureStore
+from tokcap.files.store import TokenCaptureStore
 from transports.kafka.client.clients import ClientContext
 from transports.kafka.client.limits_record import read_topic_limits
 from transports.kafka.lineage import KafkaLineageResolver

@@ -10,7 +10,7 @@ import pytest
 from staging_calls import staged_call
 
 from tokcap.errors import EventDecodeError, EventTooLargeError, TransportError
-from tokcap.events import StagedBlob, StageEvent
+from tokcap.log.events import StagedBlob, StageEvent
 from transports.kafka.wire.codec import (
     LogMessage,
     OutgoingMessage,

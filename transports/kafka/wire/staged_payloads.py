@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import orjson
 
 from tokcap.errors import EventDecodeError, TransportError
-from tokcap.events import StageEvent
-from tokcap.hashing import sha256_hex
+from tokcap.log.events import StageEvent
+from tokcap.log.hashing import sha256_hex
 from transports.kafka.wire.codec import (
     ENCODING_STAGED,
     ENCODING_STAGED_REFERENCE,
