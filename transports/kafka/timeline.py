@@ -32,6 +32,7 @@ from transports.kafka.client.clients import AuthenticationWatch, ClientContext, 
 from transports.kafka.client.error_map import Request, read_failure, translated
 from transports.kafka.client.limits_record import read_topic_limits
 from transports.kafka.client.offset_reader import OffsetReader
+from transports.kafka.client.payload_reader import PayloadReader
 from transports.kafka.materializer.apply import carry_out
 from transports.kafka.wire.codec import HEADER_TYPE, HEADER_WRITER, LogMessage, headers_to_dict
 from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
@@ -228,7 +229,7 @@ class LogApplier:
         limits = read_topic_limits(context, topic, timeout_s=max(timeout_s, 30.0))
         reader = OffsetReader(context, topic, timeout_s=max(timeout_s, 30.0))
         payloads = StagedPayloadRestorer(
-            lambda payload_topic: OffsetReader(
+            lambda payload_topic: PayloadReader(
                 context, payload_topic, purpose="timeline-payloads", timeout_s=max(timeout_s, 30.0)
             )
         )

@@ -81,6 +81,7 @@ from transports.kafka.client.clients import (
 )
 from transports.kafka.client.limits_record import read_topic_limits
 from transports.kafka.client.offset_reader import OffsetReader
+from transports.kafka.client.payload_reader import PayloadReader
 from transports.kafka.client.topics import validate_topic_name
 from transports.kafka.materializer.apply import carry_out
 from transports.kafka.materializer.apply_decisions import DecisionApplier
@@ -225,7 +226,7 @@ class Materializer(LoopThread):
         )
         # Staged references read their payload from the staged-payload topic the run topic's record names.
         self._payloads = StagedPayloadRestorer(
-            lambda payload_topic: OffsetReader(
+            lambda payload_topic: PayloadReader(
                 self._client,
                 payload_topic,
                 purpose="materializer-payloads",
