@@ -32,7 +32,7 @@ from transports.kafka.client.clients import AuthenticationWatch, ClientContext, 
 from transports.kafka.client.error_map import Request, translated
 from transports.kafka.wire.codec import LogMessage
 
-__all__ = ["DEFAULT_KEPT_BYTES", "PayloadReader"]
+__all__ = ["DEFAULT_KEPT_BYTES", "READER_SETTINGS", "PayloadReader"]
 
 DEFAULT_KEPT_BYTES = 64 * 1024 * 1024
 """Payload bytes read ahead and kept until asked for; more concurrent stagers interleave more pieces."""
