@@ -384,7 +384,7 @@ def test_the_chunks_of_a_large_stage_are_counted_but_never_kept_by_the_resolver(
     router = resolver._chunk_router
     assert router.open_chunk_bytes(0) == sum(len(m.value) for m in messages[:-1])
     assert router.open_groups() == []
-    assert all(piece == b"" for group in router._groups[0].values() for piece in group.pieces)
+    assert all(piece == b"" for group in router._chunks._groups[0].values() for piece in group.pieces)
 
 
 def _feed_at(resolver: KafkaLineageResolver, *events: Event, first_offset: int = 0) -> None:
