@@ -48,7 +48,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BROKER_SCRIPT = REPO_ROOT / "scripts" / "kafka_broker.py"
 
 BROKER_FIXTURES = frozenset(
-    {"kafka_bootstrap", "kafka_broker", "kafka_broker_control", "kafka_topic", "kafka_topic_factory"}
+    {
+        "kafka_bootstrap",
+        "kafka_broker",
+        "kafka_broker_control",
+        "kafka_topic",
+        "kafka_topic_factory",
+        "staging_topic",
+    }
 )
 HOW_TO_GET_A_BROKER = (
     "no Kafka broker available. Get one with any of: `scripts/test` (starts a local broker; needs "
@@ -387,6 +394,20 @@ class TopicFactory:
         self._wait_leaders(admin, name, partitions)
         return name
 
+    def staged_apart(self, suffix: str = "", *, partitions: int = 1) -> str:
+        """A topic made as ``tokcap topic create`` makes it: its limits record names a staged-payload topic."""
+        topics: Any = importlib.import_module("transports.kafka.client.topics")
+        parts = ["tokcap-test", self._stem]
+        if suffix:
+            parts.append(_UNSAFE.sub("-", suffix))
+        parts.append(uuid.uuid4().hex[:10])
+        name = "-".join(parts)[:200]
+        topics.ensure_topic(self._broker.bootstrap, name, topics.TopicSettings(partitions=partitions))
+        self.created.append(name)
+        self.created.append(topics.staged_payload_topic_for(name))
+        self._wait_leaders(self._admin(), name, partitions)
+        return name
+
     @staticmethod
     def _wait_leaders(admin: Any, name: str, partitions: int, timeout: float = 30.0) -> None:
         """Creation returns before metadata propagates; wait so the first produce does not race it."""
@@ -442,6 +463,15 @@ def kafka_topic_factory(kafka_broker: KafkaBroker, request: pytest.FixtureReques
 @pytest.fixture
 def kafka_topic(kafka_topic_factory: TopicFactory) -> str:
     """A fresh single-partition topic unique to this test, deleted afterwards."""
+    return kafka_topic_factory()
+
+
+@pytest.fixture(params=["staged inline", "staged apart"])
+def staging_topic(kafka_topic_factory: TopicFactory, request: pytest.FixtureRequest) -> str:
+    """A fresh single-partition topic for staging, once as a topic made before staged-payload topics (stages
+    inline) and once as ``tokcap topic create`` makes one now (stage references, payloads on their own topic)."""
+    if request.param == "staged apart":
+        return kafka_topic_factory.staged_apart()
     return kafka_topic_factory()
 
 

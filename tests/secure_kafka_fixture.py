@@ -57,7 +57,7 @@ class SecureKafka:
     def new_run(self) -> str:
         """A run id whose topic is deleted at the end of the session."""
         run = f"sec-{uuid.uuid4().hex[:12]}"
-        self.topics.append(f"tokcap.{run}")
+        self.topics.extend([f"tokcap.{run}", f"tokcap-staged.tokcap.{run}"])
         return run
 
     def grant(self, user: str, topic: str, operations: tuple[str, ...]) -> None:

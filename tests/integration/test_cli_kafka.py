@@ -34,7 +34,7 @@ def assert_one_line_error(completed: Completed, fragment: str) -> None:
 def run_id(kafka_topic_factory: Any) -> str:
     """A run id whose topic does not exist yet; the topic is deleted after the test."""
     run = f"cli-{uuid.uuid4().hex[:12]}"
-    kafka_topic_factory.created.append(f"tokcap.{run}")
+    kafka_topic_factory.created.extend([f"tokcap.{run}", f"tokcap-staged.tokcap.{run}"])
     return run
 
 
@@ -177,7 +177,11 @@ def test_topic_create_describe_and_delete_manage_the_run_topic(kafka_bootstrap: 
     assert description["replayable_from_start"] is True
     assert_one_line_error(tokcap("topic", "delete", *base), "--yes")
     deleted = tokcap("topic", "delete", *base, "--yes", "--json")
-    assert deleted.returncode == 0 and deleted.json() == {"deleted": True, "topic": f"tokcap.{run_id}"}
+    assert deleted.returncode == 0 and deleted.json() == {
+        "deleted": True,
+        "topic": f"tokcap.{run_id}",
+        "staged_payload_topic": f"tokcap-staged.tokcap.{run_id}",
+    }
     assert_one_line_error(tokcap("topic", "describe", *base), "does not exist")
 
 

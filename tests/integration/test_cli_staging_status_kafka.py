@@ -13,8 +13,11 @@ from staging_calls import commit_for, conversation
 
 from tokcap.staging import JournaledStagingSink
 from tokcap.staging.records import StageResult
+from transports.kafka.client.clients import ClientContext
+from transports.kafka.client.limits_record import read_topic_limits
 from transports.kafka.lineage import KafkaLineageResolver
 from transports.kafka.staging import KafkaStagingSink
+from transports.kafka.wire.topic_limits import TopicLimits
 
 
 async def _journal(bootstrap: str, topic: str, store_dir: Path) -> None:
@@ -37,7 +40,7 @@ async def _journal(bootstrap: str, topic: str, store_dir: Path) -> None:
 def test_the_status_of_a_run_topic_ages_each_staged_call_by_its_message_and_names_those_without_a_ledger_row(
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
-    topic = kafka_topic_factory("staging-status", partitions=3)
+    topic = kafka_topic_factory.staged_apart("staging-status", partitions=3)
     before = time.time()
     asyncio.run(_journal(kafka_bootstrap, topic, tmp_path / "ledger"))
     shown = tokcap("staging", "status", "--bootstrap", kafka_bootstrap, "--topic", topic, "--json")
@@ -67,10 +70,14 @@ class _Store:
         return StageResult(ok=True, staging_key=f"{record.rollout_id}/{record.model_call_id}")
 
 
+def read_limits(bootstrap: str, topic: str) -> TopicLimits:
+    return read_topic_limits(ClientContext(bootstrap, {}), topic)
+
+
 def test_the_cursors_a_kafka_journal_recorded_are_listed_from_its_cursor_dir(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    kafka_bootstrap: str, staging_topic: str, tmp_path: Path
 ) -> None:
-    journal = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+    journal = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=staging_topic)
     sink = JournaledStagingSink(_Store(), journal, cursor_dir=tmp_path)
 
     try:
@@ -85,14 +92,16 @@ def test_the_cursors_a_kafka_journal_recorded_are_listed_from_its_cursor_dir(
         "--bootstrap",
         kafka_bootstrap,
         "--topic",
-        kafka_topic,
+        staging_topic,
         "--cursor-dir",
         str(tmp_path),
         "--json",
     )
     assert shown.returncode == 0, shown.stderr
     (cursor,) = shown.json()["cursors"]
-    assert cursor["label"] == "step-3" and cursor["topic"] == kafka_topic and cursor["offsets"] == {"0": 1}
+    # The one staged call is the topic's one message, after the limits record of a topic made with a payload topic.
+    ends = {"0": 2} if read_limits(kafka_bootstrap, staging_topic).staged_payload_topic else {"0": 1}
+    assert cursor["label"] == "step-3" and cursor["topic"] == staging_topic and cursor["offsets"] == ends
 
 
 def test_the_status_of_a_run_that_does_not_exist_fails_with_one_line(kafka_bootstrap: str) -> None:

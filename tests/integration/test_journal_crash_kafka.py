@@ -15,7 +15,7 @@ _PLAN = WorkloadPlan(seed=11, steps=6)
 def test_with_the_kafka_journal_no_acknowledged_call_is_lost_and_every_restaged_call_is_byte_exact(
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
-    topic = kafka_topic_factory("journal-crash", partitions=3)
+    topic = kafka_topic_factory.staged_apart("journal-crash", partitions=3)
     settings = {"bootstrap": kafka_bootstrap, "topic": topic}
     run = run_crashes("kafka", tmp_path, _PLAN, kill_plan(_PLAN.seed, 3, _PLAN), settings, timeout_s=60)
     assert run.kills >= 2 and run.restores

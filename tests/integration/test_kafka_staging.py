@@ -41,19 +41,19 @@ def _dead_letters(store_dir: Path) -> list[dict[str, Any]]:
 
 
 def test_the_staging_conformance_kit_passes_on_the_kafka_transport(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    kafka_bootstrap: str, staging_topic: str, tmp_path: Path
 ) -> None:
     def sink() -> KafkaStagingSink:
-        return KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+        return KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=staging_topic)
 
     def source() -> KafkaStagingSource:
         return KafkaStagingSource(
-            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "s"
+            bootstrap_servers=kafka_bootstrap, topic=staging_topic, store_dir=tmp_path / "s"
         )
 
     def ledger() -> KafkaLineageResolver:
         return KafkaLineageResolver(
-            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "s"
+            bootstrap_servers=kafka_bootstrap, topic=staging_topic, store_dir=tmp_path / "s"
         )
 
     passed = asyncio.run(run_staging_conformance(sink, source, ledger))
@@ -61,12 +61,12 @@ def test_the_staging_conformance_kit_passes_on_the_kafka_transport(
 
 
 def test_several_mib_of_attachment_and_routed_experts_cross_a_default_broker_whole_to_a_fresh_reader(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    kafka_bootstrap: str, staging_topic: str, tmp_path: Path
 ) -> None:
     image = os.urandom(6 * 1024 * 1024 + 17)
     experts = {"format": "nrlre1", "layers": [[index % 128 for index in range(8 * 48)] for _ in range(900)]}
     call = staged_call("big-r", "call-0", [1, 2, 3], list(range(10, 1010)), extras=experts)
-    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
+    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=staging_topic)
     try:
         result = sink.stage(call, attachments={"image": image, "empty": b""})
     finally:
@@ -74,7 +74,7 @@ def test_several_mib_of_attachment_and_routed_experts_cross_a_default_broker_who
     assert result.ok, result
     # A reader in a directory of its own, built after the stage returned: it catches up before it answers.
     source = KafkaStagingSource(
-        bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "fresh"
+        bootstrap_servers=kafka_bootstrap, topic=staging_topic, store_dir=tmp_path / "fresh"
     )
     try:
         [full] = source.fetch_full([result.staging_key])
@@ -108,7 +108,7 @@ def _stage_event(rollout_id: str, call_id: str, image: bytes) -> tuple[StageEven
 
 
 def test_poison_staging_events_are_dead_lettered_and_mask_their_rollout(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    kafka_bootstrap: str, staging_topic: str, tmp_path: Path
 ) -> None:
     store_dir = tmp_path / "store"
     good, good_blobs = _stage_event("conflict-r", "call-0", b"first")
@@ -118,8 +118,8 @@ def test_poison_staging_events_are_dead_lettered_and_mask_their_rollout(
     wrong_key, wrong_blobs = _stage_event("owner-r", "call-0", b"x")
     [(_, wrong_value, wrong_headers)] = _raw_stage(wrong_key, wrong_blobs)
     late, late_blobs = _stage_event("retired-r", "call-0", b"late")
-    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
-    source = KafkaTokenSource(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
+    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=staging_topic)
+    source = KafkaTokenSource(bootstrap_servers=kafka_bootstrap, topic=staging_topic, store_dir=store_dir)
     try:
         assert sink.stage(staged_call("retired-r", "call-1", [1], [2])).ok
         asyncio.run(source.retire(["retired-r"]))
@@ -131,7 +131,7 @@ def test_poison_staging_events_are_dead_lettered_and_mask_their_rollout(
             (b"thief-r", wrong_value, wrong_headers),
             *_raw_stage(late, late_blobs),
         ]:
-            producer.produce(kafka_topic, key=raw_key, value=raw_value, headers=raw_headers)
+            producer.produce(staging_topic, key=raw_key, value=raw_value, headers=raw_headers)
         assert producer.flush(30) == 0
         assert source.materializer.wait_until_caught_up(60)
         store = TokenCaptureStore(store_dir)
@@ -211,7 +211,7 @@ def test_replaying_a_topic_with_staging_events_gives_byte_identical_files_and_th
 
 
 def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged_row_fetchable_and_verifiable(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    kafka_bootstrap: str, staging_topic: str, tmp_path: Path
 ) -> None:
     repo = Path(__file__).resolve().parents[2]
     script = (
@@ -226,7 +226,7 @@ def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged
     )
     env = {**os.environ, "PYTHONPATH": str(repo)}
     worker = subprocess.Popen(
-        [sys.executable, "-c", script, kafka_bootstrap, kafka_topic], stdout=subprocess.PIPE, env=env
+        [sys.executable, "-c", script, kafka_bootstrap, staging_topic], stdout=subprocess.PIPE, env=env
     )
     assert worker.stdout is not None
     acknowledged = [worker.stdout.readline().decode().strip() for _ in range(5)]
@@ -236,7 +236,7 @@ def test_a_worker_killed_the_instant_stage_returned_ok_leaves_every_acknowledged
     assert all(acknowledged), acknowledged
     turns = {turn.call.model_call_id: turn for turn in conversation("killed", 40, extras=True)}
     source = KafkaStagingSource(
-        bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "after"
+        bootstrap_servers=kafka_bootstrap, topic=staging_topic, store_dir=tmp_path / "after"
     )
     try:
         keys = [f"killed/{call_id}" for call_id in acknowledged]
@@ -274,12 +274,12 @@ def _stage_root_from_another_process(bootstrap: str, topic: str, rollout_id: str
 
 
 def test_a_sink_with_a_store_dir_fails_a_conflicting_stage_from_another_process_and_a_late_stage_after_retire(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    kafka_bootstrap: str, staging_topic: str, tmp_path: Path
 ) -> None:
-    _stage_root_from_another_process(kafka_bootstrap, kafka_topic, "fenced")
+    _stage_root_from_another_process(kafka_bootstrap, staging_topic, "fenced")
     store_dir = tmp_path / "own"
-    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
-    ledger = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
+    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=staging_topic, store_dir=store_dir)
+    ledger = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=staging_topic, store_dir=store_dir)
     try:
         [first] = conversation("fenced", 1)
         [different] = conversation("fenced", 1, extras=True)
@@ -299,13 +299,13 @@ def test_a_sink_with_a_store_dir_fails_a_conflicting_stage_from_another_process_
 
 
 def test_without_a_store_dir_a_stage_the_store_drops_is_refused_at_its_ledger_record_and_masks_the_rollout(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    kafka_bootstrap: str, staging_topic: str, tmp_path: Path
 ) -> None:
     """The sink alone cannot see the verdict; the ledger row Gym writes after it does, before the commit."""
-    _stage_root_from_another_process(kafka_bootstrap, kafka_topic, "raced")
+    _stage_root_from_another_process(kafka_bootstrap, staging_topic, "raced")
     store_dir = tmp_path / "trainer"
-    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=kafka_topic)
-    ledger = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=store_dir)
+    sink = KafkaStagingSink(bootstrap_servers=kafka_bootstrap, topic=staging_topic)
+    ledger = KafkaLineageResolver(bootstrap_servers=kafka_bootstrap, topic=staging_topic, store_dir=store_dir)
     try:
         [second] = conversation("raced", 1, extras=True)
         assert sink.stage(second.call).ok

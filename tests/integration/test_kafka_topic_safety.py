@@ -21,7 +21,7 @@ def assert_one_line_error(completed: Completed, fragment: str) -> None:
 @pytest.fixture
 def run_id(kafka_topic_factory: Any) -> str:
     run = f"safety-{uuid.uuid4().hex[:12]}"
-    kafka_topic_factory.created.append(f"tokcap.{run}")
+    kafka_topic_factory.created.extend([f"tokcap.{run}", f"tokcap-staged.tokcap.{run}"])
     return run
 
 

@@ -145,7 +145,7 @@ def test_a_staged_key_is_free_again_after_a_delete_and_refused_otherwise_on_both
     between: str, transport: str, stager: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     bootstrap = "" if transport == "file" else str(request.getfixturevalue("kafka_bootstrap"))
-    topic = "" if transport == "file" else str(request.getfixturevalue("kafka_topic"))
+    topic = "" if transport == "file" else request.getfixturevalue("kafka_topic_factory").staged_apart()
     [first] = conversation(ROLLOUT, 1)
     [second] = conversation(ROLLOUT, 1, extras=True)
     rows = {"A": first.call.model_dump(), "B": second.call.model_dump(), None: None}

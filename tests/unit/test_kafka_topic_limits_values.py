@@ -78,7 +78,24 @@ def test_offset_zero_of_partition_zero_decides_the_limits_and_an_older_topic_has
         (b'{"max_event_bytes":10,"max_open_chunk_bytes":5}', "1", EventDecodeError),
         (b'{"max_event_bytes":true,"max_open_chunk_bytes":5}', "1", EventDecodeError),
         (b"not json", "1", EventDecodeError),
-        (b'{"max_event_bytes":10,"max_open_chunk_bytes":20}', "2", NewerSchemaError),
+        (b'{"max_event_bytes":10,"max_open_chunk_bytes":20}', "2", EventDecodeError),
+        (
+            b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":"p"}',
+            "1",
+            EventDecodeError,
+        ),
+        (
+            b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":""}',
+            "2",
+            EventDecodeError,
+        ),
+        (b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":7}', "2", EventDecodeError),
+        (b'{"max_event_bytes":10,"max_open_chunk_bytes":20}', "0", EventDecodeError),
+        (
+            b'{"max_event_bytes":10,"max_open_chunk_bytes":20,"staged_payload_topic":"p"}',
+            "3",
+            NewerSchemaError,
+        ),
     ],
 )
 def test_a_limits_record_no_reader_can_use_is_refused_not_guessed(
@@ -86,6 +103,25 @@ def test_a_limits_record_no_reader_can_use_is_refused_not_guessed(
 ) -> None:
     with pytest.raises(error):
         decode_limits_record(value, {"tokcap.type": "topic-limits", "tokcap.schema_version": schema})
+
+
+def test_a_limits_record_without_a_payload_topic_is_the_schema_1_record_byte_for_byte() -> None:
+    value, headers = encode_limits_record(TopicLimits(max_event_bytes=2048))
+    assert value == b'{"max_event_bytes":2048,"max_open_chunk_bytes":4096}'
+    assert dict(headers)["tokcap.schema_version"] == b"1"
+
+
+def test_a_limits_record_naming_a_payload_topic_is_schema_2_and_reads_back_equal() -> None:
+    limits = TopicLimits(max_event_bytes=2048, staged_payload_topic="tokcap-staged.tokcap.r")
+    value, headers = encode_limits_record(limits)
+    assert value == (
+        b'{"max_event_bytes":2048,"max_open_chunk_bytes":4096,"staged_payload_topic":"tokcap-staged.tokcap.r"}'
+    )
+    assert dict(headers)["tokcap.schema_version"] == b"2"
+    assert decode_limits_record(value, headers_to_dict(headers)) == limits
+    assert limits != TopicLimits(max_event_bytes=2048) and limits.sizes_equal(
+        TopicLimits(max_event_bytes=2048)
+    )
 
 
 def test_limits_that_could_never_reassemble_an_event_of_the_largest_size_are_refused() -> None:

@@ -68,7 +68,9 @@ from transports.kafka.private_projection import (
     PrivateProjection,
 )
 from transports.kafka.sink import default_writer_id
-from transports.kafka.wire.codec import DEFAULT_CHUNK_BYTES, encode_event_messages
+from transports.kafka.wire.codec import DEFAULT_CHUNK_BYTES, OutgoingMessage, encode_event_messages
+from transports.kafka.wire.staged_payloads import encode_staged_payload, encode_staged_reference
+from transports.kafka.wire.topic_limits import TopicLimits
 
 __all__ = [
     "DEFAULT_STAGE_TIMEOUT_S",
@@ -350,20 +352,45 @@ class KafkaStagingSink:
         return None if removal is Removal.DELETED else different
 
     def _send(self, event: Event, what: str) -> Delivered:
-        """Send the event's messages; return where the last one (the one the store applies) landed."""
+        """Send the event's messages; return where the last one (the one the store applies) landed.
+
+        A stage on a topic with a staged-payload topic sends its bytes there first and, once they are
+        acknowledged, its reference to the run topic (``staged_payloads``); each send has its own timeout.
+        """
         if self._closed:
             raise TransportError(f"{self!r} is closed; {what} was not sent")
+        if isinstance(event, StageEvent):
+            limits = self._limits.get()
+            if limits.staged_payload_topic is not None:
+                return self._send_apart(event, limits.staged_payload_topic, limits, what)
         messages = self._limits.encode(
             lambda limits: encode_event_messages(
                 event, chunk_bytes=self._chunk_bytes, limits=limits, next_chunk_group=self._next_chunk_group
             )
         )
-        # The bridge fails the send within the delivery timeout; the margin only guards a stuck loop.
-        sent = self._loop.run(
-            self._bridge.send(self._topic, messages, what=what), self._delivery_timeout_s + 5.0
+        return self._deliver(self._topic, messages, what)[-1]
+
+    def _send_apart(self, event: StageEvent, payload_topic: str, limits: TopicLimits, what: str) -> Delivered:
+        """Send a stage's bytes to the payload topic, then the reference naming where they landed."""
+        payload = encode_staged_payload(event, chunk_bytes=self._chunk_bytes, limits=limits)
+        landed = self._deliver(payload_topic, payload.pieces, f"payload of the {what}")
+        partitions = {delivered.partition for delivered in landed}
+        if len(partitions) != 1:
+            raise TransportError(
+                f"the pieces of the {what} landed in partitions {sorted(partitions)} of {payload_topic!r}, not "
+                "one; was the payload topic's partition count changed? Nothing refers to them"
+            )
+        reference = encode_staged_reference(
+            event, payload, payload_topic, partitions.pop(), [delivered.offset for delivered in landed]
         )
+        return self._deliver(self._topic, [reference], what)[-1]
+
+    def _deliver(self, topic: str, messages: list[OutgoingMessage], what: str) -> list[Delivered]:
+        """Send messages to ``topic``; return where each landed once the broker acknowledged all of them."""
+        # The bridge fails the send within the delivery timeout; the margin only guards a stuck loop.
+        sent = self._loop.run(self._bridge.send(topic, messages, what=what), self._delivery_timeout_s + 5.0)
         _SENT.inc(sum(len(message.key) + len(message.value) for message in messages))
-        return sent[-1]
+        return sent
 
     def _verdict(self, event: StageEvent, digest: str, last: Delivered) -> str | None:
         """Why the store refused the stage applied at ``last``, or ``None`` when it holds exactly this row."""

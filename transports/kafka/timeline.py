@@ -43,6 +43,7 @@ from transports.kafka.wire.router import (
     InboundRouter,
     Routed,
 )
+from transports.kafka.wire.staged_payloads import StagedPayloadRestorer
 from transports.kafka.wire.topic_limits import LIMITS_PARTITION, LIMITS_RECORD_TYPE
 
 __all__ = [
@@ -221,16 +222,24 @@ class LogApplier:
         client_config: Mapping[str, Any] | None = None,
         timeout_s: float = 10.0,
     ) -> LogApplier:
-        """An applier by the topic's limits that reads a forgotten wire-delta parent again from the topic;
-        ``close`` it after use."""
+        """An applier by the topic's limits that reads a forgotten wire-delta parent again from the topic, and
+        staged payloads from the staged-payload topic; ``close`` it after use."""
         context = ClientContext(bootstrap_servers, dict(client_config or {}))
         limits = read_topic_limits(context, topic, timeout_s=max(timeout_s, 30.0))
         reader = OffsetReader(context, topic, timeout_s=max(timeout_s, 30.0))
-        router = InboundRouter(limits=limits, topic=topic, parents=ParentRestorer(reader.read))
+        payloads = StagedPayloadRestorer(
+            lambda payload_topic: OffsetReader(
+                context, payload_topic, purpose="timeline-payloads", timeout_s=max(timeout_s, 30.0)
+            )
+        )
+        router = InboundRouter(
+            limits=limits, topic=topic, parents=ParentRestorer(reader.read), payloads=payloads
+        )
         return cls(store, topic, router, reader=reader)
 
     def close(self) -> None:
-        """Close the parent reader, if any; idempotent."""
+        """Close the parent and payload readers, if any; idempotent."""
+        self.router.payloads.close()
         if self.reader is not None:
             self.reader.close()
 

@@ -87,7 +87,10 @@ def delete(
     client_options: Sequence[str],
     timeout_s: float,
 ) -> dict[str, Any]:
-    """Delete the topic; refuse without ``--yes``, since the run can never be replayed afterwards."""
+    """Delete the topic and its staged-payload topic; refuse without ``--yes``: the run can never be replayed after.
+
+    The payload topic goes second, so a failure in between leaves a run topic whose references still resolve.
+    """
     name = resolve_run_topic(run_id, topic)
     client_config = parse_key_values(client_options, "-X")
     if not confirmed:
@@ -95,8 +98,16 @@ def delete(
             f"deleting {name!r} removes the only copy of the run's log (no replay afterwards); pass --yes to confirm"
         )
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
+    limits = describe_topic(
+        bootstrap, name, client_config=client_config, timeout_s=max(timeout_s, 30.0)
+    ).limits
     delete_topic(bootstrap, name, client_config=client_config, timeout_s=max(timeout_s, 30.0))
-    return {"topic": name, "deleted": True}
+    deleted: dict[str, Any] = {"topic": name, "deleted": True}
+    payload_topic = None if limits is None else limits.staged_payload_topic
+    if payload_topic is not None:
+        delete_topic(bootstrap, payload_topic, client_config=client_config, timeout_s=max(timeout_s, 30.0))
+        deleted["staged_payload_topic"] = payload_topic
+    return deleted
 
 
 def render_description(description: dict[str, Any], console: Console) -> None:

@@ -22,6 +22,12 @@ __all__ = ["READER_SETTINGS", "OffsetReader"]
 
 _POLL_S = 0.2
 
+_GONE_CODES = frozenset(
+    {KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET, KafkaError._PARTITION_EOF}
+)
+"""What the reader reports for an offset the log does not hold: out of range (librdkafka reports a fetch below
+the log start as ``_AUTO_OFFSET_RESET`` when it may not reset by itself), or past the end."""
+
 READER_SETTINGS = {"fetch.wait.max.ms": 1}
 """Fixed over the reader consumer's settings: it asks for offsets that exist, so a long-poll fetch left in
 flight after each read only delays the next one (about 90 ms a read with 100 ms, 4 ms with 1 ms, measured
@@ -89,7 +95,7 @@ class OffsetReader:
                     for message in consumer.consume(1, min(remaining, _POLL_S)):
                         error = message.error()
                         if error is not None:
-                            if error.code() in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._PARTITION_EOF):
+                            if error.code() in _GONE_CODES:
                                 return None
                             raise KafkaException(error)
                         if int(message.partition() or 0) != partition:

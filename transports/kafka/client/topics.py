@@ -13,6 +13,11 @@ topic keeps every message (``retention.ms=-1``) unless the caller gives a retent
 
 The topic's size limits (``TopicLimits``) are decided here too: the broker takes no custom topic settings, so
 ``ensure_topic`` writes them as the topic's first message (``topic_limits``), before any sink can send.
+
+A new run topic gets a staged-payload topic beside it, ``tokcap-staged.<topic>``, made with the same settings
+before the limits record names it: staged calls' bytes go there and the run topic keeps a reference to each
+(``wire.staged_payloads``), so readers of ledger rows and commands never fetch staged tokens. The prefix keeps
+the name apart from every run topic's; a name that would be too long leaves staged calls inline.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -36,15 +41,20 @@ from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 __all__ = [
     "KEEP_WHOLE_RUN",
     "MAX_TOPIC_NAME_LENGTH",
+    "STAGED_PAYLOAD_PREFIX",
     "TOPIC_PREFIX",
     "TopicSettings",
     "ensure_topic",
     "resolve_topic",
+    "staged_payload_topic_for",
     "topic_for_run",
     "validate_topic_name",
 ]
 
 TOPIC_PREFIX = "tokcap."
+
+STAGED_PAYLOAD_PREFIX = "tokcap-staged."
+"""Every staged-payload topic starts with this and ends with its run topic's whole name."""
 _METADATA_RETRY_S = 0.1
 """Every run topic starts with this, so operators can list and clean tokcap topics together."""
 
@@ -86,6 +96,12 @@ def topic_for_run(run_id: str) -> str:
             f"run id {run_id!r} cannot name a Kafka topic; use ASCII letters, digits, '.', '_' and '-'"
         )
     return validate_topic_name(TOPIC_PREFIX + run_id)
+
+
+def staged_payload_topic_for(topic: str) -> str | None:
+    """The staged-payload topic of a run topic; ``None`` when the name would be longer than Kafka allows."""
+    name = STAGED_PAYLOAD_PREFIX + topic
+    return name if len(name) <= MAX_TOPIC_NAME_LENGTH else None
 
 
 def resolve_topic(run_id: str | None, topic: str | None) -> str:
@@ -182,17 +198,47 @@ def ensure_topic(
     admin_config: Mapping[str, Any] | None = None,
     timeout_s: float = 30.0,
     limits: TopicLimits | None = None,
+    staged_payloads_apart: bool = True,
 ) -> bool:
     """Create the topic if it is missing, with its limits record first; return whether this call created it.
 
     An existing topic with other settings raises ``TopicMismatchError`` naming each difference, and one whose
     limits differ from ``limits`` (when given) ``TopicLimitsMismatchError``. An existing topic still empty
     gets its limits record now, so a topic made by another tool is made complete here.
+
+    A topic that gets its record here also gets its staged-payload topic, made first with the same settings,
+    unless ``staged_payloads_apart`` is false or ``limits`` names another one. The payload topic of an existing
+    topic is never changed: its record decides, and a topic made before payload topics carries them inline.
     """
     validate_topic_name(topic)
     wanted = settings or TopicSettings()
     context = ClientContext(bootstrap_servers, dict(admin_config or {}))
     admin = _admin(context)
+    if _created(admin, context, topic, wanted, timeout_s):
+        _record_limits(
+            context,
+            topic,
+            _new_limits(admin, context, topic, wanted, limits, staged_payloads_apart, timeout_s),
+            timeout_s,
+        )
+        return True
+    marks = partition_marks(context, topic, range(wanted.partitions), timeout_s=timeout_s)
+    if all(high == 0 for _, high in marks.values()):
+        _record_limits(
+            context,
+            topic,
+            _new_limits(admin, context, topic, wanted, limits, staged_payloads_apart, timeout_s),
+            timeout_s,
+        )
+    elif limits is not None:
+        _compare_limits(topic, _recorded_limits(context, topic, timeout_s), limits)
+    return False
+
+
+def _created(
+    admin: AdminClient, context: ClientContext, topic: str, wanted: TopicSettings, timeout_s: float
+) -> bool:
+    """Create the topic; ``False`` when it exists already with the settings asked for (else raise)."""
     new_topic = NewTopic(
         topic,
         num_partitions=wanted.partitions,
@@ -211,7 +257,6 @@ def ensure_topic(
                 raise
             existing = exc
         else:
-            _record_limits(context, topic, limits or TOPIC_DEFAULTS, timeout_s)
             return True
     with translated(context, Request(f"check the settings of topic {topic!r}", timeout_s)):
         problems = _existing_mismatches(admin, topic, wanted, timeout_s)
@@ -220,8 +265,28 @@ def ensure_topic(
             f"topic {topic!r} already exists with different settings: {'; '.join(problems)}. "
             "Use a new run id, or delete the topic and create it again"
         ) from existing
-    _check_existing_limits(context, topic, wanted.partitions, limits, timeout_s)
     return False
+
+
+def _new_limits(
+    admin: AdminClient,
+    context: ClientContext,
+    topic: str,
+    wanted: TopicSettings,
+    limits: TopicLimits | None,
+    apart: bool,
+    timeout_s: float,
+) -> TopicLimits:
+    """The limits a topic getting its record now records, its staged-payload topic made first when it has one."""
+    chosen = limits or TOPIC_DEFAULTS
+    payload_topic = chosen.staged_payload_topic
+    if payload_topic is None and apart:
+        payload_topic = staged_payload_topic_for(topic)
+    if payload_topic is None:
+        return chosen
+    validate_topic_name(payload_topic)
+    _created(admin, context, payload_topic, wanted, timeout_s)
+    return replace(chosen, staged_payload_topic=payload_topic)
 
 
 def _record_limits(context: ClientContext, topic: str, limits: TopicLimits, timeout_s: float) -> None:
@@ -234,18 +299,10 @@ def _recorded_limits(context: ClientContext, topic: str, timeout_s: float) -> To
     return read_topic_limits(context, topic, timeout_s=timeout_s)
 
 
-def _check_existing_limits(
-    context: ClientContext, topic: str, partitions: int, limits: TopicLimits | None, timeout_s: float
-) -> None:
-    """Give a still-empty topic its limits record; refuse asked-for limits that differ from an existing topic's."""
-    marks = partition_marks(context, topic, range(partitions), timeout_s=timeout_s)
-    if all(high == 0 for _, high in marks.values()):
-        _record_limits(context, topic, limits or TOPIC_DEFAULTS, timeout_s)
-    elif limits is not None:
-        _compare_limits(topic, _recorded_limits(context, topic, timeout_s), limits)
-
-
 def _compare_limits(topic: str, actual: TopicLimits, wanted: TopicLimits) -> None:
+    """Refuse a topic whose limits differ from those asked for; asking for no payload topic asks nothing of it."""
+    if wanted.staged_payload_topic is None and actual.sizes_equal(wanted):
+        return
     if actual != wanted:
         raise TopicLimitsMismatchError(
             f"topic {topic!r} already has limits {actual.describe()}, not the {wanted.describe()} asked for: a "

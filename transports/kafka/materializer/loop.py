@@ -114,6 +114,7 @@ from transports.kafka.wire.router import (
     ORPHAN_AFTER_OFFSETS,
     InboundRouter,
 )
+from transports.kafka.wire.staged_payloads import StagedPayloadRestorer
 from transports.kafka.wire.topic_limits import TopicLimits, check_given, warn_given
 
 # CHECKPOINT_PREFIX, DEAD_LETTER_PREFIX, MATERIALIZER_WRITER and ORPHAN_AFTER_OFFSETS live in their own
@@ -222,7 +223,19 @@ class Materializer(LoopThread):
         self._parent_reader = OffsetReader(
             self._client, self._topic, purpose="materializer", watch=self._watch, factory=self._new_consumer
         )
-        self._router = InboundRouter(topic=self._topic, parents=ParentRestorer(self._parent_reader.read))
+        # Staged references read their payload from the staged-payload topic the run topic's record names.
+        self._payloads = StagedPayloadRestorer(
+            lambda payload_topic: OffsetReader(
+                self._client,
+                payload_topic,
+                purpose="materializer-payloads",
+                watch=self._watch,
+                factory=self._new_consumer,
+            )
+        )
+        self._router = InboundRouter(
+            topic=self._topic, parents=ParentRestorer(self._parent_reader.read), payloads=self._payloads
+        )
         self._schedule = Scheduler(
             time.monotonic,
             first_command_block=settings.first_command_block,
@@ -415,6 +428,7 @@ class Materializer(LoopThread):
                 self._incarnation.stop()
             consumer.close()
             self._parent_reader.close()
+            self._payloads.close()
 
     def _bind(self, partitions: list[int]) -> dict[int, PartitionCheckpoint]:
         """Read the topic's id and limits, bind the directory to that incarnation; the checkpoints to resume from."""

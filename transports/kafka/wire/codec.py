@@ -7,6 +7,8 @@ An event's value has one of four encodings, each in a module of its own:
 - ``staged``: a ``stage`` event and the bytes of the blobs it names (``staged_values``).
 - ``delta``: a ``put`` sent as its parent's link and its prompt suffix (``deltas``); only a reader holding
   the parent restores it (``delta_parents``), so ``decode_event_value`` refuses it.
+- ``staged-ref``: a ``stage`` event whose ``staged`` value lies on the topic's staged-payload topic; the value
+  says where (``staged_payloads``), and only the inbound router, which can read that topic, decodes it.
 
 The key, the headers and a message as read are ``messages``; the names are importable from here too.
 
@@ -43,6 +45,7 @@ from transports.kafka.wire.messages import (
     ENCODING_JSON,
     ENCODING_PACKED,
     ENCODING_STAGED,
+    ENCODING_STAGED_REFERENCE,
     HEADER_CHUNK_COUNT,
     HEADER_CHUNK_DIGEST,
     HEADER_CHUNK_GROUP,
@@ -71,6 +74,7 @@ __all__ = [
     "ENCODING_JSON",
     "ENCODING_PACKED",
     "ENCODING_STAGED",
+    "ENCODING_STAGED_REFERENCE",
     "HEADER_CHUNK_COUNT",
     "HEADER_CHUNK_DIGEST",
     "HEADER_CHUNK_GROUP",
@@ -86,6 +90,7 @@ __all__ = [
     "OutgoingMessage",
     "ParentLink",
     "WireDelta",
+    "check_event_size",
     "check_size_settings",
     "decode_event_value",
     "decode_message",
@@ -126,7 +131,7 @@ def check_size_settings(chunk_bytes: int, max_event_bytes: int | None) -> None:
         )
 
 
-def _check_event_size(event: Event, size: int, max_event_bytes: int) -> None:
+def check_event_size(event: Event, size: int, max_event_bytes: int) -> None:
     """Refuse an event value larger than the readers reassemble, before any of it is sent."""
     if size <= max_event_bytes:
         return
@@ -161,7 +166,7 @@ def encode_event_messages(
     (commands, ledger rows) are far below any limit a topic can usefully have.
     """
     encoding, value = encode_event_value(event)
-    _check_event_size(event, len(value), limits.max_event_bytes)
+    check_event_size(event, len(value), limits.max_event_bytes)
     key = event.rollout_id.encode()
     base_headers = [
         (HEADER_TYPE, event.type.value.encode()),
@@ -210,6 +215,11 @@ def decode_event_value(value: bytes, headers: Mapping[str, str]) -> Event:
         return event
     if encoding == ENCODING_STAGED:
         return unpack_stage(value)
+    if encoding == ENCODING_STAGED_REFERENCE:
+        raise EventDecodeError(
+            "a staged reference (encoding 'staged-ref') is decoded with its payload from the staged-payload "
+            "topic: read it through the inbound router"
+        )
     if encoding != ENCODING_JSON:
         raise EventDecodeError(f"unknown value encoding {encoding!r}")
     try:

@@ -20,6 +20,7 @@ __all__ = [
     "ENCODING_JSON",
     "ENCODING_PACKED",
     "ENCODING_STAGED",
+    "ENCODING_STAGED_REFERENCE",
     "HEADER_CHUNK_COUNT",
     "HEADER_CHUNK_DIGEST",
     "HEADER_CHUNK_GROUP",
@@ -52,6 +53,8 @@ ENCODING_JSON = "json"
 ENCODING_PACKED = "packed"
 ENCODING_DELTA = "delta"
 ENCODING_STAGED = "staged"
+ENCODING_STAGED_REFERENCE = "staged-ref"
+"""A ``stage`` message whose value names where its ``staged`` value lies on the staged-payload topic."""
 
 
 @dataclass(frozen=True)

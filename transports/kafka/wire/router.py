@@ -74,6 +74,7 @@ from transports.kafka.wire.decisions import (
     rollout_of,
 )
 from transports.kafka.wire.delta_parents import ParentRestorer
+from transports.kafka.wire.staged_payloads import StagedPayloadRestorer, is_staged_reference
 from transports.kafka.wire.topic_limits import (
     LIMITS_PARTITION,
     TOPIC_DEFAULTS,
@@ -116,11 +117,14 @@ class InboundRouter:
         limits: TopicLimits = TOPIC_DEFAULTS,
         topic: str = "",
         parents: ParentRestorer | None = None,
+        payloads: StagedPayloadRestorer | None = None,
     ) -> None:
         self.topic = topic
         """The topic read, for messages."""
         self.parents = parents if parents is not None else ParentRestorer()
         """Restores wire deltas; give it a way to read the log (``OffsetReader``) where parents may be forgotten."""
+        self.payloads = payloads if payloads is not None else StagedPayloadRestorer()
+        """Restores staged references; give it a way to read the staged-payload topic (``staged_payloads``)."""
         self._chunks = ChunkGroups(orphan_after_offsets, limits)
         self._deferred: dict[bytes, deque[Deferred]] = {}
         """Per key, its deferred messages not settled yet, in log order."""
@@ -331,6 +335,9 @@ class InboundRouter:
                 event: Event = self.parents.restore(
                     key or b"", message.partition, message.offset, delta, keep=whole
                 )
+                _check_named_type(headers, event)
+            elif is_staged_reference(headers):
+                event = self.payloads.restore(key, value, headers, self.limits)
                 _check_named_type(headers, event)
             else:
                 event = decode_message(key, value, headers)

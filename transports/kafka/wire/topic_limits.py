@@ -1,4 +1,5 @@
-"""The size limits of one run topic, decided once when the topic is made and read by every writer and reader.
+"""The size limits of one run topic, and where its staged payloads go, decided once when the topic is made and
+read by every writer and reader.
 
 A sink refuses an event larger than ``max_event_bytes`` before sending any of it; a reader reassembling chunk
 groups dead-letters a larger one and masks its rollout, and holds at most ``max_open_chunk_bytes`` of open
@@ -18,6 +19,12 @@ place a limits record counts:
 
 A limits record anywhere else is a claim that lost (another process made the topic first) or a crafted
 message; readers pass over it. This module imports no Kafka client.
+
+A topic made with a staged-payload topic (``staged_payload_topic``, schema 2 of the record) keeps each staged
+call's bytes there and only a small reference on the run topic (``staged_payloads``), so a reader that needs
+ledger rows and commands alone never fetches staged tokens and attachments. A topic whose record names none
+(schema 1, or no record) carries staged calls inline. A reader that only knows schema 1 refuses a schema 2
+record and asks for an upgrade: it could not read the references.
 """
 
 from __future__ import annotations
@@ -51,8 +58,14 @@ __all__ = [
 LIMITS_RECORD_TYPE = "topic-limits"
 """The ``tokcap.type`` header of a limits record."""
 
-LIMITS_RECORD_SCHEMA = 1
-"""The ``tokcap.schema_version`` of the limits record this version writes and reads."""
+LIMITS_RECORD_SCHEMA = 2
+"""The newest ``tokcap.schema_version`` of a limits record this version reads; it writes 2 only for a topic with a
+staged-payload topic, so a record without one is byte for byte what schema 1 wrote."""
+
+_SCHEMA_FIELDS = {
+    1: frozenset({"max_event_bytes", "max_open_chunk_bytes"}),
+    2: frozenset({"max_event_bytes", "max_open_chunk_bytes", "staged_payload_topic"}),
+}
 
 LIMITS_WRITER = "tokcap-topic-create"
 """The ``tokcap.writer`` header of a limits record."""
@@ -64,7 +77,6 @@ _TYPE_HEADER = "tokcap.type"
 _SCHEMA_HEADER = "tokcap.schema_version"
 _WRITER_HEADER = "tokcap.writer"
 _ENCODING_HEADER = "tokcap.encoding"
-_FIELDS = frozenset({"max_event_bytes", "max_open_chunk_bytes"})
 
 
 def _positive(value: object, name: str) -> int:
@@ -87,6 +99,9 @@ class TopicLimits:
     cost a reader."""
     max_open_chunk_bytes: int = 0
     """Value bytes the open chunk groups of one partition may hold together; ``0`` asks for the default."""
+    staged_payload_topic: str | None = None
+    """The topic that holds the bytes of every staged call, the run topic only a reference to them; ``None``:
+    staged calls travel inline on the run topic."""
 
     def __post_init__(self) -> None:
         """Refuse limits no reader could live by; fill in the open-chunk budget left to its default."""
@@ -94,6 +109,10 @@ class TopicLimits:
         if self.max_open_chunk_bytes == 0 and not isinstance(self.max_open_chunk_bytes, bool):
             object.__setattr__(self, "max_open_chunk_bytes", 2 * self.max_event_bytes)
         _positive(self.max_open_chunk_bytes, "max_open_chunk_bytes")
+        if self.staged_payload_topic is not None and (
+            not isinstance(self.staged_payload_topic, str) or not self.staged_payload_topic
+        ):
+            raise ConfigError(f"staged_payload_topic must name a topic, got {self.staged_payload_topic!r}")
         if self.max_open_chunk_bytes < self.max_event_bytes:
             raise ConfigError(
                 f"max_open_chunk_bytes ({self.max_open_chunk_bytes}) must be at least max_event_bytes "
@@ -101,12 +120,35 @@ class TopicLimits:
             )
 
     def describe(self) -> str:
-        """Both limits in a line, for messages."""
-        return f"max_event_bytes={self.max_event_bytes:,}, max_open_chunk_bytes={self.max_open_chunk_bytes:,}"
+        """The limits in a line, for messages."""
+        sizes = (
+            f"max_event_bytes={self.max_event_bytes:,}, max_open_chunk_bytes={self.max_open_chunk_bytes:,}"
+        )
+        if self.staged_payload_topic is None:
+            return sizes
+        return f"{sizes}, staged_payload_topic={self.staged_payload_topic}"
 
-    def to_dict(self) -> dict[str, int]:
-        """The limits as the record's value holds them."""
-        return {"max_event_bytes": self.max_event_bytes, "max_open_chunk_bytes": self.max_open_chunk_bytes}
+    def to_dict(self) -> dict[str, int | str]:
+        """The limits as the record's value holds them (the payload topic only when there is one)."""
+        held: dict[str, int | str] = {
+            "max_event_bytes": self.max_event_bytes,
+            "max_open_chunk_bytes": self.max_open_chunk_bytes,
+        }
+        if self.staged_payload_topic is not None:
+            held["staged_payload_topic"] = self.staged_payload_topic
+        return held
+
+    @property
+    def schema_version(self) -> int:
+        """The record schema these limits need: 2 names a staged-payload topic, 1 does not."""
+        return 1 if self.staged_payload_topic is None else 2
+
+    def sizes_equal(self, other: TopicLimits) -> bool:
+        """Whether both size limits agree, whatever each says of staged payloads."""
+        return (self.max_event_bytes, self.max_open_chunk_bytes) == (
+            other.max_event_bytes,
+            other.max_open_chunk_bytes,
+        )
 
 
 TOPIC_DEFAULTS = TopicLimits()
@@ -114,11 +156,11 @@ TOPIC_DEFAULTS = TopicLimits()
 
 
 def encode_limits_record(limits: TopicLimits) -> tuple[bytes, list[tuple[str, str | bytes | None]]]:
-    """The value and headers of the limits record; the value is canonical JSON (sorted keys, integers only)."""
+    """The value and headers of the limits record; the value is canonical JSON (sorted keys, ASCII)."""
     value = orjson.dumps(limits.to_dict(), option=orjson.OPT_SORT_KEYS)
     headers: list[tuple[str, str | bytes | None]] = [
         (_TYPE_HEADER, LIMITS_RECORD_TYPE.encode()),
-        (_SCHEMA_HEADER, str(LIMITS_RECORD_SCHEMA).encode()),
+        (_SCHEMA_HEADER, str(limits.schema_version).encode()),
         (_WRITER_HEADER, LIMITS_WRITER.encode()),
         (_ENCODING_HEADER, b"json"),
     ]
@@ -144,12 +186,16 @@ def decode_limits_record(value: bytes | None, headers: Mapping[str, str]) -> Top
         raw: Any = orjson.loads(value or b"")
     except orjson.JSONDecodeError as exc:
         raise EventDecodeError(f"the topic's limits record is not JSON: {exc}") from exc
-    if not isinstance(raw, dict) or set(raw) != _FIELDS:
+    fields = _SCHEMA_FIELDS.get(int(schema))
+    if fields is None or not isinstance(raw, dict) or set(raw) != fields:
+        wanted = sorted(fields or ())
         raise EventDecodeError(
-            f"the topic's limits record must hold exactly {sorted(_FIELDS)}, got {raw!r:.200}"
+            f"the topic's limits record of schema {schema} must hold exactly {wanted}, got {raw!r:.200}"
         )
     try:
-        return TopicLimits(raw["max_event_bytes"], raw["max_open_chunk_bytes"])
+        return TopicLimits(
+            raw["max_event_bytes"], raw["max_open_chunk_bytes"], raw.get("staged_payload_topic")
+        )
     except ConfigError as exc:
         raise EventDecodeError(f"the topic's limits record holds limits no reader can use: {exc}") from exc
 
