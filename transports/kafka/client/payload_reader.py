@@ -31,8 +31,9 @@ from tokcap.errors import TransportError
 from transports.kafka.client.clients import AuthenticationWatch, ClientContext, assign_reader, open_reader
 from transports.kafka.client.error_map import Request, translated
 from transports.kafka.wire.codec import LogMessage
+from transports.kafka.wire.staged_payloads import StagedPayloadRestorer
 
-__all__ = ["DEFAULT_KEPT_BYTES", "READER_SETTINGS", "PayloadReader"]
+__all__ = ["DEFAULT_KEPT_BYTES", "READER_SETTINGS", "PayloadReader", "payload_restorer"]
 
 DEFAULT_KEPT_BYTES = 64 * 1024 * 1024
 """Payload bytes read ahead and kept until asked for; more concurrent stagers interleave more pieces."""
@@ -212,3 +213,19 @@ class PayloadReader:
         self._kept_bytes = 0
         if consumer is not None:
             consumer.close()
+
+
+def payload_restorer(
+    context: ClientContext,
+    *,
+    purpose: str,
+    watch: AuthenticationWatch | None = None,
+    factory: Callable[[dict[str, Any]], Consumer] = Consumer,
+    timeout_s: float = 30.0,
+) -> StagedPayloadRestorer:
+    """The restorer a reader of a run topic gives its inbound router: a ``PayloadReader`` per payload topic."""
+    return StagedPayloadRestorer(
+        lambda payload_topic: PayloadReader(
+            context, payload_topic, purpose=purpose, watch=watch, factory=factory, timeout_s=timeout_s
+        )
+    )
