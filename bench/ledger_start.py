@@ -2,15 +2,20 @@
 
 A model server's ledger built from the shared block (no ``store_dir``) projects the run topic into a directory
 of its own at start. Its projection is ledger-only: staged calls are passed over by their type header, never
-decoded or written. This scenario fills a topic with staged calls carrying large attachments and their ledger
-rows, and a second topic with the same ledger rows alone, then times, variant by variant (taking turns):
+decoded or written. This scenario stages the same calls, with large attachments, and their ledger rows on two
+topics: one made now, whose staged bytes lie on its staged-payload topic (``apart``), and one laid out as a topic
+made before payload topics, stages inline (``inline``); a third topic holds the ledger rows alone. Then it
+times, variant by variant (taking turns):
 
-- ``ledger_only``: ``KafkaLineageResolver`` without ``store_dir`` on the staged topic, from construction to
+- ``ledger_apart``: ``KafkaLineageResolver`` without ``store_dir`` on the ``apart`` topic, from construction to
   its first ``manifest`` answer (which waits until the projection holds the whole partition);
+- ``ledger_inline``: the same on the ``inline`` topic;
 - ``rows_only``: the same on the topic of ledger rows alone: the start without any staged call;
-- ``whole`` (the anchor): ``KafkaCaptureLedger`` with a ``store_dir``, a whole projection of the staged topic;
-- ``read_floor``: a bare consumer reading the staged topic from its start to its end, nothing decoded: the
-  bytes every reader of the topic must fetch.
+- ``whole_apart``: ``KafkaCaptureLedger`` with a ``store_dir``, a whole projection of the ``apart`` topic, each
+  stage restored from its payload;
+- ``whole_inline`` (the anchor): the same on the ``inline`` topic;
+- ``read_floor``: a bare consumer reading the ``inline`` topic from its start to its end, nothing decoded: the
+  bytes every reader of a topic with stages inline must fetch.
 
 Figures: ``start_s``, ``cpu_s`` (this process's CPU over the start, every thread) and ``dir_mb`` (what the
 projection's directory holds once started).
@@ -195,7 +200,8 @@ def run_ledger_start(
     from bench.staging import _delete_topic, _fresh_topic
 
     stamp = f"{os.getpid()}-{time.monotonic_ns()}"
-    staged_topic = _fresh_topic(bootstrap, f"tokcap.bench-ledger-start-{stamp}")
+    apart_topic = _fresh_topic(bootstrap, f"tokcap.bench-ledger-apart-{stamp}")
+    inline_topic = _fresh_topic(bootstrap, f"tokcap.bench-ledger-inline-{stamp}", staged_payloads_apart=False)
     rows_topic = _fresh_topic(bootstrap, f"tokcap.bench-ledger-rows-{stamp}")
     saved_root = os.environ.get("TOKCAP_PRIVATE_DIR")
     try:
@@ -203,16 +209,21 @@ def run_ledger_start(
         last_rollout = calls[-1][0].rollout_id
         progress(f"ledger start: staging {shape.describe()}")
         filled = time.perf_counter()
-        _fill(bootstrap, staged_topic, calls, os.urandom(shape.attachment_bytes))
+        attachment = os.urandom(shape.attachment_bytes)
+        _fill(bootstrap, apart_topic, calls, attachment)
+        _fill(bootstrap, inline_topic, calls, attachment)
         _fill(bootstrap, rows_topic, calls, None)
         progress(f"ledger start: topics filled in {time.perf_counter() - filled:.1f} s")
-        topic_mb = _topic_bytes(bootstrap, staged_topic) / 1e6
+        topic_mb = _topic_bytes(bootstrap, inline_topic) / 1e6
+        apart_mb = _topic_bytes(bootstrap, apart_topic) / 1e6
 
         variants = {
-            "ledger_only": lambda directory: _ledger_only(bootstrap, staged_topic, last_rollout, directory),
+            "ledger_apart": lambda directory: _ledger_only(bootstrap, apart_topic, last_rollout, directory),
+            "ledger_inline": lambda directory: _ledger_only(bootstrap, inline_topic, last_rollout, directory),
             "rows_only": lambda directory: _ledger_only(bootstrap, rows_topic, last_rollout, directory),
-            "whole": lambda directory: _whole(bootstrap, staged_topic, last_rollout, directory),
-            "read_floor": lambda directory: asyncio.to_thread(_read_floor, bootstrap, staged_topic),
+            "whole_apart": lambda directory: _whole(bootstrap, apart_topic, last_rollout, directory),
+            "whole_inline": lambda directory: _whole(bootstrap, inline_topic, last_rollout, directory),
+            "read_floor": lambda directory: asyncio.to_thread(_read_floor, bootstrap, inline_topic),
         }
         result: Trials = asyncio.run(
             alternate(
@@ -224,10 +235,19 @@ def run_ledger_start(
             os.environ.pop("TOKCAP_PRIVATE_DIR", None)
         else:
             os.environ["TOKCAP_PRIVATE_DIR"] = saved_root
-        for topic in (staged_topic, rows_topic):
+        for topic in (apart_topic, f"tokcap-staged.{apart_topic}", inline_topic, rows_topic):
             threading.Thread(target=_delete_topic, args=(bootstrap, topic), daemon=True).start()
-    print(result.table(_SHOWN, "whole"), flush=True)
-    return {"shape": shape.describe(), "topic_mb": topic_mb, **result.result("whole")}
+    print(result.table(_SHOWN, "whole_inline"), flush=True)
+    print(
+        f"run topic: {topic_mb:,.1f} MB with stages inline, {apart_mb:,.1f} MB with payloads apart",
+        flush=True,
+    )
+    return {
+        "shape": shape.describe(),
+        "topic_mb": topic_mb,
+        "apart_topic_mb": apart_mb,
+        **result.result("whole_inline"),
+    }
 
 
 _SHOWN = ("start_s", "cpu_s", "dir_mb")

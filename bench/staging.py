@@ -603,10 +603,10 @@ def _kafka_gap(bootstrap: str | None) -> str | None:
     return None
 
 
-def _fresh_topic(bootstrap: str, name: str) -> str:
+def _fresh_topic(bootstrap: str, name: str, *, staged_payloads_apart: bool = True) -> str:
     from transports.kafka import ensure_topic
 
-    ensure_topic(bootstrap, name)
+    ensure_topic(bootstrap, name, staged_payloads_apart=staged_payloads_apart)
     return name
 
 

@@ -54,9 +54,11 @@ class _HeldOnOnePartition(KafkaLineageResolver):
         super().__init__(**kwargs)
         self.held = held
         self.held_end_asked = threading.Event()
+        self._asked_ends_of = self._reader._ends_of
+        self._reader._ends_of = self._ends_of  # type: ignore[method-assign]
 
     def _ends_of(self, partitions: frozenset[int]) -> dict[int, int]:
-        ends = super()._ends_of(partitions)
+        ends = self._asked_ends_of(partitions)
         if self.held in ends:
             ends[self.held] += 1
             self.held_end_asked.set()

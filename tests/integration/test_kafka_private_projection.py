@@ -197,11 +197,22 @@ def test_the_ledger_start_benchmark_keeps_a_ledger_only_start_free_of_the_staged
         kafka_bootstrap, shape, 1, Path(os.environ["TOKCAP_PRIVATE_DIR"]), lambda _: None
     )
     medians = result["medians"]
-    assert set(medians) == {"ledger_only", "rows_only", "whole", "read_floor"}
-    assert result["topic_mb"] > 20 * 64 * 1024 / 1e6
-    assert medians["whole"]["dir_mb"] > 20 * 64 * 1024 / 1e6
-    assert medians["ledger_only"]["dir_mb"] < medians["whole"]["dir_mb"] / 10
-    assert medians["ledger_only"]["dir_mb"] == pytest.approx(medians["rows_only"]["dir_mb"], rel=0.25)
+    assert set(medians) == {
+        "ledger_apart",
+        "ledger_inline",
+        "rows_only",
+        "whole_apart",
+        "whole_inline",
+        "read_floor",
+    }
+    staged_mb = 20 * 64 * 1024 / 1e6
+    assert result["topic_mb"] > staged_mb
+    assert result["apart_topic_mb"] < staged_mb / 10
+    for whole in ("whole_apart", "whole_inline"):
+        assert medians[whole]["dir_mb"] > staged_mb
+    for ledger in ("ledger_apart", "ledger_inline"):
+        assert medians[ledger]["dir_mb"] < medians["whole_inline"]["dir_mb"] / 10
+        assert medians[ledger]["dir_mb"] == pytest.approx(medians["rows_only"]["dir_mb"], rel=0.25)
 
 
 def test_a_model_server_killed_with_its_ledger_open_leaves_a_directory_the_next_start_removes(

@@ -16,10 +16,12 @@ from cli_helpers import Completed, tokcap
 from factories import chat_response, make_entry
 from kafka_broker_fixture import load_broker_module
 from secure_kafka_fixture import SecureKafka
+from staging_calls import conversation
 
 from tokcap.errors import TokcapError
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
 from transports.kafka.errors import BrokerAuthenticationError, BrokerAuthorizationError, BrokerTlsError
+from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
 
 pytestmark = pytest.mark.kafka
 
@@ -377,3 +379,44 @@ def test_a_rotated_password_fails_puts_clearly_and_the_sink_recovers_once_it_is_
     assert before and after
     held = frozen_calls(secure_kafka, run, tmp_path / "store", ["r-before", "r-during", "r-after"])
     assert acknowledged <= held, f"acknowledged but lost: {sorted(acknowledged - held)}"
+
+
+def test_staging_works_with_the_rights_the_acl_table_names_and_needs_write_on_the_payload_topic(
+    secure_kafka: SecureKafka,
+) -> None:
+    run = secure_kafka.new_run()
+    created = tokcap(
+        "topic", "create", "--bootstrap", secure_kafka.bootstrap, "--run", run, *secure_kafka.options("admin")
+    )
+    assert created.returncode == 0, created.stderr
+    topic, payload_topic = f"tokcap.{run}", f"tokcap-staged.tokcap.{run}"
+    secure_kafka.grant("writer", topic, ("WRITE", "DESCRIBE", "READ"))
+    secure_kafka.grant("trainer", topic, TRAINER_OPERATIONS)
+    secure_kafka.grant("trainer", payload_topic, ("READ", "DESCRIBE"))
+    sink = KafkaStagingSink(
+        bootstrap_servers=secure_kafka.bootstrap,
+        run_id=run,
+        producer_config=secure_kafka.config("writer"),
+        delivery_timeout_s=DELIVERY_TIMEOUT_S,
+    )
+    image = bytes(range(256)) * 64
+    [first, second] = conversation("acl-staged", 2)
+    try:
+        refused = sink.stage(first.call, attachments={"image": image})
+        assert not refused.ok and payload_topic in (refused.error or ""), refused.error
+        secure_kafka.grant("writer", payload_topic, WRITER_OPERATIONS)
+        deadline = time.monotonic() + 30
+        while not (staged := sink.stage(second.call, attachments={"image": image})).ok:
+            assert time.monotonic() < deadline, staged.error
+            time.sleep(0.5)
+    finally:
+        sink.close()
+    source = KafkaStagingSource(
+        bootstrap_servers=secure_kafka.bootstrap, run_id=run, consumer_config=secure_kafka.config("trainer")
+    )
+    try:
+        [snapshot] = source.fetch_full([staged.staging_key])
+        assert snapshot.model_dump() == second.call.model_dump()
+        assert source.fetch_attachments(staged.staging_key) == {"image": image}
+    finally:
+        source.close()

@@ -117,8 +117,11 @@ def test_a_topic_made_with_limits_records_them_first_and_an_other_request_for_it
     limits = TopicLimits(max_event_bytes=300 * MIB)
     kafka_topic_factory.created.append(name)
     assert ensure_topic(kafka_bootstrap, name, limits=limits) is True
+    kafka_topic_factory.created.append(f"tokcap-staged.{name}")
     assert watermarks(kafka_bootstrap, name)[0] == (0, 1)
-    assert read_topic_limits(ClientContext(kafka_bootstrap, {}), name) == limits
+    # The record also names the staged-payload topic made with it (asking for limits asks nothing of that).
+    recorded = read_topic_limits(ClientContext(kafka_bootstrap, {}), name)
+    assert recorded == TopicLimits(max_event_bytes=300 * MIB, staged_payload_topic=f"tokcap-staged.{name}")
     assert limits.max_open_chunk_bytes == 600 * MIB
     assert ensure_topic(kafka_bootstrap, name) is False  # asking for nothing accepts the topic's limits
     assert ensure_topic(kafka_bootstrap, name, limits=limits) is False
@@ -419,13 +422,19 @@ def test_tokcap_topic_create_records_the_limits_given_and_describe_shows_them(
     from cli_helpers import tokcap
 
     run = f"limits-{os.urandom(5).hex()}"
-    kafka_topic_factory.created.append(f"tokcap.{run}")
+    kafka_topic_factory.created.extend([f"tokcap.{run}", f"tokcap-staged.tokcap.{run}"])
     base = ("--bootstrap", kafka_bootstrap, "--run", run)
     created = tokcap("topic", "create", *base, "--max-event-bytes", str(300 * MIB), "--json")
     assert created.returncode == 0, created.stderr
-    assert created.json()["limits"] == {"max_event_bytes": 300 * MIB, "max_open_chunk_bytes": 600 * MIB}
+    payload_topic = f"tokcap-staged.tokcap.{run}"
+    expected = {
+        "max_event_bytes": 300 * MIB,
+        "max_open_chunk_bytes": 600 * MIB,
+        "staged_payload_topic": payload_topic,
+    }
+    assert created.json()["limits"] == expected
     described = tokcap("topic", "describe", *base, "--json").json()
-    assert described["limits"] == {"max_event_bytes": 300 * MIB, "max_open_chunk_bytes": 600 * MIB}
+    assert described["limits"] == expected
     refused = tokcap("topic", "create", *base, "--max-event-bytes", str(DEFAULT_EVENT_LIMIT))
     assert refused.returncode == 1
     assert "already has limits max_event_bytes=314,572,800" in refused.stderr

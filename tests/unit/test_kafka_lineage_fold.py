@@ -13,7 +13,7 @@ import pytest
 from delta_chains import DeltaChain, delta_chain
 from kafka_topic_double import MemoryTopic
 
-import transports.kafka.lineage as kafka_lineage
+import transports.kafka.lineage.rollout_logs as rollout_logs
 from tokcap.errors import EventDecodeError, LineageLookupError
 from tokcap.lineage import stamp_continuation
 from tokcap.log.events import (
@@ -28,6 +28,7 @@ from tokcap.log.events import (
 )
 from tokcap.log.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 from transports.kafka.lineage import KafkaLineageResolver
+from transports.kafka.lineage.shared_question import SharedQuestion
 from transports.kafka.wire.codec import (
     HEADER_ENCODING,
     HEADER_TYPE,
@@ -70,7 +71,9 @@ def resolver() -> Iterator[KafkaLineageResolver]:
 def _feed(resolver: KafkaLineageResolver, *events: Event) -> None:
     for event in events:
         encoding, value = encode_event_value(event)
-        resolver._fold(event.rollout_id, value, {HEADER_TYPE: event.type.value, HEADER_ENCODING: encoding})
+        resolver._logs.fold(
+            event.rollout_id, value, {HEADER_TYPE: event.type.value, HEADER_ENCODING: encoding}
+        )
 
 
 def _status(resolver: KafkaLineageResolver, text: str) -> tuple[str, str | None]:
@@ -123,14 +126,14 @@ def test_only_the_proven_parents_token_arrays_are_decoded(
 ) -> None:
     _feed(resolver, *(_put(f"c{n}", f"text {n}", [n]) for n in range(20)))
     decoded: list[str] = []
-    real = kafka_lineage.decode_event_value
+    real = rollout_logs.decode_event_value
 
     def counting(value: bytes, headers: dict[str, str]) -> Event:
         event = real(value, headers)
         decoded.append(event.entry.model_call_id if isinstance(event, PutEvent) else "")
         return event
 
-    monkeypatch.setattr(kafka_lineage, "decode_event_value", counting)
+    monkeypatch.setattr(rollout_logs, "decode_event_value", counting)
     assert _status(resolver, "text 7") == ("resolved", "c7")
     assert decoded == ["c7"]
 
@@ -146,7 +149,7 @@ def _until(condition: Any) -> None:
 
 
 def test_a_caller_arriving_while_a_question_is_in_flight_gets_the_answer_of_a_later_question() -> None:
-    shared = kafka_lineage._SharedQuestion()
+    shared = SharedQuestion()
     release_first = threading.Event()
     asked: list[frozenset[int]] = []
 
@@ -170,7 +173,7 @@ def test_a_caller_arriving_while_a_question_is_in_flight_gets_the_answer_of_a_la
 
 
 def test_callers_on_different_partitions_arriving_during_a_question_share_the_next_one() -> None:
-    shared = kafka_lineage._SharedQuestion()
+    shared = SharedQuestion()
     release_first = threading.Event()
     asked: list[frozenset[int]] = []
 
@@ -198,7 +201,7 @@ def test_callers_on_different_partitions_arriving_during_a_question_share_the_ne
 
 
 def test_a_failed_question_fails_every_caller_it_answers() -> None:
-    shared = kafka_lineage._SharedQuestion()
+    shared = SharedQuestion()
 
     def question(partitions: frozenset[int]) -> dict[int, int]:
         raise OSError("broker gone")
@@ -223,10 +226,10 @@ def test_a_put_sent_as_a_wire_delta_resolves_with_its_restored_cumulative_tokens
     stamp_continuation(second_entry, _next_request("one"))
     second = PutEvent(rollout_id="r", entry=second_entry)
     encoding, value = encode_event_value(first)
-    resolver._fold("r", value, {HEADER_TYPE: "put", HEADER_ENCODING: encoding}, 0, 0)
+    resolver._logs.fold("r", value, {HEADER_TYPE: "put", HEADER_ENCODING: encoding}, 0, 0)
     link = ParentLink(0, 0, "c1", 102)
     delta = encode_delta_message(second, link)
-    resolver._fold("r", delta.value, headers_to_dict(delta.headers), 0, 1)
+    resolver._logs.fold("r", delta.value, headers_to_dict(delta.headers), 0, 1)
     request = [
         *_next_request("one"),
         {"role": "assistant", "content": "two"},
@@ -275,9 +278,9 @@ def test_a_put_the_sinks_input_rules_refuse_is_never_a_candidate_parent(
     value, headers = _crafted(encoding, **fields)
     # ``_take`` folds every message this way and passes over the ones that fail.
     with pytest.raises(EventDecodeError, match="input rules"):
-        resolver._fold("r", value, headers)
+        resolver._logs.fold("r", value, headers)
     assert _status(resolver, "one") == ("unresolved", None)
-    resolver._fold("r", *_crafted(encoding))
+    resolver._logs.fold("r", *_crafted(encoding))
     assert _status(resolver, "one") == ("resolved", "c1")
 
 
@@ -287,7 +290,7 @@ def test_a_put_whose_arrays_fail_the_input_rules_once_decoded_never_resolves_a_r
     value, headers = _crafted("packed")
     nan_log_prob = value.replace(struct.pack("<d", -0.25), struct.pack("<d", float("nan")))
     assert nan_log_prob != value
-    resolver._fold("r", nan_log_prob, headers)
+    resolver._logs.fold("r", nan_log_prob, headers)
     # The lookup fails, which the capture path records as an unresolved parent; it never resolves to it.
     with pytest.raises(LineageLookupError, match="cannot be decoded"):
         resolver._answer("r", _next_request("one"))
@@ -337,7 +340,7 @@ def _taken(resolver: KafkaLineageResolver, topic: MemoryTopic) -> None:
     """Hand the resolver every message of the topic as its consumer would."""
     with resolver._lock:
         for message in topic.messages():
-            resolver._take(message)  # type: ignore[arg-type]
+            resolver._reader._take(message)  # type: ignore[arg-type]
 
 
 def test_a_put_too_large_for_one_message_is_reassembled_by_the_router_and_resolves_exactly(
@@ -350,7 +353,7 @@ def test_a_put_too_large_for_one_message_is_reassembled_by_the_router_and_resolv
     resolution = resolver._answer("r", _next_request("one"))
     assert resolution.match is not None
     assert resolution.match.cumulative_token_ids == (*prompt, 7, 8)
-    assert resolver._chunk_router.open_chunk_bytes(0) == 0
+    assert resolver._logs._chunk_router.open_chunk_bytes(0) == 0
 
 
 def test_a_chunk_group_declaring_more_than_the_event_limit_is_not_buffered_by_the_resolver(
@@ -367,8 +370,8 @@ def test_a_chunk_group_declaring_more_than_the_event_limit_is_not_buffered_by_th
         ]
         topic.produce(b"r", b"\x00" * 900_000, [*headers, *chunk])
     _taken(resolver, topic)
-    assert resolver._chunk_router.open_chunk_bytes(0) == 0
-    assert resolver._chunk_router.open_groups() == []
+    assert resolver._logs._chunk_router.open_chunk_bytes(0) == 0
+    assert resolver._logs._chunk_router.open_groups() == []
 
 
 def test_the_chunks_of_a_large_stage_are_counted_but_never_kept_by_the_resolver(
@@ -381,10 +384,10 @@ def test_the_chunks_of_a_large_stage_are_counted_but_never_kept_by_the_resolver(
             message.key, message.value, [(n, b"stage" if n == HEADER_TYPE else v) for n, v in message.headers]
         )
     _taken(resolver, topic)
-    router = resolver._chunk_router
+    router = resolver._logs._chunk_router
     assert router.open_chunk_bytes(0) == sum(len(m.value) for m in messages[:-1])
     assert router.open_groups() == []
-    assert all(piece == b"" for group in router._groups[0].values() for piece in group.pieces)
+    assert all(piece == b"" for group in router._chunks._groups[0].values() for piece in group.pieces)
 
 
 def _feed_at(resolver: KafkaLineageResolver, *events: Event, first_offset: int = 0) -> None:
@@ -392,7 +395,7 @@ def _feed_at(resolver: KafkaLineageResolver, *events: Event, first_offset: int =
     for offset, event in enumerate(events, start=first_offset):
         encoding, value = encode_event_value(event)
         headers = {HEADER_TYPE: event.type.value, HEADER_ENCODING: encoding}
-        resolver._fold(event.rollout_id, value, headers, 0, offset)
+        resolver._logs.fold(event.rollout_id, value, headers, 0, offset)
 
 
 def test_a_drop_of_a_stale_version_does_not_make_the_resolver_forget_the_rollouts_calls(
@@ -452,7 +455,7 @@ def test_the_same_put_read_whole_and_again_as_a_wire_delta_is_one_candidate(
     second = PutEvent(rollout_id="r", entry=second_entry)
     _feed_at(resolver, first, second)
     delta = encode_delta_message(second, ParentLink(0, 0, "c1", 102))
-    resolver._fold("r", delta.value, headers_to_dict(delta.headers), 0, 2)
+    resolver._logs.fold("r", delta.value, headers_to_dict(delta.headers), 0, 2)
     request = [
         *_next_request("one"),
         {"role": "assistant", "content": "two"},

@@ -62,22 +62,22 @@ class _RecordingConsumer:
 @pytest.fixture
 def resolver() -> Iterator[KafkaLineageResolver]:
     made = KafkaLineageResolver(bootstrap_servers="127.0.0.1:9", topic="leaders")
-    made._consumer.close()
+    made._reader._consumer.close()
     yield made
     asyncio.run(made.close())
 
 
 def _read_once(resolver: KafkaLineageResolver, *partitions: int) -> None:
-    resolver._unassigned.update(dict.fromkeys(partitions, 0))
+    resolver._reader._unassigned.update(dict.fromkeys(partitions, 0))
     with resolver._lock:
-        resolver._read_once(0.0)
+        resolver._reader._read_once(0.0)
 
 
 def test_the_lineage_reader_asks_its_own_handle_for_the_topic_after_assigning_it_new_partitions(
     resolver: KafkaLineageResolver,
 ) -> None:
     reading = _RecordingConsumer()
-    resolver._consumer = reading  # type: ignore[assignment]
+    resolver._reader._consumer = reading  # type: ignore[assignment]
     _read_once(resolver, 0)
     _read_once(resolver, 1)
     _read_once(resolver)
@@ -97,7 +97,7 @@ def test_a_refused_metadata_request_fails_the_resolve_and_the_next_read_assigns_
 ) -> None:
     reading = _RecordingConsumer()
     reading.refuse_metadata = True
-    resolver._consumer = reading  # type: ignore[assignment]
+    resolver._reader._consumer = reading  # type: ignore[assignment]
     with pytest.raises(TransportError):
         _read_once(resolver, 0)
     reading.refuse_metadata = False

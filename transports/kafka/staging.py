@@ -1,12 +1,14 @@
 """Engine-side staging over a run topic: Gym's ``StagingSink``, ``StagingSource`` and ``CaptureLedger``.
 
 A staged call is a ``stage`` event and a ledger row a ``ledger`` or ``ledger-failure`` event, keyed by the
-rollout id on the run topic like every other event. The stage carries its extras and attachments in the
-same value (the ``staged`` encoding), so a value over the chunk size goes as chunk messages the inbound
-router reassembles and checks, all or nothing. ``stage`` returns ok once the broker acknowledged every
-message with ``acks=all``; the materializer applies the events with the same rules as the file store and
-projects them into a store directory, which the source and the ledger read once it has applied the
-rollout's partition up to its end (``caught_up``).
+rollout id on the run topic like every other event. The stage's value (the ``staged`` encoding) carries its
+row, extras and attachments. On a topic whose limits record names a staged-payload topic (every topic
+``ensure_topic`` makes now) that value goes there in pieces and the run topic gets a small reference to it
+(``wire.staged_payloads``), so readers of ledger rows never fetch staged bytes; on an older topic it goes
+inline, as chunk messages the inbound router reassembles and checks, all or nothing. ``stage`` returns ok
+once the broker acknowledged every message with ``acks=all``. The materializer applies the events with the
+same rules as the file store and projects them into a store directory, which the source and the ledger read
+once it has applied the rollout's partition up to its end (``caught_up``).
 
 What a stage cannot know from the broker's acknowledgement alone: a different payload staged under the
 same key by another process, or a stage of a rollout retired meanwhile. The store keeps the first row,

@@ -39,6 +39,7 @@ from transports.kafka.client.clients import AuthenticationWatch, ClientContext, 
 from transports.kafka.client.error_map import Request, read_failure, translated
 from transports.kafka.client.limits_record import read_topic_limits
 from transports.kafka.client.offset_reader import OffsetReader
+from transports.kafka.client.payload_reader import payload_restorer
 from transports.kafka.materializer.apply import carry_out
 from transports.kafka.wire.codec import HEADER_TYPE, HEADER_WRITER, LogMessage, headers_to_dict
 from transports.kafka.wire.dead_letter_reason import REASON_LIMIT
@@ -50,7 +51,6 @@ from transports.kafka.wire.router import (
     InboundRouter,
     Routed,
 )
-from transports.kafka.wire.staged_payloads import StagedPayloadRestorer
 from transports.kafka.wire.topic_limits import LIMITS_PARTITION, LIMITS_RECORD_TYPE
 
 __all__ = [
@@ -234,11 +234,7 @@ class LogApplier:
         context = ClientContext(bootstrap_servers, dict(client_config or {}))
         limits = read_topic_limits(context, topic, timeout_s=max(timeout_s, 30.0))
         reader = OffsetReader(context, topic, timeout_s=max(timeout_s, 30.0))
-        payloads = StagedPayloadRestorer(
-            lambda payload_topic: OffsetReader(
-                context, payload_topic, purpose="timeline-payloads", timeout_s=max(timeout_s, 30.0)
-            )
-        )
+        payloads = payload_restorer(context, purpose="timeline-payloads", timeout_s=max(timeout_s, 30.0))
         router = InboundRouter(
             limits=limits, topic=topic, parents=ParentRestorer(reader.read), payloads=payloads
         )

@@ -13,7 +13,8 @@ from transports.kafka.cli.options import parse_key_values, resolve_run_topic
 from transports.kafka.client.admin import delete_topic, describe_topic, probe_broker
 from transports.kafka.client.clients import ClientContext
 from transports.kafka.client.limits_record import read_topic_limits
-from transports.kafka.client.topics import TopicSettings, ensure_topic
+from transports.kafka.client.topics import TopicSettings, ensure_topic, staged_payload_topic_for
+from transports.kafka.errors import TopicNotFoundError
 from transports.kafka.wire.topic_limits import TOPIC_DEFAULTS, TopicLimits
 
 __all__ = ["create_topic", "delete", "describe", "render_description"]
@@ -89,7 +90,8 @@ def delete(
 ) -> dict[str, Any]:
     """Delete the topic and its staged-payload topic; refuse without ``--yes``: the run can never be replayed after.
 
-    The payload topic goes second, so a failure in between leaves a run topic whose references still resolve.
+    The payload topic is found by its name (``tokcap-staged.<topic>``), so deleting needs no right to read the
+    run; it goes second, so a failure in between leaves a run topic whose references still resolve.
     """
     name = resolve_run_topic(run_id, topic)
     client_config = parse_key_values(client_options, "-X")
@@ -98,16 +100,21 @@ def delete(
             f"deleting {name!r} removes the only copy of the run's log (no replay afterwards); pass --yes to confirm"
         )
     probe_broker(bootstrap, client_config=client_config, timeout_s=timeout_s)
-    limits = describe_topic(
-        bootstrap, name, client_config=client_config, timeout_s=max(timeout_s, 30.0)
-    ).limits
     delete_topic(bootstrap, name, client_config=client_config, timeout_s=max(timeout_s, 30.0))
     deleted: dict[str, Any] = {"topic": name, "deleted": True}
-    payload_topic = None if limits is None else limits.staged_payload_topic
-    if payload_topic is not None:
-        delete_topic(bootstrap, payload_topic, client_config=client_config, timeout_s=max(timeout_s, 30.0))
+    payload_topic = staged_payload_topic_for(name)
+    if payload_topic is not None and _delete_if_present(bootstrap, payload_topic, client_config, timeout_s):
         deleted["staged_payload_topic"] = payload_topic
     return deleted
+
+
+def _delete_if_present(bootstrap: str, topic: str, client_config: dict[str, Any], timeout_s: float) -> bool:
+    """Delete ``topic``; ``False`` when there is none (a topic made before staged-payload topics has none)."""
+    try:
+        delete_topic(bootstrap, topic, client_config=client_config, timeout_s=max(timeout_s, 30.0))
+    except TopicNotFoundError:
+        return False
+    return True
 
 
 def render_description(description: dict[str, Any], console: Console) -> None:

@@ -81,6 +81,7 @@ from transports.kafka.client.clients import (
 )
 from transports.kafka.client.limits_record import read_topic_limits
 from transports.kafka.client.offset_reader import OffsetReader
+from transports.kafka.client.payload_reader import payload_restorer
 from transports.kafka.client.topics import validate_topic_name
 from transports.kafka.materializer.apply import carry_out
 from transports.kafka.materializer.apply_decisions import DecisionApplier
@@ -114,7 +115,6 @@ from transports.kafka.wire.router import (
     ORPHAN_AFTER_OFFSETS,
     InboundRouter,
 )
-from transports.kafka.wire.staged_payloads import StagedPayloadRestorer
 from transports.kafka.wire.topic_limits import TopicLimits, check_given, warn_given
 
 # CHECKPOINT_PREFIX, DEAD_LETTER_PREFIX, MATERIALIZER_WRITER and ORPHAN_AFTER_OFFSETS live in their own
@@ -224,14 +224,8 @@ class Materializer(LoopThread):
             self._client, self._topic, purpose="materializer", watch=self._watch, factory=self._new_consumer
         )
         # Staged references read their payload from the staged-payload topic the run topic's record names.
-        self._payloads = StagedPayloadRestorer(
-            lambda payload_topic: OffsetReader(
-                self._client,
-                payload_topic,
-                purpose="materializer-payloads",
-                watch=self._watch,
-                factory=self._new_consumer,
-            )
+        self._payloads = payload_restorer(
+            self._client, purpose="materializer-payloads", watch=self._watch, factory=self._new_consumer
         )
         self._router = InboundRouter(
             topic=self._topic, parents=ParentRestorer(self._parent_reader.read), payloads=self._payloads

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 
 from transports.kafka.errors import (
     MaterializerFailedError,
@@ -19,7 +20,7 @@ from transports.kafka.materializer.waiters import WaiterRegistry
 __all__ = ["LoopThread"]
 
 
-class LoopThread:
+class LoopThread(ABC):
     """The lifecycle of a materializer's loop: subclasses give ``_run`` and set ``_ready`` once it runs."""
 
     def __init__(self, name: str, topic: str, waiters: WaiterRegistry) -> None:
@@ -56,8 +57,14 @@ class LoopThread:
         """Ask the loop to stop after its current batch; safe from a signal handler."""
         self._stop.set()
 
+    @abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """Run the loop until ``_stop`` is set, in whichever thread called it.
+
+        A subclass sets ``_ready`` once the loop runs (``start`` returns then; it is set anyway when ``_run``
+        returns or raises), checks ``_stop`` between batches and returns soon after it is set, and raises
+        rather than returns on a failure: the failure ends every wait and is raised again to the caller.
+        """
 
     def _raise_if_failed(self) -> None:
         failure = self._waiters.failure
