@@ -79,7 +79,11 @@ def restorer(topic: PayloadTopic) -> StagedPayloadRestorer:
 
 
 def restored(message: LogMessage, topic: PayloadTopic, limits: TopicLimits = LIMITS) -> StageEvent:
-    return restorer(topic).restore(message.key, message.value, headers_to_dict(message.headers), limits)
+    event, size = restorer(topic).restore(
+        message.key, message.value, headers_to_dict(message.headers), limits
+    )
+    assert size == len(encode_event_value(event)[1])
+    return event
 
 
 def test_a_reference_restores_the_exact_stage_its_pieces_carry() -> None:
@@ -212,6 +216,8 @@ def test_the_router_applies_a_reference_at_its_own_position_and_dead_letters_a_b
     [applied] = router.route(good)
     assert isinstance(applied, ApplyEvent) and (applied.partition, applied.offset) == (0, 9)
     assert isinstance(applied.event, StageEvent) and applied.event.stored_line == event.stored_line
+    # A reader's read-ahead holds the restored payload with the decision, so it counts the payload's bytes.
+    assert applied.size == len(encode_event_value(event)[1]) > len(good.value or b"")
     [refused] = router.route(broken)
     assert isinstance(refused, DeadLetter) and "no longer in the log" in refused.reason
 

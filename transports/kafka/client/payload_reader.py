@@ -39,12 +39,19 @@ DEFAULT_KEPT_BYTES = 64 * 1024 * 1024
 """Payload bytes read ahead and kept until asked for; more concurrent stagers interleave more pieces."""
 
 _POLL_S = 0.2
-_BATCH = 256
+_BATCH = 16
+"""Messages taken per consume: what one read may pass beyond its piece stays far below ``max_kept_bytes``, so
+the oldest kept pieces, which eviction drops first, are those no reference asked for (a sink died between its
+two sends) or asked for far out of order. A batch that alone fills the memory would evict the very pieces the
+next references ask for, and every read would move back and fetch them again."""
 _OUT_OF_RANGE = frozenset({KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET})
 
-READER_SETTINGS = {"fetch.wait.max.ms": 10, "enable.partition.eof": True}
-"""Fixed over the reader's settings: a short long-poll, so moving back does not wait for a fetch in flight, and
-the end of a partition reported, so a piece past the end the broker gives is found missing, not awaited."""
+READER_SETTINGS = {"fetch.wait.max.ms": 10, "enable.partition.eof": True, "fetch.queue.backoff.ms": 5}
+"""Fixed over the reader's settings: a short long-poll, so moving back does not wait for a fetch in flight; the
+end of a partition reported, so a piece past the end the broker gives is found missing, not awaited; and the
+next fetch sent 5 ms after the prefetch queue was full instead of librdkafka's 1 s. With 1 s, a reader that
+writes each payload durably between reads waited for pieces half the time (1.46 of 2.57 s over 1,000 pieces of
+256 KiB; 0.05 of 0.83 s with 5 ms); with 0 ms a fetcher thread spins while the queue is full."""
 
 
 class PayloadReader:
@@ -129,7 +136,11 @@ class PayloadReader:
                 self._watch.raise_if_failed()
                 # Every message of a batch is taken, the ones after the answer too: they are consumed.
                 answered, answer = False, None
-                for message in consumer.consume(_BATCH, min(remaining, _POLL_S)):
+                # consume(n, t) waits for n messages or t: wait for one, then take what is already fetched.
+                batch = consumer.consume(1, min(remaining, _POLL_S))
+                if batch:
+                    batch.extend(consumer.consume(_BATCH - 1, 0))
+                for message in batch:
                     if answered:
                         self._take_passed(message)
                     else:

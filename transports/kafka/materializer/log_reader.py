@@ -24,8 +24,8 @@ from transports.kafka.materializer.incarnation import IncarnationWatch
 from transports.kafka.materializer.partition_progress import PartitionProgress, out_of_sequence
 from transports.kafka.materializer.schedule import Read, Scheduler
 from transports.kafka.materializer.settings import MaterializerSettings
-from transports.kafka.wire.codec import LogMessage, type_header
-from transports.kafka.wire.router import Deferred, InboundRouter, Routed
+from transports.kafka.wire.codec import ENCODING_STAGED_REFERENCE, HEADER_ENCODING, LogMessage, type_header
+from transports.kafka.wire.router import ApplyEvent, Deferred, InboundRouter, Routed
 
 __all__ = ["LogReader", "logger"]
 
@@ -122,7 +122,7 @@ class LogReader:
             routed,
             [False] * len(routed),
             chunks_before,
-            log_message.size,
+            _held_bytes(log_message, routed),
             timestamp_ms=log_message.timestamp_ms,
             read_at=self.fetched_at,
         )
@@ -139,3 +139,10 @@ class LogReader:
             self.incarnation.check_now()
             self.incarnation.raise_if_changed()
             raise failure
+
+
+def _held_bytes(message: LogMessage, routed: list[Routed | Deferred]) -> int:
+    """What the read-ahead holds for a message: its bytes, or a staged reference's payload, restored with it."""
+    if (HEADER_ENCODING, ENCODING_STAGED_REFERENCE.encode()) not in message.headers:
+        return message.size
+    return max([message.size, *(decided.size for decided in routed if isinstance(decided, ApplyEvent))])

@@ -337,8 +337,10 @@ class InboundRouter:
                 )
                 _check_named_type(headers, event)
             elif is_staged_reference(headers):
-                event = self.payloads.restore(key, value, headers, self.limits)
+                event, payload_size = self.payloads.restore(key, value, headers, self.limits)
                 _check_named_type(headers, event)
+                # The payload is held with the decision: the reader's read-ahead counts its bytes.
+                size = max(size, payload_size)
             else:
                 event = decode_message(key, value, headers)
                 _check_named_type(headers, event)

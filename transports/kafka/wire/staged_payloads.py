@@ -258,8 +258,9 @@ class StagedPayloadRestorer:
 
     def restore(
         self, key: bytes | None, value: bytes | None, headers: Mapping[str, str], limits: TopicLimits
-    ) -> StageEvent:
-        """The stage a reference message names; ``EventDecodeError`` when it cannot be the stage it claims."""
+    ) -> tuple[StageEvent, int]:
+        """The stage a reference message names, and the size of its payload (what holding it costs a reader);
+        ``EventDecodeError`` when it cannot be the stage it claims."""
         reference = decode_reference(value)
         if limits.staged_payload_topic is None:
             raise EventDecodeError(
@@ -291,7 +292,7 @@ class StagedPayloadRestorer:
                 f"the staged payload at {reference.topic!r} partition {reference.partition} is not the stage of "
                 f"{reference.staging_key!r} its reference names"
             )
-        return event
+        return event, reference.size
 
     def _joined(self, reference: StagedReference, key: bytes) -> bytes:
         """The pieces' bytes joined, each checked to be the piece the reference names, then the whole checked."""
