@@ -4,7 +4,9 @@ Each process builds what the block names with Gym 0.7.0's own config path (``tok
 ``build_sink``, ``build_lineage_store``) and the staging sink from the block's own keys, with no setting of its
 own (``tests/gym/shared_block_worker.py``). Both serve rollouts at once, each reads the other's through its own
 ledger, both leave no private directory behind, and the trainer, built from the same block, delivers every
-rollout unmasked.
+rollout unmasked. The Kafka blocks name a topic made as ``tokcap topic create`` makes it, whose staged payloads
+lie on a topic of their own; the staging block runs once more on an older topic, where stages go inline. Read
+back from the broker by their headers, the stages lie as the topic was made for.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +26,11 @@ import yaml
 from gym_rollouts import tool_use_rollout
 from gym_wheel import GymModules, needs_gym_build_sink
 from shared_block_worker import built
+from staged_layout import keys_staged_apart, stage_messages_inline
 from staging_calls import conversation, cumulative_tokens
 
 from tokcap.staging import finalize_rollout
+from tokcap.staging.records import staging_key
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("shared_block_worker.py")
@@ -58,17 +63,40 @@ def test_the_section_documents_a_block_per_transport_and_placement() -> None:
     assert all("store_dir" not in repr(block) for block in blocks)
 
 
-@pytest.fixture(params=[1, 2, 3, 4], ids=["file", "kafka", "file-staging", "kafka-staging"])
-def config_file(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+@dataclass(frozen=True)
+class SharedBlock:
+    """A documented block written to a file, and how the Kafka topic it names was made (``None``: no topic)."""
+
+    path: Path
+    topic: str | None
+    payloads: str | None
+    """``"apart"``: made as ``tokcap topic create`` makes it; ``"inline"``: an older topic, stages inline."""
+
+
+BLOCKS = {
+    "file": (1, None),
+    "kafka": (2, "apart"),
+    "file-staging": (3, None),
+    "kafka-staging": (4, "apart"),
+    "kafka-staging-on-an-older-topic": (4, "inline"),
+}
+
+
+@pytest.fixture(params=list(BLOCKS.values()), ids=list(BLOCKS))
+def shared_block(request: pytest.FixtureRequest, tmp_path: Path) -> SharedBlock:
     """The documented block, pointed at this test's directory or broker topic."""
-    text = documented_blocks()[request.param - 1]
+    number, payloads = request.param
+    text = documented_blocks()[number - 1]
     text = text.replace("/var/lib/tokcap/run-1", str(tmp_path / "store"))
+    topic = None
     if "kafka-1:9092" in text:
-        text = text.replace("kafka-1:9092", request.getfixturevalue("kafka_bootstrap"))
-        text = text.replace("run_id: run-1", f"topic: {request.getfixturevalue('kafka_topic')}")
+        factory = request.getfixturevalue("kafka_topic_factory")
+        topic = factory.staged_apart() if payloads == "apart" else factory()
+        text = text.replace("kafka-1:9092", factory.bootstrap)
+        text = text.replace("run_id: run-1", f"topic: {topic}")
     path = tmp_path / "config.yaml"
     path.write_text(text)
-    return path
+    return SharedBlock(path, topic, payloads)
 
 
 def _serve_from_two_processes(config_file: Path, out: Path) -> dict[str, Any]:
@@ -90,6 +118,15 @@ def _serve_from_two_processes(config_file: Path, out: Path) -> dict[str, Any]:
     return {who: orjson.loads((out / f"{who}.json").read_bytes()) for who in processes}
 
 
+def _assert_stages_went(payloads: str | None, bootstrap: str, topic: str) -> None:
+    """Each process's three stages lie as the topic was made for: apart as references, or inline."""
+    staged = {staging_key(f"{who}-staged", f"call-{number}") for who in ("a", "b") for number in range(3)}
+    if payloads == "apart":
+        assert keys_staged_apart(bootstrap, topic) == staged
+    else:
+        assert stage_messages_inline(bootstrap, topic) >= len(staged)
+
+
 async def _closed(instance: Any) -> None:
     close = getattr(instance, "close", None)
     result = close() if callable(close) else None
@@ -99,8 +136,9 @@ async def _closed(instance: Any) -> None:
 
 @needs_gym_build_sink
 def test_one_documented_block_serves_two_processes_at_once_and_the_trainer_delivers_both(
-    gym: GymModules, config_file: Path, tmp_path: Path
+    gym: GymModules, shared_block: SharedBlock, tmp_path: Path
 ) -> None:
+    config_file = shared_block.path
     seen = _serve_from_two_processes(config_file, tmp_path / "out")
     private = Path(os.environ["TOKCAP_PRIVATE_DIR"])
     assert not private.exists() or list(private.iterdir()) == []
@@ -111,6 +149,8 @@ def test_one_documented_block_serves_two_processes_at_once_and_the_trainer_deliv
             who: {"resolved": ["call-0", "call-1"], "peer_calls": ["call-0", "call-1", "call-2"]}
             for who in ("a", "b")
         }
+        if shared_block.topic is not None:
+            _assert_stages_went(shared_block.payloads, kwargs["bootstrap_servers"], shared_block.topic)
         ledger = built(block["lineage_store"], kwargs)
         source = built(STAGING_SOURCES[block["lineage_store"]], kwargs)
         try:
