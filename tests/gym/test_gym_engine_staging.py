@@ -7,7 +7,8 @@ builds the ledger commits, Gym's manifest control route (its FastAPI router) ser
 and Gym's ``verify_and_linearize`` checks the rows fetched back through ``FileStagingSource``. The worker
 itself is simulated as a framework writes it: it fetches a continuation's prefix through the source,
 hands it to the adapter and Gym's capture, and "generates" fixed tokens. Over Kafka the same runs go through
-``KafkaStagingSink``, ``KafkaStagingSource`` and ``KafkaLineageResolver`` on a real broker.
+``KafkaStagingSink``, ``KafkaStagingSource`` and ``KafkaLineageResolver`` on a real broker, on a topic made as
+``tokcap topic create`` makes it, whose staged payloads lie on a topic of their own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import orjson
 import pytest
 from gym_wheel import GymModules, needs_gym_build_sink
+from staged_layout import keys_staged_apart
 from staging_calls import exact_log_prob
 
 from tokcap.gym_package import gym_module
@@ -70,7 +72,9 @@ def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Trans
         from transports.kafka.lineage import KafkaLineageResolver
         from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
 
-        bootstrap, topic = request.getfixturevalue("kafka_bootstrap"), request.getfixturevalue("kafka_topic")
+        factory = request.getfixturevalue("kafka_topic_factory")
+        # A topic made as `tokcap topic create` makes it: staged payloads go to a topic of their own.
+        bootstrap, topic = factory.bootstrap, factory.staged_apart()
         # The block every model server shares: no store_dir, each reader projects into a directory of its own.
         kwargs = {"bootstrap_servers": bootstrap, "topic": topic}
         chosen = _Transport(
@@ -287,6 +291,7 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
     assert worker.prefixes and all(prefix for prefix in worker.prefixes)
 
     source = transport.source()
+    staged_keys: set[str] = set()
     for rollout_id, tokens in [("main", expected), *others.items()]:
         manifest = _module("staging.records").RolloutManifest.model_validate(
             asyncio.run(ledger.manifest(rollout_id))
@@ -300,6 +305,7 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
             terminal_selection="heuristic",
         )
         snapshots = source.fetch([record.staging_key for record in manifest.records])
+        staged_keys.update(record.staging_key for record in manifest.records)
         row = staging.verify_and_linearize(receipt, snapshots)
         assert row.token_ids == tokens
         assert row.model_call_ids == ["call-0", "call-1", "call-2"]
@@ -312,6 +318,9 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
         assert ours.terminal_model_call_id == receipt.terminal_model_call_id
         last = manifest.records[-1].staging_key
         assert source.fetch_attachments(last) == {"pixels": _pixels(tokens[-2:])}
+    if transport.name == "kafka":
+        where = transport.lineage_store_kwargs
+        assert keys_staged_apart(where["bootstrap_servers"], where["topic"]) == staged_keys
 
 
 def test_gyms_manifest_control_route_serves_tokcaps_manifest_behind_its_bearer_token(
