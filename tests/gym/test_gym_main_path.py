@@ -1,6 +1,6 @@
 """Gym main's package path: with Gym 0.7.0's modules importable as ``nemo_gym.models.token_capture`` too (the
 same module objects, so Gym's type checks hold), tokcap takes Gym's classes from there and the staging
-conformance passes on both transports."""
+conformance passes on both transports (over Kafka on a topic made with its staged payloads apart)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from gym_wheel import GymModules
+from kafka_broker_fixture import TopicFactory
+from staged_layout import keys_staged_apart
 from test_gym_staging_conformance import ALL_CHECKS
 
 from tokcap.gym_package import GYM_PACKAGES, gym_module, gym_package
@@ -83,12 +85,13 @@ def test_the_file_transport_passes_every_staging_check_under_mains_path(
 
 
 def test_the_kafka_transport_passes_every_staging_check_under_mains_path(
-    gym_under_mains_path: None, kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    gym_under_mains_path: None, kafka_topic_factory: TopicFactory, tmp_path: Path
 ) -> None:
     from transports.kafka.lineage import KafkaLineageResolver
     from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
 
-    where = {"bootstrap_servers": kafka_bootstrap, "topic": kafka_topic}
+    topic = kafka_topic_factory.staged_apart()
+    where = {"bootstrap_servers": kafka_topic_factory.bootstrap, "topic": topic}
     passed = asyncio.run(
         run_staging_conformance(
             lambda: KafkaStagingSink(**where),
@@ -97,3 +100,4 @@ def test_the_kafka_transport_passes_every_staging_check_under_mains_path(
         )
     )
     assert passed == ALL_CHECKS
+    assert keys_staged_apart(kafka_topic_factory.bootstrap, topic)

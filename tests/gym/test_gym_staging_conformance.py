@@ -1,5 +1,8 @@
 """The staging conformance kit passes on both tokcap transports (the file store and Kafka), with tokcap's ledger
-and with Gym's ``FileLineageStore`` as the ledger, and fails on implementations that break the contract."""
+and with Gym's ``FileLineageStore`` as the ledger, and fails on implementations that break the contract.
+
+Over Kafka it runs on topics made as ``tokcap topic create`` makes them (staged payloads on a topic of their
+own) and once on an older topic (stages inline), and checks from the topics' headers where the stages went."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from typing import Any
 
 import pytest
 from gym_wheel import GymModules
+from kafka_broker_fixture import TopicFactory
+from staged_layout import keys_staged_apart, stage_messages_inline
 
 from tokcap.lineage import FileLineageResolver
 from tokcap.staging import FileStagingSink, FileStagingSource
@@ -55,34 +60,43 @@ def test_the_file_transport_passes_with_gyms_file_lineage_store_as_the_ledger(
     assert passed == ALL_CHECKS
 
 
+@pytest.mark.parametrize("payloads", ["apart", "inline"])
 def test_the_kafka_transport_passes_every_staging_check_with_gyms_classes(
-    gym: GymModules, kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    gym: GymModules, kafka_topic_factory: TopicFactory, tmp_path: Path, payloads: str
 ) -> None:
+    """On a topic made now (payloads apart) and on an older one (stages inline)."""
     from transports.kafka.lineage import KafkaLineageResolver
     from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
 
-    where = {"bootstrap_servers": kafka_bootstrap, "topic": kafka_topic}
+    topic = kafka_topic_factory.staged_apart() if payloads == "apart" else kafka_topic_factory()
+    where = {"bootstrap_servers": kafka_topic_factory.bootstrap, "topic": topic}
     passed = _run(
         lambda: KafkaStagingSink(**where),
         lambda: KafkaStagingSource(**where, store_dir=tmp_path),
         lambda: KafkaLineageResolver(**where, store_dir=tmp_path),
     )
     assert passed == ALL_CHECKS
+    if payloads == "apart":
+        assert keys_staged_apart(kafka_topic_factory.bootstrap, topic)
+    else:
+        assert stage_messages_inline(kafka_topic_factory.bootstrap, topic)
 
 
 def test_the_kafka_transport_passes_every_staging_check_with_no_store_dir_anywhere(
-    gym: GymModules, kafka_bootstrap: str, kafka_topic: str
+    gym: GymModules, kafka_topic_factory: TopicFactory
 ) -> None:
     from transports.kafka.lineage import KafkaLineageResolver
     from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
 
-    where = {"bootstrap_servers": kafka_bootstrap, "topic": kafka_topic}
+    topic = kafka_topic_factory.staged_apart()
+    where = {"bootstrap_servers": kafka_topic_factory.bootstrap, "topic": topic}
     passed = _run(
         lambda: KafkaStagingSink(**where),
         lambda: KafkaStagingSource(**where),
         lambda: KafkaLineageResolver(**where),
     )
     assert passed == ALL_CHECKS
+    assert keys_staged_apart(kafka_topic_factory.bootstrap, topic)
 
 
 class _Float32Source(FileStagingSource):
