@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 import pytest
 from gym_wheel import GymModules, needs_gym_build_sink
-from staged_layout import keys_staged_apart
+from staged_layout import keys_staged_apart, read_staged_layout
 from staging_calls import exact_log_prob
 
 from tokcap.gym_package import gym_module
@@ -73,8 +73,9 @@ def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Trans
         from transports.kafka.staging import KafkaStagingSink, KafkaStagingSource
 
         factory = request.getfixturevalue("kafka_topic_factory")
-        # A topic made as `tokcap topic create` makes it: staged payloads go to a topic of their own.
-        bootstrap, topic = factory.bootstrap, factory.staged_apart()
+        # A topic made as `tokcap topic create` makes it (staged payloads on a topic of their own), with
+        # partitions enough that the nine rollouts of the busiest test land on several.
+        bootstrap, topic = factory.bootstrap, factory.staged_apart(partitions=3)
         # The block every model server shares: no store_dir, each reader projects into a directory of its own.
         kwargs = {"bootstrap_servers": bootstrap, "topic": topic}
         chosen = _Transport(
@@ -321,6 +322,8 @@ def test_a_three_call_rollout_staged_beside_eight_threads_verifies_exactly_throu
     if transport.name == "kafka":
         where = transport.lineage_store_kwargs
         assert keys_staged_apart(where["bootstrap_servers"], where["topic"]) == staged_keys
+        layout = read_staged_layout(where["bootstrap_servers"], where["topic"])
+        assert len({reference.partition for reference in layout.references}) > 1
 
 
 def test_gyms_manifest_control_route_serves_tokcaps_manifest_behind_its_bearer_token(
