@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 __all__ = [
     "BLOCK_KINDS",
     "COMMAND_KINDS",
+    "COMMAND_READ_DELAY_SECONDS",
     "COMMAND_WAIT_SECONDS",
     "DEAD_LETTERS",
     "DEAD_LETTER_KINDS",
@@ -190,6 +191,15 @@ COMMAND_WAIT_SECONDS = Histogram(
     buckets=PAUSE_BUCKETS,
     registry=REGISTRY,
 )
+COMMAND_READ_DELAY_SECONDS = Histogram(
+    "tokcap_materializer_command_read_delay_seconds",
+    "Time from a source command's log timestamp (its producer's clock when sent) to the materializer fetching it: "
+    "how long it waited in the log, delivery included. With command_wait_seconds it splits a source's wait into "
+    "not yet read and read but not yet answered. Across hosts it includes their clocks' skew.",
+    ["type"],
+    buckets=PAUSE_BUCKETS,
+    registry=REGISTRY,
+)
 BLOCK_KINDS = ("commands", "sweep")
 """Which block a flush closed (the ``kind`` label): the commands carried out ahead, or the sweep in log order."""
 
@@ -221,6 +231,7 @@ for _kind in MASK_KINDS:
     ROLLOUTS_MASKED.labels(_kind)
 for _kind in COMMAND_KINDS:
     COMMAND_WAIT_SECONDS.labels(_kind)
+    COMMAND_READ_DELAY_SECONDS.labels(_kind)
 for _kind in BLOCK_KINDS:
     FLUSH_SECONDS.labels(_kind)
 for _kind in HTTP_DROP_KINDS:

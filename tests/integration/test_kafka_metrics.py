@@ -318,9 +318,11 @@ def test_each_answered_command_observes_its_wait_and_each_checkpoint_its_flush_t
     kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path
 ) -> None:
     wait, flush = "tokcap_materializer_command_wait_seconds", "tokcap_materializer_flush_seconds"
+    read_delay = "tokcap_materializer_command_read_delay_seconds"
     before = {kind: _count(wait, type=kind) for kind in ("freeze", "drop", "retire", "delete")} | {
         kind: _count(flush, kind=kind) for kind in ("commands", "sweep")
     }
+    delays_before = {kind: _count(read_delay, type=kind) for kind in ("freeze", "drop", "retire", "delete")}
 
     # A materializer answering a source in another process: its commands are answered by their checkpoint.
     external_topic = kafka_topic_factory("external")
@@ -353,6 +355,14 @@ def test_each_answered_command_observes_its_wait_and_each_checkpoint_its_flush_t
             _until(f"a {kind} wait observed", lambda kind=kind: _count(wait, type=kind) == before[kind] + 1)
     finally:
         materializer.stop()
+    # Each command's time in the log before the materializer read it: once per command, on the wall clock.
+    assert {kind: _count(read_delay, type=kind) - delays_before[kind] for kind in delays_before} == {
+        "freeze": 1,
+        "drop": 1,
+        "retire": 1,
+        "delete": 1,
+    }
+    assert (REGISTRY.get_sample_value(f"{read_delay}_sum", {"type": "freeze"}) or 0.0) < 30
     assert _count(flush, kind="commands") >= before["commands"] + 1
     assert _count(flush, kind="sweep") >= before["sweep"] + 1
     assert (REGISTRY.get_sample_value(f"{wait}_sum", {"type": "freeze"}) or 0.0) > 0

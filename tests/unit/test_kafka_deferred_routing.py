@@ -215,3 +215,18 @@ def test_tokens_decoded_ahead_are_counted_until_their_messages_are_asked_for(top
         router.settle(waiting)
         router.settle(waiting)  # asked for again: counted off once
     assert router.decoded_ahead_tokens == 0
+
+
+def test_routing_a_freeze_leaves_its_rollouts_deferred_capture_undecoded_until_the_freeze_is_carried_out(
+    topic: MemoryTopic,
+) -> None:
+    """A burst of freezes must not decode every rollout's puts before the first freeze is carried out."""
+    router = InboundRouter()
+    messages = topic.messages()[:24]
+    decided = [d for message in messages for d in router.route_deferring(log_message(message))]
+    r2 = [d for d in decided if isinstance(d, Deferred) and d.rollout_id == "r2"]
+    key, value, headers = one_message(FreezeEvent(rollout_id="r2"))
+    (freeze,) = router.route_deferring(LogMessage(0, len(messages), None, key, tuple(headers), value))
+    assert isinstance(freeze, ApplyEvent) and isinstance(freeze.event, FreezeEvent)
+    assert r2 and all(d.decided is None for d in r2)
+    assert all(isinstance(router.settle(d), ApplyEvent) for d in r2)

@@ -71,6 +71,7 @@ def test_every_family_is_named_and_labelled_in_prometheus_style_with_no_per_roll
         "tokcap_materializer_rollouts_masked",
         "tokcap_materializer_freeze_seconds",
         "tokcap_materializer_command_wait_seconds",
+        "tokcap_materializer_command_read_delay_seconds",
         "tokcap_materializer_flush_seconds",
         "tokcap_metrics_http_dropped",
         "tokcap_materializer_lag_messages",
@@ -97,6 +98,10 @@ def test_reason_kinds_are_exported_at_zero_before_anything_happens() -> None:
     for kind in COMMAND_KINDS:
         assert (
             REGISTRY.get_sample_value("tokcap_materializer_command_wait_seconds_count", {"type": kind})
+            is not None
+        )
+        assert (
+            REGISTRY.get_sample_value("tokcap_materializer_command_read_delay_seconds_count", {"type": kind})
             is not None
         )
     for kind in BLOCK_KINDS:

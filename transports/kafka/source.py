@@ -212,11 +212,16 @@ class KafkaTokenSource:
 
     async def _command(self, event: Event, what: str) -> ApplyResult:
         """Publish one command, wait until it is applied, and return the store's verdict on it."""
-        result, _ = await self._command_at(event, what)
+        result, _, _ = await self._command_at(event, what)
         return result
 
-    async def _command_at(self, event: Event, what: str) -> tuple[ApplyResult, LogPosition]:
-        """Publish one command, wait until it is applied; return the verdict and where it sits in the log."""
+    async def _command_at(
+        self, event: Event, what: str
+    ) -> tuple[ApplyResult, LogPosition, TokenCaptureSnapshot | None]:
+        """Publish one command, wait until it is applied; return the verdict and where it sits in the log.
+
+        A freeze's snapshot comes with it when the verdict had to be read from the files (``None`` otherwise).
+        """
         messages = encode_event_messages(event, next_chunk_group=_commands_are_never_chunked)
         (delivered,) = await self._bridge.send(self._topic, messages, what=what)
         delivered_at = time.monotonic()
@@ -235,13 +240,27 @@ class KafkaTokenSource:
             delivered_at=delivered_at,
         )
         position = LogPosition(self._topic, delivered.partition, delivered.offset)
+        result = self._answers.verdict_at(event, position, from_files=False)
+        if result is not None:
+            return result, position, None
+        # Not in memory: the files hold it (a state leaves the projection's memory only once written). One trip
+        # to a thread reads a freeze's snapshot too: in a busy process each trip waits for the interpreter lock.
+        from_files, snapshot = await asyncio.to_thread(self._answer_from_files, event, position)
+        return from_files, position, snapshot
+
+    def _answer_from_files(
+        self, event: Event, position: LogPosition
+    ) -> tuple[ApplyResult, TokenCaptureSnapshot | None]:
+        """The verdict of a command whose rollout's files hold its position, and a freeze's snapshot with it.
+
+        A retired rollout has no snapshot to read: its freeze is refused by the verdict alone.
+        """
         answers = self._answers
-        result = answers.verdict_at(event, position, from_files=False)
-        if result is None:
-            # Not in memory: the files hold it (a state leaves the projection's memory only once written).
-            result = await asyncio.to_thread(answers.verdict_at, event, position)
+        result = answers.verdict_at(event, position)
         assert result is not None, "an applied command has a verdict in the files"
-        return result, position
+        if not isinstance(event, FreezeEvent) or result.outcome is ApplyOutcome.REJECTED_RETIRED:
+            return result, None
+        return result, answers.snapshot_at(event.rollout_id, position)
 
     async def _wait_applied(
         self,
@@ -291,12 +310,14 @@ class KafkaTokenSource:
         """Freeze a rollout at a log position and return its snapshot; freezing again returns the same one."""
         rollout_id = validate_rollout_id(rollout_id)
         event = FreezeEvent(rollout_id=rollout_id, writer=self._writer_id)
-        result, position = await self._command_at(event, "freeze")
+        result, position, snapshot = await self._command_at(event, "freeze")
         if result.outcome is ApplyOutcome.REJECTED_RETIRED:
             raise RolloutRetiredError(
                 f"rollout {rollout_id!r} is retired; it cannot be frozen. Delete it before reusing its id",
                 rollout_id=rollout_id,
             )
+        if snapshot is not None:
+            return snapshot
         answers = self._answers
         answer = answers.snapshot_at(rollout_id, position, from_files=False)
         if answer is not None:

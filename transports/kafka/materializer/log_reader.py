@@ -21,6 +21,7 @@ from confluent_kafka import Consumer, KafkaError, Message
 from transports.kafka.client.clients import AuthenticationWatch, ClientContext, assign_reader
 from transports.kafka.client.error_map import read_failure
 from transports.kafka.materializer.incarnation import IncarnationWatch
+from transports.kafka.materializer.loop_metrics import observe_command_read_delay
 from transports.kafka.materializer.partition_progress import PartitionProgress, out_of_sequence
 from transports.kafka.materializer.schedule import Read, Scheduler
 from transports.kafka.materializer.settings import MaterializerSettings
@@ -50,6 +51,8 @@ class LogReader:
     skipped_types: frozenset[str]
     stop: threading.Event
     fetched_at: float = 0.0
+    fetched_at_wall: float = 0.0
+    """When the last read returned on the wall clock, which log timestamps are on."""
     """When the batch being routed was fetched (``time.monotonic``)."""
 
     def assign(self, consumer: Consumer) -> None:
@@ -84,6 +87,7 @@ class LogReader:
         if messages and room > 1:
             messages.extend(consumer.consume(room - 1, 0))
         self.fetched_at = time.monotonic()
+        self.fetched_at_wall = time.time()
         # Checked after the fetch: what was fetched before a change seen now is not routed.
         self.incarnation.raise_if_changed()
         return messages
@@ -127,6 +131,9 @@ class LogReader:
             read_at=self.fetched_at,
         )
         for index in self.schedule.add(partition, read):
+            command = routed[index]
+            assert isinstance(command, ApplyEvent), "a command is decided when it is routed"
+            observe_command_read_delay(command.event.type, read.timestamp_ms, self.fetched_at_wall)
             # No source is answered from a topic created again: prove the incarnation first (one
             # request per batch read, however many commands it holds).
             self.incarnation.confirm_since(self.fetched_at, self.stop)

@@ -16,6 +16,7 @@ from tokcap.log.state import RolloutState
 from tokcap.metrics import (
     BLOCK_KINDS,
     COMMAND_KINDS,
+    COMMAND_READ_DELAY_SECONDS,
     COMMAND_WAIT_SECONDS,
     DEAD_LETTERS,
     EVENTS_APPLIED,
@@ -29,6 +30,7 @@ __all__ = [
     "count_applied",
     "count_dead_letter",
     "dead_letter_kind",
+    "observe_command_read_delay",
     "observe_command_wait",
     "observe_flush",
     "observe_freeze",
@@ -38,6 +40,7 @@ _APPLIED = {event_type: EVENTS_APPLIED.labels(event_type.value) for event_type i
 """One bound child per event type: counting an event is one increment, no label lookup."""
 
 _COMMAND_WAITS = {kind: COMMAND_WAIT_SECONDS.labels(kind) for kind in COMMAND_KINDS}
+_COMMAND_READ_DELAYS = {kind: COMMAND_READ_DELAY_SECONDS.labels(kind) for kind in COMMAND_KINDS}
 _FLUSHES = {kind: FLUSH_SECONDS.labels(kind) for kind in BLOCK_KINDS}
 
 
@@ -97,6 +100,17 @@ def observe_freeze(read_at: float, now: float) -> None:
 def observe_command_wait(event_type: EventType, read_at: float, now: float) -> None:
     """Observe one source command answered ``now``, read at ``read_at`` (both ``time.monotonic``)."""
     _COMMAND_WAITS[event_type.value].observe(max(0.0, now - read_at))
+
+
+def observe_command_read_delay(
+    event_type: EventType, timestamp_ms: int | None, fetched_at_wall: float
+) -> None:
+    """Observe how long a source command waited in the log: from its log timestamp to its fetch (``time.time``).
+
+    A message without a timestamp is not observed. A producer clock ahead of this host's counts as no wait.
+    """
+    if timestamp_ms is not None:
+        _COMMAND_READ_DELAYS[event_type.value].observe(max(0.0, fetched_at_wall - timestamp_ms / 1000))
 
 
 def observe_flush(kind: str, seconds: float) -> None:

@@ -100,6 +100,12 @@ __all__ = [
 _DEFERRABLE_TYPES = frozenset({"intent", "cancel", "put", "incomplete"})
 """Type headers of the messages whose decoding may wait: a rollout's capture, never a command a source waits on."""
 
+_PARENT_FREE_TYPES = frozenset({"freeze", "drop"})
+"""Type headers of the commands whose decoding never meets the parent restorer (a delete or retire makes it forget
+the rollout's parents, so it must come after them). Routing a plain one leaves its rollout's deferred capture
+deferred: a burst of freezes is then not held up by decoding every rollout's puts before the first is carried out,
+and each rollout's puts are decoded when its own freeze is."""
+
 _Decided = TypeVar("_Decided", Routed, Routed | Deferred)
 """The decisions of one message, as routing or passing over it returns them."""
 
@@ -323,11 +329,12 @@ class InboundRouter:
         """Decode a whole message (``whole``) or a reassembled chunk group; a wire delta is restored.
 
         The key's deferred messages are decoded first (unless the caller is settling them, in order), so a
-        rollout's messages always meet the parent restorer in log order. A whole put is kept as a possible
+        rollout's messages always meet the parent restorer in log order; a plain freeze or drop, which never meets
+        it, leaves them deferred (``_PARENT_FREE_TYPES``). A whole put is kept as a possible
         parent. An event whose type is not the one its header names is refused: a reader that routes by the
         header must not be misled by it.
         """
-        if settle_first and key is not None and key in self._deferred:
+        if settle_first and key is not None and key in self._deferred and not _parent_free(headers):
             self._settle_key(key)
         try:
             if is_wire_delta(headers):
@@ -373,6 +380,15 @@ class InboundRouter:
                 decided.extend(self._chunks.abandon_frozen(message, item.event.rollout_id))
             decided.append(item)
         return decided
+
+
+def _parent_free(headers: Mapping[str, str]) -> bool:
+    """Whether decoding this message cannot meet the parent restorer: a plain freeze or drop, no delta or reference."""
+    return (
+        headers.get(HEADER_TYPE) in _PARENT_FREE_TYPES
+        and not is_wire_delta(headers)
+        and not is_staged_reference(headers)
+    )
 
 
 def _check_named_type(headers: Mapping[str, str], event: Event) -> None:
