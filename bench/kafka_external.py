@@ -7,6 +7,7 @@ checkpoint files (``external_materializer=True``). Only the load is measured; re
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,13 @@ from transports.kafka.materializer.checkpoint import applied_next_offset
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
 
-__all__ = ["ExternalMaterializerTrial", "MaterializerStartError", "run_with_materializer_process"]
+__all__ = [
+    "ExternalMaterializerTrial",
+    "MaterializerStartError",
+    "metrics_url",
+    "run_with_materializer_process",
+    "start_materializer_process",
+]
 
 _READY_TIMEOUT_S = 60.0
 
@@ -41,9 +48,17 @@ class ExternalMaterializerTrial:
     lag_at_end_of_puts: int
 
 
-def _start(bootstrap: str, topic: str, directory: Path, log: Path) -> subprocess.Popen[bytes]:
+def start_materializer_process(
+    bootstrap: str, topic: str, directory: Path, log: Path, *, metrics: bool = False
+) -> subprocess.Popen[bytes]:
+    """``python -m transports.kafka.materializer`` on the topic, returned once it logged that it is ready.
+
+    With ``metrics`` it serves ``/metrics`` on a free port (``metrics_url`` reads it from the log).
+    """
     command = [sys.executable, "-m", "transports.kafka.materializer", "--bootstrap", bootstrap]
     command += ["--topic", topic, "--dir", str(directory)]
+    if metrics:
+        command += ["--metrics-port", "0"]
     with log.open("wb") as handle:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=handle)
     deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -53,6 +68,16 @@ def _start(bootstrap: str, topic: str, directory: Path, log: Path) -> subprocess
             raise MaterializerStartError(f"materializer process did not start: {log.read_text()[-2000:]}")
         time.sleep(0.05)
     return process
+
+
+def metrics_url(log: Path) -> str:
+    """The ``/metrics`` address a materializer process started with ``metrics`` logged."""
+    found = re.search(rb"serving /metrics and /healthz on (http://[0-9.]+:[0-9]+)", log.read_bytes())
+    if found is None:
+        raise MaterializerStartError(
+            f"materializer process logged no metrics address: {log.read_text()[-2000:]}"
+        )
+    return found.group(1).decode() + "/metrics"
 
 
 def _lag(bootstrap: str, topic: str, directory: Path) -> int:
@@ -74,7 +99,7 @@ async def run_with_materializer_process(
     ensure_topic(bootstrap, topic)
     live = directory / "live"
     live.mkdir(parents=True, exist_ok=True)
-    process = _start(bootstrap, topic, live, directory / "materializer.log")
+    process = start_materializer_process(bootstrap, topic, live, directory / "materializer.log")
     try:
         sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
         source = KafkaTokenSource(

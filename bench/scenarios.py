@@ -150,11 +150,20 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "freeze_phases",
-        "the main load; Kafka only, every freeze's time split by the public metrics",
-        ("kafka",),
+        "the main load; Kafka only, every freeze's time split by the public metrics, the materializer in the "
+        "load's process or in its own",
+        ("kafka", "kafka_ext"),
         kafka=True,
         trial="freeze_phases",
-        shown=("freeze_p50_ms", "freeze_p99_ms", "answer_mean_ms", "answer_share", "freezes"),
+        settings=MappingProxyType({"kafka": {"external": False}, "kafka_ext": {"external": True}}),
+        shown=(
+            "freeze_p50_ms",
+            "freeze_p99_ms",
+            "call_mean_ms",
+            "read_delay_mean_ms",
+            "answer_mean_ms",
+            "source_own_mean_ms",
+        ),
     ),
     Scenario(
         "trainer_first",

@@ -215,56 +215,122 @@ def _bucket_p99_ms(buckets: list[tuple[float, float]], count: float) -> float:
     return float("nan")
 
 
-async def freeze_phases(directory: Path, bootstrap: str, rollouts: int = 64, **_: Any) -> dict[str, float]:
-    """The Kafka main load in one process, each freeze's time split by tokcap's public metrics.
+async def freeze_phases(
+    directory: Path, bootstrap: str, rollouts: int = 64, external: bool = False, **_: Any
+) -> dict[str, float]:
+    """The Kafka main load, each freeze's time split by tokcap's public metrics.
 
     The caller times every freeze (p50 and p99 of those started under load). Over all freezes of the trial,
-    ``tokcap_source_operation_seconds{kafka,freeze}`` holds the source's whole call and
-    ``tokcap_materializer_freeze_seconds`` the materializer's part: from reading the freeze off the log to
-    answering it. ``answer_share`` is the materializer's mean over the source's mean; the rest of a freeze is
-    the produce round trip (acks=all), the wait for the materializer to read that far, and the caller's wake.
+    ``tokcap_source_operation_seconds{kafka,freeze}`` holds the source's whole call,
+    ``tokcap_materializer_command_read_delay_seconds{freeze}`` the time from the freeze's log timestamp to the
+    materializer fetching it, and ``tokcap_materializer_command_wait_seconds{freeze}`` from that fetch to its
+    answer (durable, for a source in another process). What is left of a call (``source_own_mean_ms``) is the
+    source's own: the broker's acknowledgement reaching it, its wait on the checkpoint and its read of the
+    answer. With ``external`` the materializer runs in its own process and its figures are scraped from its
+    ``/metrics``; ``answer_share`` is the materializer's read-to-answer mean over the source's mean.
     """
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from bench.kafka_external import metrics_url, start_materializer_process
     from bench.kafka_trial import KafkaTarget, delete_topic
     from bench.load import drive
     from bench.stats import percentile
-    from tokcap.metrics import FREEZE_SECONDS, SOURCE_SECONDS
+    from tokcap.metrics import REGISTRY, SOURCE_SECONDS
     from transports.kafka.client.topics import ensure_topic
     from transports.kafka.sink import KafkaTokenSink
     from transports.kafka.source import KafkaTokenSource
 
+    read_delay, wait = (
+        "tokcap_materializer_command_read_delay_seconds",
+        "tokcap_materializer_command_wait_seconds",
+    )
+
+    def materializer_figures(text: str | None) -> tuple[tuple[float, float], tuple[float, float, list[Any]]]:
+        """The freeze's read delay (count, sum) and wait (count, sum, buckets), here or scraped."""
+        families = (
+            list(text_string_to_metric_families(text)) if text is not None else list(REGISTRY.collect())
+        )
+        found: dict[str, tuple[float, float, list[tuple[float, float]]]] = {}
+        for name in (read_delay, wait):
+            count = total = 0.0
+            buckets: list[tuple[float, float]] = []
+            for family in families:
+                for sample in family.samples:
+                    if not sample.name.startswith(name) or sample.labels.get("type") != "freeze":
+                        continue
+                    if sample.name.endswith("_count"):
+                        count = sample.value
+                    elif sample.name.endswith("_sum"):
+                        total = sample.value
+                    elif sample.name.endswith("_bucket"):
+                        buckets.append((float(sample.labels["le"]), sample.value))
+            found[name] = (count, total, buckets)
+        return (found[read_delay][0], found[read_delay][1]), found[wait]
+
     workload = _workload(rollouts, f"phases{os.getpid()}")
     topic = f"tokcap.bench-phases-{uuid.uuid4().hex[:12]}"
     ensure_topic(bootstrap, topic)
+    live = directory / "live"
+    live.mkdir(parents=True, exist_ok=True)
     source_before = _histogram(SOURCE_SECONDS, transport="kafka", operation="freeze")
-    answer_before = _histogram(FREEZE_SECONDS)
+    (delays_before, delay_s_before), (waits_before, wait_s_before, buckets_before) = materializer_figures(
+        None
+    )
+    process = None
+    scraped: str | None = None
     try:
+        if external:
+            log = directory / "materializer.log"
+            process = start_materializer_process(bootstrap, topic, live, log, metrics=True)
+            (delays_before, delay_s_before), (waits_before, wait_s_before, buckets_before) = (
+                (0.0, 0.0),
+                (
+                    0.0,
+                    0.0,
+                    [],
+                ),
+            )
         sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic)
-        source = KafkaTokenSource(bootstrap_servers=bootstrap, store_dir=directory / "live", topic=topic)
+        source = KafkaTokenSource(
+            bootstrap_servers=bootstrap, store_dir=live, topic=topic, external_materializer=external
+        )
         try:
             load = await drive(workload, KafkaTarget(sink, source))
         finally:
             await sink.close()
             await source.close()
+        if process is not None:
+            with urllib.request.urlopen(metrics_url(directory / "materializer.log"), timeout=10) as answer:
+                scraped = answer.read().decode()
     finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
         await asyncio.to_thread(delete_topic, bootstrap, topic)
     calls, call_s, _call_buckets = _histogram(SOURCE_SECONDS, transport="kafka", operation="freeze")
-    answers, answer_s, buckets = _histogram(FREEZE_SECONDS)
     calls, call_s = calls - source_before[0], call_s - source_before[1]
-    answers, answer_s = answers - answer_before[0], answer_s - answer_before[1]
-    counted_before = dict(answer_before[2])
-    answer_buckets = [(bound, cumulative - counted_before.get(bound, 0.0)) for bound, cumulative in buckets]
-    if not calls or not answers:
+    (delays, delay_s), (waits, wait_s, buckets) = materializer_figures(scraped)
+    delays, delay_s = delays - delays_before, delay_s - delay_s_before
+    waits, wait_s = waits - waits_before, wait_s - wait_s_before
+    counted_before = dict(buckets_before)
+    wait_buckets = [(bound, cumulative - counted_before.get(bound, 0.0)) for bound, cumulative in buckets]
+    if not calls or not waits or not delays:
         raise ValueError(
-            f"no freeze was timed ({calls:.0f} source calls, {answers:.0f} answers); is the load empty?"
+            f"no freeze was timed ({calls:.0f} source calls, {delays:.0f} reads, {waits:.0f} answers); "
+            "is the load empty?"
         )
-    call_mean, answer_mean = call_s / calls * 1000, answer_s / answers * 1000
+    call_mean, delay_mean, wait_mean = call_s / calls * 1000, delay_s / delays * 1000, wait_s / waits * 1000
     return {
         "freeze_p50_ms": percentile(load.freeze_under_load_ms, 0.50),
         "freeze_p99_ms": percentile(load.freeze_under_load_ms, 0.99),
         "call_mean_ms": call_mean,
-        "answer_mean_ms": answer_mean,
-        "answer_p99_bucket_ms": _bucket_p99_ms(answer_buckets, answers),
-        "answer_share": answer_mean / call_mean,
+        "read_delay_mean_ms": delay_mean,
+        "answer_mean_ms": wait_mean,
+        "answer_p99_bucket_ms": _bucket_p99_ms(wait_buckets, waits),
+        "source_own_mean_ms": call_mean - delay_mean - wait_mean,
+        "answer_share": wait_mean / call_mean,
         "freezes": calls,
     }
 

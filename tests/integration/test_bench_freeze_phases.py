@@ -28,3 +28,14 @@ def test_a_second_trial_in_the_same_process_counts_only_its_own_freezes(
     asyncio.run(freeze_phases(tmp_path / "first", kafka_bootstrap, rollouts=2))
     figures = asyncio.run(freeze_phases(tmp_path / "second", kafka_bootstrap, rollouts=3))
     assert figures["freezes"] == 6
+
+
+def test_with_the_materializer_in_its_own_process_its_scraped_parts_fit_inside_the_sources_call(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    figures = asyncio.run(freeze_phases(tmp_path, kafka_bootstrap, rollouts=3, external=True))
+    assert figures["freezes"] == 6
+    assert figures["read_delay_mean_ms"] > 0 and figures["answer_mean_ms"] > 0
+    # Log timestamps have millisecond resolution: the parts may overrun the call by that much, no more.
+    assert figures["source_own_mean_ms"] > -1
+    assert figures["freeze_p50_ms"] <= figures["freeze_p99_ms"]
