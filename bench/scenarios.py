@@ -150,8 +150,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "freeze_phases",
-        "the main load; Kafka only, every freeze's time split by the public metrics, the materializer in the "
-        "load's process or in its own",
+        "the main load; Kafka only, every freeze's time split by the public metrics (source call, read delay, "
+        "read → answered, the source's own rest), the materializer in the load's process or in its own "
+        "(scraped from its `/metrics`)",
         ("kafka", "kafka_ext"),
         kafka=True,
         trial="freeze_phases",
