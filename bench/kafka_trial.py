@@ -18,9 +18,10 @@ from confluent_kafka.admin import AdminClient
 from bench.apply_rate import ApplyRate, measure_apply_rate
 from bench.file_store_trial import directory_bytes
 from bench.load import LoadResult, PreparedWorkload, drive
+from bench.workers import WorkersMismatchError, directory_contents, measure_workers
 from tokcap.log.records import TokenEntry
 from tokcap.protocols import TokenCaptureSnapshot
-from transports.kafka.client.topics import ensure_topic
+from transports.kafka.client.topics import TopicSettings, ensure_topic
 from transports.kafka.materializer import Materializer, MaterializerCounters
 from transports.kafka.sink import KafkaTokenSink
 from transports.kafka.source import KafkaTokenSource
@@ -36,6 +37,10 @@ __all__ = [
 ]
 
 _CATCH_UP_TIMEOUT_S = 600.0
+
+TRIAL_PARTITIONS = 2
+"""Partitions of a trial's topic: enough for a replay to apply them in two worker processes side by side, as
+``tokcap materialize --workers 2`` does; the load's rollouts spread over them by key."""
 
 
 class ReplayTimeoutError(RuntimeError):
@@ -74,6 +79,8 @@ class KafkaTrial:
 
     load: LoadResult
     replay: ReplayFigures
+    parallel_replay: ReplayFigures
+    """The same replay with one worker process per partition, timed from the workers' start to the last caught up."""
     apply: ApplyRate
     lag_at_end_of_puts: int
     live_counters: MaterializerCounters | None = None
@@ -131,6 +138,34 @@ def _replay(
     return figures, high
 
 
+def _replay_in_workers(
+    bootstrap: str,
+    topic: str,
+    ends: dict[int, int],
+    directory: Path,
+    one_process: Path,
+    workload: PreparedWorkload,
+) -> ReplayFigures:
+    """Project the whole topic again with one worker process per partition; the directory must match byte for byte.
+
+    Each worker is timed from its partitions' assignment, so interpreter start-up is left out; a directory that
+    differs from the one-process replay's means the parallel rate is not of the same work, so it is refused.
+    """
+    figure = measure_workers(bootstrap, topic, ends, len(ends), directory)
+    if directory_contents(directory) != directory_contents(one_process):
+        raise WorkersMismatchError(
+            f"the replay of {topic} by {len(ends)} workers left {directory} different from the one-process "
+            f"replay's {one_process}; the parallel rate is not of the same work"
+        )
+    return ReplayFigures(
+        seconds=figure.seconds,
+        events=figure.events,
+        puts=workload.puts,
+        tokens=workload.tokens,
+        disk_bytes=directory_bytes(directory),
+    )
+
+
 def delete_topic(bootstrap: str, topic: str) -> None:
     """Delete a trial's topic so the broker's disk does not fill over a run."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
@@ -161,7 +196,7 @@ async def run_kafka_trial(
     ``sink_kwargs`` go to the sink (``wire_deltas``, say).
     """
     topic = f"tokcap.bench-{uuid.uuid4().hex[:12]}"
-    ensure_topic(bootstrap, topic)
+    ensure_topic(bootstrap, topic, TopicSettings(partitions=TRIAL_PARTITIONS))
     try:
         sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, **dict(sink_kwargs or {}))
         source = KafkaTokenSource(bootstrap_servers=bootstrap, store_dir=directory / "live", topic=topic)
@@ -180,9 +215,23 @@ async def run_kafka_trial(
             await sink.close()
             await source.close()
         replay, ends = await asyncio.to_thread(_replay, bootstrap, topic, directory / "replay", workload)
+        parallel_replay = await asyncio.to_thread(
+            _replay_in_workers,
+            bootstrap,
+            topic,
+            ends,
+            directory / "replay-workers",
+            directory / "replay",
+            workload,
+        )
         apply = await asyncio.to_thread(measure_apply_rate, bootstrap, topic, ends, directory / "apply")
     finally:
         await asyncio.to_thread(delete_topic, bootstrap, topic)
     return KafkaTrial(
-        load=load, replay=replay, apply=apply, lag_at_end_of_puts=lag[0], live_counters=counters
+        load=load,
+        replay=replay,
+        parallel_replay=parallel_replay,
+        apply=apply,
+        lag_at_end_of_puts=lag[0],
+        live_counters=counters,
     )

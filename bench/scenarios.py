@@ -49,7 +49,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "main",
         _MAIN_LOAD
-        + "; physical references (fsync, syncfs, rename, create, orjson encode + write) in each trial",
+        + "; physical references (fsync, syncfs, rename, create, orjson encode + write) in each trial; the "
+        "Kafka variant's topic has 2 partitions, replayed by one process and by one worker process per partition",
         ("reference", "call_costs", "gym", "file", "kafka", "kafka_ext", "kafka_split"),
         anchor="gym",
         default=True,

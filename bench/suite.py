@@ -144,6 +144,8 @@ def _main_variants(
             "replay_tokens_per_s": trial.replay.tokens_per_s,
             "replay_events": float(trial.replay.events),
             "replay_disk_bytes_per_token": trial.replay.disk_bytes / workload.tokens,
+            "replay_workers_seconds": trial.parallel_replay.seconds,
+            "replay_workers_puts_per_s": trial.parallel_replay.puts_per_s,
             "kafka_lag_at_end_of_puts": float(trial.lag_at_end_of_puts),
             **_counters("kafka_materializer", trial.live_counters),
             "apply_events_per_s": trial.apply.events_per_s,
@@ -224,6 +226,9 @@ def _ratios(figures: dict[str, Any]) -> dict[str, float]:
     if "kafka_puts_per_s" in figures:
         ratios["kafka_puts_vs_file_puts"] = figures["kafka_puts_per_s"] / figures["file_puts_per_s"]
         ratios["replay_vs_orjson"] = figures["replay_puts_per_s"] / figures["orjson_entries_per_s"]
+        ratios["replay_workers_vs_orjson"] = (
+            figures["replay_workers_puts_per_s"] / figures["orjson_entries_per_s"]
+        )
     return ratios
 
 

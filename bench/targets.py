@@ -78,6 +78,13 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "replay entries/s ÷ orjson encode + write", "main.figures.ratios.replay_vs_orjson", ">=", 0.5, "floor"
     ),
+    Target(
+        "  same, one worker process per partition",
+        "main.figures.ratios.replay_workers_vs_orjson",
+        ">=",
+        0.5,
+        "floor",
+    ),
     Target("file-store put/s ÷ Gym, main load", "main.figures.ratios.file_puts_vs_gym", ">=", 5, "gym"),
     Target("file-store put/s ÷ Gym, batch run", "batch.targets.file.puts_vs_gym", ">=", 5, "gym"),
     Target("Kafka put/s ÷ Gym, main load", "main.figures.ratios.kafka_puts_vs_gym", ">=", 4, "gym"),

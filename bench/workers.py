@@ -34,6 +34,7 @@ __all__ = [
     "WorkerFigure",
     "WorkersFigure",
     "WorkersMismatchError",
+    "directory_contents",
     "fill_topic",
     "measure_workers",
     "run_workers",
@@ -183,7 +184,8 @@ def _delete_topic(bootstrap: str, topic: str) -> None:
     admin.delete_topics([topic])[topic].result(60)
 
 
-def _contents(root: Path) -> dict[str, bytes]:
+def directory_contents(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` by its relative path: two projections of one topic must be equal."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
@@ -202,7 +204,7 @@ def run_workers(
     def variant(n: int) -> Variant:
         async def trial(directory: Path) -> dict[str, float]:
             figure = await asyncio.to_thread(measure_workers, bootstrap, topic, ends, n, directory)
-            contents = _contents(directory)
+            contents = directory_contents(directory)
             if not reference:
                 reference.append(contents)
             elif contents != reference[0]:
