@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -192,10 +192,19 @@ async def trainer_split(
 
 def _histogram(metric: Any, **labels: str) -> tuple[float, float, list[tuple[float, float]]]:
     """Count, sum and cumulative buckets (upper bound, count) of one tokcap histogram, read from its samples."""
+    return _histogram_in(metric.collect(), "", **labels)
+
+
+def _histogram_in(
+    families: Iterable[Any], name: str, **labels: str
+) -> tuple[float, float, list[tuple[float, float]]]:
+    """Count, sum and cumulative buckets of the histogram ``name`` among metric families ("" for any name)."""
     count = total = 0.0
     buckets: list[tuple[float, float]] = []
-    for family in metric.collect():
+    for family in families:
         for sample in family.samples:
+            if not sample.name.startswith(name):
+                continue
             if any(sample.labels.get(key) != value for key, value in labels.items()):
                 continue
             if sample.name.endswith("_count"):
@@ -252,22 +261,8 @@ async def freeze_phases(
         families = (
             list(text_string_to_metric_families(text)) if text is not None else list(REGISTRY.collect())
         )
-        found: dict[str, tuple[float, float, list[tuple[float, float]]]] = {}
-        for name in (read_delay, wait):
-            count = total = 0.0
-            buckets: list[tuple[float, float]] = []
-            for family in families:
-                for sample in family.samples:
-                    if not sample.name.startswith(name) or sample.labels.get("type") != "freeze":
-                        continue
-                    if sample.name.endswith("_count"):
-                        count = sample.value
-                    elif sample.name.endswith("_sum"):
-                        total = sample.value
-                    elif sample.name.endswith("_bucket"):
-                        buckets.append((float(sample.labels["le"]), sample.value))
-            found[name] = (count, total, buckets)
-        return (found[read_delay][0], found[read_delay][1]), found[wait]
+        delay_count, delay_total, _ = _histogram_in(families, read_delay, type="freeze")
+        return (delay_count, delay_total), _histogram_in(families, wait, type="freeze")
 
     workload = _workload(rollouts, f"phases{os.getpid()}")
     topic = f"tokcap.bench-phases-{uuid.uuid4().hex[:12]}"

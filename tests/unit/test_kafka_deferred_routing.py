@@ -19,7 +19,7 @@ from store_contract import make_entry
 from wire_delta_fixtures import conversation, memory_sink, store_files
 
 from tokcap.files.store import TokenCaptureStore
-from tokcap.log.events import DeleteEvent, FreezeEvent, IntentEvent, PutEvent
+from tokcap.log.events import DeleteEvent, Event, FreezeEvent, IntentEvent, PutEvent
 from tokcap.log.records import TokenEntry
 from transports.kafka.timeline import LogApplier
 from transports.kafka.wire.codec import HEADER_TYPE, LogMessage, encode_event_messages
@@ -147,17 +147,30 @@ def test_the_materializer_deferring_decodes_ends_with_the_files_the_timeline_bui
     assert store_files(tmp_path / "materialized") == store_files(tmp_path / "timeline")
 
 
+_CAPTURE_MESSAGES = 24
+
+
+def _route_capture_deferring(topic: MemoryTopic) -> tuple[InboundRouter, list[Deferred]]:
+    """A router that has deferred the topic's first capture messages, and rollout r2's deferred ones."""
+    router = InboundRouter()
+    messages = topic.messages()[:_CAPTURE_MESSAGES]
+    decided = [d for message in messages for d in router.route_deferring(log_message(message))]
+    return router, [d for d in decided if isinstance(d, Deferred) and d.rollout_id == "r2"]
+
+
+def _route_after_capture(router: InboundRouter, event: Event) -> list[Routed | Deferred]:
+    """Route one command as the message after the capture, as a producer would have written it."""
+    key, value, headers = one_message(event)
+    return router.route_deferring(LogMessage(0, _CAPTURE_MESSAGES, None, key, tuple(headers), value))
+
+
 def test_a_message_decoded_at_once_first_settles_its_rollouts_deferred_ones_in_order(
     topic: MemoryTopic,
 ) -> None:
     """A delete forgets its rollout's parents: decoded before the deferred deltas, they would lose them."""
-    router = InboundRouter()
-    messages = topic.messages()[:24]
-    decided = [d for message in messages for d in router.route_deferring(log_message(message))]
-    r2 = [d for d in decided if isinstance(d, Deferred) and d.rollout_id == "r2"]
+    router, r2 = _route_capture_deferring(topic)
     router.settle(r2[1])
-    key, value, headers = one_message(DeleteEvent(rollout_id="r2"))
-    (delete,) = router.route_deferring(LogMessage(0, len(topic.messages()), None, key, tuple(headers), value))
+    (delete,) = _route_after_capture(router, DeleteEvent(rollout_id="r2"))
     assert isinstance(delete, ApplyEvent) and isinstance(delete.event, DeleteEvent)
     assert all(d.decided is not None for d in r2)
     assert all(isinstance(d.decided, ApplyEvent) for d in r2)
@@ -221,12 +234,8 @@ def test_routing_a_freeze_leaves_its_rollouts_deferred_capture_undecoded_until_t
     topic: MemoryTopic,
 ) -> None:
     """A burst of freezes must not decode every rollout's puts before the first freeze is carried out."""
-    router = InboundRouter()
-    messages = topic.messages()[:24]
-    decided = [d for message in messages for d in router.route_deferring(log_message(message))]
-    r2 = [d for d in decided if isinstance(d, Deferred) and d.rollout_id == "r2"]
-    key, value, headers = one_message(FreezeEvent(rollout_id="r2"))
-    (freeze,) = router.route_deferring(LogMessage(0, len(messages), None, key, tuple(headers), value))
+    router, r2 = _route_capture_deferring(topic)
+    (freeze,) = _route_after_capture(router, FreezeEvent(rollout_id="r2"))
     assert isinstance(freeze, ApplyEvent) and isinstance(freeze.event, FreezeEvent)
     assert r2 and all(d.decided is None for d in r2)
     assert all(isinstance(router.settle(d), ApplyEvent) for d in r2)
