@@ -364,7 +364,9 @@ def test_each_answered_command_observes_its_wait_and_each_checkpoint_its_flush_t
         "delete": 1,
     }
     # Earlier tests in this process may have replayed commands stamped long ago: only this one's delay counts.
-    freeze_delay = (REGISTRY.get_sample_value(f"{read_delay}_sum", {"type": "freeze"}) or 0.0) - freeze_delay_sum_before
+    freeze_delay = (
+        REGISTRY.get_sample_value(f"{read_delay}_sum", {"type": "freeze"}) or 0.0
+    ) - freeze_delay_sum_before
     assert 0 <= freeze_delay < 30
     assert _count(flush, kind="commands") >= before["commands"] + 1
     assert _count(flush, kind="sweep") >= before["sweep"] + 1
