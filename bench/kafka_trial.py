@@ -79,6 +79,8 @@ class KafkaTrial:
 
     load: LoadResult
     replay: ReplayFigures
+    one_worker_replay: ReplayFigures
+    """The same replay by one worker process, timed as the parallel one: from its start, not its interpreter's."""
     parallel_replay: ReplayFigures
     """The same replay with one worker process per partition, timed from the workers' start to the last caught up."""
     apply: ApplyRate
@@ -142,20 +144,21 @@ def _replay_in_workers(
     bootstrap: str,
     topic: str,
     ends: dict[int, int],
+    workers: int,
     directory: Path,
     one_process: Path,
     workload: PreparedWorkload,
 ) -> ReplayFigures:
-    """Project the whole topic again with one worker process per partition; the directory must match byte for byte.
+    """Project the whole topic again with worker processes; the directory must match the replay's byte for byte.
 
     Each worker is timed from its partitions' assignment, so interpreter start-up is left out; a directory that
-    differs from the one-process replay's means the parallel rate is not of the same work, so it is refused.
+    differs from the one-process replay's means the workers' rate is not of the same work, so it is refused.
     """
-    figure = measure_workers(bootstrap, topic, ends, len(ends), directory)
+    figure = measure_workers(bootstrap, topic, ends, workers, directory)
     if directory_contents(directory) != directory_contents(one_process):
         raise WorkersMismatchError(
-            f"the replay of {topic} by {len(ends)} workers left {directory} different from the one-process "
-            f"replay's {one_process}; the parallel rate is not of the same work"
+            f"the replay of {topic} by {workers} workers left {directory} different from the one-process "
+            f"replay's {one_process}; the workers' rate is not of the same work"
         )
     return ReplayFigures(
         seconds=figure.seconds,
@@ -215,22 +218,27 @@ async def run_kafka_trial(
             await sink.close()
             await source.close()
         replay, ends = await asyncio.to_thread(_replay, bootstrap, topic, directory / "replay", workload)
-        parallel_replay = await asyncio.to_thread(
-            _replay_in_workers,
-            bootstrap,
-            topic,
-            ends,
-            directory / "replay-workers",
-            directory / "replay",
-            workload,
-        )
+        worker_replays = [
+            await asyncio.to_thread(
+                _replay_in_workers,
+                bootstrap,
+                topic,
+                ends,
+                workers,
+                directory / f"replay-{workers}-workers",
+                directory / "replay",
+                workload,
+            )
+            for workers in (1, len(ends))
+        ]
         apply = await asyncio.to_thread(measure_apply_rate, bootstrap, topic, ends, directory / "apply")
     finally:
         await asyncio.to_thread(delete_topic, bootstrap, topic)
     return KafkaTrial(
         load=load,
         replay=replay,
-        parallel_replay=parallel_replay,
+        one_worker_replay=worker_replays[0],
+        parallel_replay=worker_replays[1],
         apply=apply,
         lag_at_end_of_puts=lag[0],
         live_counters=counters,

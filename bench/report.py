@@ -134,7 +134,13 @@ def _tokcap_rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             g("replay_puts_per_s"),
             f"orjson encode+write {g('orjson_entries_per_s')}",
         ),
-        ("  one worker process per partition (entries/s)", "", g("replay_workers_puts_per_s"), ""),
+        ("  one worker process, timed from its start (entries/s)", "", g("replay_one_worker_puts_per_s"), ""),
+        (
+            "  one worker process per partition, the same way (entries/s)",
+            "",
+            g("replay_workers_puts_per_s"),
+            "",
+        ),
         (
             "live materializer backlog when the last put returned (events)",
             "",

@@ -50,7 +50,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         "main",
         _MAIN_LOAD
         + "; physical references (fsync, syncfs, rename, create, orjson encode + write) in each trial; the "
-        "Kafka variant's topic has 2 partitions, replayed by one process and by one worker process per partition",
+        "Kafka variant's topic has 2 partitions, replayed by one process, by one worker process and by one "
+        "per partition",
         ("reference", "call_costs", "gym", "file", "kafka", "kafka_ext", "kafka_split"),
         anchor="gym",
         default=True,

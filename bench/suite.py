@@ -144,6 +144,7 @@ def _main_variants(
             "replay_tokens_per_s": trial.replay.tokens_per_s,
             "replay_events": float(trial.replay.events),
             "replay_disk_bytes_per_token": trial.replay.disk_bytes / workload.tokens,
+            "replay_one_worker_puts_per_s": trial.one_worker_replay.puts_per_s,
             "replay_workers_seconds": trial.parallel_replay.seconds,
             "replay_workers_puts_per_s": trial.parallel_replay.puts_per_s,
             "kafka_lag_at_end_of_puts": float(trial.lag_at_end_of_puts),
