@@ -15,7 +15,9 @@ import pytest
 from store_contract import make_entry
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError
+from tokcap.files.layout import RolloutPaths
 from transports.kafka import KafkaTokenSink, KafkaTokenSource, Materializer
+from transports.kafka import source as source_module
 from transports.kafka.client.admin import watermarks
 from transports.kafka.errors import MaterializerFailedError
 
@@ -229,3 +231,52 @@ def test_a_following_source_reads_its_own_commands_verdict_though_later_events_o
         {"removed": ["r2"], "not_found": []},
         {"removed": [], "not_found": ["r"]},
     ]
+
+
+def test_a_small_rollouts_freeze_is_answered_on_the_event_loop_and_a_larger_ones_on_a_thread(
+    kafka_bootstrap: str, kafka_topic_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trip to a worker thread costs a busy process tens of milliseconds; reading a small answer about one."""
+    topic = kafka_topic_factory("inline-answers")
+    store_dir = tmp_path / "store"
+    trips: list[str] = []
+    thread_trip = asyncio.to_thread
+
+    async def counted_trip(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        trips.append(getattr(func, "__name__", repr(func)))
+        return await thread_trip(func, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted_trip)
+    materializer = Materializer(kafka_bootstrap, topic, store_dir)
+    materializer.start()
+
+    async def run() -> tuple[int, int, list[str], list[str]]:
+        sink = KafkaTokenSink(bootstrap_servers=kafka_bootstrap, topic=topic)
+        source = KafkaTokenSource(
+            bootstrap_servers=kafka_bootstrap,
+            topic=topic,
+            store_dir=store_dir,
+            external_materializer=True,
+            timeout_s=30,
+        )
+        try:
+            await sink.put(make_entry("small", "c1"))
+            for call in ("c1", "c2", "c3"):
+                await sink.put(make_entry("larger", call))
+            small = await source.freeze("small")
+            small_trips = list(trips)
+            entries = RolloutPaths.of(store_dir, "small").entries
+            monkeypatch.setattr(source_module, "_INLINE_ANSWER_BYTES", entries.stat().st_size)
+            larger = await source.freeze("larger")
+            return len(small.entries), len(larger.entries), small_trips, trips[len(small_trips) :]
+        finally:
+            await sink.close()
+            await source.close()
+
+    try:
+        small_entries, larger_entries, small_trips, larger_trips = asyncio.run(run())
+    finally:
+        materializer.stop()
+    assert (small_entries, larger_entries) == (1, 3)
+    assert "_answer_from_files" not in small_trips
+    assert "_answer_from_files" in larger_trips

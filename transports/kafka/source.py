@@ -22,6 +22,7 @@ every replay of the topic reaches the same answer and the same snapshot id.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tokcap.errors import ConfigError, DeliveryTimeoutError, RolloutRetiredError
+from tokcap.files.layout import RolloutPaths
 from tokcap.files.log_answers import FileAnswers, LogAnswers
 from tokcap.files.store import ApplyOutcome, ApplyResult, TokenCaptureStore
 from tokcap.log.events import DeleteEvent, DropEvent, Event, FreezeEvent, LogPosition, RetireEvent
@@ -55,6 +57,14 @@ DEFAULT_APPLY_TIMEOUT_S = 30.0
 _CHECKPOINT_POLL_S = 0.01
 
 _OWNER_CHECK_S = 1.0
+
+_INLINE_ANSWER_BYTES = 1 << 20
+"""Most bytes of a rollout's entries file whose freeze answer is read from the files on the event loop itself.
+
+A trip to a worker thread waits for a free thread of the default executor, then for the interpreter lock after
+each system call; in a process busy with other coroutines that costs tens of milliseconds, far more than reading
+a small rollout (the bench's main-load rollout, about 200 KB of entries, reads in about 1 ms). A larger rollout's
+answer is read on a thread, so the loop still serves its other coroutines at the interpreter's switches."""
 """How long a following source waits on the owner's checkpoint before checking that the owner still runs."""
 
 
@@ -243,10 +253,26 @@ class KafkaTokenSource:
         result = self._answers.verdict_at(event, position, from_files=False)
         if result is not None:
             return result, position, None
-        # Not in memory: the files hold it (a state leaves the projection's memory only once written). One trip
-        # to a thread reads a freeze's snapshot too: in a busy process each trip waits for the interpreter lock.
-        from_files, snapshot = await asyncio.to_thread(self._answer_from_files, event, position)
+        # Not in memory: the files hold it (a state leaves the projection's memory only once written). A small
+        # answer is read here; a large one in one trip to a thread, the freeze's snapshot with its verdict.
+        if self._answer_reads_little(event):
+            from_files, snapshot = self._answer_from_files(event, position)
+        else:
+            from_files, snapshot = await asyncio.to_thread(self._answer_from_files, event, position)
         return from_files, position, snapshot
+
+    def _answer_reads_little(self, event: Event) -> bool:
+        """Whether the answer's read is small enough for the event loop (``_INLINE_ANSWER_BYTES``).
+
+        Every answer reads the rollout's state file; only a freeze's reads its entries too.
+        """
+        if not isinstance(event, FreezeEvent):
+            return True
+        try:
+            size = os.stat(RolloutPaths.of(self._store.root, event.rollout_id).entries).st_size
+        except FileNotFoundError:
+            return True
+        return size <= _INLINE_ANSWER_BYTES
 
     def _answer_from_files(
         self, event: Event, position: LogPosition
