@@ -38,9 +38,9 @@ __all__ = [
 
 _CATCH_UP_TIMEOUT_S = 600.0
 
-TRIAL_PARTITIONS = 2
-"""Partitions of a trial's topic: enough for a replay to apply them in two worker processes side by side, as
-``tokcap materialize --workers 2`` does; the load's rollouts spread over them by key."""
+WORKER_REPLAY_PARTITIONS = 2
+"""Partitions of a trial's topic when it is replayed by workers too: enough for two worker processes side by
+side, as ``tokcap materialize --workers 2`` runs them; the load's rollouts spread over them by key."""
 
 
 class ReplayTimeoutError(RuntimeError):
@@ -79,14 +79,14 @@ class KafkaTrial:
 
     load: LoadResult
     replay: ReplayFigures
-    one_worker_replay: ReplayFigures
-    """The same replay by one worker process, timed as the parallel one: from its start, not its interpreter's."""
-    parallel_replay: ReplayFigures
-    """The same replay with one worker process per partition, timed from the workers' start to the last caught up."""
     apply: ApplyRate
     lag_at_end_of_puts: int
     live_counters: MaterializerCounters | None = None
     """What the live materializer did: how many freezes went ahead of other rollouts' backlog."""
+    one_worker_replay: ReplayFigures | None = None
+    """With ``replay_in_workers``: the replay by one worker process, timed from its start, not its interpreter's."""
+    parallel_replay: ReplayFigures | None = None
+    """With ``replay_in_workers``: one worker process per partition, from their start to the last caught up."""
 
 
 class KafkaTarget:
@@ -192,14 +192,22 @@ async def warm_up_broker(bootstrap: str) -> None:
 
 
 async def run_kafka_trial(
-    workload: PreparedWorkload, bootstrap: str, directory: Path, sink_kwargs: Mapping[str, Any] | None = None
+    workload: PreparedWorkload,
+    bootstrap: str,
+    directory: Path,
+    sink_kwargs: Mapping[str, Any] | None = None,
+    *,
+    replay_in_workers: bool = False,
 ) -> KafkaTrial:
     """Drive the load through a fresh topic with a live materializer, then replay the topic elsewhere.
 
-    ``sink_kwargs`` go to the sink (``wire_deltas``, say).
+    ``sink_kwargs`` go to the sink (``wire_deltas``, say). With ``replay_in_workers`` the topic has
+    ``WORKER_REPLAY_PARTITIONS`` partitions (one otherwise) and is replayed again by one worker process and by
+    one per partition.
     """
     topic = f"tokcap.bench-{uuid.uuid4().hex[:12]}"
-    ensure_topic(bootstrap, topic, TopicSettings(partitions=TRIAL_PARTITIONS))
+    partitions = WORKER_REPLAY_PARTITIONS if replay_in_workers else 1
+    ensure_topic(bootstrap, topic, TopicSettings(partitions=partitions))
     try:
         sink = KafkaTokenSink(bootstrap_servers=bootstrap, topic=topic, **dict(sink_kwargs or {}))
         source = KafkaTokenSource(bootstrap_servers=bootstrap, store_dir=directory / "live", topic=topic)
@@ -229,7 +237,7 @@ async def run_kafka_trial(
                 directory / "replay",
                 workload,
             )
-            for workers in (1, len(ends))
+            for workers in ((1, len(ends)) if replay_in_workers else ())
         ]
         apply = await asyncio.to_thread(measure_apply_rate, bootstrap, topic, ends, directory / "apply")
     finally:
@@ -237,9 +245,9 @@ async def run_kafka_trial(
     return KafkaTrial(
         load=load,
         replay=replay,
-        one_worker_replay=worker_replays[0],
-        parallel_replay=worker_replays[1],
         apply=apply,
         lag_at_end_of_puts=lag[0],
         live_counters=counters,
+        one_worker_replay=worker_replays[0] if worker_replays else None,
+        parallel_replay=worker_replays[1] if worker_replays else None,
     )

@@ -134,7 +134,8 @@ def _main_variants(
 
     async def kafka(directory: Path) -> dict[str, float]:
         assert bootstrap is not None
-        trial = await run_kafka_trial(workload, bootstrap, directory)
+        trial = await run_kafka_trial(workload, bootstrap, directory, replay_in_workers=True)
+        assert trial.one_worker_replay is not None and trial.parallel_replay is not None
         return {
             **_load("kafka", trial.load),
             "kafka_freezes_under_load": float(len(trial.load.freeze_under_load_ms)),
