@@ -11,6 +11,7 @@ they rebuild from Gym's own store.
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from gym_rollouts import Rollout, drive, tool_use_rollout, with_lost_call, without_snapshot_identity
 from gym_wheel import GymModules, needs_gym_build_sink
 
+from bench.kafka_external import start_materializer_process
 from transports.kafka import KafkaTokenSink, KafkaTokenSource
 
 pytestmark = pytest.mark.kafka
@@ -94,18 +96,23 @@ def test_gym_builds_the_same_trajectory_from_a_kafka_snapshot_as_from_its_own_st
     assert sorted(dumps[half:]) == sorted(dumps[:half]), "the Kafka snapshot carries Gym's entries unchanged"
 
 
+@pytest.mark.parametrize("materializer", ["in the trainer", "in its own process"])
 def test_gyms_delivery_over_kafka_masks_a_lost_call_and_retires_a_clean_rollout(
-    gym: GymModules, kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    gym: GymModules, kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, materializer: str
 ) -> None:
     clean = tool_use_rollout("kafka-tool-use-2")
     lost = with_lost_call(tool_use_rollout("kafka-tool-use-3"), "call-3")
     clean_result, lost_result = clean.result(), lost.result()
+    own_process = materializer == "in its own process"
 
     async def run() -> tuple[bool, bool]:
         await _capture(gym, clean, kafka_bootstrap, kafka_topic, tmp_path / "gym")
         await _capture(gym, lost, kafka_bootstrap, kafka_topic, tmp_path / "gym")
         source = KafkaTokenSource(
-            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, store_dir=tmp_path / "kafka"
+            bootstrap_servers=kafka_bootstrap,
+            topic=kafka_topic,
+            store_dir=tmp_path / "kafka",
+            external_materializer=own_process,
         )
         try:
             built = await gym.delivery.finalize_rollout_token_capture(clean_result, source)
@@ -117,7 +124,20 @@ def test_gyms_delivery_over_kafka_masks_a_lost_call_and_retires_a_clean_rollout(
         finally:
             await source.close()
 
-    retired, kept = asyncio.run(run())
+    # A materializer in its own process: the trainer's source follows it through the directory's files.
+    process = (
+        start_materializer_process(
+            kafka_bootstrap, kafka_topic, tmp_path / "kafka", tmp_path / "materializer.log"
+        )
+        if own_process
+        else None
+    )
+    try:
+        retired, kept = asyncio.run(run())
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0
     assert "mask_sample" not in clean_result
     assert clean_result["_ng_token_capture"]["n_calls"] == 4
     assert [
